@@ -1,0 +1,25 @@
+"""captum_transformers: class-specific Transformer explanations as Captum attributions.
+
+Example::
+
+    >>> from captum_transformers import GenericAttention
+    >>> maps = GenericAttention(model).attribute(pixel_values, target=labels)
+
+Importing this package imports torch and captum only; transformers, timm and
+torch_geometric are imported when a model of that family is explained.
+"""
+from .adapters import Adapter, HuggingFaceAdapter
+from .errors import CaptumTransformersError, CaptureError, InputError, UnsupportedModelError
+from .methods import (ATTENTION_METHODS, AttentionGradCAM, AttentionRollout, GenericAttention, RawAttention,
+                      TraceAttribution)
+from .registry import get_adapter, register_adapter, registered_adapters
+from .trace import AttentionRecord, AttentionTrace, Block, CaptureSpec, TokenLayout
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Adapter", "HuggingFaceAdapter", "CaptumTransformersError", "CaptureError", "InputError",
+    "UnsupportedModelError", "ATTENTION_METHODS", "AttentionGradCAM", "AttentionRollout", "GenericAttention",
+    "RawAttention", "TraceAttribution", "get_adapter", "register_adapter", "registered_adapters",
+    "AttentionRecord", "AttentionTrace", "Block", "CaptureSpec", "TokenLayout", "__version__",
+]

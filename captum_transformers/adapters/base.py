@@ -1,0 +1,177 @@
+"""The adapter contract, and the capture loop every adapter shares.
+
+An adapter knows one family of models: where attention is computed (:meth:`blocks`), how
+to observe it reversibly (:meth:`capture`, built only from :mod:`captum_transformers.patching`),
+how to read logits from the model's output, and how tokens map back to the input
+(:meth:`layout`). :meth:`trace` runs one forward and at most one backward per batch.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+from typing import Any, ContextManager, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..errors import CaptureError, InputError
+from ..targets import select_targets
+from ..trace import AttentionRecord, AttentionTrace, Block, CaptureSpec, TokenLayout
+from .recorder import Recorder
+
+
+def find_patch_size(model: nn.Module) -> Optional[Tuple[int, int]]:
+    """The patch size of the first patch-embedding convolution (kernel == stride)."""
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d) and tuple(module.kernel_size) == tuple(module.stride):
+            return tuple(module.kernel_size)
+    return None
+
+
+class Adapter(abc.ABC):
+    """Base class of model-family adapters. Subclasses implement :meth:`blocks` and
+    :meth:`capture`; the rest has defaults that fit most encoders and decoders."""
+
+    name: str = "adapter"
+    families: str = ""
+
+    @abc.abstractmethod
+    def blocks(self, model: nn.Module) -> List[Block]:
+        """The attention sites of ``model``, in module order."""
+
+    @abc.abstractmethod
+    def capture(self, model: nn.Module, recorder: Recorder) -> ContextManager[None]:
+        """A context in which every attention call of ``model`` reports to ``recorder``."""
+
+    # -- layout ---------------------------------------------------------------------
+    def num_prefix_tokens(self, model: nn.Module) -> Optional[int]:
+        """Tokens in front of an image's patch grid, if the model says; None to infer."""
+        return None
+
+    def patch_size(self, model: nn.Module) -> Optional[Tuple[int, int]]:
+        return find_patch_size(model)
+
+    def query_rows(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder,
+                   num_tokens: int, num_prefix: int, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Token positions (B, R) whose rows explain the output.
+
+        Default: the last real token for causal decoders, else the first token (CLS).
+        """
+        batch = recorder.sites[0].batch_size
+        device = inputs[0].device
+        if recorder.causal:
+            if token_mask is None:
+                last = torch.full((batch,), num_tokens - 1, device=device)
+            else:
+                positions = torch.arange(num_tokens, device=token_mask.device)
+                last = torch.where(token_mask, positions, -1).amax(dim=1)
+            return last.to(torch.long).unsqueeze(1)
+        return torch.zeros(batch, 1, dtype=torch.long, device=device)
+
+    def layout(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder) -> TokenLayout:
+        self_sites = [s for s in recorder.sites if s.block.kind == "self"] or recorder.sites
+        num_tokens = self_sites[0].num_keys
+        if any(s.num_keys != num_tokens or s.num_queries != num_tokens for s in self_sites):
+            shapes = sorted({(s.num_queries, s.num_keys) for s in self_sites})
+            raise CaptureError(
+                f"The self-attention blocks saw sequences of different lengths {shapes}; this method explains "
+                "one token sequence. For dual encoders (e.g. CLIP) explain one tower, e.g. model.vision_model."
+            )
+        token_mask = recorder.key_valid
+        if token_mask is not None:
+            token_mask = token_mask.to(torch.bool)
+        grid = None
+        num_prefix = 0
+        primary = inputs[0]
+        if primary.dim() == 4 and primary.is_floating_point():
+            patch = self.patch_size(model)
+            if patch is None:
+                raise CaptureError(
+                    f"Got an image batch of shape {tuple(primary.shape)} but found no patch-embedding "
+                    "convolution (kernel == stride) in the model; pass return_tokens=True for token scores."
+                )
+            height, width = primary.shape[-2:]
+            grid = (height // patch[0], width // patch[1])
+            num_prefix = num_tokens - grid[0] * grid[1]
+            expected = self.num_prefix_tokens(model)
+            if num_prefix < 0 or (expected is not None and num_prefix != expected):
+                raise CaptureError(
+                    f"The model attends over {num_tokens} tokens but an image of {height}x{width} with patch "
+                    f"size {patch} gives a {grid[0]}x{grid[1]} grid plus {expected} prefix tokens. Check that the "
+                    "input size matches the model (or that the model interpolates position embeddings)."
+                )
+        rows = self.query_rows(model, inputs, recorder, num_tokens, num_prefix, token_mask)
+        return TokenLayout(num_tokens, rows, token_mask, num_prefix, grid)
+
+    # -- output ---------------------------------------------------------------------
+    def logits(self, model: nn.Module, output: Any, layout: TokenLayout, causal: bool) -> torch.Tensor:
+        """The (B, ...) score tensor that targets index into."""
+        if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            output = output[0]
+        if not isinstance(output, torch.Tensor):
+            raise InputError(
+                f"The model returned {type(output).__name__}; expected a tensor of scores. Wrap the model in an "
+                "nn.Module whose forward returns the logits tensor."
+            )
+        if causal and output.dim() == 3:
+            # Next-token logits at the explained (last real) position.
+            position = layout.query_rows[:, -1]
+            output = output[torch.arange(output.shape[0], device=output.device), position.to(output.device)]
+        return output
+
+    # -- the capture loop -----------------------------------------------------------
+    def trace(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
+              target: Any, spec: CaptureSpec, forward_kwargs: Optional[dict] = None) -> AttentionTrace:
+        """One forward (and, if ``spec`` needs gradients, one backward) pass over a batch."""
+        if torch.is_inference_mode_enabled():
+            raise InputError(
+                "attribute() was called under torch.inference_mode(), where no gradient can ever be taken. "
+                "Call it under torch.no_grad() or with no context instead."
+            )
+        recorder = Recorder(spec)
+        grad_mode = torch.enable_grad() if spec.needs_gradient else torch.no_grad()
+        with grad_mode:
+            with self.capture(model, recorder):
+                output = model(*inputs, *additional_forward_args, **(forward_kwargs or {}))
+            if not recorder.sites:
+                raise CaptureError(
+                    f"The forward pass of {type(model).__name__} computed no attention that the {self.name} adapter "
+                    "could observe. The model may use an attention implementation this adapter does not "
+                    "intercept; register a custom adapter or pass adapter=."
+                )
+            layout = self.layout(model, inputs, recorder)
+            logits = self.logits(model, output, layout, recorder.causal)
+            scores, index = select_targets(logits, target)
+            if spec.needs_gradient:
+                self._backward(recorder, scores)
+        records = tuple(
+            AttentionRecord(s.block, s.call_index, s.forward_value, s.backward_value) for s in recorder.sites
+        )
+        return AttentionTrace(records, layout, logits.detach(), index)
+
+    def _backward(self, recorder: Recorder, scores: torch.Tensor) -> None:
+        sites = recorder.sites if recorder.spec.backward_blocks == "all" else recorder.sites[-1:]
+        for site in sites:
+            if not site.grad_tensor.requires_grad or not recorder.anchors:
+                raise CaptureError(
+                    f"The attention of block {site.block.name!r} does not require grad, so its gradient cannot be "
+                    "taken. Make the model's parameters or the inputs require grad, or use the adapter's capture."
+                )
+            recorder.hook(site)
+        if not scores.requires_grad:
+            raise CaptureError(
+                "The explained output does not depend on any observed attention (it does not require grad)."
+            )
+        torch.autograd.grad(scores.sum(), inputs=list(recorder.anchors.values()), allow_unused=True)
+        if not any(s.received_gradient for s in sites):
+            raise CaptureError(
+                "No gradient reached any observed attention map: the explained output does not depend on the "
+                "attention the adapter captured."
+            )
+        for site in sites:
+            if not site.received_gradient:
+                # Not connected to the output: its true gradient is zero.
+                site.backward_value = recorder.spec.backward_reduce(
+                    site.probs, torch.zeros_like(site.probs)
+                )
+                site.probs = None

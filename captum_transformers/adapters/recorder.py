@@ -1,0 +1,112 @@
+"""The recorder that adapters feed while a model runs inside a capture context.
+
+An adapter calls :meth:`Recorder.connect` on each attention block's input and
+:meth:`Recorder.record` with the block's attention probabilities. ``connect`` joins the
+tensor to a zero-valued *anchor* through an identity autograd Function, so that one
+``torch.autograd.grad(score, anchor)`` reaches every attention map (even in a model whose
+parameters are frozen) while per-map tensor hooks fuse the heads the moment each gradient
+arrives. Nothing else keeps a per-head gradient alive: memory stays O(L B N^2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from ..trace import Block, CaptureSpec
+
+
+class _AnchorTap(torch.autograd.Function):
+    """Identity in the forward pass; in the backward pass passes the gradient through and
+    gives the anchor a zero gradient, which makes autograd visit every tapped block."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:  # noqa: D401
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.new_zeros(())
+
+
+@dataclass
+class Site:
+    """One observed attention call (mutable while the backward pass runs)."""
+
+    block: Block
+    call_index: int
+    num_queries: int
+    num_keys: int
+    batch_size: int
+    forward_value: Optional[torch.Tensor] = None
+    probs: Optional[torch.Tensor] = None
+    grad_tensor: Optional[torch.Tensor] = None
+    grad_view: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    backward_value: Optional[torch.Tensor] = None
+    received_gradient: bool = False
+
+
+class Recorder:
+    """Collects :class:`Site` objects for one forward pass, as the spec asks."""
+
+    def __init__(self, spec: CaptureSpec):
+        self.spec = spec
+        self.sites: List[Site] = []
+        self.anchors: Dict[torch.device, torch.Tensor] = {}
+        self.key_valid: Optional[torch.Tensor] = None
+        self.causal: bool = False
+
+    def connect(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Tap a block's floating-point input so gradients reach this block's attention."""
+        if not self.spec.needs_gradient or not torch.is_grad_enabled() or not tensor.is_floating_point():
+            return tensor
+        anchor = self.anchors.get(tensor.device)
+        if anchor is None:
+            anchor = torch.zeros((), device=tensor.device, requires_grad=True)
+            self.anchors[tensor.device] = anchor
+        return _AnchorTap.apply(tensor, anchor)
+
+    def record(
+        self,
+        block: Block,
+        probs: torch.Tensor,
+        *,
+        grad_tensor: Optional[torch.Tensor] = None,
+        grad_view: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        key_valid: Optional[torch.Tensor] = None,
+        causal: bool = False,
+    ) -> None:
+        """Store one call's attention ``probs`` (B, H, Q, K).
+
+        ``grad_tensor`` is the tensor autograd actually differentiates when ``probs`` is a
+        view outside the graph (``nn.MultiheadAttention`` returns such a view);
+        ``grad_view`` reshapes its gradient to (B, H, Q, K). ``key_valid`` (B, K) marks
+        non-padding keys.
+        """
+        if probs.dim() != 4:
+            raise ValueError(f"attention probabilities must be (B, H, Q, K), got shape {tuple(probs.shape)}")
+        site = Site(block, len(self.sites), probs.shape[2], probs.shape[3], probs.shape[0])
+        if self.spec.forward_reduce is not None:
+            site.forward_value = self.spec.forward_reduce(probs.detach())
+        if self.spec.needs_gradient:
+            site.probs = probs.detach()
+            site.grad_tensor = probs if grad_tensor is None else grad_tensor
+            site.grad_view = grad_view
+        if key_valid is not None and self.key_valid is None:
+            self.key_valid = key_valid.expand(probs.shape[0], -1) if key_valid.shape[0] == 1 else key_valid
+        self.causal = self.causal or causal
+        self.sites.append(site)
+
+    def hook(self, site: Site) -> None:
+        """Fuse ``site``'s heads as soon as its gradient arrives, then drop the raw map."""
+        reduce = self.spec.backward_reduce
+
+        def on_gradient(grad: torch.Tensor) -> None:
+            if site.grad_view is not None:
+                grad = site.grad_view(grad)
+            site.backward_value = reduce(site.probs, grad)
+            site.received_gradient = True
+            site.probs = None
+
+        site.grad_tensor.register_hook(on_gradient)

@@ -1,0 +1,25 @@
+"""Exceptions raised by captum_transformers.
+
+Every message says what was received, what was expected, and how to fix it.
+"""
+
+
+class CaptumTransformersError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class UnsupportedModelError(CaptumTransformersError, TypeError):
+    """No adapter is registered for the model (or any of its submodules)."""
+
+
+class CaptureError(CaptumTransformersError, RuntimeError):
+    """The forward pass did not yield the attention the method needs.
+
+    Raised instead of returning zeros or uniform maps: for example when no attention
+    probabilities were observed, or when a gradient method found attention that is not
+    connected to the explained output.
+    """
+
+
+class InputError(CaptumTransformersError, ValueError):
+    """Inputs, targets or options that do not fit the model or the method."""

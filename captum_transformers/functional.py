@@ -1,0 +1,120 @@
+"""Pure tensor math shared by the attention methods. No modules, no hooks, no state.
+
+Shapes: ``probs`` and ``grad`` are attention probabilities and their gradients,
+``(B, H, Q, K)``; fused maps are ``(B, Q, K)``; relevance rows are ``(B, N)``.
+Reductions accumulate in at least float32 so half-precision models stay accurate.
+"""
+from __future__ import annotations
+
+from typing import Literal, Sequence, Union
+
+import torch
+
+HeadFusion = Literal["mean", "max", "min"]
+HEAD_FUSIONS = ("mean", "max", "min")
+
+
+def _accumulation_dtype(tensor: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(tensor.dtype, torch.float32)
+
+
+def fuse_heads(probs: torch.Tensor, how: HeadFusion = "mean") -> torch.Tensor:
+    """Combine the heads of ``probs`` (B, H, Q, K) into one map (B, Q, K)."""
+    probs = probs.to(_accumulation_dtype(probs))
+    if how == "mean":
+        return probs.mean(dim=1)
+    if how == "max":
+        return probs.amax(dim=1)
+    if how == "min":
+        return probs.amin(dim=1)
+    raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {how!r}.")
+
+
+def gradient_weighted_heads(probs: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Chefer et al. (ICCV 2021) Eq. 5: ``Abar = E_h[(grad(A) * A)^+]``."""
+    dtype = _accumulation_dtype(probs)
+    return (grad.to(dtype) * probs.to(dtype)).clamp(min=0).mean(dim=1)
+
+
+def gradcam_heads(probs: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Grad-CAM on attention heads (the baseline of Chefer et al., CVPR 2021).
+
+    Each head is weighted by its gradient averaged over all (query, key) pairs; the
+    weighted heads are averaged and negative values removed:
+    ``cam = (E_h[mean_qk(grad(A)) * A])^+``.
+    """
+    dtype = _accumulation_dtype(probs)
+    weights = grad.to(dtype).mean(dim=(-2, -1), keepdim=True)
+    return (weights * probs.to(dtype)).mean(dim=1).clamp(min=0)
+
+
+def discard_lowest(maps: torch.Tensor, ratio: Union[float, Sequence[float], torch.Tensor]) -> torch.Tensor:
+    """Zero the lowest ``ratio`` fraction of each example's off-diagonal attention.
+
+    ``ratio`` is a float or one value per example. Diagonal entries are never discarded
+    (they carry the residual stream once the identity is added). Ties are broken by
+    position, so exactly ``floor(ratio * (N*N - N))`` entries are zeroed per example.
+    """
+    batch, queries, keys = maps.shape
+    ratio_t = torch.as_tensor(ratio, dtype=torch.float64, device=maps.device).reshape(-1)
+    if ratio_t.numel() == 1:
+        ratio_t = ratio_t.expand(batch)
+    if ratio_t.numel() != batch:
+        raise ValueError(f"discard_ratio needs one value or {batch} values (one per example), got {ratio_t.numel()}.")
+    if bool(((ratio_t < 0) | (ratio_t >= 1)).any()):
+        raise ValueError(f"discard_ratio values must lie in [0, 1), got {ratio_t.tolist()}.")
+    if bool((ratio_t == 0).all()):
+        return maps
+    flat = maps.reshape(batch, -1)
+    diagonal = torch.zeros(queries, keys, dtype=torch.bool, device=maps.device)
+    if queries == keys:
+        diagonal.fill_diagonal_(True)
+    diagonal = diagonal.reshape(-1)
+    candidates = int((~diagonal).sum())
+    count = torch.floor(ratio_t * candidates).to(torch.long)
+    # Rank every entry per example; diagonal entries are pushed past all candidates.
+    scores = flat.masked_fill(diagonal, float("inf"))
+    order = scores.argsort(dim=-1, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(1, order, torch.arange(flat.shape[1], device=maps.device).expand_as(order))
+    drop = ranks < count.unsqueeze(1)
+    return flat.masked_fill(drop, 0).reshape(batch, queries, keys)
+
+
+def add_identity_and_normalize(maps: torch.Tensor) -> torch.Tensor:
+    """Abnar & Zuidema's residual correction: ``(I + A)`` with rows rescaled to sum to 1."""
+    eye = torch.eye(maps.shape[-1], dtype=maps.dtype, device=maps.device)
+    augmented = maps + eye
+    return augmented / augmented.sum(dim=-1, keepdim=True)
+
+
+def query_vectors(query_rows: torch.Tensor, num_tokens: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One row vector per example averaging the one-hot rows in ``query_rows`` (B, R)."""
+    batch = query_rows.shape[0]
+    vectors = torch.zeros(batch, num_tokens, dtype=dtype, device=query_rows.device)
+    weight = torch.full(query_rows.shape, 1.0 / query_rows.shape[1], dtype=dtype, device=query_rows.device)
+    return vectors.scatter_add_(1, query_rows, weight)
+
+
+def rollout_rows(maps: Sequence[torch.Tensor], start: torch.Tensor) -> torch.Tensor:
+    """Rows of the attention rollout ``Ahat_L ... Ahat_1`` selected by ``start`` (B, N).
+
+    ``maps`` are the per-layer residual-corrected maps in forward order. Multiplying the
+    row vector from the left costs O(L B N^2) instead of the O(L B N^3) matrix chain.
+    """
+    row = start.to(maps[-1].dtype)
+    for layer_map in reversed(list(maps)):
+        row = torch.bmm(row.unsqueeze(1), layer_map).squeeze(1)
+    return row
+
+
+def self_attention_relevance_rows(maps: Sequence[torch.Tensor], start: torch.Tensor) -> torch.Tensor:
+    """Rows of ICCV'21 Eq. 6 applied over all layers: ``R = (I + Abar_L) ... (I + Abar_1)``.
+
+    Eq. 6 updates ``R <- R + Abar R`` from ``R = I``; the selected rows of the result are
+    computed right to left as ``r <- r + r Abar_l`` for l = L..1.
+    """
+    row = start.to(maps[-1].dtype)
+    for layer_map in reversed(list(maps)):
+        row = row + torch.bmm(row.unsqueeze(1), layer_map).squeeze(1)
+    return row

@@ -1,0 +1,32 @@
+"""Grad-CAM on the last attention layer (the baseline of Chefer et al., CVPR 2021)."""
+from __future__ import annotations
+
+import torch
+
+from .. import functional
+from ..trace import AttentionTrace, CaptureSpec
+from .base import TraceAttribution
+
+
+class AttentionGradCAM(TraceAttribution):
+    r"""Gradient-weighted attention heads of the last layer.
+
+    .. math:: w_h = \mathrm{mean}_{q,k}\,\frac{\partial y_t}{\partial A^{(L)}_h}, \qquad
+              R = \big(\mathbb{E}_h[w_h A^{(L)}_h]\big)^+_{q,:}
+
+    Grad-CAM applied to the heads of the last attention map, as the baseline in Chefer et
+    al., "Transformer Interpretability Beyond Attention Visualization" (CVPR 2021).
+    Class-specific through the gradient of the target score ``y_t``.
+
+    Example::
+
+        >>> cam = AttentionGradCAM(vit).attribute(pixel_values, target=labels)
+    """
+
+    def capture_spec(self) -> CaptureSpec:
+        return CaptureSpec(backward_reduce=functional.gradcam_heads, backward_blocks="last")
+
+    def reduce(self, trace: AttentionTrace) -> torch.Tensor:
+        cam = trace.records[-1].backward_value
+        start = self.start_rows(trace, cam.dtype)
+        return torch.bmm(start.unsqueeze(1), cam).squeeze(1)

@@ -1,0 +1,42 @@
+"""Raw attention: the last layer's attention row of the explained token."""
+from __future__ import annotations
+
+import torch
+
+from .. import functional
+from ..trace import AttentionTrace, CaptureSpec
+from .base import TraceAttribution
+
+
+class RawAttention(TraceAttribution):
+    r"""Raw attention of the last attention layer, heads fused.
+
+    .. math:: R = \mathrm{fuse}_h(A^{(L)})_{q,:}
+
+    the row of the explained token ``q`` (CLS, or the last real token of a decoder) in the
+    last layer's head-fused attention map. Class-agnostic: ``target`` does not change it.
+    The baseline "raw attention" of Chefer et al. (CVPR 2021, ICCV 2021).
+
+    Example::
+
+        >>> attr = RawAttention(model).attribute(pixel_values)         # (B, 3, H, W)
+        >>> tokens = RawAttention(model).attribute(input_ids, return_tokens=True)  # (B, S)
+
+    Args:
+        model: a supported transformer (see the README's support matrix).
+        adapter: an adapter instance or registered name, to override the lookup.
+        head_fusion: ``"mean"`` (default), ``"max"`` or ``"min"`` over heads.
+    """
+
+    def __init__(self, model, adapter=None, head_fusion: functional.HeadFusion = "mean") -> None:
+        super().__init__(model, adapter)
+        functional.fuse_heads(torch.zeros(1, 1, 1, 1), head_fusion)  # validates the option now
+        self.head_fusion = head_fusion
+
+    def capture_spec(self) -> CaptureSpec:
+        return CaptureSpec(forward_reduce=lambda probs: functional.fuse_heads(probs, self.head_fusion))
+
+    def reduce(self, trace: AttentionTrace) -> torch.Tensor:
+        last = trace.records[-1].forward_value
+        start = self.start_rows(trace, last.dtype)
+        return torch.bmm(start.unsqueeze(1), last).squeeze(1)

@@ -1,0 +1,90 @@
+"""Which adapter knows which model: an MRO lookup over registered classes.
+
+Keys are classes or dotted strings (``"transformers.modeling_utils.PreTrainedModel"``),
+so registering an adapter never imports an optional dependency. A model whose own class
+is unknown is searched for a registered submodule, so user wrappers around a HF or timm
+model work unchanged.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, List, Optional, Union
+
+from torch import nn
+
+from .errors import UnsupportedModelError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .adapters.base import Adapter
+
+_BY_KEY: Dict[str, "Adapter"] = {}
+_BY_NAME: Dict[str, "Adapter"] = {}
+
+
+def _class_key(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_adapter(key: Union[type, str], adapter: "Adapter") -> None:
+    """Make ``adapter`` handle models whose class (or a base class) is ``key``.
+
+    Example::
+
+        register_adapter("mypkg.models.MyTransformer", MyAdapter())
+    """
+    _BY_KEY[key if isinstance(key, str) else _class_key(key)] = adapter
+    _BY_NAME[adapter.name] = adapter
+
+
+def registered_adapters() -> List["Adapter"]:
+    """Every registered adapter, once each, in registration order."""
+    return list(_BY_NAME.values())
+
+
+def _lookup_class(cls: type) -> Optional["Adapter"]:
+    for base in cls.__mro__:
+        adapter = _BY_KEY.get(_class_key(base))
+        if adapter is not None:
+            return adapter
+    return None
+
+
+def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -> "Adapter":
+    """The adapter for ``model``: ``adapter`` if given, else an MRO lookup.
+
+    ``adapter`` may be an adapter instance or the name of a registered one.
+    """
+    from .adapters import base  # registers the built-in adapters on first use
+
+    if isinstance(adapter, base.Adapter):
+        return adapter
+    if isinstance(adapter, str):
+        if adapter not in _BY_NAME:
+            raise UnsupportedModelError(
+                f"Unknown adapter name {adapter!r}; registered adapters are {sorted(_BY_NAME)}. "
+                "Pass one of these names or an Adapter instance."
+            )
+        return _BY_NAME[adapter]
+    if adapter is not None:
+        raise UnsupportedModelError(
+            f"adapter= must be an Adapter instance or a registered name, got {type(adapter).__name__}."
+        )
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(
+            f"Expected a torch.nn.Module, got {type(model).__name__}. Pass the model itself, not a function."
+        )
+    found = _lookup_class(type(model))
+    if found is None:
+        for sub in model.modules():
+            found = _lookup_class(type(sub))
+            if found is not None:
+                break
+    if found is None:
+        families = "; ".join(f"{a.name}: {a.families}" for a in registered_adapters())
+        raise UnsupportedModelError(
+            f"No adapter knows {type(model).__module__}.{type(model).__qualname__} or any of its submodules. "
+            f"Supported families are {families}. To add one, subclass captum_transformers.adapters.Adapter "
+            "(implement blocks() and capture()), then call "
+            "captum_transformers.register_adapter('your.module.ModelClass', YourAdapter()), "
+            "or pass adapter=YourAdapter() to the method."
+        )
+    return found
