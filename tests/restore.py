@@ -1,0 +1,37 @@
+"""Snapshot everything a capture could leave behind on a model, to prove exact restore."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+def snapshot(model: nn.Module) -> dict:
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    hooks = {
+        name: (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
+               len(getattr(m, "_forward_hooks_with_kwargs", {})))
+        for name, m in model.named_modules()
+    }
+    instance_attrs = {name: sorted(k for k in vars(m) if k in ("forward", "fused_attn")) for name, m in model.named_modules()}
+    flags = {name: getattr(m, "fused_attn", None) for name, m in model.named_modules()}
+    impls = {}
+    for name, m in model.named_modules():
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation_internal"):
+            impls[name] = config._attn_implementation_internal
+    grads = {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()}
+    return dict(state=state, hooks=hooks, instance_attrs=instance_attrs, flags=flags, impls=impls, grads=grads,
+                training=model.training, fastpath=torch.backends.mha.get_fastpath_enabled())
+
+
+def assert_same(before: dict, after: dict) -> None:
+    assert before["state"].keys() == after["state"].keys()
+    for key in before["state"]:
+        assert torch.equal(before["state"][key], after["state"][key]), key
+    for key in ("hooks", "instance_attrs", "flags", "impls", "training", "fastpath"):
+        assert before[key] == after[key], key
+    for key, grad in before["grads"].items():
+        other = after["grads"][key]
+        assert (grad is None and other is None) or torch.equal(grad, other), key

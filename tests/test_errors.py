@@ -1,0 +1,119 @@
+"""Bad input gets a clear error naming what was received and how to fix it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import captum_transformers as ct
+from captum_transformers import (ATTENTION_METHODS, CaptureError, GenericAttention, InputError,
+                                 UnsupportedModelError)
+from hf_models import CASES
+from restore import assert_same, snapshot
+
+
+def test_import_does_not_pull_optional_dependencies():
+    code = ("import sys, captum_transformers; "
+            "print([m for m in ('transformers', 'timm', 'torch_geometric') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+class Unknown(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("method", ATTENTION_METHODS, ids=lambda m: m.__name__)
+def test_unsupported_model_lists_families_and_recipe(method):
+    with pytest.raises(UnsupportedModelError) as info:
+        method(Unknown())
+    message = str(info.value)
+    assert "Unknown" in message and "huggingface" in message and "register_adapter" in message
+
+
+def test_unknown_adapter_name():
+    with pytest.raises(UnsupportedModelError, match="registered adapters"):
+        GenericAttention(Unknown(), adapter="nope")
+
+
+def test_forced_adapter_that_sees_no_attention_raises_capture_error():
+    with pytest.raises(CaptureError, match="no attention"):
+        GenericAttention(Unknown(), adapter="huggingface").attribute(torch.randn(2, 4), target=0)
+
+
+@pytest.fixture(scope="module")
+def bert():
+    return CASES["bert"].model(), CASES["bert"].inputs()
+
+
+@pytest.mark.parametrize("target, match", [
+    (3, "out of range"), (-4, "out of range"), ([0, 1], "3 examples"), ((0, 1), "index"),
+    (torch.tensor([0, 1, 2, 0]), "4 entries"), (torch.zeros(3, 1, 1, dtype=torch.long), "does not fit"), (torch.tensor([0.5]), "integers"), ("a", "not understood"),
+])
+def test_bad_targets(bert, target, match):
+    model, (inputs, kwargs) = bert
+    before = snapshot(model)
+    with pytest.raises(InputError, match=match):
+        GenericAttention(model).attribute(inputs, target=target, forward_kwargs=kwargs)
+    assert_same(before, snapshot(model))
+
+
+def test_mismatched_input_batch_sizes(bert):
+    model, (inputs, kwargs) = bert
+    with pytest.raises(InputError, match="same batch size"):
+        GenericAttention(model).attribute((inputs, inputs[:2]), target=0)
+
+
+def test_non_tensor_inputs(bert):
+    model, _ = bert
+    with pytest.raises(InputError, match="tensor"):
+        GenericAttention(model).attribute([[1, 2, 3]], target=0)
+
+
+def test_image_size_that_does_not_fit_the_patch_grid():
+    spec = CASES["vit"]
+    with pytest.raises(Exception) as info:
+        GenericAttention(spec.model()).attribute(torch.randn(1, 3, 40, 40), target=0)
+    assert "40" in str(info.value)
+
+
+def test_inference_mode_is_rejected(bert):
+    model, (inputs, kwargs) = bert
+    with torch.inference_mode(), pytest.raises(InputError, match="inference_mode"):
+        GenericAttention(model).attribute(inputs, target=0, forward_kwargs=kwargs)
+
+
+@pytest.mark.parametrize("method", [ct.AttentionRollout, GenericAttention], ids=lambda m: m.__name__)
+def test_start_layer_out_of_range(bert, method):
+    model, (inputs, kwargs) = bert
+    with pytest.raises(InputError, match="start_layer"):
+        method(model, start_layer=5).attribute(inputs, target=0, forward_kwargs=kwargs)
+
+
+def test_bad_head_fusion(bert):
+    with pytest.raises(ValueError, match="head_fusion"):
+        ct.AttentionRollout(bert[0], head_fusion="median")
+
+
+def test_target_on_scalar_output():
+    class Scalar(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids, attention_mask):
+            return self.inner(ids, attention_mask=attention_mask).logits[:, 0]
+
+    model, (inputs, kwargs) = CASES["bert"].model(), CASES["bert"].inputs()
+    wrapped = Scalar(model)
+    assert GenericAttention(wrapped).attribute(inputs, additional_forward_args=(kwargs["attention_mask"],)).shape == inputs.shape
+    with pytest.raises(InputError, match="one score per example"):
+        GenericAttention(wrapped).attribute(inputs, target=1, additional_forward_args=(kwargs["attention_mask"],))
