@@ -6,7 +6,7 @@ Reductions accumulate in at least float32 so half-precision models stay accurate
 """
 from __future__ import annotations
 
-from typing import Literal, Sequence, Union
+from typing import Literal, Optional, Sequence, Union
 
 import torch
 
@@ -30,21 +30,30 @@ def fuse_heads(probs: torch.Tensor, how: HeadFusion = "mean") -> torch.Tensor:
     raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {how!r}.")
 
 
-def gradient_weighted_heads(probs: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """Chefer et al. (ICCV 2021) Eq. 5: ``Abar = E_h[(grad(A) * A)^+]``."""
+def gradient_weighted_heads(probs: torch.Tensor, grad: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Chefer et al. (ICCV 2021) Eq. 5: ``Abar = E_h[(grad(A) * A)^+]``.
+
+    ``valid`` is accepted for a uniform signature; padded keys already have ``A = 0``.
+    """
     dtype = _accumulation_dtype(probs)
     return (grad.to(dtype) * probs.to(dtype)).clamp(min=0).mean(dim=1)
 
 
-def gradcam_heads(probs: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+def gradcam_heads(probs: torch.Tensor, grad: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Grad-CAM on attention heads (the baseline of Chefer et al., CVPR 2021).
 
     Each head is weighted by its gradient averaged over all (query, key) pairs; the
     weighted heads are averaged and negative values removed:
-    ``cam = (E_h[mean_qk(grad(A)) * A])^+``.
+    ``cam = (E_h[mean_qk(grad(A)) * A])^+``. With ``valid`` (B, 1, Q, K) the mean runs over
+    real (query, key) pairs only, so padding does not change an example's map.
     """
     dtype = _accumulation_dtype(probs)
-    weights = grad.to(dtype).mean(dim=(-2, -1), keepdim=True)
+    grad = grad.to(dtype)
+    if valid is None:
+        weights = grad.mean(dim=(-2, -1), keepdim=True)
+    else:
+        valid = valid.to(dtype)
+        weights = (grad * valid).sum(dim=(-2, -1), keepdim=True) / valid.sum(dim=(-2, -1), keepdim=True).clamp(min=1)
     return (weights * probs.to(dtype)).mean(dim=1).clamp(min=0)
 
 
@@ -88,12 +97,17 @@ def add_identity_and_normalize(maps: torch.Tensor) -> torch.Tensor:
     return augmented / augmented.sum(dim=-1, keepdim=True)
 
 
-def query_vectors(query_rows: torch.Tensor, num_tokens: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """One row vector per example averaging the one-hot rows in ``query_rows`` (B, R)."""
+def query_vectors(query_rows: torch.Tensor, num_tokens: int, dtype: torch.dtype = torch.float32,
+                  weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One row vector per example mixing the one-hot rows in ``query_rows`` (B, R).
+
+    The rows are averaged, or weighted by ``weights`` (B, R) when given.
+    """
     batch = query_rows.shape[0]
     vectors = torch.zeros(batch, num_tokens, dtype=dtype, device=query_rows.device)
-    weight = torch.full(query_rows.shape, 1.0 / query_rows.shape[1], dtype=dtype, device=query_rows.device)
-    return vectors.scatter_add_(1, query_rows, weight)
+    if weights is None:
+        weights = torch.full(query_rows.shape, 1.0 / query_rows.shape[1], dtype=dtype, device=query_rows.device)
+    return vectors.scatter_add_(1, query_rows, weights.to(dtype))
 
 
 def rollout_rows(maps: Sequence[torch.Tensor], start: torch.Tensor) -> torch.Tensor:

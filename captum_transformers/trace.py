@@ -32,13 +32,14 @@ class CaptureSpec:
 
     ``forward_reduce(probs)`` maps the ``(B, H, Q, K)`` attention probabilities to what is
     stored at forward time (for example the head mean), so raw per-head maps need not be
-    kept. ``backward_reduce(probs, grad)`` fuses the heads as soon as the gradient of the
-    explained score with respect to ``probs`` arrives. ``backward_blocks`` chooses which
+    kept. ``backward_reduce(probs, grad, valid)`` fuses the heads as soon as the gradient of
+    the explained score with respect to ``probs`` arrives; ``valid`` (B, 1, Q, K) is False
+    where the query or the key is padding (None when nothing is padded). ``backward_blocks`` chooses which
     calls get a backward reduction: every call or only the last one.
     """
 
     forward_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-    backward_reduce: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+    backward_reduce: Optional[Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None
     backward_blocks: Literal["all", "last"] = "all"
 
     @property
@@ -63,6 +64,8 @@ class TokenLayout:
     ``query_rows`` (B, R) holds, per example, the token positions whose relevance rows are
     averaged to explain the output (the CLS token; DeiT's CLS and distillation tokens; the
     last real token of a causal decoder; every patch token for mean-pooled models).
+    ``query_weights`` (B, R), when given, weighs those rows (each example's weights sum
+    to 1), e.g. a mean over a different number of real tokens per example.
     ``token_mask`` (B, N) is False at padding. ``num_prefix_tokens`` counts the non-patch
     tokens in front of an image's patch grid ``grid`` (rows, cols).
     """
@@ -72,6 +75,7 @@ class TokenLayout:
     token_mask: Optional[torch.Tensor] = None
     num_prefix_tokens: int = 0
     grid: Optional[Tuple[int, int]] = None
+    query_weights: Optional[torch.Tensor] = None
 
     @property
     def is_image(self) -> bool:

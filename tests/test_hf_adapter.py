@@ -180,3 +180,24 @@ def test_model_with_inline_attention_raises_capture_error():
     model = transformers.VisualBertModel(config).eval()
     with pytest.raises(CaptureError, match="computed no attention"):
         GenericAttention(model).attribute(torch.randint(0, 99, (1, 5)), target=0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_non_square_images_with_interpolated_positions(method):
+    model = CASES["vit"].model()
+    x = torch.randn(2, 3, 32, 48)
+    out = method(model).attribute(x, target=1, forward_kwargs={"interpolate_pos_encoding": True})
+    assert out.shape == x.shape
+    trace = GenericAttention(model).trace(x, target=1, forward_kwargs={"interpolate_pos_encoding": True})
+    assert trace.layout.grid == (4, 6) and trace.layout.num_tokens == 25
+
+
+@pytest.mark.parametrize("case", [n for n in CASE_NAMES if CASES[n].kind == "text" and n != "clip_text"])
+@pytest.mark.parametrize("method", METHODS)
+def test_padded_example_equals_the_unpadded_sequence(case, method):
+    spec = CASES[case]
+    model = spec.model()
+    inputs, kwargs = spec.inputs()
+    padded = method(model).attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)[1]
+    alone = method(model).attribute(inputs[1:2, :5], target=1, return_tokens=True)[0]
+    torch.testing.assert_close(padded[:5], alone, rtol=1e-4, atol=1e-6)

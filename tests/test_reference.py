@@ -55,9 +55,11 @@ def _reference(case, method, model, inputs, kwargs, target):
             relevance = (0.5 * a.mean(0) + 0.5 * eye) @ relevance
     elif method is RawAttention:
         relevance = attentions[-1].mean(0)
-    elif method is AttentionGradCAM:  # CVPR'21 baseline: heads weighted by mean gradient
+    elif method is AttentionGradCAM:  # CVPR'21 baseline: heads weighted by mean gradient over real tokens
         a, g = attentions[-1], grads[-1]
-        relevance = (sum(g[h].mean() * a[h] for h in range(heads)) / heads).clamp(min=0)
+        mask = kwargs.get("attention_mask")
+        real = torch.arange(tokens) if mask is None else mask[0].nonzero().squeeze(1)
+        relevance = (sum(g[h][real][:, real].mean() * a[h] for h in range(heads)) / heads).clamp(min=0)
     rows = _rows(case, inputs, kwargs)
     return sum(relevance[r] for r in rows) / len(rows)
 

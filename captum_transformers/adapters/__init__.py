@@ -15,3 +15,18 @@ from .huggingface import HuggingFaceAdapter  # noqa: E402
 register_adapter("transformers.modeling_utils.PreTrainedModel", HuggingFaceAdapter())
 
 __all__ += ["HuggingFaceAdapter"]
+
+from .timm import TimmAdapter  # noqa: E402
+
+_TIMM = TimmAdapter()
+register_adapter("timm.models.vision_transformer.VisionTransformer", _TIMM)
+register_adapter("timm.models.eva.Eva", _TIMM)
+
+__all__ += ["TimmAdapter"]
+
+from .torch_mha import TorchMHAAdapter  # noqa: E402
+
+# User models are found through their nn.MultiheadAttention submodules.
+register_adapter("torch.nn.modules.activation.MultiheadAttention", TorchMHAAdapter())
+
+__all__ += ["TorchMHAAdapter"]

@@ -53,7 +53,7 @@ class Adapter(abc.ABC):
 
     def query_rows(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder,
                    num_tokens: int, num_prefix: int, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """Token positions (B, R) whose rows explain the output.
+        """Token positions (B, R) whose rows explain the output, or ``(rows, weights)``.
 
         Default: the last real token for causal decoders, else the first token (CLS).
         """
@@ -101,7 +101,10 @@ class Adapter(abc.ABC):
                     "input size matches the model (or that the model interpolates position embeddings)."
                 )
         rows = self.query_rows(model, inputs, recorder, num_tokens, num_prefix, token_mask)
-        return TokenLayout(num_tokens, rows, token_mask, num_prefix, grid)
+        weights = None
+        if isinstance(rows, tuple):
+            rows, weights = rows
+        return TokenLayout(num_tokens, rows, token_mask, num_prefix, grid, weights)
 
     # -- output ---------------------------------------------------------------------
     def logits(self, model: nn.Module, output: Any, layout: TokenLayout, causal: bool) -> torch.Tensor:
@@ -172,6 +175,6 @@ class Adapter(abc.ABC):
             if not site.received_gradient:
                 # Not connected to the output: its true gradient is zero.
                 site.backward_value = recorder.spec.backward_reduce(
-                    site.probs, torch.zeros_like(site.probs)
+                    site.probs, torch.zeros_like(site.probs), recorder.valid_pairs(site)
                 )
                 site.probs = None

@@ -98,6 +98,14 @@ class Recorder:
         self.causal = self.causal or causal
         self.sites.append(site)
 
+    def valid_pairs(self, site: Site) -> Optional[torch.Tensor]:
+        """(B, 1, Q, K) True where both the query and the key are real tokens, if known."""
+        valid = self.key_valid
+        if valid is None or site.block.kind != "self" or valid.shape[-1] != site.num_keys:
+            return None
+        valid = valid.to(torch.bool)
+        return (valid[:, :, None] & valid[:, None, :]).unsqueeze(1)
+
     def hook(self, site: Site) -> None:
         """Fuse ``site``'s heads as soon as its gradient arrives, then drop the raw map."""
         reduce = self.spec.backward_reduce
@@ -105,7 +113,7 @@ class Recorder:
         def on_gradient(grad: torch.Tensor) -> None:
             if site.grad_view is not None:
                 grad = site.grad_view(grad)
-            site.backward_value = reduce(site.probs, grad)
+            site.backward_value = reduce(site.probs, grad, self.valid_pairs(site))
             site.received_gradient = True
             site.probs = None
 

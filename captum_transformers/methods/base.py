@@ -123,4 +123,5 @@ class TraceAttribution(Attribution):
     @staticmethod
     def start_rows(trace: AttentionTrace, dtype: torch.dtype) -> torch.Tensor:
         """Row vectors selecting the explained token(s) of each example."""
-        return functional.query_vectors(trace.layout.query_rows, trace.layout.num_tokens, dtype)
+        layout = trace.layout
+        return functional.query_vectors(layout.query_rows, layout.num_tokens, dtype, layout.query_weights)

@@ -1,0 +1,210 @@
+"""timm Vision Transformers (ViT, DeiT, DeiT-distilled, EVA / EVA-02), through attention hooks.
+
+timm's attention modules (``Attention``, ``AttentionRope``, ``EvaAttention`` and the
+fused ``ParallelScalingBlock``) all share one explicit code path: when the instance flag
+``fused_attn`` is False they compute ``softmax(q k^T * scale)`` and pass it through
+``self.attn_drop`` before multiplying by ``v``. Inside :meth:`TimmAdapter.capture` we
+
+* set ``fused_attn = False`` on each attention *instance* (``timm.layers.set_fused_attn``
+  only affects modules created afterwards, so the instance flag is what counts),
+* tap each attention module's input with :meth:`Recorder.connect` (a forward pre-hook),
+  so that gradients reach every attention map even when the parameters are frozen,
+* record the probabilities entering ``attn_drop`` (a forward pre-hook on it), i.e. the
+  attention before dropout, still inside the autograd graph.
+
+Every change goes through :mod:`captum_transformers.patching` on one
+:class:`contextlib.ExitStack`, so flags and hooks are restored however the forward ends.
+timm is imported lazily: importing :mod:`captum_transformers` never imports it.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .. import patching
+from ..errors import CaptureError
+from ..trace import Block
+from .base import Adapter
+from .recorder import Recorder
+
+# Pooling heads whose output is a mean/max over tokens: every pooled token explains it.
+_MEAN_POOLS = ("avg", "max", "avgmax")
+# Pooling heads that attend with a learned latent query: no token row stands for them.
+_ATTENTION_POOLS = ("map", "prr")
+
+
+def _is_attention(module: nn.Module) -> bool:
+    """timm attention with a switchable explicit path: ``fused_attn`` flag + ``attn_drop`` module."""
+    return hasattr(module, "fused_attn") and isinstance(getattr(module, "attn_drop", None), nn.Module)
+
+
+def _backbone(model: nn.Module) -> nn.Module:
+    """The timm ViT/EVA inside ``model`` (``model`` itself, or a module of a user wrapper).
+
+    Recognised by its structure (``blocks`` + ``patch_embed``), so subclasses and other
+    timm models built the same way work with ``adapter="timm"`` too.
+    """
+    for module in model.modules():
+        if isinstance(getattr(module, "blocks", None), nn.Module) and isinstance(
+                getattr(module, "patch_embed", None), nn.Module):
+            return module
+    raise CaptureError(
+        f"{type(model).__name__} contains no timm Vision Transformer (a module with `blocks` and `patch_embed`). "
+        "The timm adapter supports timm VisionTransformer, VisionTransformerDistilled and Eva models."
+    )
+
+
+class TimmAdapter(Adapter):
+    """Adapter for timm ``VisionTransformer`` (incl. register tokens and mean pooling),
+    ``VisionTransformerDistilled`` (DeiT with a distillation token) and ``Eva``
+    (EVA / EVA-02, with or without rotary embeddings).
+
+    The explained token rows follow the classifier head: the class token for
+    ``global_pool='token'``; the class *and* distillation tokens for distilled DeiT at
+    inference (its head averages both); every pooled patch token for ``'avg'``, ``'max'``
+    and ``'avgmax'``. Attention-pooling heads (``'map'``, ``'prr'``) read the tokens
+    through a learned latent query that is no token, and raise :class:`CaptureError`.
+    Non-square inputs work; the patch grid is read from the actual input size.
+
+    Example::
+
+        >>> import timm, torch
+        >>> from captum_transformers import GenericAttention
+        >>> vit = timm.create_model("vit_tiny_patch16_224", pretrained=False).eval()
+        >>> maps = GenericAttention(vit).attribute(torch.randn(2, 3, 224, 224), target=[1, 2])
+    """
+
+    name = "timm"
+    families = "timm VisionTransformer (ViT, DeiT, DeiT-distilled, registers, avg pool) and Eva (EVA, EVA-02)"
+
+    # -- sites ----------------------------------------------------------------------
+    def blocks(self, model: nn.Module) -> List[Block]:
+        backbone = _backbone(model)
+        names = {id(m): name for name, m in model.named_modules()}
+        blocks: List[Block] = []
+        for index, layer in enumerate(backbone.blocks.children()):
+            found = [m for m in layer.modules() if _is_attention(m)]
+            if len(found) != 1:
+                # Parallel attention branches (ParallelThingsBlock) are summed, not chained;
+                # the methods here would wrongly treat them as consecutive layers.
+                raise CaptureError(
+                    f"Block {index} ({type(layer).__name__}) of {type(backbone).__name__} has {len(found)} "
+                    "attention modules with a `fused_attn` flag; the timm adapter needs exactly one per block "
+                    "(parallel attention branches are not supported)."
+                )
+            module = found[0]
+            if hasattr(module, "lambda_init"):
+                # Differential attention subtracts two softmax maps: its mixing weights are no
+                # probabilities, and attn_drop sees twice the heads.
+                raise CaptureError(
+                    f"Block {index} ({type(module).__name__}) uses differential attention, whose mixing "
+                    "matrix is a difference of two softmax maps; attention methods do not apply to it."
+                )
+            blocks.append(Block(names[id(module)], module, "self"))
+        if not blocks:
+            raise CaptureError(
+                f"{type(backbone).__name__}.blocks holds no timm attention module (a module with `fused_attn` and "
+                "`attn_drop`), so its attention cannot be observed. Pass a custom adapter with adapter=."
+            )
+        return blocks
+
+    @contextlib.contextmanager
+    def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
+        backbone = _backbone(model)
+        self._check_pooling(backbone)
+        blocks = self.blocks(model)
+        # Number of records made by each attention call still running (keyed by module id).
+        open_calls: Dict[int, List[int]] = {}
+
+        def make_hooks(block: Block):
+            key = id(block.module)
+
+            def tap_input(module, args, kwargs):
+                # The anchor tap makes autograd visit this block's attention even in a frozen model.
+                open_calls.setdefault(key, []).append(len(recorder.sites))
+                if args:
+                    return (recorder.connect(args[0]), *args[1:]), kwargs
+                if "x" in kwargs:
+                    return args, {**kwargs, "x": recorder.connect(kwargs["x"])}
+                return None
+
+            def check_recorded(module, args, kwargs, output):
+                before = open_calls[key].pop()
+                if len(recorder.sites) == before:
+                    raise CaptureError(
+                        f"Attention module {block.name!r} ({type(module).__name__}) ran with fused_attn=False but "
+                        "never passed its probabilities through attn_drop, so they could not be observed. Its "
+                        "forward differs from timm's explicit attention path; pass a custom adapter with adapter=."
+                    )
+                return None
+
+            def record(dropout, args):
+                # The probabilities before dropout: the model's attention, inside the graph.
+                recorder.record(block, args[0])
+                return None
+
+            return tap_input, check_recorded, record
+
+        with contextlib.ExitStack() as stack:
+            if getattr(backbone, "grad_checkpointing", False):
+                # Checkpointed blocks re-run their forward in the backward pass, outside this
+                # context; run them plainly so the observed maps are the ones differentiated.
+                stack.enter_context(patching.attributes(backbone, grad_checkpointing=False))
+            for block in blocks:
+                tap_input, check_recorded, record = make_hooks(block)
+                stack.enter_context(patching.attributes(block.module, fused_attn=False))
+                stack.enter_context(patching.forward_hook(block.module, tap_input, pre=True, with_kwargs=True))
+                stack.enter_context(patching.forward_hook(block.module, check_recorded, with_kwargs=True))
+                stack.enter_context(patching.forward_hook(block.module.attn_drop, record, pre=True))
+            yield
+
+    @staticmethod
+    def _check_pooling(backbone: nn.Module) -> None:
+        pool = getattr(backbone, "global_pool", "token")
+        if pool in _ATTENTION_POOLS or getattr(backbone, "attn_pool", None) is not None:
+            raise CaptureError(
+                f"{type(backbone).__name__} pools its tokens with an attention-pooling head "
+                f"(global_pool={pool!r}): the classifier reads a learned latent query, not a token, so no token "
+                "row explains the output. Use a model with global_pool='token' or 'avg'."
+            )
+        if not pool and not hasattr(backbone, "dist_token"):
+            raise CaptureError(
+                f"{type(backbone).__name__} has global_pool='' and returns one output per token, not per image. "
+                "Wrap the model so that its forward returns (B, classes) scores."
+            )
+
+    # -- layout ---------------------------------------------------------------------
+    def num_prefix_tokens(self, model: nn.Module) -> Optional[int]:
+        return int(getattr(_backbone(model), "num_prefix_tokens", 1))
+
+    def patch_size(self, model: nn.Module) -> Optional[Tuple[int, int]]:
+        embed = _backbone(model).patch_embed
+        if hasattr(embed, "feat_ratio"):
+            # The total stride: hybrid (CNN-stem) embeddings reduce before their patch conv.
+            ratio = embed.feat_ratio(as_scalar=False)
+            return (int(ratio[0]), int(ratio[1]))
+        size = getattr(embed, "patch_size", None)
+        if size is not None:
+            return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+        return super().patch_size(model)
+
+    def query_rows(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder,
+                   num_tokens: int, num_prefix: int, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        backbone = _backbone(model)
+        batch = recorder.sites[0].batch_size
+        device = inputs[0].device
+        if hasattr(backbone, "dist_token"):
+            # DeiT-distilled averages its CLS and distillation heads, except when training
+            # with distillation, where the first returned output is the CLS head alone.
+            distilled_training = getattr(backbone, "distilled_training", False) and backbone.training
+            rows: Any = (0,) if distilled_training else (0, 1)
+        elif getattr(backbone, "global_pool", "token") in _MEAN_POOLS:
+            prefix = int(getattr(backbone, "num_prefix_tokens", num_prefix))
+            start = 0 if getattr(backbone, "pool_include_prefix", False) else prefix
+            rows = range(start, num_tokens)
+        else:
+            rows = (0,)
+        return torch.tensor(list(rows), dtype=torch.long, device=device).expand(batch, -1)

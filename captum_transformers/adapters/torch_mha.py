@@ -1,0 +1,255 @@
+"""Models built from ``torch.nn.MultiheadAttention`` (and the ``nn.Transformer*`` layers).
+
+Mechanism. Inside :meth:`TorchMHAAdapter.capture`:
+
+1. :func:`~captum_transformers.patching.mha_fastpath_disabled` turns off PyTorch's fused
+   paths. ``MultiheadAttention``, ``TransformerEncoderLayer`` and ``TransformerEncoder``
+   (its nested-tensor conversion included) each check
+   ``torch.backends.mha.get_fastpath_enabled()`` first, and with the flag off every call
+   goes through ``MultiheadAttention.forward`` and ``F.multi_head_attention_forward``.
+2. :func:`~captum_transformers.patching.instance_forward` wraps each attention instance's
+   ``forward``: the query is tapped through :meth:`Recorder.connect` (so gradients reach the
+   attention even when every parameter is frozen), the original forward runs with
+   ``need_weights=True, average_attn_weights=False``, and the per-head weights are
+   recorded. What the caller gets back is what it asked for: ``(output, None)`` for
+   ``need_weights=False``, the head mean for ``average_attn_weights=True``.
+
+The per-head weights PyTorch returns are a *view* of the softmax output (shape
+``(B*H, L, S)``); only that base tensor feeds the rest of the forward pass, so it is the
+one whose gradient is hooked, and its gradient is reshaped to ``(B, H, L, S)``.
+The output is the same attention computed without ``scaled_dot_product_attention``:
+equal up to floating-point rounding, not bit for bit.
+
+Example::
+
+    >>> encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, batch_first=True), 2)
+    >>> model = MyClassifier(embedding, encoder, head).eval()      # any nn.Module around it
+    >>> scores = GenericAttention(model).attribute(input_ids, target=label,
+    ...                                            additional_forward_args=(padding_mask,))
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from .. import patching
+from ..errors import CaptureError, InputError
+from ..trace import Block
+from .base import Adapter
+from .recorder import Recorder
+
+QueryRows = Union[None, int, str]
+
+# Parameters of MultiheadAttention.forward the wrapper reads or overrides, by name.
+_REQUIRED_PARAMETERS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
+                        "average_attn_weights", "is_causal")
+
+
+def _blocked(mask: torch.Tensor) -> torch.Tensor:
+    """Where a boolean (True = blocked) or additive float mask forbids attention."""
+    if mask.dtype == torch.bool:
+        return mask
+    # Same rule as the HF adapter: -inf or the dtype's lowest value (or near it) blocks.
+    return mask <= torch.finfo(mask.dtype).min / 2
+
+
+def _is_causal_mask(mask: Optional[torch.Tensor], num_queries: int, num_keys: int) -> bool:
+    """Whether a 2D attention mask blocks exactly the strict upper triangle."""
+    if mask is None or num_queries != num_keys or tuple(mask.shape) != (num_queries, num_keys):
+        return False
+    upper = torch.ones(num_queries, num_keys, dtype=torch.bool, device=mask.device).triu(1)
+    return bool(torch.equal(_blocked(mask), upper))
+
+
+def _causal_mask(num_queries: int, num_keys: int, like: Optional[torch.Tensor], dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+    """An explicit causal mask in the same kind (bool or float) as ``like``.
+
+    Matching the key-padding mask's kind keeps PyTorch from warning about mixed mask types.
+    """
+    upper = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).triu(1)
+    if like is None or like.dtype == torch.bool:
+        return upper
+    return torch.zeros(num_queries, num_keys, dtype=dtype, device=device).masked_fill(upper, float("-inf"))
+
+
+def _key_valid(key_padding_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """(B, S) True at real tokens, from MultiheadAttention's key_padding_mask (True = pad)."""
+    if key_padding_mask is None:
+        return None
+    valid = ~_blocked(key_padding_mask)
+    return valid.unsqueeze(0) if valid.dim() == 1 else valid
+
+
+def _decoder_cross_attention(model: nn.Module) -> set:
+    """ids of the cross-attention modules of nn.TransformerDecoderLayer's."""
+    return {id(m.multihead_attn) for m in model.modules() if isinstance(m, nn.TransformerDecoderLayer)}
+
+
+class TorchMHAAdapter(Adapter):
+    """Adapter for user models built from ``torch.nn.MultiheadAttention``.
+
+    Covers ``nn.MultiheadAttention`` used directly, ``nn.TransformerEncoderLayer`` and
+    ``nn.TransformerEncoder`` (fast path and nested tensors included: they are turned off
+    while capturing and restored afterwards), with ``batch_first`` True or False, key
+    padding masks (padding keys get zero attribution), attention masks and causal masks
+    (``is_causal=True`` or a mask that blocks the upper triangle).
+
+    Inputs are token ids (B, S) or embeddings (B, S, D); attributions come back in the
+    same shape. Call ``model.eval()`` first: in training mode the recorded weights are
+    those after attention dropout.
+
+    Args:
+        query_rows: which token(s) explain the output. ``None`` (default): the first token,
+            or the last real token when the attention is causal; ``"last"``: the last real
+            token; ``"mean"``: all real tokens, equally weighted (for mean-pooling classifiers); an int:
+            that position (negative counts from the end of the sequence).
+
+    Example::
+
+        >>> from captum_transformers import AttentionRollout
+        >>> from captum_transformers.adapters.torch_mha import TorchMHAAdapter
+        >>> rollout = AttentionRollout(model, adapter=TorchMHAAdapter(query_rows="mean"))
+        >>> scores = rollout.attribute(embeddings, return_tokens=True)   # (B, S)
+    """
+
+    name = "torch_mha"
+    families = "models built from torch.nn.MultiheadAttention / nn.TransformerEncoder(Layer)"
+
+    def __init__(self, query_rows: QueryRows = None) -> None:
+        valid = (query_rows is None or (isinstance(query_rows, str) and query_rows in ("mean", "last"))
+                 or (isinstance(query_rows, int) and not isinstance(query_rows, bool)))
+        if not valid:
+            raise InputError(
+                f"query_rows must be None, 'mean', 'last' or an int token position, got {query_rows!r}."
+            )
+        self._query_rows = query_rows
+
+    # -- sites ----------------------------------------------------------------------
+    def blocks(self, model: nn.Module) -> List[Block]:
+        cross = _decoder_cross_attention(model)
+        return [
+            Block(name, module, "cross" if id(module) in cross else "self")
+            for name, module in model.named_modules()
+            if isinstance(module, nn.MultiheadAttention)
+        ]
+
+    @contextlib.contextmanager
+    def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
+        blocks = self.blocks(model)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(patching.mha_fastpath_disabled())
+            for block in blocks:
+                stack.enter_context(patching.instance_forward(
+                    block.module, lambda original, block=block: _recording_forward(original, block, recorder)
+                ))
+            yield
+
+    # -- layout ---------------------------------------------------------------------
+    def query_rows(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder,
+                   num_tokens: int, num_prefix: int, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        choice = self._query_rows
+        if choice is None:
+            return super().query_rows(model, inputs, recorder, num_tokens, num_prefix, token_mask)
+        batch = recorder.sites[0].batch_size
+        device = inputs[0].device
+        mask = (torch.ones(batch, num_tokens, dtype=torch.bool, device=device) if token_mask is None
+                else token_mask.to(device=device, dtype=torch.bool))
+        if not bool(mask.any(dim=1).all()):
+            raise InputError("An example of the batch has no real token: its key_padding_mask masks every position.")
+        positions = torch.arange(num_tokens, device=device)
+        if choice == "last":
+            return torch.where(mask, positions, -1).amax(dim=1).unsqueeze(1)
+        if choice == "mean":
+            return self._mean_rows(mask, positions)
+        position = choice + num_tokens if choice < 0 else choice
+        if not 0 <= position < num_tokens:
+            raise InputError(
+                f"query_rows={choice} is outside the {num_tokens} tokens the model attends over; "
+                f"use a position in [{-num_tokens}, {num_tokens})."
+            )
+        return torch.full((batch, 1), position, dtype=torch.long, device=device)
+
+    @staticmethod
+    def _mean_rows(mask: torch.Tensor, positions: torch.Tensor):
+        """Every position, weighted 1/length at real tokens and 0 at padding."""
+        weights = mask.to(torch.float32)
+        weights = weights / weights.sum(dim=1, keepdim=True)
+        return positions.expand(mask.shape[0], -1), weights
+
+
+def _recording_forward(original: Callable, block: Block, recorder: Recorder) -> Callable:
+    """A ``forward`` for one MultiheadAttention instance that reports to ``recorder``."""
+    signature = inspect.signature(original)
+    missing = [p for p in _REQUIRED_PARAMETERS if p not in signature.parameters]
+    if missing:
+        raise CaptureError(
+            f"{block.name!r} ({type(block.module).__name__}) has a forward without the parameters {missing} of "
+            "nn.MultiheadAttention.forward, so the torch_mha adapter cannot request its weights. Register a "
+            "custom adapter for it."
+        )
+    module = block.module
+
+    def forward(*args: Any, **kwargs: Any):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments: Dict[str, Any] = bound.arguments
+        query, key, value = arguments["query"], arguments["key"], arguments["value"]
+        want_weights, want_average = arguments["need_weights"], arguments["average_attn_weights"]
+        batched = query.dim() == 3
+        seq_dim = 1 if (batched and module.batch_first) else 0
+        num_queries, num_keys = query.shape[seq_dim], key.shape[seq_dim]
+
+        # Tap the query; keep `key is query` / `value is key` so PyTorch takes the same
+        # packed self-attention projection it would have taken.
+        tapped = recorder.connect(query)
+        arguments["query"] = tapped
+        if key is query:
+            arguments["key"] = tapped
+            if value is query:
+                arguments["value"] = tapped
+
+        attn_mask, is_causal = arguments["attn_mask"], bool(arguments["is_causal"])
+        if is_causal and attn_mask is None:
+            # F.multi_head_attention_forward cannot return weights from the is_causal hint
+            # alone (PyTorch 2.x even refuses the hint without a mask when no weights are
+            # asked for); the hint means exactly this mask.
+            arguments["attn_mask"] = _causal_mask(num_queries, num_keys, arguments["key_padding_mask"],
+                                                  query.dtype, query.device)
+        arguments["need_weights"] = True
+        arguments["average_attn_weights"] = False
+        output, weights = original(*bound.args, **bound.kwargs)
+
+        kind = block.kind
+        if kind == "self" and key is not query and num_keys != num_queries:
+            kind = "cross"
+        site = block if kind == block.kind else Block(block.name, block.module, kind)
+        causal = kind == "self" and (is_causal or _is_causal_mask(attn_mask, num_queries, num_keys))
+        _record(recorder, site, weights, batched, num_keys, arguments["key_padding_mask"], causal)
+
+        if not want_weights:
+            return output, None
+        if want_average:
+            return output, weights.mean(dim=1 if batched else 0)
+        return output, weights
+
+    return forward
+
+
+def _record(recorder: Recorder, block: Block, weights: torch.Tensor, batched: bool, num_keys: int,
+            key_padding_mask: Optional[torch.Tensor], causal: bool) -> None:
+    probs = weights if batched else weights.unsqueeze(0)
+    shape = tuple(probs.shape)
+    # The returned weights are a view that nothing downstream uses; the softmax (or
+    # dropout) output it views is what the attention output was computed from.
+    base = weights._base
+    grad_tensor = base if base is not None and base.numel() == weights.numel() else weights
+    # bias_k / add_zero_attn append keys that are no input token: keep the real ones.
+    probs = probs[..., :num_keys]
+    recorder.record(block, probs, grad_tensor=grad_tensor,
+                    grad_view=lambda grad: grad.reshape(shape)[..., :num_keys],
+                    key_valid=_key_valid(key_padding_mask) if block.kind == "self" else None, causal=causal)
