@@ -1,0 +1,90 @@
+"""Every registered adapter x every attention method, from one small example per adapter.
+
+A new adapter must add its example here (the first test fails until it does), and then
+gets the whole contract checked for free: lookup, shapes, batch == single, and exact
+restore after an exception raised mid-forward.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from captum_transformers import ATTENTION_METHODS, get_adapter, registered_adapters
+from restore import assert_same, snapshot
+
+
+def _huggingface():
+    from hf_models import CASES
+
+    spec = CASES["bert"]
+    inputs, kwargs = spec.inputs()
+    return spec.model(), inputs, kwargs
+
+
+def _timm():
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
+    return model.eval(), torch.randn(3, 3, 32, 32), {}
+
+
+class _EncoderClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 16)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, ids, key_padding_mask=None):
+        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=key_padding_mask)[:, 0])
+
+
+def _torch_mha():
+    ids = torch.randint(0, 20, (3, 6))
+    padding = torch.zeros(3, 6, dtype=torch.bool)
+    padding[1, 4:] = True
+    return _EncoderClassifier().eval(), ids, {"key_padding_mask": padding}
+
+
+EXAMPLES = {"huggingface": _huggingface, "timm": _timm, "torch_mha": _torch_mha}
+ADAPTERS = sorted(a.name for a in registered_adapters())
+METHODS = [pytest.param(m, id=m.__name__) for m in ATTENTION_METHODS]
+
+
+def test_every_registered_adapter_has_an_example():
+    assert set(ADAPTERS) <= set(EXAMPLES), f"add an example for {set(ADAPTERS) - set(EXAMPLES)}"
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+@pytest.mark.parametrize("method", METHODS)
+def test_adapter_contract(name, method):
+    model, inputs, kwargs = EXAMPLES[name]()
+    assert get_adapter(model).name == name
+    explainer = method(model)
+    targets = [0, 1, 2]
+    maps = explainer.attribute(inputs, target=targets, forward_kwargs=kwargs)
+    assert maps.shape == inputs.shape and torch.isfinite(maps).all()
+    tokens = explainer.attribute(inputs, target=targets, forward_kwargs=kwargs, return_tokens=True)
+    for i in range(inputs.shape[0]):
+        single = explainer.attribute(inputs[i:i + 1], target=targets[i], return_tokens=True,
+                                     forward_kwargs={k: v[i:i + 1] for k, v in kwargs.items()})
+        torch.testing.assert_close(tokens[i:i + 1], single, rtol=1e-4, atol=1e-6)
+
+    with torch.no_grad():
+        before_output = model(inputs, **kwargs)
+    before = snapshot(model)
+    last_block = get_adapter(model).blocks(model)[-1].module
+
+    def explode(*_):
+        raise KeyboardInterrupt  # not an Exception: restore must not depend on `except Exception`
+
+    handle = last_block.register_forward_hook(explode)
+    with pytest.raises(KeyboardInterrupt):
+        explainer.attribute(inputs, target=targets, forward_kwargs=kwargs)
+    handle.remove()
+    assert_same(before, snapshot(model))
+    with torch.no_grad():
+        after_output = model(inputs, **kwargs)
+    first = (lambda out: out if isinstance(out, torch.Tensor) else out[0])
+    assert torch.equal(first(before_output), first(after_output))
