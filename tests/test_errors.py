@@ -117,3 +117,9 @@ def test_target_on_scalar_output():
     assert GenericAttention(wrapped).attribute(inputs, additional_forward_args=(kwargs["attention_mask"],)).shape == inputs.shape
     with pytest.raises(InputError, match="one score per example"):
         GenericAttention(wrapped).attribute(inputs, target=1, additional_forward_args=(kwargs["attention_mask"],))
+
+
+def test_forward_kwargs_with_the_wrong_batch_say_how_to_fix(bert):
+    model, (inputs, kwargs) = bert
+    with pytest.raises(InputError, match="additional_forward_args"):
+        GenericAttention(model).attribute(inputs[:2], target=0, forward_kwargs=kwargs)

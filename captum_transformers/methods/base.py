@@ -41,6 +41,18 @@ def _format_inputs(inputs: Any) -> Tuple[Tuple[torch.Tensor, ...], bool]:
     return formatted, is_tuple
 
 
+def _check_forward_kwargs(forward_kwargs: Optional[dict], batch: int) -> None:
+    """Tensors passed by name must match the batch: Captum wrappers (NoiseTunnel, metrics)
+    expand ``additional_forward_args`` with the inputs but never ``forward_kwargs``."""
+    for name, value in (forward_kwargs or {}).items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] not in (1, batch):
+            raise InputError(
+                f"forward_kwargs[{name!r}] has batch size {value.shape[0]} but the inputs have {batch}. Captum "
+                "wrappers such as NoiseTunnel expand additional_forward_args, not forward_kwargs: pass it "
+                "positionally through additional_forward_args (or wrap the model) instead."
+            )
+
+
 def _format_additional(additional_forward_args: Any) -> Tuple[Any, ...]:
     if additional_forward_args is None:
         return ()
@@ -89,6 +101,7 @@ class TraceAttribution(Attribution):
               forward_kwargs: Optional[dict] = None) -> AttentionTrace:
         """Run the capture alone and return the raw :class:`AttentionTrace`."""
         formatted, _ = _format_inputs(inputs)
+        _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
         return self.adapter.trace(self.model, formatted, _format_additional(additional_forward_args), target,
                                   self.capture_spec(), forward_kwargs)
 
@@ -110,6 +123,7 @@ class TraceAttribution(Attribution):
             Attributions with the structure and shapes of ``inputs`` (or (B, N) token scores).
         """
         formatted, is_tuple = _format_inputs(inputs)
+        _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
         trace = self.adapter.trace(self.model, formatted, _format_additional(additional_forward_args), target,
                                    self.capture_spec(), forward_kwargs)
         scores = self.reduce(trace)

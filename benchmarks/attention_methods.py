@@ -1,0 +1,601 @@
+"""Cost of the attention methods relative to the passes they are built from.
+
+For a 6-layer HF ViT (hidden 256, 4 heads, MLP 1024, 224x224 images, 16x16 patches) and a
+6-layer HF BERT (same widths, 128 tokens, odd examples padded), batch 16, eval mode,
+randomly initialised from configs (no hub access), this prints one row per measurement:
+
+* median wall time of one ``attribute`` call over ``--repeats`` runs, in ms, and as a ratio
+  to the pass it should be compared with:
+
+  - ``RawAttention`` and ``AttentionRollout`` need no gradient: they are compared with a
+    plain forward under ``torch.no_grad()`` (the model's own attention implementation,
+    SDPA by default; an eager-attention forward is printed too, since a capture runs an
+    explicit softmax attention);
+  - ``AttentionGradCAM`` and ``GenericAttention`` need one backward: they are compared with
+    a *training-step-like* pass, a forward with gradients plus
+    ``torch.autograd.grad(target logits sum, parameters)``. A forward plus the gradient
+    with respect to the input embeddings only (no weight gradients) is printed too.
+
+  Every measurement is interleaved with the others (one run of each per round, in a
+  rotating order), after warm-up, so that slow drift of a shared machine hits all of them
+  alike. On CPU the median process CPU time (user + system, all threads) is printed as
+  well; it is much less sensitive to other processes competing for the cores than wall
+  time, so use its ratio when the machine is busy.
+
+* peak memory of one call, as a ratio to the peak of the training step on the same batch.
+  Peak memory is the high-water mark *above* what was live before the call (model weights
+  and inputs excluded):
+
+  - CUDA: ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()``,
+    minus ``memory_allocated()`` before the call (exact tensor memory);
+  - CPU: each measurement runs in a fresh Python subprocess (``--memory subprocess``, the
+    default) so that no allocator cache or fragmentation from another measurement leaks
+    in. The child sets glibc's ``M_MMAP_THRESHOLD`` to 64 KiB (and ``M_TRIM_THRESHOLD``
+    to 0), so every tensor buffer of any size is its own ``mmap`` and goes back to the OS
+    when freed: resident memory then tracks live tensors closely. It runs the call once as
+    warm-up, trims the heap, reads ``VmRSS``, resets the kernel's peak-RSS counter by
+    writing ``5`` to ``/proc/self/clear_refs``, runs the call again and reads ``VmHWM``;
+    the difference is the peak. (``tracemalloc`` does not see torch's C++ allocations, and
+    ``ru_maxrss`` alone cannot be reset, so without ``clear_refs`` - non-Linux kernels -
+    the child skips the warm-up and reports ``ru_maxrss`` growth, marked ``~``.)
+    ``--memory inprocess`` does the same without subprocesses (faster, slightly less
+    isolated; used by ``--quick``), ``--memory off`` skips memory.
+
+Targets printed next to the ratios: rollout <= 1.1x forward, GenericAttention <= 1.15x
+forward+backward, every method's peak memory <= 1.3x the training step's.
+
+Usage::
+
+    python benchmarks/attention_methods.py                     # full sizes, CPU
+    python benchmarks/attention_methods.py --device cuda --repeats 20
+    python benchmarks/attention_methods.py --quick             # tiny smoke run
+    python benchmarks/attention_methods.py --profile GenericAttention --models vit
+
+The functions are importable (``build_model``, ``make_batch``, ``make_ops``,
+``time_ops``, ``measure_peaks``, ``run``, ``format_table``, ``main``).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import dataclasses
+import gc
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+
+MODELS = ("vit", "bert")
+METHOD_NAMES = ("RawAttention", "AttentionRollout", "AttentionGradCAM", "GenericAttention")
+GRADIENT_METHODS = ("AttentionGradCAM", "GenericAttention")
+# Reference passes: name -> label in the table.
+REFERENCES = {
+    "forward": "forward (no_grad)",
+    "forward_eager": "forward (no_grad, eager attn)",
+    "train_step": "fwd+bwd (params)",
+    "fwd_bwd_inputs": "fwd+bwd (input embeds)",
+}
+TIME_TARGETS = {"AttentionRollout": ("forward", 1.10), "GenericAttention": ("train_step", 1.15)}
+MEMORY_TARGET = 1.30
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    layers: int = 6
+    hidden: int = 256
+    heads: int = 4
+    intermediate: int = 1024
+    image: int = 224
+    patch: int = 16
+    seq_len: int = 128
+    batch: int = 16
+    vocab: int = 30522
+    vit_labels: int = 1000
+    bert_labels: int = 2
+
+
+FULL = Sizes()
+QUICK = Sizes(layers=2, hidden=32, heads=2, intermediate=64, image=32, patch=8, seq_len=16, batch=2, vocab=100,
+              vit_labels=5, bert_labels=3)
+
+
+# --------------------------------------------------------------------------- models
+
+
+def build_model(name: str, sizes: Sizes, device: str = "cpu", attn_implementation: Optional[str] = None,
+                seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised HF ``ViTForImageClassification`` or ``BertForSequenceClassification``."""
+    from transformers import BertConfig, BertForSequenceClassification, ViTConfig, ViTForImageClassification
+
+    common = dict(hidden_size=sizes.hidden, num_hidden_layers=sizes.layers, num_attention_heads=sizes.heads,
+                  intermediate_size=sizes.intermediate)
+    if attn_implementation is not None:
+        common["attn_implementation"] = attn_implementation
+    torch.manual_seed(seed)
+    if name == "vit":
+        model = ViTForImageClassification(ViTConfig(**common, image_size=sizes.image, patch_size=sizes.patch,
+                                                    num_labels=sizes.vit_labels))
+    elif name == "bert":
+        model = BertForSequenceClassification(BertConfig(**common, vocab_size=sizes.vocab,
+                                                         max_position_embeddings=max(512, sizes.seq_len),
+                                                         num_labels=sizes.bert_labels))
+    else:
+        raise ValueError(f"unknown model {name!r}; use one of {MODELS}")
+    return model.to(device).eval()
+
+
+@dataclasses.dataclass
+class Batch:
+    inputs: torch.Tensor  # pixel values or input ids
+    forward_kwargs: dict
+    target: torch.Tensor  # (B,) class per example
+
+
+def make_batch(name: str, sizes: Sizes, device: str = "cpu", seed: int = 1) -> Batch:
+    """Random pixels, or random token ids with every odd example padded over its last quarter."""
+    generator = torch.Generator().manual_seed(seed)
+    labels = sizes.vit_labels if name == "vit" else sizes.bert_labels
+    target = (torch.arange(sizes.batch) % labels).to(device)
+    if name == "vit":
+        pixels = torch.randn(sizes.batch, 3, sizes.image, sizes.image, generator=generator)
+        return Batch(pixels.to(device), {}, target)
+    ids = torch.randint(5, sizes.vocab, (sizes.batch, sizes.seq_len), generator=generator)
+    mask = torch.ones(sizes.batch, sizes.seq_len, dtype=torch.long)
+    mask[1::2, sizes.seq_len - sizes.seq_len // 4:] = 0
+    return Batch(ids.to(device), {"attention_mask": mask.to(device)}, target)
+
+
+def make_ops(name: str, model: torch.nn.Module, batch: Batch,
+             include: Optional[Sequence[str]] = None) -> Dict[str, Callable[[], object]]:
+    """Zero-argument callables, one per measurement (references first, then methods)."""
+    import captum_transformers as ct
+
+    ops: Dict[str, Callable[[], object]] = {}
+    params = [p for p in model.parameters() if p.requires_grad]
+    x, kwargs, target = batch.inputs, batch.forward_kwargs, batch.target
+
+    def target_score(logits: torch.Tensor) -> torch.Tensor:
+        return logits.gather(1, target[:, None]).sum()
+
+    def forward():
+        with torch.no_grad():
+            return model(x, **kwargs).logits
+
+    ops["forward"] = forward
+    if include is None or "forward_eager" in include:
+        eager = copy.deepcopy(model)
+        eager.set_attn_implementation("eager")
+
+        def forward_eager():
+            with torch.no_grad():
+                return eager(x, **kwargs).logits
+
+        ops["forward_eager"] = forward_eager
+
+    def train_step():
+        return torch.autograd.grad(target_score(model(x, **kwargs).logits), params)
+
+    ops["train_step"] = train_step
+
+    if name == "vit":
+        def fwd_bwd_inputs():
+            pixels = x.detach().requires_grad_(True)
+            return torch.autograd.grad(target_score(model(pixels, **kwargs).logits), pixels)
+    else:
+        embedding = model.get_input_embeddings()
+
+        def fwd_bwd_inputs():
+            with torch.no_grad():
+                embeds = embedding(x)
+            embeds.requires_grad_(True)
+            return torch.autograd.grad(target_score(model(inputs_embeds=embeds, **kwargs).logits), embeds)
+
+    ops["fwd_bwd_inputs"] = fwd_bwd_inputs
+
+    for method in METHOD_NAMES:
+        explainer = getattr(ct, method)(model)
+        method_target = target if method in GRADIENT_METHODS else None
+
+        def attribute(explainer=explainer, method_target=method_target):
+            return explainer.attribute(x, target=method_target, forward_kwargs=kwargs or None)
+
+        ops[method] = attribute
+    if include is not None:
+        ops = {k: v for k, v in ops.items() if k in include}
+    return ops
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def time_ops(ops: Dict[str, Callable[[], object]], repeats: int, warmup: int = 2,
+             device: str = "cpu") -> Dict[str, Dict[str, List[float]]]:
+    """Wall and CPU seconds per run, interleaved: each round runs every op once, rotated."""
+    names = list(ops)
+    for _ in range(warmup):
+        for name in names:
+            ops[name]()
+    _sync(device)
+    results = {name: {"wall": [], "cpu": []} for name in names}
+    for round_index in range(repeats):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            gc.collect()
+            _sync(device)
+            wall, cpu = time.perf_counter(), _cpu_seconds()
+            ops[name]()
+            _sync(device)
+            results[name]["wall"].append(time.perf_counter() - wall)
+            results[name]["cpu"].append(_cpu_seconds() - cpu)
+    return results
+
+
+# --------------------------------------------------------------------------- memory
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def _tight_malloc(enable: bool = True) -> None:
+    """Make glibc give freed tensor buffers back to the OS at once (see module docstring).
+
+    ``enable=False`` puts glibc's default thresholds (128 KiB) back, though as fixed values:
+    glibc's dynamic mmap threshold stays off for the rest of the process.
+    """
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024 if enable else 128 * 1024)
+        libc.mallopt(_M_TRIM_THRESHOLD, 0 if enable else 128 * 1024)
+
+
+def _trim() -> None:
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _status_kib(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_bytes(op: Callable[[], object], device: str = "cpu", warmup: bool = True) -> Tuple[int, bool]:
+    """Peak memory of ``op()`` above what was live before it; ``(bytes, exact)``.
+
+    ``exact`` is False for the CPU fallback without a resettable peak-RSS counter.
+    """
+    if device.startswith("cuda"):
+        if warmup:
+            op()
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        result = op()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del result
+        return peak, True
+    can_reset = _status_kib("VmHWM") is not None and _reset_peak_rss()
+    if can_reset:
+        if warmup:
+            op()
+        _trim()
+        base = _status_kib("VmRSS")
+        _reset_peak_rss()
+        result = op()
+        peak = (_status_kib("VmHWM") - base) * 1024
+        del result
+        return max(peak, 0), True
+    # Fallback: growth of the lifetime peak (Linux reports KiB, macOS bytes).
+    scale = 1 if sys.platform == "darwin" else 1024
+    _trim()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = op()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    del result
+    return max(after - before, 0) * scale, False
+
+
+def _child_peak(model_name: str, op_name: str, sizes: Sizes, device: str, threads: int) -> Tuple[int, bool]:
+    """Run one memory measurement in a fresh interpreter and read its JSON answer."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(64 * 1024), MALLOC_TRIM_THRESHOLD_="0")
+    command = [sys.executable, os.path.abspath(__file__), "--_child-memory", model_name, op_name,
+               "--device", device, "--threads", str(threads), "--_sizes", json.dumps(dataclasses.asdict(sizes))]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"memory child for {model_name}/{op_name} failed:\n{done.stderr[-4000:]}")
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    return answer["peak"], answer["exact"]
+
+
+def measure_peaks(model_name: str, op_names: Sequence[str], sizes: Sizes, device: str = "cpu", mode: str = "subprocess",
+                  threads: int = 1, ops: Optional[Dict[str, Callable[[], object]]] = None) -> Dict[str, Tuple[int, bool]]:
+    """Peak memory per op. ``mode``: ``subprocess`` (CPU only; CUDA always measures in process),
+    ``inprocess`` (reuses ``ops`` if given) or ``off``."""
+    if mode == "off":
+        return {}
+    if mode == "subprocess" and not device.startswith("cuda"):
+        return {name: _child_peak(model_name, name, sizes, device, threads) for name in op_names}
+    cpu = not device.startswith("cuda")
+    if cpu:
+        _tight_malloc()
+    try:
+        if ops is None:
+            model = build_model(model_name, sizes, device)
+            ops = make_ops(model_name, model, make_batch(model_name, sizes, device), include=op_names)
+        return {name: peak_bytes(ops[name], device) for name in op_names}
+    finally:
+        if cpu:
+            _tight_malloc(False)
+
+
+def _child_main(model_name: str, op_name: str, sizes: Sizes, device: str, threads: int) -> None:
+    torch.set_num_threads(threads)
+    _tight_malloc()
+    model = build_model(model_name, sizes, device)
+    ops = make_ops(model_name, model, make_batch(model_name, sizes, device), include=[op_name])
+    peak, exact = peak_bytes(ops[op_name], device)
+    print(json.dumps({"peak": peak, "exact": exact}))
+
+
+# --------------------------------------------------------------------------- report
+
+
+@dataclasses.dataclass
+class Row:
+    model: str
+    name: str
+    wall_ms: float
+    cpu_ms: Optional[float]
+    reference: Optional[str] = None
+    ratio: Optional[float] = None
+    cpu_ratio: Optional[float] = None
+    time_target: Optional[float] = None
+    peak_mib: Optional[float] = None
+    peak_exact: bool = True
+    memory_ratio: Optional[float] = None
+    memory_target: Optional[float] = None
+
+
+def reference_of(name: str) -> Optional[str]:
+    if name in GRADIENT_METHODS:
+        return "train_step"
+    if name in METHOD_NAMES:
+        return "forward"
+    return None
+
+
+def summarize(model_name: str, times: Dict[str, Dict[str, List[float]]],
+              peaks: Dict[str, Tuple[int, bool]], device: str) -> List[Row]:
+    rows = []
+    med = {name: statistics.median(t["wall"]) for name, t in times.items()}
+    cpu = {name: statistics.median(t["cpu"]) for name, t in times.items()} if device == "cpu" else {}
+    train_peak = peaks.get("train_step", (None, True))[0]
+    for name in times:
+        row = Row(model_name, name, med[name] * 1e3, cpu[name] * 1e3 if cpu else None)
+        ref = reference_of(name)
+        if ref is not None and ref in med:
+            row.reference = ref
+            row.ratio = med[name] / med[ref]
+            if cpu and cpu[ref] > 0:
+                row.cpu_ratio = cpu[name] / cpu[ref]
+            target = TIME_TARGETS.get(name)
+            row.time_target = target[1] if target and target[0] == ref else None
+        if name in peaks:
+            row.peak_mib = peaks[name][0] / 2 ** 20
+            row.peak_exact = peaks[name][1]
+            if name in METHOD_NAMES and train_peak:
+                row.memory_ratio = peaks[name][0] / train_peak
+                row.memory_target = MEMORY_TARGET
+        rows.append(row)
+    return rows
+
+
+def _verdict(value: Optional[float], target: Optional[float]) -> str:
+    if value is None or target is None:
+        return ""
+    return f"<= {target:.2f} {'ok' if value <= target else 'MISS'}"
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    header = ["model", "measurement", "wall ms", "cpu ms", "vs", "x wall", "x cpu", "time target",
+              "peak MiB", "x train peak", "mem target"]
+    lines = []
+    for row in rows:
+        label = REFERENCES.get(row.name, row.name)
+        lines.append([
+            row.model, label, f"{row.wall_ms:.1f}", "" if row.cpu_ms is None else f"{row.cpu_ms:.1f}",
+            {"forward": "forward", "train_step": "fwd+bwd"}.get(row.reference or "", ""),
+            "" if row.ratio is None else f"{row.ratio:.2f}",
+            "" if row.cpu_ratio is None else f"{row.cpu_ratio:.2f}",
+            _verdict(row.ratio, row.time_target),
+            "" if row.peak_mib is None else ("" if row.peak_exact else "~") + f"{row.peak_mib:.1f}",
+            "" if row.memory_ratio is None else f"{row.memory_ratio:.2f}",
+            _verdict(row.memory_ratio, row.memory_target),
+        ])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),
+           "  ".join("-" * w for w in widths)]
+    previous = None
+    for line in lines:
+        if previous is not None and line[0] != previous:
+            out.append("")
+        previous = line[0]
+        out.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+    return "\n".join(out)
+
+
+def profile_op(op: Callable[[], object], rows: int = 25) -> str:
+    """A torch.profiler table (self CPU time, grouped by op) of one run after a warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    op()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, record_shapes=False) as prof:
+        op()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def run(sizes: Sizes = FULL, models: Sequence[str] = MODELS, repeats: int = 5, warmup: int = 2, device: str = "cpu",
+        memory: str = "subprocess", threads: Optional[int] = None, log: Callable[[str], None] = print) -> List[Row]:
+    """Time and measure every method and reference on every model; return the table rows."""
+    threads = threads or _default_threads(device)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run(sizes, models, repeats, warmup, device, memory, threads, log)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(sizes: Sizes, models: Sequence[str], repeats: int, warmup: int, device: str, memory: str, threads: int,
+         log: Callable[[str], None]) -> List[Row]:
+    rows: List[Row] = []
+    for model_name in models:
+        model = build_model(model_name, sizes, device)
+        batch = make_batch(model_name, sizes, device)
+        ops = make_ops(model_name, model, batch)
+        log(f"[{model_name}] timing {len(ops)} measurements x {repeats} repeats ...")
+        times = time_ops(ops, repeats=repeats, warmup=warmup, device=device)
+        memory_names = ["train_step", "forward"] + list(METHOD_NAMES)
+        if memory != "off":
+            log(f"[{model_name}] peak memory ({memory}) ...")
+        peaks = measure_peaks(model_name, memory_names, sizes, device, memory, threads,
+                              ops=ops if memory == "inprocess" or device.startswith("cuda") else None)
+        rows.extend(summarize(model_name, times, peaks, device))
+        del model, ops
+        gc.collect()
+    return rows
+
+
+def _default_threads(device: str) -> int:
+    if device.startswith("cuda"):
+        return torch.get_num_threads()
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _warn_if_busy(threads: int) -> None:
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return
+    cores = _default_threads("cpu")
+    if load - 1.0 + threads > cores:  # about one unit of load is this process starting up
+        print(f"warning: 1-minute load average is {load:.1f} on {cores} usable cores; other processes compete for "
+              f"the CPU, so wall times are noisy (compare the 'x cpu' column, or use --threads 1).")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=None, help="batch size (default 16; 2 with --quick)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default 5; 1 with --quick)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 2; 1 with --quick)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (default: usable CPU cores; 1 with --quick). On a machine shared "
+                             "with other busy processes use fewer threads: oversubscribed OpenMP threads make "
+                             "wall times erratic")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--memory", choices=("subprocess", "inprocess", "off"), default=None,
+                        help="how to measure peak memory (default subprocess; inprocess with --quick)")
+    parser.add_argument("--quick", action="store_true", help="tiny models, 1 repeat: a smoke test, not a benchmark")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--profile", metavar="NAME", choices=tuple(REFERENCES) + METHOD_NAMES,
+                        help="print a torch.profiler table for one measurement instead of benchmarking")
+    parser.add_argument("--_child-memory", nargs=2, metavar=("MODEL", "OP"), help=argparse.SUPPRESS)
+    parser.add_argument("--_sizes", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
+    args = parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    if args._sizes:
+        sizes = Sizes(**json.loads(args._sizes))
+    if args.batch is not None:
+        sizes = dataclasses.replace(sizes, batch=args.batch)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was given but CUDA is not available")
+    threads = args.threads or (1 if args.quick else _default_threads(args.device))
+    if args._child_memory:
+        _child_main(*args._child_memory, sizes, args.device, threads)
+        return []
+    if args.profile:
+        torch.set_num_threads(threads)
+        for model_name in args.models:
+            model = build_model(model_name, sizes, args.device)
+            ops = make_ops(model_name, model, make_batch(model_name, sizes, args.device), include=[args.profile])
+            print(f"== {model_name}: {args.profile}")
+            print(profile_op(ops[args.profile]))
+        return []
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 5)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    memory = args.memory or ("inprocess" if args.quick else "subprocess")
+    print(f"torch {torch.__version__}, device {args.device}, threads {threads}, batch {sizes.batch}, "
+          f"repeats {repeats}, warm-up {warmup}, memory {memory}" + (" [QUICK: tiny sizes]" if args.quick else ""))
+    print(f"sizes: {dataclasses.asdict(sizes)}")
+    _warn_if_busy(threads)
+    rows = run(sizes, args.models, repeats, warmup, args.device, memory, threads)
+    print()
+    print(format_table(rows))
+    print()
+    print("x wall / x cpu: median wall (process CPU) time over the reference: 'forward' = forward under no_grad, "
+          "'fwd+bwd' = forward + autograd.grad(target logits sum, parameters).")
+    print("x train peak: peak memory above weights+inputs over the training step's (fwd+bwd params) peak. "
+          "'~' marks an approximate CPU peak (no resettable peak-RSS counter).")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump([dataclasses.asdict(r) for r in rows], handle, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

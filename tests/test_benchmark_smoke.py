@@ -1,0 +1,61 @@
+"""The benchmark's --quick path runs in process and reports every method (no timing checks)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "attention_methods.py")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("attention_methods_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_quick_benchmark_prints_every_method(bench, capsys):
+    threads = torch.get_num_threads()
+    rows = bench.main(["--quick", "--memory", "inprocess"])
+    assert torch.get_num_threads() == threads  # run() restores the thread count
+    printed = capsys.readouterr().out
+    for method in bench.METHOD_NAMES:
+        assert method in printed
+    for label in bench.REFERENCES.values():
+        assert label in printed
+    names = {(row.model, row.name) for row in rows}
+    expected = {(m, n) for m in bench.MODELS for n in (*bench.REFERENCES, *bench.METHOD_NAMES)}
+    assert names == expected
+    for row in rows:
+        assert row.wall_ms > 0
+        if row.name in bench.METHOD_NAMES:
+            assert row.ratio is not None and row.ratio > 0
+            assert row.memory_ratio is not None
+
+
+def test_peak_bytes_sees_an_allocation(bench):
+    """The CPU peak measurement sees a 64 MiB temporary that is freed before it returns."""
+    def op():
+        block = torch.ones(16 * 2 ** 20)  # 64 MiB
+        return float(block.sum())
+
+    bench._tight_malloc()
+    try:
+        peak, exact = bench.peak_bytes(op, "cpu")
+    finally:
+        bench._tight_malloc(False)
+    if not exact:
+        pytest.skip("no resettable peak-RSS counter on this system")
+    assert 60 * 2 ** 20 <= peak <= 80 * 2 ** 20
