@@ -17,6 +17,9 @@ from torch import nn
 from ..errors import CaptureError, InputError
 from ..targets import select_targets
 from ..trace import AttentionRecord, AttentionTrace, Block, CaptureSpec, TokenLayout
+
+if False:  # pragma: no cover - typing only, avoids an import cycle
+    from ..rules import RuleSet
 from .recorder import Recorder
 
 
@@ -42,6 +45,27 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def capture(self, model: nn.Module, recorder: Recorder) -> ContextManager[None]:
         """A context in which every attention call of ``model`` reports to ``recorder``."""
+
+    def propagation(self, model: nn.Module, rules: "RuleSet") -> ContextManager[None]:
+        """A context in which ``model``'s backward pass follows ``rules`` (forward unchanged).
+
+        Any Captum gradient method run inside it becomes the corresponding LRP method.
+        """
+        raise CaptureError(f"The {self.name} adapter does not implement relevance propagation rules.")
+
+    def first_layer(self, model: nn.Module) -> nn.Module:
+        """The first Transformer layer: its input is where token relevance is read.
+
+        The ancestor of the first attention block that is an element of a layer list
+        (``encoder.layer.0``, ``blocks.0``, ``layers.0``); the attention module itself if it
+        is not inside one.
+        """
+        block = self.blocks(model)[0]
+        parts = block.name.split(".")
+        for end in range(len(parts), 0, -1):
+            if parts[end - 1].isdigit():
+                return model.get_submodule(".".join(parts[:end]))
+        return block.module
 
     # -- layout ---------------------------------------------------------------------
     def num_prefix_tokens(self, model: nn.Module) -> Optional[int]:
@@ -178,3 +202,102 @@ class Adapter(abc.ABC):
                     site.probs, torch.zeros_like(site.probs), recorder.valid_pairs(site)
                 )
                 site.probs = None
+
+    # -- relevance: Gradient x Input under propagation rules ------------------------------
+    def relevance(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
+                  target: Any, rules: "RuleSet", at: str = "tokens",
+                  forward_kwargs: Optional[dict] = None) -> "RelevanceResult":
+        """One forward and one backward pass of Gradient x Input under ``rules``.
+
+        ``at="tokens"``: relevance of the hidden states entering the first layer, summed over
+        the hidden size, (B, N). ``at="inputs"``: ``x * dy/dx`` for every floating-point input.
+        """
+        if torch.is_inference_mode_enabled():
+            raise InputError(
+                "attribute() was called under torch.inference_mode(), where no gradient can ever be taken. "
+                "Call it under torch.no_grad() or with no context instead."
+            )
+        if at not in ("tokens", "inputs"):
+            raise InputError(f"relevance must be read at 'tokens' or 'inputs', got {at!r}.")
+        recorder = Recorder(CaptureSpec())
+        entering: List[torch.Tensor] = []
+        with torch.enable_grad():
+            if at == "inputs":
+                if not any(t.is_floating_point() for t in inputs):
+                    raise InputError(
+                        "relevance at 'inputs' needs floating-point inputs (pixels or embeddings); got dtypes "
+                        f"{[str(t.dtype) for t in inputs]}. Use the token relevance (the default) for token ids."
+                    )
+                inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(self.capture(model, recorder))
+                stack.enter_context(self.propagation(model, rules))
+                if at == "tokens":
+                    stack.enter_context(_read_layer_input(self.first_layer(model), entering))
+                output = model(*inputs, *additional_forward_args, **(forward_kwargs or {}))
+            if not recorder.sites:
+                raise CaptureError(
+                    f"The forward pass of {type(model).__name__} computed no attention that the {self.name} adapter "
+                    "could observe, so the token layout is unknown."
+                )
+            layout = self.layout(model, inputs, recorder)
+            logits = self.logits(model, output, layout, recorder.causal)
+            scores, index = select_targets(logits, target)
+            leaves = entering[:1] if at == "tokens" else [t for t in inputs if t.is_floating_point()]
+            if not leaves:
+                raise CaptureError("The first Transformer layer never ran, so no token relevance could be read.")
+            if not scores.requires_grad:
+                raise CaptureError("The explained output does not depend on the inputs (it does not require grad).")
+            grads = torch.autograd.grad(scores.sum(), leaves, allow_unused=True)
+        grads = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, grads)]
+        products = [(leaf * g).detach() for leaf, g in zip(leaves, grads)]
+        if at == "tokens":
+            hidden = products[0]
+            if hidden.shape[0] != scores.shape[0] and hidden.shape[1] == scores.shape[0]:
+                hidden = hidden.transpose(0, 1)  # sequence-first layers
+            token_relevance = hidden.reshape(hidden.shape[0], hidden.shape[1], -1).sum(-1)
+            if layout.token_mask is not None:
+                token_relevance = token_relevance * layout.token_mask.to(token_relevance.dtype)
+            total = token_relevance.sum(-1)
+            return RelevanceResult(token_relevance, None, layout, scores.detach(), index, total)
+        per_input = []
+        iterator = iter(products)
+        for t in inputs:
+            per_input.append(next(iterator) if t.is_floating_point() else torch.zeros(t.shape, device=t.device))
+        total = sum(r.reshape(r.shape[0], -1).sum(-1) for r in per_input)
+        return RelevanceResult(None, tuple(per_input), layout, scores.detach(), index, total)
+
+
+@contextlib.contextmanager
+def _read_layer_input(layer: nn.Module, store: List[torch.Tensor]):
+    """Replace the hidden states entering ``layer`` (first call only) by a leaf that requires
+    grad, with the same values, so ``d score / d hidden`` can be read there."""
+    from .. import patching
+
+    def pre_hook(module, args, kwargs):
+        if store:
+            return None
+        if args and isinstance(args[0], torch.Tensor):
+            original = args[0]
+        elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            original = kwargs["hidden_states"]
+        else:
+            return None
+        leaf = original.detach().requires_grad_()
+        store.append(leaf)
+        # Every argument that is the same tensor (query is key is value) gets the leaf.
+        args = tuple(leaf if a is original else a for a in args)
+        kwargs = {k: (leaf if v is original else v) for k, v in kwargs.items()}
+        return args, kwargs
+
+    with patching.forward_hook(layer, pre_hook, pre=True, with_kwargs=True):
+        yield
+
+
+class RelevanceResult:
+    """What :meth:`Adapter.relevance` returns: token relevance (B, N) or per-input relevance,
+    the layout, the explained scores (B,), their target index, and the relevance sums (B,)."""
+
+    def __init__(self, tokens, per_input, layout, scores, target, total):
+        self.tokens, self.per_input, self.layout = tokens, per_input, layout
+        self.scores, self.target, self.total = scores, target, total

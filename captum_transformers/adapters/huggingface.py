@@ -19,6 +19,7 @@ from torch import nn
 
 from .. import patching
 from ..errors import CaptureError, InputError
+from ..rules import RuleSet, gate, norm_rules
 from ..trace import Block
 from .base import Adapter
 from .recorder import Recorder
@@ -28,6 +29,7 @@ ATTENTION_KEY = "captum_transformers"
 _ACTIVE: contextvars.ContextVar[Optional[Tuple[Recorder, Dict[int, Block]]]] = contextvars.ContextVar(
     "captum_transformers_hf_recorder", default=None
 )
+_RULES: contextvars.ContextVar[Optional[RuleSet]] = contextvars.ContextVar("captum_transformers_hf_rules", default=None)
 _REGISTERED = False
 
 # Per-architecture quirks are rows of data. prefix: tokens before the patch grid;
@@ -95,7 +97,7 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         block = blocks.get(id(module)) or Block(type(module).__name__, module, _kind(module))
         recorder.record(block, probs, key_valid=_key_valid_from_mask(attention_mask),
                         causal=bool(getattr(module, "is_causal", False)) and block.kind == "self")
-    dropped = nn.functional.dropout(probs, p=dropout, training=module.training)
+    dropped = nn.functional.dropout(gate(probs, _RULES.get()), p=dropout, training=module.training)
     output = torch.matmul(dropped, value_states).transpose(1, 2).contiguous()
     return output, probs
 
@@ -156,6 +158,16 @@ class HuggingFaceAdapter(Adapter):
                 yield
         finally:
             _ACTIVE.reset(token)
+
+    @contextlib.contextmanager
+    def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
+        _register_kernel()
+        token = _RULES.set(rules)
+        try:
+            with patching.hf_attention_implementation(model, ATTENTION_KEY), norm_rules(model, rules):
+                yield
+        finally:
+            _RULES.reset(token)
 
     def _quirks(self, model: nn.Module) -> Dict[str, Any]:
         return _MODEL_TYPE_QUIRKS.get(getattr(_pretrained(model).config, "model_type", ""), {})

@@ -26,6 +26,7 @@ from torch import nn
 
 from .. import patching
 from ..errors import CaptureError
+from ..rules import RuleSet, norm_rules
 from ..trace import Block
 from .base import Adapter
 from .recorder import Recorder
@@ -159,6 +160,22 @@ class TimmAdapter(Adapter):
                 stack.enter_context(patching.forward_hook(block.module, tap_input, pre=True, with_kwargs=True))
                 stack.enter_context(patching.forward_hook(block.module, check_recorded, with_kwargs=True))
                 stack.enter_context(patching.forward_hook(block.module.attn_drop, record, pre=True))
+            yield
+
+    @contextlib.contextmanager
+    def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
+        blocks = self.blocks(model)
+
+        def constant_gate(dropout, args, output):
+            # The AH-rule: `attn @ v` sees the probabilities as a constant (same values).
+            return output.detach()
+
+        with contextlib.ExitStack() as stack:
+            if rules.attention_gate != "gradient":
+                for block in blocks:
+                    stack.enter_context(patching.attributes(block.module, fused_attn=False))
+                    stack.enter_context(patching.forward_hook(block.module.attn_drop, constant_gate))
+            stack.enter_context(norm_rules(model, rules))
             yield
 
     @staticmethod

@@ -38,6 +38,7 @@ from torch import nn
 
 from .. import patching
 from ..errors import CaptureError, InputError
+from ..rules import ConstantSoftmax, RuleSet, norm_rules
 from ..trace import Block
 from .base import Adapter
 from .recorder import Recorder
@@ -149,6 +150,18 @@ class TorchMHAAdapter(Adapter):
                 ))
             yield
 
+    @contextlib.contextmanager
+    def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(patching.mha_fastpath_disabled())
+            if rules.attention_gate != "gradient":
+                for block in self.blocks(model):
+                    stack.enter_context(patching.instance_forward(
+                        block.module, lambda original, block=block: _recording_forward(original, block, None, rules)
+                    ))
+            stack.enter_context(norm_rules(model, rules))
+            yield
+
     # -- layout ---------------------------------------------------------------------
     def query_rows(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder,
                    num_tokens: int, num_prefix: int, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -182,8 +195,11 @@ class TorchMHAAdapter(Adapter):
         return positions.expand(mask.shape[0], -1), weights
 
 
-def _recording_forward(original: Callable, block: Block, recorder: Recorder) -> Callable:
-    """A ``forward`` for one MultiheadAttention instance that reports to ``recorder``."""
+def _recording_forward(original: Callable, block: Block, recorder: Optional[Recorder],
+                       rules: Optional[RuleSet] = None) -> Callable:
+    """A ``forward`` for one MultiheadAttention instance that reports to ``recorder`` (if
+    given) and, under ``rules`` with a constant attention gate, treats the softmax output as a
+    constant (the explicit weight-returning path is used, so the softmax is observable)."""
     signature = inspect.signature(original)
     missing = [p for p in _REQUIRED_PARAMETERS if p not in signature.parameters]
     if missing:
@@ -206,7 +222,7 @@ def _recording_forward(original: Callable, block: Block, recorder: Recorder) -> 
 
         # Tap the query; keep `key is query` / `value is key` so PyTorch takes the same
         # packed self-attention projection it would have taken.
-        tapped = recorder.connect(query)
+        tapped = recorder.connect(query) if recorder is not None else query
         arguments["query"] = tapped
         if key is query:
             arguments["key"] = tapped
@@ -222,14 +238,17 @@ def _recording_forward(original: Callable, block: Block, recorder: Recorder) -> 
                                                   query.dtype, query.device)
         arguments["need_weights"] = True
         arguments["average_attn_weights"] = False
-        output, weights = original(*bound.args, **bound.kwargs)
+        gate_mode = ConstantSoftmax() if rules is not None and rules.attention_gate == "constant" else None
+        with gate_mode if gate_mode is not None else contextlib.nullcontext():
+            output, weights = original(*bound.args, **bound.kwargs)
 
         kind = block.kind
         if kind == "self" and key is not query and num_keys != num_queries:
             kind = "cross"
         site = block if kind == block.kind else Block(block.name, block.module, kind)
         causal = kind == "self" and (is_causal or _is_causal_mask(attn_mask, num_queries, num_keys))
-        _record(recorder, site, weights, batched, num_keys, arguments["key_padding_mask"], causal)
+        if recorder is not None:
+            _record(recorder, site, weights, batched, num_keys, arguments["key_padding_mask"], causal)
 
         if not want_weights:
             return output, None

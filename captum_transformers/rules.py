@@ -1,0 +1,212 @@
+"""LRP as a modified gradient: rule sets and the small autograd Functions that carry them.
+
+The forward pass stays bit-identical (every Function's forward returns exactly what the
+original operation computed); only the backward pass changes. Relevance is then
+``input * gradient`` at the layer where it is read (Ali et al., ICML 2022, Sec. 3-4):
+
+* ``attention_gate="constant"`` (the AH-rule): the softmax output ``p_ij`` is treated as a
+  constant in ``y_j = sum_i x_i p_ij``, i.e. ``p.detach()``; the query/key path receives
+  no relevance.
+* ``norm="scale_constant"`` (the LN-rule): LayerNorm's / RMSNorm's ``1/sqrt(eps + Var[x])``
+  is treated as a constant, so the norm is the linear map ``alpha C x`` (``alpha x`` for
+  RMSNorm); ``"scale_and_mean_constant"`` also freezes the mean.
+
+Hand-written norms (the many ``*RMSNorm`` / ``*LayerNorm`` classes that never call
+``F.layer_norm``) are found by *behaviour*: every leaf module with a 1-D ``weight`` and an
+``eps``-like attribute is probed with a few random rows and kept when its output is an
+affine function of the LayerNorm- or RMS-normalised input.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Dict, Iterator, List, Literal, Optional
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from . import patching
+
+GateRule = Literal["gradient", "constant"]
+NormRule = Literal["gradient", "scale_constant", "scale_and_mean_constant"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleSet:
+    """Which propagation rule sits where. The default is plain gradient everywhere.
+
+    Presets: :attr:`GRADIENT` (Gradient x Input), :attr:`AH` and :attr:`AH_LN`
+    (Ali et al. 2022). Example::
+
+        >>> with get_adapter(model).propagation(model, RuleSet.AH_LN):
+        ...     relevance = LayerGradientXActivation(forward, layer).attribute(x, target=t)
+    """
+
+    name: str = "gradient"
+    attention_gate: GateRule = "gradient"
+    norm: NormRule = "gradient"
+
+    GRADIENT = None  # filled in below (dataclass fields cannot hold instances of the class)
+    AH = None
+    AH_LN = None
+
+    @property
+    def changes_anything(self) -> bool:
+        return self.attention_gate != "gradient" or self.norm != "gradient"
+
+
+RuleSet.GRADIENT = RuleSet()
+RuleSet.AH = RuleSet("AH", attention_gate="constant")
+RuleSet.AH_LN = RuleSet("AH+LN", attention_gate="constant", norm="scale_constant")
+
+
+# -- attention gate ------------------------------------------------------------------------
+def gate(probs: torch.Tensor, rules: Optional[RuleSet]) -> torch.Tensor:
+    """The attention probabilities as the ``A V`` product should see them under ``rules``."""
+    if rules is not None and rules.attention_gate == "constant":
+        return probs.detach()
+    return probs
+
+
+class ConstantSoftmax(TorchFunctionMode):
+    """Within this mode every softmax output is a constant for autograd (the AH-rule).
+
+    Used around attention code we do not own (``F.multi_head_attention_forward``); the
+    values are untouched, so the forward is bit-identical.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func in (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax):
+            return result.detach()
+        return result
+
+
+# -- norms ---------------------------------------------------------------------------------
+_EPS_ATTRIBUTES = ("eps", "variance_epsilon", "epsilon")
+
+
+@dataclasses.dataclass(frozen=True)
+class NormSite:
+    """A module found to compute ``y = scale * (x - centre) / sqrt(eps + E[(x - centre)^2]) + shift``
+    over its last dimension; ``centered`` says whether ``centre`` is the mean (LayerNorm)
+    or zero (RMSNorm)."""
+
+    name: str
+    module: nn.Module
+    centered: bool
+    eps: float
+    scale: torch.Tensor
+
+
+def _eps(module: nn.Module) -> Optional[float]:
+    for attribute in _EPS_ATTRIBUTES:
+        value = getattr(module, attribute, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    if isinstance(module, nn.RMSNorm) and module.eps is None:
+        return float(torch.finfo(module.weight.dtype if module.weight is not None else torch.float32).eps)
+    return None
+
+
+def _normalise(x: torch.Tensor, centered: bool, eps: float) -> torch.Tensor:
+    if centered:
+        x = x - x.mean(dim=-1, keepdim=True)
+    return x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+@torch.no_grad()
+def _probe(module: nn.Module, size: int, eps: float) -> Optional[tuple]:
+    """Fit ``y = a * normalise(x) + b`` on random rows; return ``(centered, a)`` if it fits."""
+    weight = getattr(module, "weight", None)
+    dtype, device = weight.dtype, weight.device
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(6, size, generator=generator) * 3 + 1.5).to(dtype=dtype, device=device)
+    try:
+        y = module.forward(x)  # not __call__: the user's hooks must not see the probe
+    except Exception:  # not a per-token module: it is simply not a norm
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return None
+    x64, y64 = x.double(), y.double()
+    for centered in (True, False):
+        n = _normalise(x64, centered, eps)
+        n_mean, y_mean = n.mean(0), y64.mean(0)
+        variance = ((n - n_mean) ** 2).sum(0)
+        a = ((n - n_mean) * (y64 - y_mean)).sum(0) / variance.clamp(min=1e-12)
+        b = y_mean - a * n_mean
+        error = (a * n + b - y64).abs().max()
+        tolerance = 1e-3 if dtype in (torch.float16, torch.bfloat16) else 1e-5
+        if error <= tolerance * max(1.0, float(y64.abs().max())):
+            return centered, a.to(dtype)
+    return None
+
+
+def find_norms(model: nn.Module) -> List[NormSite]:
+    """Every LayerNorm- or RMSNorm-like leaf module of ``model``, found by probing."""
+    sites = []
+    for name, module in model.named_modules():
+        if any(True for _ in module.children()):
+            continue
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+            continue
+        if isinstance(module, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)):
+            continue
+        eps = _eps(module)
+        if eps is None:
+            continue
+        fitted = _probe(module, weight.shape[0], eps)
+        if fitted is not None:
+            sites.append(NormSite(name, module, fitted[0], eps, fitted[1]))
+    return sites
+
+
+class _ScaleConstantNorm(torch.autograd.Function):
+    """Forward: the module's own output. Backward: the Jacobian with the scale held fixed,
+    ``dx = C (dy * a / sigma)`` (LayerNorm; no ``C`` when the mean is frozen too or for RMSNorm)."""
+
+    @staticmethod
+    def forward(ctx, x, output, scale, centered, freeze_mean, eps):
+        ctx.save_for_backward(x, scale)
+        ctx.centered, ctx.freeze_mean, ctx.eps = centered, freeze_mean, eps
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, scale = ctx.saved_tensors
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        x = x.to(dtype)
+        centred = x - x.mean(dim=-1, keepdim=True) if ctx.centered else x
+        sigma = torch.sqrt(centred.pow(2).mean(dim=-1, keepdim=True) + ctx.eps)
+        scaled = grad.to(dtype) * scale.to(dtype) / sigma
+        if ctx.centered and not ctx.freeze_mean:
+            scaled = scaled - scaled.mean(dim=-1, keepdim=True)
+        return scaled.to(grad.dtype), None, None, None, None, None
+
+
+def _norm_forward(site: NormSite, freeze_mean: bool):
+    def make(original):
+        def forward(x, *args, **kwargs):
+            if not torch.is_grad_enabled() or not x.requires_grad:
+                return original(x, *args, **kwargs)
+            with torch.no_grad():
+                output = original(x, *args, **kwargs)
+            return _ScaleConstantNorm.apply(x, output, site.scale, site.centered, freeze_mean, site.eps)
+        return forward
+    return make
+
+
+@contextlib.contextmanager
+def norm_rules(model: nn.Module, rules: RuleSet) -> Iterator[List[NormSite]]:
+    """Install the norm rule of ``rules`` on every norm of ``model`` (reversibly)."""
+    if rules.norm == "gradient":
+        yield []
+        return
+    sites = find_norms(model)
+    freeze_mean = rules.norm == "scale_and_mean_constant"
+    with contextlib.ExitStack() as stack:
+        for site in sites:
+            stack.enter_context(patching.instance_forward(site.module, _norm_forward(site, freeze_mean)))
+        yield sites
