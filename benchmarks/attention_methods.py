@@ -76,8 +76,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 MODELS = ("vit", "bert")
-METHOD_NAMES = ("RawAttention", "AttentionRollout", "AttentionGradCAM", "GenericAttention")
-GRADIENT_METHODS = ("AttentionGradCAM", "GenericAttention")
+METHOD_NAMES = ("RawAttention", "AttentionRollout", "AttentionGradCAM", "GenericAttention", "ConservativeLRP")
+GRADIENT_METHODS = ("AttentionGradCAM", "GenericAttention", "ConservativeLRP")
 # Reference passes: name -> label in the table.
 REFERENCES = {
     "forward": "forward (no_grad)",
@@ -85,7 +85,8 @@ REFERENCES = {
     "train_step": "fwd+bwd (params)",
     "fwd_bwd_inputs": "fwd+bwd (input embeds)",
 }
-TIME_TARGETS = {"AttentionRollout": ("forward", 1.10), "GenericAttention": ("train_step", 1.15)}
+TIME_TARGETS = {"AttentionRollout": ("forward", 1.10), "GenericAttention": ("train_step", 1.15),
+                "ConservativeLRP": ("train_step", 1.15)}
 MEMORY_TARGET = 1.30
 
 
