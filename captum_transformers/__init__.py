@@ -10,8 +10,9 @@ torch_geometric are imported when a model of that family is explained.
 """
 from .adapters import Adapter, HuggingFaceAdapter
 from .errors import CaptumTransformersError, CaptureError, InputError, UnsupportedModelError
-from .methods import (ATTENTION_METHODS, RELEVANCE_METHODS, AttentionGradCAM, AttentionRollout, ConservativeLRP,
-                      GenericAttention, RawAttention, TraceAttribution)
+from .methods import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS, AttentionGradCAM, AttentionRollout,
+                      AttnLRP, ConservativeLRP, GenericAttention, PartialLRP, RawAttention, RuleGradientXInput,
+                      TraceAttribution, TransformerLRP, TransformerRelevance)
 from .rules import RuleSet
 from .registry import get_adapter, register_adapter, registered_adapters
 from .trace import AttentionRecord, AttentionTrace, Block, CaptureSpec, TokenLayout
@@ -20,7 +21,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Adapter", "HuggingFaceAdapter", "CaptumTransformersError", "CaptureError", "InputError",
-    "UnsupportedModelError", "ATTENTION_METHODS", "RELEVANCE_METHODS", "ConservativeLRP", "RuleSet", "AttentionGradCAM", "AttentionRollout", "GenericAttention",
+    "UnsupportedModelError", "ATTENTION_METHODS", "RELEVANCE_METHODS", "ConservativeLRP", "RuleSet",
+    "LRP_ATTENTION_METHODS", "AttnLRP", "PartialLRP", "RuleGradientXInput", "TransformerLRP", "TransformerRelevance", "AttentionGradCAM", "AttentionRollout", "GenericAttention",
     "RawAttention", "TraceAttribution", "get_adapter", "register_adapter", "registered_adapters",
     "AttentionRecord", "AttentionTrace", "Block", "CaptureSpec", "TokenLayout", "__version__",
 ]

@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from . import patching
 
 GateRule = Literal["gradient", "constant"]
-NormRule = Literal["gradient", "scale_constant", "scale_and_mean_constant"]
+NormRule = Literal["gradient", "scale_constant", "scale_and_mean_constant", "identity"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,19 +46,40 @@ class RuleSet:
     name: str = "gradient"
     attention_gate: GateRule = "gradient"
     norm: NormRule = "gradient"
+    # Per-operation rules installed by captum_transformers.operation_rules:
+    linear: Literal["gradient", "alpha1beta0"] = "gradient"
+    activation: Literal["gradient", "identity"] = "gradient"
+    softmax: Literal["gradient", "identity"] = "gradient"
+    matmul: Literal["gradient", "uniform"] = "gradient"
+    add: Literal["gradient", "normalized"] = "gradient"
+    # The relevance put on the explained output: its value ("logit") or 1 ("one", as in
+    # Chefer et al.'s code, where the map's identity term makes the scale matter).
+    seed: Literal["logit", "one"] = "logit"
 
     GRADIENT = None  # filled in below (dataclass fields cannot hold instances of the class)
     AH = None
     AH_LN = None
+    CHEFER = None
+    LRP = None
+    ATTN_LRP = None
 
     @property
     def changes_anything(self) -> bool:
-        return self.attention_gate != "gradient" or self.norm != "gradient"
+        return any(getattr(self, f.name) != f.default for f in dataclasses.fields(self) if f.name != "name")
 
 
 RuleSet.GRADIENT = RuleSet()
 RuleSet.AH = RuleSet("AH", attention_gate="constant")
 RuleSet.AH_LN = RuleSet("AH+LN", attention_gate="constant", norm="scale_constant")
+# Chefer et al. (CVPR 2021): alpha=1/beta=0 linear layers, identity activations, norms and
+# softmax, halved attention matmuls, normalised residual adds, one-hot seed.
+RuleSet.CHEFER = RuleSet("Chefer2021", norm="identity", linear="alpha1beta0", activation="identity",
+                         softmax="identity", matmul="uniform", add="normalized", seed="one")
+# The "LRP" baseline of Chefer et al.'s tables: the same rules without the add normalisation.
+RuleSet.LRP = dataclasses.replace(RuleSet.CHEFER, name="LRP", add="gradient")
+# AttnLRP (Achtibat et al., ICML 2024): uniform matmuls, LayerNorm scale held constant,
+# identity activations, plain gradient through softmax and linear layers, logit seed.
+RuleSet.ATTN_LRP = RuleSet("AttnLRP", norm="scale_constant", activation="identity", matmul="uniform")
 
 
 # -- attention gate ------------------------------------------------------------------------
@@ -72,8 +93,10 @@ def gate(probs: torch.Tensor, rules: Optional[RuleSet]) -> torch.Tensor:
 class ConstantSoftmax(TorchFunctionMode):
     """Within this mode every softmax output is a constant for autograd (the AH-rule).
 
-    Used around attention code we do not own (``F.multi_head_attention_forward``); the
-    values are untouched, so the forward is bit-identical.
+    The values are untouched, so the forward is bit-identical. It only sees softmax calls
+    made directly under it: inside a function that is itself a torch-function override
+    (``F.multi_head_attention_forward``) the mode is switched off, so the torch_mha adapter
+    zeroes the softmax output's gradient instead.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -117,14 +140,17 @@ def _normalise(x: torch.Tensor, centered: bool, eps: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _probe(module: nn.Module, size: int, eps: float) -> Optional[tuple]:
-    """Fit ``y = a * normalise(x) + b`` on random rows; return ``(centered, a)`` if it fits."""
-    weight = getattr(module, "weight", None)
-    dtype, device = weight.dtype, weight.device
+def _probe(module: nn.Module, size: int, eps: float, like: torch.Tensor) -> Optional[tuple]:
+    """Fit ``y = a * normalise(x) + b`` on random rows (dtype and device of ``like``);
+    return ``(centered, a)`` if it fits."""
+    dtype, device = like.dtype, like.device
     generator = torch.Generator(device="cpu").manual_seed(0)
     x = (torch.randn(6, size, generator=generator) * 3 + 1.5).to(dtype=dtype, device=device)
     try:
-        y = module.forward(x)  # not __call__: the user's hooks must not see the probe
+        # Not __call__: the user's hooks must not see the probe. Eval mode: the probe must not
+        # update running statistics (a BatchNorm1d in training mode would) or draw dropout.
+        with patching.attributes(module, training=False):
+            y = module.forward(x)
     except Exception:  # not a per-token module: it is simply not a norm
         return None
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
@@ -146,18 +172,28 @@ def _probe(module: nn.Module, size: int, eps: float) -> Optional[tuple]:
 def find_norms(model: nn.Module) -> List[NormSite]:
     """Every LayerNorm- or RMSNorm-like leaf module of ``model``, found by probing."""
     sites = []
+    # Norms without a weight (nn.LayerNorm / nn.RMSNorm with elementwise_affine=False) are
+    # probed in the dtype and device of the model's first floating-point tensor.
+    reference = next((t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), None)
     for name, module in model.named_modules():
         if any(True for _ in module.children()):
             continue
         weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
-            continue
+        if isinstance(weight, torch.Tensor):
+            if weight.dim() != 1:
+                continue
+            size, like = weight.shape[0], weight
+        else:
+            shape = getattr(module, "normalized_shape", None)
+            if weight is not None or not isinstance(shape, tuple) or len(shape) != 1 or reference is None:
+                continue
+            size, like = int(shape[0]), reference
         if isinstance(module, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)):
             continue
         eps = _eps(module)
         if eps is None:
             continue
-        fitted = _probe(module, weight.shape[0], eps)
+        fitted = _probe(module, size, eps, like)
         if fitted is not None:
             sites.append(NormSite(name, module, fitted[0], eps, fitted[1]))
     return sites
@@ -186,14 +222,33 @@ class _ScaleConstantNorm(torch.autograd.Function):
         return scaled.to(grad.dtype), None, None, None, None, None
 
 
-def _norm_forward(site: NormSite, freeze_mean: bool):
+class _IdentityNorm(torch.autograd.Function):
+    """Chefer et al.'s norm rule: relevance passes unchanged, ``R_x = R_y`` (``dx = dy * y / x``)."""
+
+    @staticmethod
+    def forward(ctx, x, output):
+        ctx.save_for_backward(x, output)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from .operation_rules import safe_divide
+
+        x, output = ctx.saved_tensors
+        return grad * safe_divide(output, x).to(grad.dtype), None
+
+
+def _norm_forward(site: NormSite, rule: str):
     def make(original):
         def forward(x, *args, **kwargs):
             if not torch.is_grad_enabled() or not x.requires_grad:
                 return original(x, *args, **kwargs)
             with torch.no_grad():
                 output = original(x, *args, **kwargs)
-            return _ScaleConstantNorm.apply(x, output, site.scale, site.centered, freeze_mean, site.eps)
+            if rule == "identity":
+                return _IdentityNorm.apply(x, output)
+            return _ScaleConstantNorm.apply(x, output, site.scale, site.centered,
+                                            rule == "scale_and_mean_constant", site.eps)
         return forward
     return make
 
@@ -205,8 +260,7 @@ def norm_rules(model: nn.Module, rules: RuleSet) -> Iterator[List[NormSite]]:
         yield []
         return
     sites = find_norms(model)
-    freeze_mean = rules.norm == "scale_and_mean_constant"
     with contextlib.ExitStack() as stack:
         for site in sites:
-            stack.enter_context(patching.instance_forward(site.module, _norm_forward(site, freeze_mean)))
+            stack.enter_context(patching.instance_forward(site.module, _norm_forward(site, rules.norm)))
         yield sites

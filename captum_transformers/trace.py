@@ -41,6 +41,9 @@ class CaptureSpec:
     forward_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     backward_reduce: Optional[Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None
     backward_blocks: Literal["all", "last"] = "all"
+    # When True, backward_reduce is also given ``call_index=`` (the call's position in the
+    # forward pass), for reductions that pair each map with data from an earlier pass.
+    pass_call_index: bool = False
 
     @property
     def needs_gradient(self) -> bool:

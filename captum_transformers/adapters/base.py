@@ -148,8 +148,13 @@ class Adapter(abc.ABC):
 
     # -- the capture loop -----------------------------------------------------------
     def trace(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
-              target: Any, spec: CaptureSpec, forward_kwargs: Optional[dict] = None) -> AttentionTrace:
-        """One forward (and, if ``spec`` needs gradients, one backward) pass over a batch."""
+              target: Any, spec: CaptureSpec, forward_kwargs: Optional[dict] = None,
+              rules: Optional["RuleSet"] = None) -> AttentionTrace:
+        """One forward (and, if ``spec`` needs gradients, one backward) pass over a batch.
+
+        With ``rules`` the backward pass follows those propagation rules, so the backward
+        reduction sees LRP-modified gradients (relevance = probs * gradient).
+        """
         if torch.is_inference_mode_enabled():
             raise InputError(
                 "attribute() was called under torch.inference_mode(), where no gradient can ever be taken. "
@@ -158,7 +163,8 @@ class Adapter(abc.ABC):
         recorder = Recorder(spec)
         grad_mode = torch.enable_grad() if spec.needs_gradient else torch.no_grad()
         with grad_mode:
-            with self.capture(model, recorder):
+            with self.capture(model, recorder), (
+                    self.propagation(model, rules) if rules is not None else contextlib.nullcontext()):
                 output = model(*inputs, *additional_forward_args, **(forward_kwargs or {}))
             if not recorder.sites:
                 raise CaptureError(
@@ -170,7 +176,7 @@ class Adapter(abc.ABC):
             logits = self.logits(model, output, layout, recorder.causal)
             scores, index = select_targets(logits, target)
             if spec.needs_gradient:
-                self._backward(recorder, scores)
+                self._backward(recorder, seeded(scores, rules))
         records = tuple(
             AttentionRecord(s.block, s.call_index, s.forward_value, s.backward_value) for s in recorder.sites
         )
@@ -198,8 +204,9 @@ class Adapter(abc.ABC):
         for site in sites:
             if not site.received_gradient:
                 # Not connected to the output: its true gradient is zero.
+                extra = {"call_index": site.call_index} if recorder.spec.pass_call_index else {}
                 site.backward_value = recorder.spec.backward_reduce(
-                    site.probs, torch.zeros_like(site.probs), recorder.valid_pairs(site)
+                    site.probs, torch.zeros_like(site.probs), recorder.valid_pairs(site), **extra
                 )
                 site.probs = None
 
@@ -248,7 +255,7 @@ class Adapter(abc.ABC):
                 raise CaptureError("The first Transformer layer never ran, so no token relevance could be read.")
             if not scores.requires_grad:
                 raise CaptureError("The explained output does not depend on the inputs (it does not require grad).")
-            grads = torch.autograd.grad(scores.sum(), leaves, allow_unused=True)
+            grads = torch.autograd.grad(seeded(scores, rules).sum(), leaves, allow_unused=True)
         grads = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, grads)]
         products = [(leaf * g).detach() for leaf, g in zip(leaves, grads)]
         if at == "tokens":
@@ -259,13 +266,25 @@ class Adapter(abc.ABC):
             if layout.token_mask is not None:
                 token_relevance = token_relevance * layout.token_mask.to(token_relevance.dtype)
             total = token_relevance.sum(-1)
-            return RelevanceResult(token_relevance, None, layout, scores.detach(), index, total)
+            return RelevanceResult(token_relevance, None, layout, seeded(scores, rules).detach(), index, total)
         per_input = []
         iterator = iter(products)
         for t in inputs:
             per_input.append(next(iterator) if t.is_floating_point() else torch.zeros(t.shape, device=t.device))
         total = sum(r.reshape(r.shape[0], -1).sum(-1) for r in per_input)
-        return RelevanceResult(None, tuple(per_input), layout, scores.detach(), index, total)
+        return RelevanceResult(None, tuple(per_input), layout, seeded(scores, rules).detach(), index, total)
+
+
+def seeded(scores: torch.Tensor, rules: Optional["RuleSet"]) -> torch.Tensor:
+    """The explained scores, rescaled so their relevance is 1 under a one-hot seed.
+
+    Gradient x Input puts relevance ``y * dy/dy = y`` on the output; Chefer et al. seed the
+    relevance with 1 instead, i.e. backpropagate ``1 / y`` (0 where ``y == 0``).
+    """
+    if rules is None or rules.seed != "one":
+        return scores
+    scale = torch.where(scores == 0, torch.zeros_like(scores), 1.0 / scores.detach())
+    return scores * scale
 
 
 @contextlib.contextmanager
@@ -296,7 +315,8 @@ def _read_layer_input(layer: nn.Module, store: List[torch.Tensor]):
 
 class RelevanceResult:
     """What :meth:`Adapter.relevance` returns: token relevance (B, N) or per-input relevance,
-    the layout, the explained scores (B,), their target index, and the relevance sums (B,)."""
+    the layout, the relevance put on the output (B,) (the logit, or 1 under a one-hot seed),
+    the target index, and the relevance sums (B,)."""
 
     def __init__(self, tokens, per_input, layout, scores, target, total):
         self.tokens, self.per_input, self.layout = tokens, per_input, layout

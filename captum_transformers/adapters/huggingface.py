@@ -19,6 +19,7 @@ from torch import nn
 
 from .. import patching
 from ..errors import CaptureError, InputError
+from ..operation_rules import operation_rules
 from ..rules import RuleSet, gate, norm_rules
 from ..trace import Block
 from .base import Adapter
@@ -164,7 +165,8 @@ class HuggingFaceAdapter(Adapter):
         _register_kernel()
         token = _RULES.set(rules)
         try:
-            with patching.hf_attention_implementation(model, ATTENTION_KEY), norm_rules(model, rules):
+            with patching.hf_attention_implementation(model, ATTENTION_KEY), norm_rules(model, rules), \
+                    operation_rules(model, rules):
                 yield
         finally:
             _RULES.reset(token)

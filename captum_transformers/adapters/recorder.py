@@ -113,7 +113,8 @@ class Recorder:
         def on_gradient(grad: torch.Tensor) -> None:
             if site.grad_view is not None:
                 grad = site.grad_view(grad)
-            site.backward_value = reduce(site.probs, grad, self.valid_pairs(site))
+            extra = {"call_index": site.call_index} if self.spec.pass_call_index else {}
+            site.backward_value = reduce(site.probs, grad, self.valid_pairs(site), **extra)
             site.received_gradient = True
             site.probs = None
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from .. import patching
 from ..errors import CaptureError
+from ..operation_rules import needs_operation_rules, operation_rules
 from ..rules import RuleSet, norm_rules
 from ..trace import Block
 from .base import Adapter
@@ -170,12 +171,15 @@ class TimmAdapter(Adapter):
             # The AH-rule: `attn @ v` sees the probabilities as a constant (same values).
             return output.detach()
 
+        explicit = rules.attention_gate != "gradient" or needs_operation_rules(rules)
         with contextlib.ExitStack() as stack:
-            if rules.attention_gate != "gradient":
-                for block in blocks:
-                    stack.enter_context(patching.attributes(block.module, fused_attn=False))
+            for block in blocks if explicit else ():
+                # The explicit attention path, so the softmax and both matmuls are visible.
+                stack.enter_context(patching.attributes(block.module, fused_attn=False))
+                if rules.attention_gate != "gradient":
                     stack.enter_context(patching.forward_hook(block.module.attn_drop, constant_gate))
             stack.enter_context(norm_rules(model, rules))
+            stack.enter_context(operation_rules(model, rules))
             yield
 
     @staticmethod

@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -38,7 +39,8 @@ from torch import nn
 
 from .. import patching
 from ..errors import CaptureError, InputError
-from ..rules import ConstantSoftmax, RuleSet, norm_rules
+from ..operation_rules import needs_operation_rules
+from ..rules import RuleSet, norm_rules
 from ..trace import Block
 from .base import Adapter
 from .recorder import Recorder
@@ -152,6 +154,12 @@ class TorchMHAAdapter(Adapter):
 
     @contextlib.contextmanager
     def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
+        if needs_operation_rules(rules):
+            raise CaptureError(
+                f"The {rules.name} rules change linear layers, activations, products or adds, but "
+                "F.multi_head_attention_forward hides its inner operations from interception. Supported here: "
+                "RuleSet.GRADIENT, RuleSet.AH, RuleSet.AH_LN (ConservativeLRP); use a HF or timm model for the rest."
+            )
         with contextlib.ExitStack() as stack:
             stack.enter_context(patching.mha_fastpath_disabled())
             if rules.attention_gate != "gradient":
@@ -210,6 +218,9 @@ def _recording_forward(original: Callable, block: Block, recorder: Optional[Reco
         )
     module = block.module
 
+    # functools.wraps exposes the original signature (via __wrapped__), so a second wrapper
+    # (propagation inside a capture, as ConservativeLRP nests them) can bind arguments too.
+    @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
@@ -238,9 +249,9 @@ def _recording_forward(original: Callable, block: Block, recorder: Optional[Reco
                                                   query.dtype, query.device)
         arguments["need_weights"] = True
         arguments["average_attn_weights"] = False
-        gate_mode = ConstantSoftmax() if rules is not None and rules.attention_gate == "constant" else None
-        with gate_mode if gate_mode is not None else contextlib.nullcontext():
-            output, weights = original(*bound.args, **bound.kwargs)
+        output, weights = original(*bound.args, **bound.kwargs)
+        if rules is not None and rules.attention_gate == "constant":
+            _constant_gate(weights)
 
         kind = block.kind
         if kind == "self" and key is not query and num_keys != num_queries:
@@ -257,6 +268,21 @@ def _recording_forward(original: Callable, block: Block, recorder: Optional[Reco
         return output, weights
 
     return forward
+
+
+def _constant_gate(weights: torch.Tensor) -> None:
+    """The AH-rule for ``F.multi_head_attention_forward``: no gradient enters the softmax.
+
+    A TorchFunctionMode cannot see that softmax (``multi_head_attention_forward`` is itself
+    a torch-function override, and a mode is switched off while it handles one), so the
+    gradient reaching the softmax output, of which ``weights`` is a view, is replaced by
+    zeros. ``A V`` still passes its gradient to ``V``; the query/key path gets none, exactly as
+    with ``probs.detach()``, and the forward values are untouched.
+    """
+    base = weights._base
+    probs = base if base is not None and base.numel() == weights.numel() else weights
+    if probs.requires_grad:
+        probs.register_hook(torch.zeros_like)
 
 
 def _record(recorder: Recorder, block: Block, weights: torch.Tensor, batched: bool, num_keys: int,

@@ -102,8 +102,12 @@ class TraceAttribution(Attribution):
         """Run the capture alone and return the raw :class:`AttentionTrace`."""
         formatted, _ = _format_inputs(inputs)
         _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
-        return self.adapter.trace(self.model, formatted, _format_additional(additional_forward_args), target,
-                                  self.capture_spec(), forward_kwargs)
+        return self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
+
+    def _trace(self, inputs: Tuple[torch.Tensor, ...], target: Any, additional: Tuple[Any, ...],
+               forward_kwargs: Optional[dict]) -> AttentionTrace:
+        """The passes a method needs; one capture by default, methods with two passes override."""
+        return self.adapter.trace(self.model, inputs, additional, target, self.capture_spec(), forward_kwargs)
 
     @log_usage()
     def attribute(self, inputs: TensorOrTuple, target: Any = None, additional_forward_args: Any = None,
@@ -124,8 +128,7 @@ class TraceAttribution(Attribution):
         """
         formatted, is_tuple = _format_inputs(inputs)
         _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
-        trace = self.adapter.trace(self.model, formatted, _format_additional(additional_forward_args), target,
-                                   self.capture_spec(), forward_kwargs)
+        trace = self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
         scores = self.reduce(trace)
         if trace.layout.token_mask is not None:
             scores = scores * trace.layout.token_mask.to(scores.dtype)

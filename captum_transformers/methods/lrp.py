@@ -1,0 +1,108 @@
+"""Gradient x Input under a RuleSet: the shell shared by the relevance-propagation methods."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from captum.attr import GradientAttribution
+from captum.log import log_usage
+from torch import nn
+
+from ..adapters.base import Adapter
+from ..errors import InputError
+from ..registry import get_adapter
+from ..rules import RuleSet
+from .base import TensorOrTuple, _check_forward_kwargs, _format_additional, _format_inputs, scores_to_input
+
+
+class RuleGradientXInput(GradientAttribution):
+    r"""Relevance ``R(x) = x * d f_t / d x`` with the backward pass following ``rules``.
+
+    Relevance is read at the hidden states entering the first Transformer layer, summed over
+    the hidden size (``relevance_at="tokens"``: ``(B, S)`` for text, patch tokens upsampled to
+    ``(B, C, H, W)`` for images), or at floating-point inputs (``relevance_at="inputs"``).
+    ``return_convergence_delta=True`` also returns ``sum(R) - R_output`` per example, where
+    ``R_output`` is the explained logit (or 1 for rule sets seeded with one).
+
+    Example::
+
+        >>> lrp = RuleGradientXInput(model, RuleSet.ATTN_LRP)
+        >>> relevance = lrp.attribute(pixel_values, target=labels)
+    """
+
+    def __init__(self, model: nn.Module, rules: RuleSet, adapter: Union[Adapter, str, None] = None,
+                 relevance_at: Literal["tokens", "inputs"] = "tokens") -> None:
+        if not isinstance(rules, RuleSet):
+            raise InputError(f"rules must be a RuleSet, got {type(rules).__name__}.")
+        if relevance_at not in ("tokens", "inputs"):
+            raise InputError(f"relevance_at must be 'tokens' or 'inputs', got {relevance_at!r}.")
+        super().__init__(model)
+        self.model = model
+        self.adapter = get_adapter(model, adapter)
+        self.rules = rules
+        self.relevance_at = relevance_at
+
+    def has_convergence_delta(self) -> bool:
+        return True
+
+    @log_usage()
+    def attribute(self, inputs: TensorOrTuple, target: Any = None, additional_forward_args: Any = None,
+                  return_tokens: bool = False, return_convergence_delta: bool = False,
+                  forward_kwargs: Optional[dict] = None):
+        """Relevance of the inputs for the target output.
+
+        Returns attributions shaped like ``inputs`` (or (B, N) token relevance with
+        ``return_tokens=True``), and with ``return_convergence_delta=True`` also the
+        per-example ``sum(relevance) - relevance of the output``.
+        """
+        formatted, is_tuple = _format_inputs(inputs)
+        _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
+        result = self.adapter.relevance(self.model, formatted, _format_additional(additional_forward_args), target,
+                                        self.rules, self.relevance_at, forward_kwargs)
+        if result.tokens is not None:
+            if return_tokens:
+                attributions: TensorOrTuple = result.tokens
+            else:
+                mapped = tuple(scores_to_input(result.tokens, result.layout, t) for t in formatted)
+                attributions = mapped if is_tuple else mapped[0]
+        else:
+            attributions = result.per_input if is_tuple else result.per_input[0]
+        if return_convergence_delta:
+            return attributions, result.total - result.scores.to(result.total.dtype)
+        return attributions
+
+
+class TransformerLRP(RuleGradientXInput):
+    r"""Full LRP to the input with the rules of Chefer et al.'s "LRP" baseline (CVPR 2021).
+
+    alpha=1/beta=0 on linear layers (Eq. 5), identity activations, norms and softmax, halved
+    attention matmuls, plain (unnormalised) residual adds, seeded with 1 at the target class
+    (the "LRP" column of Tables 1-2). Relevance at the first layer's input tokens; use
+    ``relevance_at="inputs"`` for pixels or embeddings.
+
+    Example::
+
+        >>> relevance = TransformerLRP(vit).attribute(pixel_values, target=labels)
+    """
+
+    def __init__(self, model: nn.Module, adapter: Union[Adapter, str, None] = None,
+                 relevance_at: Literal["tokens", "inputs"] = "tokens") -> None:
+        super().__init__(model, RuleSet.LRP, adapter, relevance_at)
+
+
+class AttnLRP(RuleGradientXInput):
+    r"""AttnLRP (Achtibat et al., "AttnLRP: Attention-Aware Layer-Wise Relevance Propagation
+    for Transformers", ICML 2024) as a rule set.
+
+    Uniform (halved) attention matmuls, LayerNorm/RMSNorm scale held constant, identity
+    activations, plain gradient through softmax and linear layers, seeded with the logit:
+    relevance approximately sums to the explained logit.
+
+    Example::
+
+        >>> relevance, delta = AttnLRP(llm).attribute(input_ids, return_tokens=True,
+        ...                                           return_convergence_delta=True)
+    """
+
+    def __init__(self, model: nn.Module, adapter: Union[Adapter, str, None] = None,
+                 relevance_at: Literal["tokens", "inputs"] = "tokens") -> None:
+        super().__init__(model, RuleSet.ATTN_LRP, adapter, relevance_at)

@@ -1,0 +1,110 @@
+"""Chefer et al. (CVPR 2021): gradient-weighted attention relevance, and Partial LRP."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from .. import functional
+from ..errors import InputError
+from ..rules import RuleSet
+from ..trace import AttentionTrace, CaptureSpec
+from .base import TraceAttribution
+
+
+def _keep_gradient(probs: torch.Tensor, grad: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+    return grad.detach().to(torch.promote_types(grad.dtype, torch.float32))
+
+
+def _relevance(probs: torch.Tensor, lrp_grad: torch.Tensor) -> torch.Tensor:
+    """LRP relevance at an attention map in gradient x input form: ``R_A = A * g_A``."""
+    dtype = torch.promote_types(lrp_grad.dtype, torch.float32)
+    return probs.to(dtype) * lrp_grad.to(dtype)
+
+
+def _resolved(target_index: torch.Tensor) -> Any:
+    """The target index of a first pass as a per-example list for the next pass."""
+    if target_index.numel() == 0:
+        return None
+    return [tuple(row) for row in target_index.tolist()]
+
+
+class TransformerRelevance(TraceAttribution):
+    r"""Transformer attribution of Chefer, Gur & Wolf, "Transformer Interpretability Beyond
+    Attention Visualization" (CVPR 2021), Eq. 13-14.
+
+    .. math:: \bar A^{(b)} = I + \mathbb{E}_h\big[(\nabla A^{(b)} \odot R^{A^{(b)}})^+\big], \qquad
+              C = \bar A^{(B)} \cdots \bar A^{(s)}
+
+    read at the classification row. ``R^A`` is the LRP relevance at each attention map from
+    a pass with the paper's rules (``RuleSet.CHEFER``: alpha=1/beta=0 linear layers, identity
+    activations, norms and softmax, halved matmuls, normalised residual adds, relevance 1 at
+    the target), ``\nabla A`` the plain gradient of the target logit. Two forward and
+    backward passes per batch (gradient, then relevance); class-specific. Later blocks
+    multiply on the left, as in the authors' code; ``start_layer`` skips the first blocks.
+
+    Example::
+
+        >>> maps = TransformerRelevance(vit).attribute(pixel_values, target=labels)   # (B, 3, H, W)
+    """
+
+    def __init__(self, model, adapter=None, start_layer: int = 0, rules: RuleSet = RuleSet.CHEFER) -> None:
+        super().__init__(model, adapter)
+        self.start_layer = start_layer
+        self.rules = rules
+
+    def capture_spec(self) -> CaptureSpec:
+        return CaptureSpec(backward_reduce=_keep_gradient)
+
+    def _trace(self, inputs: Tuple[torch.Tensor, ...], target: Any, additional: Tuple[Any, ...],
+               forward_kwargs: Optional[dict]) -> AttentionTrace:
+        gradients = self.adapter.trace(self.model, inputs, additional, target, self.capture_spec(), forward_kwargs)
+        by_call: Dict[int, torch.Tensor] = {r.call_index: r.backward_value for r in gradients.records}
+
+        def weighted(probs, lrp_grad, valid, call_index):
+            gradient = by_call.pop(call_index)
+            return functional.gradient_weighted_heads(_relevance(probs, lrp_grad), gradient, valid)
+
+        spec = CaptureSpec(backward_reduce=weighted, pass_call_index=True)
+        relevance = self.adapter.trace(self.model, inputs, additional, _resolved(gradients.target), spec,
+                                       forward_kwargs, rules=self.rules)
+        return AttentionTrace(relevance.records, relevance.layout, gradients.logits, gradients.target)
+
+    def reduce(self, trace: AttentionTrace) -> torch.Tensor:
+        if not 0 <= self.start_layer < len(trace):
+            raise InputError(
+                f"start_layer={self.start_layer} but the model has {len(trace)} attention layers; "
+                f"use a value in [0, {len(trace)})."
+            )
+        maps = trace.backward_values(self.start_layer)
+        return functional.self_attention_relevance_rows(maps, self.start_rows(trace, maps[-1].dtype))
+
+
+class PartialLRP(TraceAttribution):
+    r"""Partial LRP (Voita et al., ACL 2019, as the baseline of Chefer et al., CVPR 2021).
+
+    .. math:: R = \mathbb{E}_h\big[(R^{A^{(L)}})^+\big]_{q,:}
+
+    the LRP relevance of the last attention map (``RuleSet.CHEFER`` rules), positive part,
+    averaged over heads, read at the classification row. One forward and one backward pass.
+
+    Example::
+
+        >>> maps = PartialLRP(vit).attribute(pixel_values, target=labels)
+    """
+
+    def __init__(self, model, adapter=None, rules: RuleSet = RuleSet.CHEFER) -> None:
+        super().__init__(model, adapter)
+        self.rules = rules
+
+    def capture_spec(self) -> CaptureSpec:
+        return CaptureSpec(backward_reduce=lambda probs, grad, valid: _relevance(probs, grad).clamp(min=0).mean(1),
+                           backward_blocks="last")
+
+    def _trace(self, inputs, target, additional, forward_kwargs) -> AttentionTrace:
+        return self.adapter.trace(self.model, inputs, additional, target, self.capture_spec(), forward_kwargs,
+                                  rules=self.rules)
+
+    def reduce(self, trace: AttentionTrace) -> torch.Tensor:
+        last = trace.records[-1].backward_value
+        return torch.bmm(self.start_rows(trace, last.dtype).unsqueeze(1), last).squeeze(1)
