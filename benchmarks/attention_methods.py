@@ -11,7 +11,8 @@ randomly initialised from configs (no hub access), this prints one row per measu
     plain forward under ``torch.no_grad()`` (the model's own attention implementation,
     SDPA by default; an eager-attention forward is printed too, since a capture runs an
     explicit softmax attention);
-  - ``AttentionGradCAM`` and ``GenericAttention`` need one backward: they are compared with
+  - ``AttentionGradCAM``, ``GenericAttention`` and ``ConservativeLRP`` need one backward, and
+    ``TransformerRelevance`` two forward+backward passes: they are compared with
     a *training-step-like* pass, a forward with gradients plus
     ``torch.autograd.grad(target logits sum, parameters)``. A forward plus the gradient
     with respect to the input embeddings only (no weight gradients) is printed too.
@@ -41,8 +42,9 @@ randomly initialised from configs (no hub access), this prints one row per measu
     ``--memory inprocess`` does the same without subprocesses (faster, slightly less
     isolated; used by ``--quick``), ``--memory off`` skips memory.
 
-Targets printed next to the ratios: rollout <= 1.1x forward, GenericAttention <= 1.15x
-forward+backward, every method's peak memory <= 1.3x the training step's.
+Targets printed next to the ratios: rollout <= 1.1x forward, GenericAttention and
+ConservativeLRP <= 1.15x forward+backward, TransformerRelevance <= 2.2x, every method's peak
+memory <= 1.3x the training step's.
 
 Usage::
 
@@ -76,8 +78,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 MODELS = ("vit", "bert")
-METHOD_NAMES = ("RawAttention", "AttentionRollout", "AttentionGradCAM", "GenericAttention", "ConservativeLRP")
-GRADIENT_METHODS = ("AttentionGradCAM", "GenericAttention", "ConservativeLRP")
+METHOD_NAMES = ("RawAttention", "AttentionRollout", "AttentionGradCAM", "GenericAttention", "ConservativeLRP",
+                "TransformerRelevance")
+GRADIENT_METHODS = ("AttentionGradCAM", "GenericAttention", "ConservativeLRP", "TransformerRelevance")
 # Reference passes: name -> label in the table.
 REFERENCES = {
     "forward": "forward (no_grad)",
@@ -86,7 +89,7 @@ REFERENCES = {
     "fwd_bwd_inputs": "fwd+bwd (input embeds)",
 }
 TIME_TARGETS = {"AttentionRollout": ("forward", 1.10), "GenericAttention": ("train_step", 1.15),
-                "ConservativeLRP": ("train_step", 1.15)}
+                "ConservativeLRP": ("train_step", 1.15), "TransformerRelevance": ("train_step", 2.2)}
 MEMORY_TARGET = 1.30
 
 

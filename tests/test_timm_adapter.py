@@ -83,15 +83,6 @@ def _qkv(attn, x):
 
 
 # -- every method ----------------------------------------------------------------------
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Intra-op threads only cost time on these tiny tensors (and thrash on a busy machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("case", CASE_NAMES)
 @pytest.mark.parametrize("method", METHODS)
 def test_method_shapes_and_batching(case, method):

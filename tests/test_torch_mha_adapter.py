@@ -80,16 +80,6 @@ class DirectMHA(nn.Module):
         return self.head(out[:, -1] if self.is_causal else out[:, 0])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These tensors are tiny: intra-op threads only add synchronisation cost (several
-    # times the run time on a busy machine). Restored for the other test modules.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _model(cls=Classifier, **kwargs):
     return cls(**kwargs).eval()
 

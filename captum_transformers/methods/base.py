@@ -138,6 +138,16 @@ class TraceAttribution(Attribution):
         return mapped if is_tuple else mapped[0]
 
     @staticmethod
+    def layers_from(trace: AttentionTrace, start_layer: int) -> int:
+        """Validate ``start_layer`` against the number of captured attention layers."""
+        if not 0 <= start_layer < len(trace):
+            raise InputError(
+                f"start_layer={start_layer} but the model has {len(trace)} attention layers; "
+                f"use a value in [0, {len(trace)})."
+            )
+        return start_layer
+
+    @staticmethod
     def start_rows(trace: AttentionTrace, dtype: torch.dtype) -> torch.Tensor:
         """Row vectors selecting the explained token(s) of each example."""
         layout = trace.layout

@@ -1,23 +1,19 @@
 """Conservative propagation (Ali et al., ICML 2022): the AH and AH+LN rules."""
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Union
 
-import torch
-from captum.attr import GradientAttribution
-from captum.log import log_usage
 from torch import nn
 
 from ..adapters.base import Adapter
 from ..errors import InputError
-from ..registry import get_adapter
 from ..rules import RuleSet
-from .base import TensorOrTuple, _check_forward_kwargs, _format_additional, _format_inputs, scores_to_input
+from .lrp import RuleGradientXInput
 
 VARIANTS = {"AH": RuleSet.AH, "AH+LN": RuleSet.AH_LN, "GI": RuleSet.GRADIENT}
 
 
-class ConservativeLRP(GradientAttribution):
+class ConservativeLRP(RuleGradientXInput):
     r"""LRP for Transformers that conserves relevance through attention and LayerNorm.
 
     Gradient x Input with two rules changed in the backward pass only (Ali et al., "XAI for
@@ -54,44 +50,8 @@ class ConservativeLRP(GradientAttribution):
             raise InputError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}.")
         if norm_mean not in ("gradient", "constant"):
             raise InputError(f"norm_mean must be 'gradient' or 'constant', got {norm_mean!r}.")
-        if relevance_at not in ("tokens", "inputs"):
-            raise InputError(f"relevance_at must be 'tokens' or 'inputs', got {relevance_at!r}.")
-        super().__init__(model)
-        self.model = model
-        self.adapter = get_adapter(model, adapter)
         rules = VARIANTS[variant]
         if norm_mean == "constant" and rules.norm != "gradient":
             rules = RuleSet(rules.name + " (mean constant)", rules.attention_gate, "scale_and_mean_constant")
-        self.rules = rules
+        super().__init__(model, rules, adapter, relevance_at)
         self.variant = variant
-        self.relevance_at = relevance_at
-
-    def has_convergence_delta(self) -> bool:
-        return True
-
-    @log_usage()
-    def attribute(self, inputs: TensorOrTuple, target: Any = None, additional_forward_args: Any = None,
-                  return_tokens: bool = False, return_convergence_delta: bool = False,
-                  forward_kwargs: Optional[dict] = None):
-        """Relevance of the inputs for the target output.
-
-        Returns attributions shaped like ``inputs`` (or (B, N) token relevance with
-        ``return_tokens=True``), and with ``return_convergence_delta=True`` also the
-        per-example ``sum(relevance) - explained output``.
-        """
-        formatted, is_tuple = _format_inputs(inputs)
-        _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
-        result = self.adapter.relevance(self.model, formatted, _format_additional(additional_forward_args), target,
-                                        self.rules, "tokens" if self.relevance_at == "tokens" else "inputs",
-                                        forward_kwargs)
-        if result.tokens is not None:
-            if return_tokens:
-                attributions: TensorOrTuple = result.tokens
-            else:
-                mapped = tuple(scores_to_input(result.tokens, result.layout, t) for t in formatted)
-                attributions = mapped if is_tuple else mapped[0]
-        else:
-            attributions = result.per_input if is_tuple else result.per_input[0]
-        if return_convergence_delta:
-            return attributions, result.total - result.scores.to(result.total.dtype)
-        return attributions

@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from .. import functional
-from ..errors import InputError
 from ..trace import AttentionTrace, CaptureSpec
 from .base import TraceAttribution
 
@@ -41,10 +40,6 @@ class GenericAttention(TraceAttribution):
         return CaptureSpec(backward_reduce=functional.gradient_weighted_heads)
 
     def reduce(self, trace: AttentionTrace) -> torch.Tensor:
-        if not 0 <= self.start_layer < len(trace):
-            raise InputError(
-                f"start_layer={self.start_layer} but the model has {len(trace)} attention layers; "
-                f"use a value in [0, {len(trace)})."
-            )
+        self.layers_from(trace, self.start_layer)
         maps = trace.backward_values(self.start_layer)
         return functional.self_attention_relevance_rows(maps, self.start_rows(trace, maps[-1].dtype))

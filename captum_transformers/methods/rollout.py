@@ -6,7 +6,6 @@ from typing import Sequence, Union
 import torch
 
 from .. import functional
-from ..errors import InputError
 from ..trace import AttentionTrace, CaptureSpec
 from .base import TraceAttribution
 
@@ -47,11 +46,7 @@ class AttentionRollout(TraceAttribution):
         return CaptureSpec(forward_reduce=lambda probs: functional.fuse_heads(probs, self.head_fusion))
 
     def reduce(self, trace: AttentionTrace) -> torch.Tensor:
-        if not 0 <= self.start_layer < len(trace):
-            raise InputError(
-                f"start_layer={self.start_layer} but the model has {len(trace)} attention layers; "
-                f"use a value in [0, {len(trace)})."
-            )
+        self.layers_from(trace, self.start_layer)
         maps = [
             functional.add_identity_and_normalize(functional.discard_lowest(m, self.discard_ratio))
             for m in trace.forward_values(self.start_layer)

@@ -6,7 +6,6 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from .. import functional
-from ..errors import InputError
 from ..rules import RuleSet
 from ..trace import AttentionTrace, CaptureSpec
 from .base import TraceAttribution
@@ -71,11 +70,7 @@ class TransformerRelevance(TraceAttribution):
         return AttentionTrace(relevance.records, relevance.layout, gradients.logits, gradients.target)
 
     def reduce(self, trace: AttentionTrace) -> torch.Tensor:
-        if not 0 <= self.start_layer < len(trace):
-            raise InputError(
-                f"start_layer={self.start_layer} but the model has {len(trace)} attention layers; "
-                f"use a value in [0, {len(trace)})."
-            )
+        self.layers_from(trace, self.start_layer)
         maps = trace.backward_values(self.start_layer)
         return functional.self_attention_relevance_rows(maps, self.start_rows(trace, maps[-1].dtype))
 
