@@ -13,8 +13,10 @@ Rules (Chefer et al., CVPR 2021, Sec. 3.1-3.2; Achtibat et al., ICML 2024):
   ``R_x = x+ (W+^T s) + x- (W-^T s)``, ``s = R_z / (W+ x+ + W- x-)``; bias gets no relevance.
 * ``activation="identity"``: ``R_x = R_y`` (GELU, SiLU, ReLU, tanh...).
 * ``softmax="identity"``: ``R_x = R_y``.
-* ``matmul="uniform"``: a product of two relevance-carrying tensors splits relevance in
-  half: the gradient of each operand is halved (``R_a + R_b = R``).
+* ``matmul="uniform"``: a product (matrix or elementwise) of two relevance-carrying tensors
+  splits relevance in half: the gradient of each operand is halved (``R_a + R_b = R``).
+* ``linear="alpha1beta0_separate"``: the authors' LRP baseline, separate denominators.
+* ``pixel_conv="zB"``: the z^B rule on the convolution reading the (leaf) pixel input.
 * ``add="normalized"``: Sec. 3.2 normalisation of ``u + v`` per example,
   ``Rbar_u = R_u |S_u| / (|S_u| + |S_v|) * S / S_u`` with ``S_u = sum R_u``.
 
@@ -43,11 +45,30 @@ def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Ten
     return torch.where(denominator == 0, torch.zeros_like(numerator), numerator / stabilised)
 
 
+def identity_ratio(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``y / x`` for the identity rule in gradient x input form, 0 where ``x == 0``.
+
+    No stabiliser: ``R_x = x * (g * y / x) = y * g = R_y`` exactly, however small ``x`` is. A
+    shifted denominator (``x + eps``) would give ``R_x = R_y * x / (x + eps)``, which is not the
+    identity (half the relevance at ``|x| = eps``). Relevance on an exact zero (or where the
+    ratio overflows) is dropped. Computed in at least float32.
+    """
+    dtype = torch.promote_types(torch.promote_types(x.dtype, output.dtype), torch.float32)
+    x, output = x.to(dtype), output.to(dtype)
+    ratio = output / torch.where(x == 0, torch.ones_like(x), x)
+    return torch.where((x == 0) | ~torch.isfinite(ratio), torch.zeros_like(ratio), ratio)
+
+
 class _LinearAlphaBeta(torch.autograd.Function):
+    """alpha=1, beta=0 on a linear layer. ``shared=True``: Eq. 5, one denominator
+    ``W+ x+ + W- x-``; ``shared=False``: the authors' LRP baseline, Eq. 4 applied to the
+    (x+, W+) and (x-, W-) pairs separately (not conservative: each pair gets all of R)."""
+
     @staticmethod
-    def forward(ctx, x, weight, func, args, kwargs):
+    def forward(ctx, x, weight, shared, func, args, kwargs):
         output = func(*args, **kwargs)
         ctx.save_for_backward(x, weight, output)
+        ctx.shared = shared
         return output
 
     @staticmethod
@@ -57,10 +78,48 @@ class _LinearAlphaBeta(torch.autograd.Function):
         x, weight, grad, output = x.to(dtype), weight.to(dtype), grad.to(dtype), output.to(dtype)
         relevance = output * grad
         w_pos, w_neg = weight.clamp(min=0), weight.clamp(max=0)
-        z_pos = F.linear(x.clamp(min=0), w_pos) + F.linear(x.clamp(max=0), w_neg)
-        s = safe_divide(relevance, z_pos)
-        g_x = torch.where(x >= 0, s @ w_pos, s @ w_neg)
-        return g_x.to(ctx.saved_tensors[0].dtype), None, None, None, None
+        z_from_pos, z_from_neg = F.linear(x.clamp(min=0), w_pos), F.linear(x.clamp(max=0), w_neg)
+        if ctx.shared:
+            s_pos = s_neg = safe_divide(relevance, z_from_pos + z_from_neg)
+        else:
+            s_pos, s_neg = safe_divide(relevance, z_from_pos), safe_divide(relevance, z_from_neg)
+        g_x = torch.where(x >= 0, s_pos @ w_pos, s_neg @ w_neg)
+        return g_x.to(ctx.saved_tensors[0].dtype), None, None, None, None, None
+
+
+class _PixelBoundedConv(torch.autograd.Function):
+    """The z^B rule (Montavon et al. 2017) on the convolution that reads the pixels, with
+    per-image bounds L = min(x), H = max(x): ``z = W x - W+ L - W- H``,
+    ``R_x = x (W^T s) - L (W+^T s) - H (W-^T s)``, ``s = R_z / z``; returned as ``R_x / x``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, func, args, kwargs):
+        output = func(*args, **kwargs)
+        ctx.save_for_backward(x, weight, output)
+        ctx.conv = dict(stride=kwargs.get("stride", args[3] if len(args) > 3 else 1),
+                        padding=kwargs.get("padding", args[4] if len(args) > 4 else 0),
+                        dilation=kwargs.get("dilation", args[5] if len(args) > 5 else 1),
+                        groups=kwargs.get("groups", args[6] if len(args) > 6 else 1))
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, output = ctx.saved_tensors
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        x, weight, grad, output = x.to(dtype), weight.to(dtype), grad.to(dtype), output.to(dtype)
+        conv = ctx.conv
+        low = x.amin(dim=(1, 2, 3), keepdim=True).expand_as(x)
+        high = x.amax(dim=(1, 2, 3), keepdim=True).expand_as(x)
+        w_pos, w_neg = weight.clamp(min=0), weight.clamp(max=0)
+        z = (F.conv2d(x, weight, None, **conv) - F.conv2d(low, w_pos, None, **conv)
+             - F.conv2d(high, w_neg, None, **conv))
+        s = safe_divide(output * grad, z)
+
+        def back(w):
+            return torch.nn.grad.conv2d_input(x.shape, w, s, **conv)
+
+        relevance = x * back(weight) - low * back(w_pos) - high * back(w_neg)
+        return identity_ratio(relevance, x).to(ctx.saved_tensors[0].dtype), None, None, None, None
 
 
 class _IdentityRule(torch.autograd.Function):
@@ -76,7 +135,7 @@ class _IdentityRule(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, output = ctx.saved_tensors
-        ratio = ctx.ratio_fn(x, output) if ctx.ratio_fn is not None else safe_divide(output, x)
+        ratio = ctx.ratio_fn(x, output) if ctx.ratio_fn is not None else identity_ratio(output, x)
         return grad * ratio.to(grad.dtype), None, None, None, None
 
 
@@ -133,7 +192,9 @@ class _NormalizedAdd(torch.autograd.Function):
         s = s_a + s_b
         share_a = safe_divide(s_a.abs(), s_a.abs() + s_b.abs()) * safe_divide(s, s_a)
         share_b = safe_divide(s_b.abs(), s_a.abs() + s_b.abs()) * safe_divide(s, s_b)
-        return (g * share_a).to(grad.dtype), (g * share_b).to(grad.dtype), None, None, None, None
+        # An operand shared by the batch (a (1, ...) position embedding) gets the sum over examples.
+        g_a, g_b = (g * share_a).sum_to_size(a.shape), (g * share_b).sum_to_size(b.shape)
+        return g_a.to(grad.dtype), g_b.to(grad.dtype), None, None, None, None
 
 
 def _gelu_ratio(approximate: str) -> Callable:
@@ -157,6 +218,8 @@ _ACTIVATIONS = {
 _SOFTMAX = (torch.softmax, F.softmax, torch.Tensor.softmax)
 _PRODUCTS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm, torch.baddbmm,
              torch.einsum)
+# A gate times a value (SwiGLU's act(gate(x)) * up(x)): the uniform rule of AttnLRP, Prop. 3.2.
+_ELEMENTWISE_PRODUCTS = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, operator.mul)
 _ADDS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, operator.add)
 _LINEARS = (F.linear, torch.addmm)
 
@@ -179,27 +242,40 @@ class OperationRules(TorchFunctionMode):
         rules = self.rules
         if not torch.is_grad_enabled():
             return func(*args, **kwargs)
-        if rules.linear == "alpha1beta0" and func in _LINEARS:
+        if rules.linear in ("alpha1beta0", "alpha1beta0_separate") and func in _LINEARS:
+            shared = rules.linear == "alpha1beta0"
             if func is F.linear and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-                return _LinearAlphaBeta.apply(args[0], args[1], func, args, kwargs)
+                return _LinearAlphaBeta.apply(args[0], args[1], shared, func, args, kwargs)
             if func is torch.addmm and len(args) >= 3 and args[1].requires_grad and not kwargs:
                 # addmm(bias, x, W) with W laid out (in, out), as in GPT-2's Conv1D.
-                return _LinearAlphaBeta.apply(args[1], args[2].t(), func, args, kwargs)
+                return _LinearAlphaBeta.apply(args[1], args[2].t(), shared, func, args, kwargs)
+        if rules.pixel_conv == "zB" and func is F.conv2d and isinstance(args[0], torch.Tensor) \
+                and args[0].requires_grad and args[0].is_leaf and args[0].dim() == 4:
+            return _PixelBoundedConv.apply(args[0], args[1], func, args, kwargs)
         if rules.activation == "identity" and func in _ACTIVATIONS and args and isinstance(args[0], torch.Tensor) \
                 and args[0].requires_grad:
             return _IdentityRule.apply(args[0], _ACTIVATIONS[func](args, kwargs), func, args, kwargs)
         if rules.softmax == "identity" and func in _SOFTMAX and args[0].requires_grad:
             return _IdentityRule.apply(args[0], None, func, args, kwargs)
-        if rules.matmul == "uniform" and func in _PRODUCTS and not (func is torch.einsum and len(args) == 2):
+        if rules.matmul == "uniform" and (func in _PRODUCTS or func in _ELEMENTWISE_PRODUCTS) \
+                and not (func is torch.einsum and len(args) == 2):
             operands = _grad_tensors(args, kwargs)
             if len(operands) == 2:
                 return _UniformProduct.apply(operands[0], operands[1], func, args, kwargs)
         if rules.add == "normalized" and func in _ADDS and len(args) == 2 and not kwargs:
             a, b = args
             if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.requires_grad and b.requires_grad \
-                    and a.shape == b.shape and a.is_floating_point():
-                return _NormalizedAdd.apply(a, b, self._batch_dim(a), func, args, kwargs)
+                    and a.is_floating_point() and (a.shape == b.shape or self._batch_broadcast(a, b)):
+                return _NormalizedAdd.apply(a, b, self._batch_dim(a if a.shape[0] >= b.shape[0] else b), func,
+                                            args, kwargs)
         return func(*args, **kwargs)
+
+    def _batch_broadcast(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """``(B, ...) + (1, ...)``: one operand is shared by every example (a position embedding).
+        Normalised per example like equal shapes, so the rule does not depend on the batch size
+        (with B = 1 the shapes are equal)."""
+        return (self.batch_size is not None and a.dim() == b.dim() >= 1 and a.shape[1:] == b.shape[1:]
+                and sorted((a.shape[0], b.shape[0])) == sorted((1, self.batch_size)))
 
     def _batch_dim(self, tensor: torch.Tensor) -> Optional[int]:
         if self.batch_size is None:
@@ -212,7 +288,7 @@ class OperationRules(TorchFunctionMode):
 
 def needs_operation_rules(rules) -> bool:
     return (rules.linear != "gradient" or rules.activation != "gradient" or rules.softmax == "identity"
-            or rules.matmul != "gradient" or rules.add != "gradient")
+            or rules.matmul != "gradient" or rules.add != "gradient" or rules.pixel_conv != "gradient")
 
 
 @contextlib.contextmanager

@@ -47,7 +47,7 @@ class RuleSet:
     attention_gate: GateRule = "gradient"
     norm: NormRule = "gradient"
     # Per-operation rules installed by captum_transformers.operation_rules:
-    linear: Literal["gradient", "alpha1beta0"] = "gradient"
+    linear: Literal["gradient", "alpha1beta0", "alpha1beta0_separate"] = "gradient"
     activation: Literal["gradient", "identity"] = "gradient"
     softmax: Literal["gradient", "identity"] = "gradient"
     matmul: Literal["gradient", "uniform"] = "gradient"
@@ -55,6 +55,8 @@ class RuleSet:
     # The relevance put on the explained output: its value ("logit") or 1 ("one", as in
     # Chefer et al.'s code, where the map's identity term makes the scale matter).
     seed: Literal["logit", "one"] = "logit"
+    # The convolution reading the pixels (only when relevance is read at the pixels).
+    pixel_conv: Literal["gradient", "zB"] = "gradient"
 
     GRADIENT = None  # filled in below (dataclass fields cannot hold instances of the class)
     AH = None
@@ -75,8 +77,10 @@ RuleSet.AH_LN = RuleSet("AH+LN", attention_gate="constant", norm="scale_constant
 # softmax, halved attention matmuls, normalised residual adds, one-hot seed.
 RuleSet.CHEFER = RuleSet("Chefer2021", norm="identity", linear="alpha1beta0", activation="identity",
                          softmax="identity", matmul="uniform", add="normalized", seed="one")
-# The "LRP" baseline of Chefer et al.'s tables: the same rules without the add normalisation.
-RuleSet.LRP = dataclasses.replace(RuleSet.CHEFER, name="LRP", add="gradient")
+# The "LRP" baseline of Chefer et al.'s tables, as their code computes it: unnormalised adds,
+# alpha=1/beta=0 with separate denominators for the positive and negative pairs, z^B at pixels.
+RuleSet.LRP = dataclasses.replace(RuleSet.CHEFER, name="LRP", add="gradient", linear="alpha1beta0_separate",
+                                  pixel_conv="zB")
 # AttnLRP (Achtibat et al., ICML 2024): uniform matmuls, LayerNorm scale held constant,
 # identity activations, plain gradient through softmax and linear layers, logit seed.
 RuleSet.ATTN_LRP = RuleSet("AttnLRP", norm="scale_constant", activation="identity", matmul="uniform")
@@ -232,10 +236,10 @@ class _IdentityNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from .operation_rules import safe_divide
+        from .operation_rules import identity_ratio
 
         x, output = ctx.saved_tensors
-        return grad * safe_divide(output, x).to(grad.dtype), None
+        return grad * identity_ratio(output, x).to(grad.dtype), None
 
 
 def _norm_forward(site: NormSite, rule: str):

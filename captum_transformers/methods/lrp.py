@@ -74,10 +74,11 @@ class RuleGradientXInput(GradientAttribution):
 class TransformerLRP(RuleGradientXInput):
     r"""Full LRP to the input with the rules of Chefer et al.'s "LRP" baseline (CVPR 2021).
 
-    alpha=1/beta=0 on linear layers (Eq. 5), identity activations, norms and softmax, halved
-    attention matmuls, plain (unnormalised) residual adds, seeded with 1 at the target class
-    (the "LRP" column of Tables 1-2). Relevance at the first layer's input tokens; use
-    ``relevance_at="inputs"`` for pixels or embeddings.
+    ``RuleSet.LRP``, as the authors' code computes their tables' "LRP" column: alpha=1/beta=0
+    on linear layers with separate denominators for the positive and negative pairs (so
+    relevance is not conserved), identity activations, norms and softmax, halved attention
+    matmuls, plain residual adds, z^B at the pixel convolution, relevance 1 at the target.
+    Relevance at the first layer's input tokens; ``relevance_at="inputs"`` for pixels.
 
     Example::
 

@@ -80,15 +80,17 @@ class PartialLRP(TraceAttribution):
 
     .. math:: R = \mathbb{E}_h\big[(R^{A^{(L)}})^+\big]_{q,:}
 
-    the LRP relevance of the last attention map (``RuleSet.CHEFER`` rules), positive part,
-    averaged over heads, read at the classification row. One forward and one backward pass.
+    the LRP relevance of the last attention map, positive part, averaged over heads, read at
+    the classification row; one forward and one backward pass. The default rules are those of
+    the authors' LRP baseline (``RuleSet.LRP``, which produced the paper's "partial LRP"
+    column); ``rules=RuleSet.CHEFER`` gives the relevance of their own method's pass.
 
     Example::
 
         >>> maps = PartialLRP(vit).attribute(pixel_values, target=labels)
     """
 
-    def __init__(self, model, adapter=None, rules: RuleSet = RuleSet.CHEFER) -> None:
+    def __init__(self, model, adapter=None, rules: RuleSet = RuleSet.LRP) -> None:
         super().__init__(model, adapter)
         self.rules = rules
 
