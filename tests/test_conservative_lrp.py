@@ -836,3 +836,18 @@ def test_clear_errors():
     with pytest.raises(InputError, match="inference_mode"):
         with torch.inference_mode():
             ConservativeLRP(model).attribute(ids, target=0, forward_kwargs=kwargs)
+
+
+def test_images_default_to_pixel_relevance():
+    # The paper reads relevance at the input embeddings: pixels for images, unless tokens are asked for.
+    model = CASES["vit"].model()
+    x = CASES["vit"].inputs()[0]
+    pixels = ConservativeLRP(model).attribute(x, target=1)
+    assert pixels.shape == x.shape
+    torch.testing.assert_close(pixels, ConservativeLRP(model, relevance_at="inputs").attribute(x, target=1))
+    tokens = ConservativeLRP(model).attribute(x, target=1, return_tokens=True)
+    torch.testing.assert_close(tokens, ConservativeLRP(model, relevance_at="tokens").attribute(
+        x, target=1, return_tokens=True))
+    assert not torch.allclose(pixels, ConservativeLRP(model, relevance_at="tokens").attribute(x, target=1))
+    with pytest.raises(InputError, match="return_tokens"):
+        ConservativeLRP(model, relevance_at="inputs").attribute(x, target=1, return_tokens=True)

@@ -28,11 +28,12 @@ class ConservativeLRP(RuleGradientXInput):
     Input read at the same place, for comparison. LayerNorm- and RMSNorm-like modules are
     found by probing their behaviour (``norm_mean="constant"`` also freezes the mean).
 
-    Relevance is read at the hidden states entering the first Transformer layer and summed
-    over the hidden size: ``(B, S)`` for text, the patch tokens upsampled to ``(B, C, H, W)``
-    for images (``return_tokens=True`` gives all tokens, prefix tokens included).
-    ``relevance_at="inputs"`` reads ``x * grad`` at floating-point inputs instead (pixels or
-    embeddings; position embeddings and biases there absorb some relevance).
+    Relevance is read at the input embeddings: for text the hidden states entering the first
+    Transformer layer, summed over the hidden size, ``(B, S)``; for images the pixels
+    (``x * grad``, ``(B, C, H, W)``; the patch embedding's bias and the position embeddings
+    absorb some relevance there). ``relevance_at="tokens"`` or ``return_tokens=True`` gives
+    the token relevance for images too (all tokens, prefix tokens included), which is where
+    conservation is exact; ``relevance_at="inputs"`` forces floating-point inputs.
 
     Example::
 
@@ -45,7 +46,7 @@ class ConservativeLRP(RuleGradientXInput):
 
     def __init__(self, model: nn.Module, variant: Literal["AH+LN", "AH", "GI"] = "AH+LN",
                  adapter: Union[Adapter, str, None] = None, norm_mean: Literal["gradient", "constant"] = "gradient",
-                 relevance_at: Literal["tokens", "inputs"] = "tokens") -> None:
+                 relevance_at: Literal["auto", "tokens", "inputs"] = "auto") -> None:
         if variant not in VARIANTS:
             raise InputError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}.")
         if norm_mean not in ("gradient", "constant"):

@@ -17,9 +17,11 @@ from .base import TensorOrTuple, _check_forward_kwargs, _format_additional, _for
 class RuleGradientXInput(GradientAttribution):
     r"""Relevance ``R(x) = x * d f_t / d x`` with the backward pass following ``rules``.
 
-    Relevance is read at the hidden states entering the first Transformer layer, summed over
-    the hidden size (``relevance_at="tokens"``: ``(B, S)`` for text, patch tokens upsampled to
-    ``(B, C, H, W)`` for images), or at floating-point inputs (``relevance_at="inputs"``).
+    Where relevance is read (``relevance_at``): ``"tokens"``, the hidden states entering the
+    first Transformer layer summed over the hidden size (``(B, S)``; for images the patch tokens
+    upsampled to ``(B, C, H, W)``); ``"inputs"``, ``x * grad`` at floating-point inputs
+    (pixels, embeddings); ``"auto"`` (default): pixels for image batches, tokens otherwise
+    and whenever ``return_tokens=True``.
     ``return_convergence_delta=True`` also returns ``sum(R) - R_output`` per example, where
     ``R_output`` is the explained logit (or 1 for rule sets seeded with one).
 
@@ -30,11 +32,11 @@ class RuleGradientXInput(GradientAttribution):
     """
 
     def __init__(self, model: nn.Module, rules: RuleSet, adapter: Union[Adapter, str, None] = None,
-                 relevance_at: Literal["tokens", "inputs"] = "tokens") -> None:
+                 relevance_at: Literal["auto", "tokens", "inputs"] = "auto") -> None:
         if not isinstance(rules, RuleSet):
             raise InputError(f"rules must be a RuleSet, got {type(rules).__name__}.")
-        if relevance_at not in ("tokens", "inputs"):
-            raise InputError(f"relevance_at must be 'tokens' or 'inputs', got {relevance_at!r}.")
+        if relevance_at not in ("auto", "tokens", "inputs"):
+            raise InputError(f"relevance_at must be 'auto', 'tokens' or 'inputs', got {relevance_at!r}.")
         super().__init__(model)
         self.model = model
         self.adapter = get_adapter(model, adapter)
@@ -56,8 +58,15 @@ class RuleGradientXInput(GradientAttribution):
         """
         formatted, is_tuple = _format_inputs(inputs)
         _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
+        at = self.relevance_at
+        if at == "auto":
+            image = formatted[0].dim() == 4 and formatted[0].is_floating_point()
+            at = "inputs" if image and not return_tokens else "tokens"
+        elif at == "inputs" and return_tokens:
+            raise InputError("return_tokens=True reads token relevance; it cannot be combined with "
+                             "relevance_at='inputs'. Use relevance_at='tokens' or 'auto'.")
         result = self.adapter.relevance(self.model, formatted, _format_additional(additional_forward_args), target,
-                                        self.rules, self.relevance_at, forward_kwargs)
+                                        self.rules, at, forward_kwargs)
         if result.tokens is not None:
             if return_tokens:
                 attributions: TensorOrTuple = result.tokens
@@ -78,7 +87,7 @@ class TransformerLRP(RuleGradientXInput):
     on linear layers with separate denominators for the positive and negative pairs (so
     relevance is not conserved), identity activations, norms and softmax, halved attention
     matmuls, plain residual adds, z^B at the pixel convolution, relevance 1 at the target.
-    Relevance at the first layer's input tokens; ``relevance_at="inputs"`` for pixels.
+    Relevance at the pixels for images, at the first layer's input tokens otherwise.
 
     Example::
 
@@ -86,7 +95,7 @@ class TransformerLRP(RuleGradientXInput):
     """
 
     def __init__(self, model: nn.Module, adapter: Union[Adapter, str, None] = None,
-                 relevance_at: Literal["tokens", "inputs"] = "tokens") -> None:
+                 relevance_at: Literal["auto", "tokens", "inputs"] = "auto") -> None:
         super().__init__(model, RuleSet.LRP, adapter, relevance_at)
 
 
@@ -105,5 +114,5 @@ class AttnLRP(RuleGradientXInput):
     """
 
     def __init__(self, model: nn.Module, adapter: Union[Adapter, str, None] = None,
-                 relevance_at: Literal["tokens", "inputs"] = "tokens") -> None:
+                 relevance_at: Literal["auto", "tokens", "inputs"] = "auto") -> None:
         super().__init__(model, RuleSet.ATTN_LRP, adapter, relevance_at)
