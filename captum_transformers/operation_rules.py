@@ -41,8 +41,8 @@ _TINY = 1e-9
 
 def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     """``a / (b + eps * sign(b))``, and 0 where ``b == 0`` (sign-aware stabiliser)."""
-    stabilised = denominator + _TINY * torch.where(denominator >= 0, 1.0, -1.0).to(denominator.dtype)
-    return torch.where(denominator == 0, torch.zeros_like(numerator), numerator / stabilised)
+    tiny = torch.tensor(_TINY, dtype=denominator.dtype, device=denominator.device)
+    return numerator / (denominator + torch.copysign(tiny, denominator)) * (denominator != 0)
 
 
 def identity_ratio(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -61,30 +61,41 @@ def identity_ratio(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 class _LinearAlphaBeta(torch.autograd.Function):
     """alpha=1, beta=0 on a linear layer. ``shared=True``: Eq. 5, one denominator
-    ``W+ x+ + W- x-``; ``shared=False``: the authors' LRP baseline, Eq. 4 applied to the
-    (x+, W+) and (x-, W-) pairs separately (not conservative: each pair gets all of R)."""
+    ``z+ = W+ x+ + W- x-``; ``shared=False``: the authors' LRP baseline, Eq. 4 applied to the
+    (x+, W+) and (x-, W-) pairs separately (not conservative: each pair gets all of R).
+
+    Eq. 5 costs three matmuls, not four, through ``x+ W+ + x- W- = (x W + |x| |W|) / 2`` (with
+    ``x W`` = output - bias, already known) and ``where(x >= 0, s W+, s W-) =
+    (s W + sign(x) s |W|) / 2``.
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, shared, func, args, kwargs):
+    def forward(ctx, x, weight, bias, shared, func, args, kwargs):
         output = func(*args, **kwargs)
-        ctx.save_for_backward(x, weight, output)
+        ctx.save_for_backward(x, weight, bias, output)
         ctx.shared = shared
         return output
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, output = ctx.saved_tensors
+        x, weight, bias, output = ctx.saved_tensors
+        in_dtype = x.dtype
         dtype = torch.promote_types(x.dtype, torch.float32)
         x, weight, grad, output = x.to(dtype), weight.to(dtype), grad.to(dtype), output.to(dtype)
         relevance = output * grad
-        w_pos, w_neg = weight.clamp(min=0), weight.clamp(max=0)
-        z_from_pos, z_from_neg = F.linear(x.clamp(min=0), w_pos), F.linear(x.clamp(max=0), w_neg)
         if ctx.shared:
-            s_pos = s_neg = safe_divide(relevance, z_from_pos + z_from_neg)
+            product = output if bias is None else output - bias.to(dtype)
+            magnitude = weight.abs()
+            z_pos = 0.5 * (product + F.linear(x.abs(), magnitude))
+            s = safe_divide(relevance, z_pos)
+            # sign(0) = 0 is harmless: relevance x * g is 0 there whatever g is.
+            g_x = 0.5 * (s @ weight + x.sign() * (s @ magnitude))
         else:
-            s_pos, s_neg = safe_divide(relevance, z_from_pos), safe_divide(relevance, z_from_neg)
-        g_x = torch.where(x >= 0, s_pos @ w_pos, s_neg @ w_neg)
-        return g_x.to(ctx.saved_tensors[0].dtype), None, None, None, None, None
+            w_pos, w_neg = weight.clamp(min=0), weight.clamp(max=0)
+            s_pos = safe_divide(relevance, F.linear(x.clamp(min=0), w_pos))
+            s_neg = safe_divide(relevance, F.linear(x.clamp(max=0), w_neg))
+            g_x = torch.where(x >= 0, s_pos @ w_pos, s_neg @ w_neg)
+        return g_x.to(in_dtype), None, None, None, None, None, None
 
 
 class _PixelBoundedConv(torch.autograd.Function):
@@ -151,11 +162,17 @@ class _UniformProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
-        with torch.enable_grad():
-            a_, b_ = a.detach().requires_grad_(), b.detach().requires_grad_()
-            output = _call_with(ctx.func, ctx.args, ctx.kwargs, a, b, a_, b_)
-            g_a, g_b = torch.autograd.grad(output, (a_, b_), grad, allow_unused=True)
-        half = lambda g, like: torch.zeros_like(like) if g is None else 0.5 * g  # noqa: E731
+        func, args = ctx.func, ctx.args
+        if func in _ELEMENTWISE_PRODUCTS and len(args) == 2 and not ctx.kwargs:
+            g_a, g_b = grad * b, grad * a
+        elif func in _MATMULS and len(args) == 2 and args[0] is a and args[1] is b and a.dim() >= 2 and b.dim() >= 2:
+            g_a, g_b = grad @ b.transpose(-1, -2), a.transpose(-1, -2) @ grad
+        else:  # anything else (einsum, baddbmm, unusual argument orders): differentiate a recomputation
+            with torch.enable_grad():
+                a_, b_ = a.detach().requires_grad_(), b.detach().requires_grad_()
+                output = _call_with(func, args, ctx.kwargs, a, b, a_, b_)
+                g_a, g_b = torch.autograd.grad(output, (a_, b_), grad, allow_unused=True)
+        half = lambda g, like: torch.zeros_like(like) if g is None else 0.5 * g.sum_to_size(like.shape)  # noqa: E731
         return half(g_a, a), half(g_b, b), None, None, None
 
 
@@ -216,6 +233,7 @@ _ACTIVATIONS = {
     F.mish: lambda args, kwargs: None,
 }
 _SOFTMAX = (torch.softmax, F.softmax, torch.Tensor.softmax)
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm)
 _PRODUCTS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm, torch.baddbmm,
              torch.einsum)
 # A gate times a value (SwiGLU's act(gate(x)) * up(x)): the uniform rule of AttnLRP, Prop. 3.2.
@@ -245,10 +263,11 @@ class OperationRules(TorchFunctionMode):
         if rules.linear in ("alpha1beta0", "alpha1beta0_separate") and func in _LINEARS:
             shared = rules.linear == "alpha1beta0"
             if func is F.linear and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-                return _LinearAlphaBeta.apply(args[0], args[1], shared, func, args, kwargs)
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                return _LinearAlphaBeta.apply(args[0], args[1], bias, shared, func, args, kwargs)
             if func is torch.addmm and len(args) >= 3 and args[1].requires_grad and not kwargs:
                 # addmm(bias, x, W) with W laid out (in, out), as in GPT-2's Conv1D.
-                return _LinearAlphaBeta.apply(args[1], args[2].t(), shared, func, args, kwargs)
+                return _LinearAlphaBeta.apply(args[1], args[2].t(), args[0], shared, func, args, kwargs)
         if rules.pixel_conv == "zB" and func is F.conv2d and isinstance(args[0], torch.Tensor) \
                 and args[0].requires_grad and args[0].is_leaf and args[0].dim() == 4:
             return _PixelBoundedConv.apply(args[0], args[1], func, args, kwargs)
