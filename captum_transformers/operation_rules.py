@@ -139,7 +139,8 @@ class _IdentityRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ratio_fn, func, args, kwargs):
         output = func(*args, **kwargs)
-        ctx.save_for_backward(x, output)
+        # A closed-form ratio needs only x: keeping the output too would cost memory.
+        ctx.save_for_backward(x, output if ratio_fn is None else None)
         ctx.ratio_fn = ratio_fn
         return output
 
