@@ -16,7 +16,9 @@ from typing import List, Optional
 
 import torch
 
-from .methods import ATTENTION_METHODS
+from .methods import ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS
+
+DEMO_METHODS = ATTENTION_METHODS + LRP_ATTENTION_METHODS + RELEVANCE_METHODS
 
 
 def _build_models():
@@ -49,14 +51,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         predicted = vit(images).logits.argmax(-1)
     print(f"ViT (random weights, 64x64 input, 8x8 patches): predicted classes {predicted.tolist()}")
     image_maps = {}
-    for method in ATTENTION_METHODS:
+    for method in DEMO_METHODS:
         start = time.perf_counter()
         maps = method(vit).attribute(images, target=predicted)
         image_maps[method.__name__] = maps
         tokens = method(bert).attribute(ids, target=1, forward_kwargs={"attention_mask": mask}, return_tokens=True)
         elapsed = (time.perf_counter() - start) * 1000
         top = tokens[0].topk(3).indices.tolist()
-        print(f"{method.__name__:>18}: image map {tuple(maps.shape)} range [{maps.min():.3g}, {maps.max():.3g}]; "
+        print(f"{method.__name__:>20}: image map {tuple(maps.shape)} range [{maps.min():.3g}, {maps.max():.3g}]; "
               f"BERT top tokens of example 0 {top}; {elapsed:.0f} ms")
     try:
         import matplotlib
@@ -73,7 +75,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         axes[row][0].imshow(images[row].permute(1, 2, 0).numpy())
         axes[row][0].set_title(f"class {int(predicted[row])}", fontsize=8)
         for col, (name, maps) in enumerate(image_maps.items(), start=1):
-            axes[row][col].imshow(maps[row, 0].numpy(), cmap="inferno")
+            axes[row][col].imshow(maps[row].sum(0).numpy(), cmap="inferno")
             axes[row][col].set_title(name, fontsize=7)
     for ax in (a for row in axes for a in row):
         ax.axis("off")
