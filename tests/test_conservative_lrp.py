@@ -7,12 +7,13 @@ Tiny models built from configs (random weights, no hub). What is proved here:
    AH alone are not;
 3. the paper's Fig. 3: on a model *with* biases and GELU the relevance sums still follow the
    logits over a batch of inputs (measured correlations are written next to the asserts);
-4. the detach trick equals the paper's explicit rules, propagated by hand (slow reference);
+4. (tests/test_lrp_explicit_rules.py) the detach trick equals the paper's explicit rules;
 5. batching, padding, no_grad, .grad and exact restore (also after an exception);
 6. Captum's own gradient methods become LRP inside ``propagation``;
-7. norms are found by behaviour; ``norm_mean="constant"``;
+7. (tests/test_norm_discovery.py) norms are found by behaviour; ``norm_mean="constant"``;
 8. clear errors.
 """
+from __future__ import annotations
 from __future__ import annotations
 
 import contextlib
@@ -34,263 +35,28 @@ from captum_transformers.adapters import huggingface as hf_adapter  # noqa: E402
 from captum_transformers.rules import find_norms  # noqa: E402
 from hf_models import CASES, SMALL  # noqa: E402
 from restore import assert_same, snapshot  # noqa: E402
-
-F64 = torch.float64
-PRESETS = [pytest.param(rules, id=rules.name) for rules in (RuleSet.GRADIENT, RuleSet.AH, RuleSet.AH_LN)]
-GATED = [pytest.param(rules, id=rules.name) for rules in (RuleSet.AH, RuleSet.AH_LN)]
-VOCAB, DIM, HEADS, FF, CLASSES = 23, 16, 2, 32, 5
-
-
-# -- helpers ---------------------------------------------------------------------------------
-def _zero_biases(model: nn.Module) -> nn.Module:
-    """Zero every bias: Linear/Conv1D, attention in-projections, LayerNorm shifts."""
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "bias" in name.rsplit(".", 1)[-1]:
-                parameter.zero_()
-    return model
-
-
-def _random_biases(model: nn.Module, std: float, seed: int = 0) -> nn.Module:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "bias" in name.rsplit(".", 1)[-1]:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
-    return model
-
-
-def _random_norm_weights(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Norm weights away from 1, so a rule that forgot the affine scale could not pass."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for site in find_norms(model):
-            weight = getattr(site.module, "weight", None)
-            if weight is not None:
-                weight.copy_(1 + 0.3 * torch.randn(weight.shape, generator=generator))
-    return model
-
-
-def _logits(output):
-    return output.logits if hasattr(output, "logits") else output
-
-
-def _pearson(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double() - a.double().mean(), b.double() - b.double().mean()
-    return float((a * b).sum() / (a.norm() * b.norm()))
-
-
-def _relative_errors(relevance_sums: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    return (relevance_sums - logits).abs() / logits.abs()
-
-
-# -- tiny models -----------------------------------------------------------------------------
-class BertClassifier(nn.Module):
-    """BertModel without its tanh pooler: a linear head on the CLS token of the last layer."""
-
-    def __init__(self, **config):
-        super().__init__()
-        self.bert = transformers.BertModel(transformers.BertConfig(**SMALL, vocab_size=99, **config),
-                                           add_pooling_layer=False)
-        self.head = nn.Linear(SMALL["hidden_size"], 3)
-
-    def forward(self, input_ids, attention_mask=None):
-        return self.head(self.bert(input_ids, attention_mask=attention_mask).last_hidden_state[:, 0])
-
-
-class EncoderClassifier(nn.Module):
-    """Embedding + post-norm nn.TransformerEncoder (+ optional final norm) + head on token 0."""
-
-    def __init__(self, activation="relu", bias=False, final_norm=None, embeddings_input=False):
-        super().__init__()
-        self.embeddings_input = embeddings_input
-        self.embed = nn.Embedding(VOCAB, DIM)
-        layer = nn.TransformerEncoderLayer(DIM, HEADS, FF, dropout=0.0, activation=activation, bias=bias,
-                                           batch_first=True, norm_first=False)
-        self.encoder = nn.TransformerEncoder(layer, 2, norm=final_norm, enable_nested_tensor=False)
-        self.head = nn.Linear(DIM, CLASSES, bias=bias)
-
-    def forward(self, inputs, key_padding_mask=None):
-        x = inputs if self.embeddings_input else self.embed(inputs)
-        return self.head(self.encoder(x, src_key_padding_mask=key_padding_mask)[:, 0])
-
-
-class GemmaStyleRMSNorm(nn.Module):
-    """Hand-written RMSNorm with a zero-centred weight, ``y = x / rms(x) * (1 + w)`` (Gemma)."""
-
-    def __init__(self, dim, eps=1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
-
-
-class ElementwiseScale(nn.Module):
-    """A 1-D weight and an ``eps`` attribute, but no normalisation: ``y = x * w``."""
-
-    def __init__(self, dim):
-        super().__init__()
-        self.eps = 1e-6
-        self.weight = nn.Parameter(torch.randn(dim))
-
-    def forward(self, x):
-        return x * self.weight
-
-
-class CenterOnly(nn.Module):
-    """Centres but does not rescale: ``y = (x - mean) * w``; not a LayerNorm."""
-
-    def __init__(self, dim):
-        super().__init__()
-        self.eps = 1e-5
-        self.weight = nn.Parameter(torch.randn(dim))
-
-    def forward(self, x):
-        return (x - x.mean(-1, keepdim=True)) * self.weight
-
-
-class GemmaBlock(nn.Module):
-    """Pre-norm block with hand-written RMSNorms around nn.MultiheadAttention and a ReLU MLP."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm1, self.norm2 = GemmaStyleRMSNorm(DIM), GemmaStyleRMSNorm(DIM)
-        self.attn = nn.MultiheadAttention(DIM, HEADS, bias=False, batch_first=True)
-        self.fc1, self.fc2 = nn.Linear(DIM, FF, bias=False), nn.Linear(FF, DIM, bias=False)
-
-    def forward(self, x, key_padding_mask=None):
-        h = self.norm1(x)
-        x = x + self.attn(h, h, h, key_padding_mask=key_padding_mask, need_weights=False)[0]
-        return x + self.fc2(torch.relu(self.fc1(self.norm2(x))))
-
-
-class GemmaLike(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList([GemmaBlock(), GemmaBlock()])
-        self.norm = GemmaStyleRMSNorm(DIM)
-        self.head = nn.Linear(DIM, CLASSES, bias=False)
-
-    def forward(self, ids, key_padding_mask=None):
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x, key_padding_mask)
-        return self.head(self.norm(x)[:, 0])
-
-
-def _text_inputs(batch=3, seq=7, vocab=99, low=3, seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(low, vocab, (batch, seq), generator=generator)
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    if batch > 1:
-        mask[1, 5:] = 0
-    return ids, mask
-
-
-def _images(batch=3, seed=1, dtype=F64):
-    return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
-
-def _hf_vit(dtype=F64, **config):
-    return transformers.ViTForImageClassification(transformers.ViTConfig(
-        **SMALL, image_size=32, patch_size=8, num_labels=5, attn_implementation="eager", **config)).to(dtype).eval()
-
-
-def _timm_vit(dtype=F64, **kwargs):
-    return VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, mlp_ratio=2,
-                             num_classes=5, **kwargs).to(dtype).eval()
-
-
-def _llama(dtype=F64, hidden_act="relu"):
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **SMALL, num_key_value_heads=2, vocab_size=99, max_position_embeddings=16, bos_token_id=0, eos_token_id=0,
-        pad_token_id=0, hidden_act=hidden_act, attn_implementation="eager")).to(dtype).eval()
-
-
-def _last_real(mask):
-    positions = torch.arange(mask.shape[1])
-    return torch.where(mask.bool(), positions, -1).amax(dim=1)
-
-
-# Bias-free float64 ReLU models: name -> () -> (model, inputs, forward_kwargs, explained logits (B,))
-TARGET = 1
-
-
-def _case_hf_vit():
-    torch.manual_seed(0)
-    model = _random_norm_weights(_zero_biases(_hf_vit(hidden_act="relu")))
-    x = _images()
-    return model, x, None, model(x).logits[:, TARGET]
-
-
-def _case_bert():
-    torch.manual_seed(0)
-    model = _random_norm_weights(_zero_biases(BertClassifier(hidden_act="relu").to(F64).eval()))
-    ids, mask = _text_inputs()
-    return model, ids, {"attention_mask": mask}, model(ids, attention_mask=mask)[:, TARGET]
-
-
-def _case_distilbert():
-    torch.manual_seed(0)
-    model = transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(
-        dim=32, n_layers=2, n_heads=4, hidden_dim=64, num_labels=3, vocab_size=99, activation="relu",
-        attn_implementation="eager")).to(F64).eval()  # classifier: pre_classifier -> ReLU -> classifier
-    model = _random_norm_weights(_zero_biases(model))
-    ids, mask = _text_inputs()
-    return model, ids, {"attention_mask": mask}, model(ids, attention_mask=mask).logits[:, TARGET]
-
-
-def _case_gpt2():
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_embd=32, n_layer=2, n_head=4, vocab_size=99, n_positions=16, bos_token_id=0, eos_token_id=0,
-        activation_function="relu", attn_implementation="eager")).to(F64).eval()
-    model = _random_norm_weights(_zero_biases(model))
-    ids, mask = _text_inputs()
-    logits = model(ids, attention_mask=mask).logits  # next-token logits at the last real token
-    return model, ids, {"attention_mask": mask}, logits[torch.arange(3), _last_real(mask), TARGET]
-
-
-def _case_timm_vit():
-    torch.manual_seed(0)
-    model = _random_norm_weights(_zero_biases(_timm_vit(act_layer=nn.ReLU)))
-    x = _images()
-    return model, x, None, model(x)[:, TARGET]
-
-
-def _case_torch_mha():
-    torch.manual_seed(0)
-    model = EncoderClassifier(final_norm=nn.LayerNorm(DIM, bias=False)).to(F64).eval()
-    model = _random_norm_weights(model)
-    ids, mask = _text_inputs(vocab=VOCAB, low=0)
-    padding = mask == 0
-    return model, ids, {"key_padding_mask": padding}, model(ids, padding)[:, TARGET]
-
-
-def _case_gemma_like():
-    torch.manual_seed(0)
-    model = GemmaLike().to(F64).eval()
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, GemmaStyleRMSNorm):
-                module.weight.normal_(0, 0.3)
-    ids, mask = _text_inputs(vocab=VOCAB, low=0)
-    padding = mask == 0
-    return model, ids, {"key_padding_mask": padding}, model(ids, padding)[:, TARGET]
-
-
-CONSERVATION_CASES = {
-    "hf_vit": _case_hf_vit,
-    "hf_bert_no_pooler": _case_bert,
-    "hf_distilbert": _case_distilbert,
-    "hf_gpt2": _case_gpt2,
-    "timm_vit": _case_timm_vit,
-    "torch_mha_encoder": _case_torch_mha,
-    "gemma_style_rmsnorm": _case_gemma_like,
-}
+from lrp_models import *  # noqa: F401,F403,E402  (tiny models, cases and helpers)
+from lrp_models import (  # noqa: E402,F401  (the leading-underscore helpers)
+    _case_bert,
+    _case_distilbert,
+    _case_gemma_like,
+    _case_gpt2,
+    _case_hf_vit,
+    _case_timm_vit,
+    _case_torch_mha,
+    _hf_vit,
+    _images,
+    _last_real,
+    _llama,
+    _logits,
+    _pearson,
+    _random_biases,
+    _random_norm_weights,
+    _relative_errors,
+    _text_inputs,
+    _timm_vit,
+    _zero_biases,
+)
 
 
 # == 1. forward bit-identical inside propagation =================================================
@@ -516,125 +282,6 @@ def test_fig3_vit_with_biases_and_gelu():
     assert r_without_biases["AH+LN"] >= 0.998, r_without_biases
 
 
-# == 4. the detach trick == the paper's explicit rules ==========================================
-def _z_rule(x: torch.Tensor, weights: torch.Tensor, relevance_out: torch.Tensor) -> torch.Tensor:
-    """LRP-0 for a bias-free linear map ``y_j = sum_i x_i w_ij``:
-    ``R(x_i) = sum_j x_i w_ij / (sum_i' x_i' w_i'j) R(y_j)``, with 0/0 = 0."""
-    contributions = x[:, None] * weights
-    denominators = contributions.sum(0)
-    ratio = torch.where(denominators != 0, relevance_out / torch.where(denominators != 0, denominators, 1), 0)
-    return (contributions * ratio[None, :]).sum(1)
-
-
-def _ln_rule(s: torch.Tensor, relevance_out: torch.Tensor) -> torch.Tensor:
-    """The LN-rule (Sec. 4): LRP-0 on ``alpha C x`` with the centering matrix
-    ``C = I - 1/N``; ``alpha`` and each output's affine weight cancel in the ratio."""
-    size = s.shape[0]
-    centering = torch.eye(size, dtype=s.dtype) - 1.0 / size
-    return _z_rule(s, centering, relevance_out)
-
-
-def _explicit_lrp(model: EncoderClassifier, ids: torch.Tensor, padding: torch.Tensor, target: int):
-    """Token relevance from the paper's rules, one example and one token at a time.
-
-    Forward: the model's own computation written out (post-norm layers, bias-free).
-    Backward: LRP-0 for the head and every linear map, the AH-rule per head and value
-    dimension, the LN-rule, ReLU pass-through, residual sums split in proportion to the addends.
-    Returns (token relevance (B, S), logits (B,)).
-    """
-    relevance_rows, logits = [], []
-    head_weight = model.head.weight[target]
-    with torch.no_grad():
-        for b in range(ids.shape[0]):
-            valid = ~padding[b]
-            h = model.embed(ids[b])  # (S, D): the input of the first layer
-            length = h.shape[0]
-            cache = []
-            for layer in model.encoder.layers:
-                attention = layer.self_attn
-                heads, width = attention.num_heads, attention.head_dim
-                w_q, w_k, w_v = attention.in_proj_weight.chunk(3)
-                q, k, v = h @ w_q.T, h @ w_k.T, h @ w_v.T
-                probs, o = [], torch.empty_like(v)
-                for head in range(heads):
-                    cols = slice(head * width, (head + 1) * width)
-                    scores = (q[:, cols] @ k[:, cols].T) / math.sqrt(width)
-                    p = torch.softmax(scores.masked_fill(~valid[None, :], float("-inf")), dim=-1)  # p[j, i]
-                    probs.append(p)
-                    o[:, cols] = p @ v[:, cols]
-                a = o @ attention.out_proj.weight.T
-                s1 = h + a
-                y1 = F.layer_norm(s1, (s1.shape[-1],), layer.norm1.weight, None, layer.norm1.eps)
-                pre = y1 @ layer.linear1.weight.T
-                hidden = torch.relu(pre)
-                f = hidden @ layer.linear2.weight.T
-                s2 = y1 + f
-                y2 = F.layer_norm(s2, (s2.shape[-1],), layer.norm2.weight, None, layer.norm2.eps)
-                cache.append(dict(x=h, v=v, probs=probs, o=o, a=a, s1=s1, y1=y1, pre=pre, hidden=hidden, f=f, s2=s2))
-                h = y2
-            final = model.encoder.norm
-            out = F.layer_norm(h, (h.shape[-1],), final.weight, None, final.eps)
-            logits.append(out[0] @ head_weight)
-
-            # Backward. The head reads token 0: R(out_0) by LRP-0 (bias-free), other tokens 0.
-            relevance = torch.zeros_like(out)
-            relevance[0] = _z_rule(out[0], head_weight[:, None], (out[0] @ head_weight)[None])
-            relevance = torch.stack([_ln_rule(h[t], relevance[t]) for t in range(length)])
-            for layer, c in zip(reversed(model.encoder.layers), reversed(cache)):
-                attention = layer.self_attn
-                heads, width = attention.num_heads, attention.head_dim
-                w_v = attention.in_proj_weight.chunk(3)[2]
-                r_x = torch.zeros_like(c["x"])
-                for t in range(length):
-                    r_s2 = _ln_rule(c["s2"][t], relevance[t])
-                    # Residual s2 = y1 + f: split in proportion to the addends.
-                    both = torch.stack([c["y1"][t], c["f"][t]])  # (2, D) -> z-rule with identity weights
-                    r_y1 = both[0] / both.sum(0) * r_s2
-                    r_f = both[1] / both.sum(0) * r_s2
-                    r_hidden = _z_rule(c["hidden"][t], layer.linear2.weight.T, r_f)
-                    r_pre = r_hidden  # ReLU: relevance passes through (0 where the unit is off)
-                    r_y1 = r_y1 + _z_rule(c["y1"][t], layer.linear1.weight.T, r_pre)
-                    r_s1 = _ln_rule(c["s1"][t], r_y1)
-                    r_x[t] = c["x"][t] / c["s1"][t] * r_s1
-                    relevance[t] = c["a"][t] / c["s1"][t] * r_s1  # R(a_t), reused below
-                r_o = torch.stack([_z_rule(c["o"][t], attention.out_proj.weight.T, relevance[t]) for t in range(length)])
-                # AH-rule, per head and value dimension: y_j = sum_i v_i p_ij with p constant.
-                r_v = torch.zeros_like(c["v"])
-                for head in range(heads):
-                    p = c["probs"][head]  # p[j, i]: query j, key i
-                    for d in range(head * width, (head + 1) * width):
-                        r_v[:, d] = _z_rule(c["v"][:, d], p.T, r_o[:, d])
-                # Value projection (LRP-0); query and key receive nothing under the AH-rule.
-                for t in range(length):
-                    r_x[t] = r_x[t] + _z_rule(c["x"][t], w_v.T, r_v[t])
-                relevance = r_x
-            relevance_rows.append(relevance.sum(-1))
-    return torch.stack(relevance_rows), torch.stack(logits)
-
-
-def test_detach_trick_equals_explicit_rules():
-    torch.manual_seed(0)
-    model = _random_norm_weights(EncoderClassifier(final_norm=nn.LayerNorm(DIM, bias=False)).to(F64).eval())
-    ids = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(1))
-    padding = torch.zeros(3, 6, dtype=torch.bool)
-    padding[1, 4:] = True
-    target = 2
-    reference, reference_logits = _explicit_lrp(model, ids, padding, target)
-    # The written-out forward is the model's, and the explicit rules conserve by construction.
-    torch.testing.assert_close(reference_logits, model(ids, padding)[:, target].detach(), rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(reference.sum(-1), reference_logits, rtol=1e-9, atol=1e-12)
-    assert torch.all(reference[1, 4:] == 0)
-
-    relevance = ConservativeLRP(model).attribute(ids, target=target, return_tokens=True,
-                                                 additional_forward_args=(padding,))
-    torch.testing.assert_close(relevance, reference, rtol=1e-6, atol=1e-10)  # measured: max |diff| 1.4e-15
-    # Not trivially: GI and AH alone are far from the explicit rules.
-    for variant in ("GI", "AH"):
-        other = ConservativeLRP(model, variant).attribute(ids, target=target, return_tokens=True,
-                                                          additional_forward_args=(padding,))
-        assert (other - reference).abs().max() > 1e-2 * reference.abs().max()
-
-
 # == 5. batch == single, restore, no_grad, .grad =================================================
 def test_batch_equals_single_with_padding_hf_text():
     model, ids, kwargs, _ = _case_bert()
@@ -760,68 +407,6 @@ def test_input_x_gradient_inside_propagation_equals_relevance_at_inputs(case):
     assert (plain - expected).abs().max() > 1e-3 * expected.abs().max()
 
 
-# == 7. norm discovery, norm_mean ================================================================
-def test_find_norms_by_behaviour():
-    torch.manual_seed(0)
-    model = nn.ModuleDict({
-        "layer_norm": nn.LayerNorm(8),
-        "llama_rms": LlamaRMSNorm(8),
-        "gemma_rms": GemmaStyleRMSNorm(8),
-        "torch_rms": nn.RMSNorm(8, eps=1e-6),
-        "layer_norm_no_affine": nn.LayerNorm(8, elementwise_affine=False),
-        "scale": ElementwiseScale(8),
-        "center_only": CenterOnly(8),
-        "linear": nn.Linear(8, 8),
-        "embedding": nn.Embedding(5, 8),
-        "batch_norm": nn.BatchNorm1d(8),
-    }).train()
-    with torch.no_grad():
-        for name in ("layer_norm", "llama_rms", "gemma_rms", "torch_rms"):
-            model[name].weight.normal_(0.5, 0.3)
-    running_mean = model["batch_norm"].running_mean.clone()
-    sites = {site.name: site for site in find_norms(model)}
-    assert set(sites) == {"layer_norm", "llama_rms", "gemma_rms", "torch_rms", "layer_norm_no_affine"}
-    assert sites["layer_norm"].centered and sites["layer_norm_no_affine"].centered
-    assert not any(sites[name].centered for name in ("llama_rms", "gemma_rms", "torch_rms"))
-    torch.testing.assert_close(sites["layer_norm"].scale, model["layer_norm"].weight.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(sites["llama_rms"].scale, model["llama_rms"].weight.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(sites["torch_rms"].scale, model["torch_rms"].weight.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(sites["gemma_rms"].scale, 1 + model["gemma_rms"].weight.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(sites["layer_norm_no_affine"].scale, torch.ones(8), rtol=1e-5, atol=1e-5)
-    # The probe ran in eval mode: no running statistics were updated, the mode is restored.
-    assert torch.equal(model["batch_norm"].running_mean, running_mean)
-    assert int(model["batch_norm"].num_batches_tracked) == 0 and model["batch_norm"].training
-
-
-def test_affine_free_layer_norm_gets_the_ln_rule():
-    torch.manual_seed(0)
-    model = EncoderClassifier(final_norm=nn.LayerNorm(DIM, elementwise_affine=False)).to(F64).eval()
-    model = _random_norm_weights(model)
-    ids, _ = _text_inputs(vocab=VOCAB, low=0)
-    logits = model(ids)[:, TARGET].detach()
-    relevance = ConservativeLRP(model).attribute(ids, target=TARGET, return_tokens=True)
-    assert _relative_errors(relevance.sum(-1), logits).max() <= 1e-6
-
-
-def test_norm_mean_constant():
-    # Freezing the mean too makes LayerNorm y = w (x - [mean]) / [sigma]: the frozen mean acts
-    # like a bias, so relevance is no longer conserved (measured relative errors 0.15 .. 1.5). For
-    # RMSNorm there is no mean to freeze: identical to the default, and conservative.
-    model, x, kwargs, logits = _case_torch_mha()
-    default = ConservativeLRP(model).attribute(x, target=TARGET, return_tokens=True, forward_kwargs=kwargs)
-    frozen = ConservativeLRP(model, norm_mean="constant").attribute(
-        x, target=TARGET, return_tokens=True, forward_kwargs=kwargs)
-    assert (frozen - default).abs().max() > 1e-3 * default.abs().max()
-    assert _relative_errors(frozen.sum(-1), logits.detach()).median() > 1e-2
-
-    model, x, kwargs, logits = _case_gemma_like()
-    default = ConservativeLRP(model).attribute(x, target=TARGET, return_tokens=True, forward_kwargs=kwargs)
-    frozen = ConservativeLRP(model, norm_mean="constant").attribute(
-        x, target=TARGET, return_tokens=True, forward_kwargs=kwargs)
-    assert torch.equal(frozen, default)
-    assert _relative_errors(frozen.sum(-1), logits.detach()).max() <= 1e-6
-
-
 # == 8. errors ====================================================================================
 def test_clear_errors():
     model, ids, kwargs, _ = _case_torch_mha()
@@ -851,3 +436,4 @@ def test_images_default_to_pixel_relevance():
     assert not torch.allclose(pixels, ConservativeLRP(model, relevance_at="tokens").attribute(x, target=1))
     with pytest.raises(InputError, match="return_tokens"):
         ConservativeLRP(model, relevance_at="inputs").attribute(x, target=1, return_tokens=True)
+
