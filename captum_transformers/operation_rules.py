@@ -311,9 +311,65 @@ def needs_operation_rules(rules) -> bool:
             or rules.matmul != "gradient" or rules.add != "gradient" or rules.pixel_conv != "gradient")
 
 
+class _IdentityModule(torch.autograd.Function):
+    """The identity rule around a whole activation module: ``dx = dy * y / x``."""
+
+    @staticmethod
+    def forward(ctx, x, output):
+        ctx.save_for_backward(x, output)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, output = ctx.saved_tensors
+        return grad * identity_ratio(output, x).to(grad.dtype), None
+
+
+# Not activations, or activations whose torch function the mode already rules (closed-form ratio).
+_NOT_ACTIVATIONS = (nn.Dropout, nn.Identity, nn.Softmax, nn.LogSoftmax, nn.Flatten, nn.Unflatten,
+                    nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Mish)
+
+
+@torch.no_grad()
+def _is_activation(module: nn.Module, like: torch.Tensor) -> bool:
+    """An elementwise, parameter-free map with ``f(0) = 0`` that is not the identity:
+    found by probing what it computes (hand-written GELUs such as GPT-2's ``gelu_new``)."""
+    if isinstance(module, _NOT_ACTIVATIONS) or any(True for _ in module.children()):
+        return False
+    if any(True for _ in module.parameters()) or any(b.is_floating_point() for b in module.buffers()):
+        return False
+    x = torch.linspace(-6, 6, 241, dtype=like.dtype, device=like.device).reshape(1, 241)
+    try:
+        y = module.forward(x)  # not __call__: the user's hooks must not see the probe
+        y_permuted = module.forward(x.flip(-1))
+        y_zero = module.forward(torch.zeros(1, 3, dtype=x.dtype, device=x.device))
+    except Exception:
+        return False
+    if not all(isinstance(t, torch.Tensor) for t in (y, y_permuted, y_zero)) or y.shape != x.shape:
+        return False
+    elementwise = torch.allclose(y_permuted, y.flip(-1), rtol=1e-5, atol=1e-6)
+    return bool(elementwise and torch.isfinite(y).all() and y_zero.abs().max() <= 1e-6
+                and (y - x).abs().max() > 1e-3)
+
+
+def _activation_forward(original):
+    def forward(x, *args, **kwargs):
+        if not torch.is_grad_enabled() or not isinstance(x, torch.Tensor) or not x.requires_grad:
+            return original(x, *args, **kwargs)
+        with torch.no_grad():
+            output = original(x, *args, **kwargs)
+        return _IdentityModule.apply(x, output)
+    return forward
+
+
 @contextlib.contextmanager
 def operation_rules(model: nn.Module, rules) -> Iterator[None]:
-    """Run ``model``'s forward under :class:`OperationRules` (reversibly: instance forward)."""
+    """Run ``model``'s forward under :class:`OperationRules` (reversibly: instance forward).
+
+    With ``activation="identity"``, activation *modules* found by probing (parameter-free,
+    elementwise, ``f(0) = 0``) get the identity rule as a whole, so hand-written activations
+    whose inner operations are products and sums are covered too.
+    """
     if not needs_operation_rules(rules):
         yield
         return
@@ -326,5 +382,11 @@ def operation_rules(model: nn.Module, rules) -> Iterator[None]:
                 return original(*args, **kwargs)
         return forward
 
-    with patching.instance_forward(model, make):
+    with contextlib.ExitStack() as stack:
+        if rules.activation == "identity":
+            like = next((t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), None)
+            for module in model.modules():
+                if like is not None and _is_activation(module, like):
+                    stack.enter_context(patching.instance_forward(module, _activation_forward))
+        stack.enter_context(patching.instance_forward(model, make))
         yield
