@@ -300,17 +300,40 @@ def test_no_grad_and_parameter_grads_untouched(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_torch_mha_models_raise_capture_error(method):
+def test_torch_mha_models_are_recomputed_explicitly(method):
+    # F.multi_head_attention_forward hides its inner operations from the rule mode, so under
+    # per-operation rules each attention call is recomputed from the module's weights.
     torch.manual_seed(0)
-    model = EncoderClassifier().eval()
-    ids = torch.randint(0, 23, (2, 6), generator=torch.Generator().manual_seed(1))
+    model = EncoderClassifier().double().eval()
+    ids = torch.randint(0, 23, (3, 6), generator=torch.Generator().manual_seed(1))
+    padding = torch.zeros(3, 6, dtype=torch.bool)
+    padding[1, 4:] = True
+    with torch.no_grad():
+        reference = model(ids, padding)
+    with get_adapter(model).propagation(model, RuleSet.CHEFER):
+        recomputed = model(ids, padding)
+    torch.testing.assert_close(recomputed, reference, rtol=1e-12, atol=1e-12)  # rounding only
     fastpath = torch.backends.mha.get_fastpath_enabled()
     before = snapshot(model)
-    with pytest.raises(CaptureError, match="multi_head_attention_forward"):
-        method(model).attribute(ids, target=0, return_tokens=True)
+    explainer = method(model)
+    tokens = explainer.attribute(ids, target=[0, 1, 2], additional_forward_args=(padding,), return_tokens=True)
+    assert tokens.shape == ids.shape and (tokens[1, 4:] == 0).all() and tokens.abs().sum() > 0
+    for i in range(3):
+        single = explainer.attribute(ids[i:i + 1], target=i, additional_forward_args=(padding[i:i + 1],),
+                                     return_tokens=True)
+        torch.testing.assert_close(tokens[i:i + 1], single, rtol=1e-9, atol=1e-12)
     assert_same(before, snapshot(model))
     assert torch.backends.mha.get_fastpath_enabled() == fastpath
     assert torch._C._len_torch_function_stack() == 0
+
+
+def test_chefer_rules_conserve_on_torch_mha_models():
+    torch.manual_seed(0)
+    model = EncoderClassifier().double().eval()
+    ids = torch.randint(0, 23, (4, 6), generator=torch.Generator().manual_seed(2))
+    _, delta = RuleGradientXInput(model, RuleSet.CHEFER).attribute(ids, target=1, return_tokens=True,
+                                                                   return_convergence_delta=True)
+    assert delta.abs().max() <= 1e-6
 
 
 # == 5. start_layer ===============================================================================

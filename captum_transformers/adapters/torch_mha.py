@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
@@ -39,13 +40,16 @@ from torch import nn
 
 from .. import patching
 from ..errors import CaptureError, InputError
-from ..operation_rules import needs_operation_rules
+from ..operation_rules import needs_operation_rules, operation_rules
 from ..rules import RuleSet, norm_rules
 from ..trace import Block
 from .base import Adapter
 from .recorder import Recorder
 
 QueryRows = Union[None, int, str]
+
+# True while per-operation rules are active: attention is then recomputed explicitly.
+_EXPLICIT: contextvars.ContextVar[bool] = contextvars.ContextVar("captum_transformers_mha_explicit", default=False)
 
 # Parameters of MultiheadAttention.forward the wrapper reads or overrides, by name.
 _REQUIRED_PARAMETERS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
@@ -154,21 +158,26 @@ class TorchMHAAdapter(Adapter):
 
     @contextlib.contextmanager
     def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
-        if needs_operation_rules(rules):
-            raise CaptureError(
-                f"The {rules.name} rules change linear layers, activations, products or adds, but "
-                "F.multi_head_attention_forward hides its inner operations from interception. Supported here: "
-                "RuleSet.GRADIENT, RuleSet.AH, RuleSet.AH_LN (ConservativeLRP); use a HF or timm model for the rest."
-            )
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(patching.mha_fastpath_disabled())
-            if rules.attention_gate != "gradient":
-                for block in self.blocks(model):
-                    stack.enter_context(patching.instance_forward(
-                        block.module, lambda original, block=block: _recording_forward(original, block, None, rules)
-                    ))
-            stack.enter_context(norm_rules(model, rules))
-            yield
+        """AH gate: zero gradient into the softmax of torch's own attention path. Per-operation
+        rules: ``F.multi_head_attention_forward`` hides its inner operations from interception,
+        so each attention call is recomputed explicitly from the module's weights (the same
+        values up to float rounding) where the rules can see every linear, product and softmax."""
+        explicit = needs_operation_rules(rules)
+        token = _EXPLICIT.set(True) if explicit else None
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(patching.mha_fastpath_disabled())
+                if rules.attention_gate != "gradient" or explicit:
+                    for block in self.blocks(model):
+                        stack.enter_context(patching.instance_forward(
+                            block.module,
+                            lambda original, block=block: _recording_forward(original, block, None, rules)))
+                stack.enter_context(norm_rules(model, rules))
+                stack.enter_context(operation_rules(model, rules))
+                yield
+        finally:
+            if token is not None:
+                _EXPLICIT.reset(token)
 
     # -- layout ---------------------------------------------------------------------
     def query_rows(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder,
@@ -249,7 +258,11 @@ def _recording_forward(original: Callable, block: Block, recorder: Optional[Reco
                                                   query.dtype, query.device)
         arguments["need_weights"] = True
         arguments["average_attn_weights"] = False
-        output, weights = original(*bound.args, **bound.kwargs)
+        if _EXPLICIT.get() and not getattr(original, "_captum_mha_wrapper", False):
+            # Only the innermost wrapper recomputes; outer ones (capture + propagation) pass through.
+            output, weights = _explicit_attention(module, arguments)
+        else:
+            output, weights = original(*bound.args, **bound.kwargs)
         if rules is not None and rules.attention_gate == "constant":
             _constant_gate(weights)
 
@@ -267,6 +280,7 @@ def _recording_forward(original: Callable, block: Block, recorder: Optional[Reco
             return output, weights.mean(dim=1 if batched else 0)
         return output, weights
 
+    forward._captum_mha_wrapper = True
     return forward
 
 
@@ -298,3 +312,76 @@ def _record(recorder: Recorder, block: Block, weights: torch.Tensor, batched: bo
     recorder.record(block, probs, grad_tensor=grad_tensor,
                     grad_view=lambda grad: grad.reshape(shape)[..., :num_keys],
                     key_valid=_key_valid(key_padding_mask) if block.kind == "self" else None, causal=causal)
+
+
+def _additive(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """A boolean (True = blocked) or additive mask as an additive float mask."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def _explicit_attention(module: nn.MultiheadAttention, arguments: Dict[str, Any]):
+    """``nn.MultiheadAttention`` written out with ``F.linear``, ``@`` and ``softmax``.
+
+    Returns ``(output, weights)`` like ``forward(..., need_weights=True,
+    average_attn_weights=False)``; the weights are the (B, H, L, S) softmax output itself.
+    """
+    if module.bias_k is not None or module.add_zero_attn or (module.training and module.dropout > 0):
+        raise CaptureError(
+            "Per-operation LRP rules recompute nn.MultiheadAttention explicitly, which does not cover bias_k/"
+            "bias_v, add_zero_attn or attention dropout in training mode. Call model.eval() or use "
+            "ConservativeLRP (RuleSet.AH / AH_LN), which needs no recomputation."
+        )
+    query, key, value = arguments["query"], arguments["key"], arguments["value"]
+    batched = query.dim() == 3
+    same_qkv = key is query and value is query
+    same_kv = key is value
+    if not batched:
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    elif module.batch_first:
+        query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+    # (L, B, E) from here on, as in F.multi_head_attention_forward.
+    length, batch, embed = query.shape
+    heads, head_dim = module.num_heads, module.head_dim
+    bias = module.in_proj_bias
+    b_q, b_k, b_v = bias.chunk(3) if bias is not None else (None, None, None)
+    if module._qkv_same_embed_dim:
+        w_q, w_k, w_v = module.in_proj_weight.chunk(3)
+        if same_qkv:
+            q, k, v = torch.nn.functional.linear(query, module.in_proj_weight, bias).chunk(3, dim=-1)
+        elif same_kv:
+            q = torch.nn.functional.linear(query, w_q, b_q)
+            w_kv = module.in_proj_weight[embed:]
+            b_kv = bias[embed:] if bias is not None else None
+            k, v = torch.nn.functional.linear(key, w_kv, b_kv).chunk(2, dim=-1)
+        else:
+            q, k, v = (torch.nn.functional.linear(x, w, b) for x, w, b in ((query, w_q, b_q), (key, w_k, b_k),
+                                                                           (value, w_v, b_v)))
+    else:
+        q = torch.nn.functional.linear(query, module.q_proj_weight, b_q)
+        k = torch.nn.functional.linear(key, module.k_proj_weight, b_k)
+        v = torch.nn.functional.linear(value, module.v_proj_weight, b_v)
+    source = k.shape[0]
+
+    def split(x, steps):  # (steps, B, E) -> (B, H, steps, head_dim)
+        return x.reshape(steps, batch, heads, head_dim).permute(1, 2, 0, 3)
+
+    q, k, v = split(q, length), split(k, source), split(v, source)
+    scores = (q * (1.0 / float(head_dim)) ** 0.5) @ k.transpose(-1, -2)
+    attn_mask = _additive(arguments["attn_mask"], scores.dtype)
+    if attn_mask is not None:
+        scores = scores + (attn_mask.reshape(batch, heads, length, source) if attn_mask.dim() == 3 else attn_mask)
+    padding = _additive(arguments["key_padding_mask"], scores.dtype)
+    if padding is not None:
+        scores = scores + padding.reshape(batch, 1, 1, source)
+    weights = torch.softmax(scores, dim=-1)
+    attended = (weights @ v).permute(2, 0, 1, 3).reshape(length, batch, embed)
+    output = torch.nn.functional.linear(attended, module.out_proj.weight, module.out_proj.bias)
+    if not batched:
+        return output.squeeze(1), weights.squeeze(0)
+    if module.batch_first:
+        output = output.transpose(0, 1)
+    return output, weights
