@@ -10,7 +10,7 @@ import torch
 from captum.attr import Attribution, NoiseTunnel, visualization
 from captum.metrics import infidelity, sensitivity_max
 
-from captum_transformers import ATTENTION_METHODS, GenericAttention
+from captum_transformers import ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS, GenericAttention
 from hf_models import CASES
 
 METHODS = [pytest.param(m, id=m.__name__) for m in ATTENTION_METHODS]
@@ -113,3 +113,14 @@ def test_every_target_form_agrees():
     predicted = model(x).logits.argmax(-1)
     torch.testing.assert_close(explainer.attribute(x, return_tokens=True),
                                explainer.attribute(x, target=predicted, return_tokens=True))
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, id=m.__name__) for m in (*RELEVANCE_METHODS, *LRP_ATTENTION_METHODS)])
+def test_noise_tunnel_with_relevance_methods(method, vit):
+    model, x = vit
+    smooth = NoiseTunnel(method(model)).attribute(x, nt_type="smoothgrad", nt_samples=2, stdevs=0.1, target=[1, 2])
+    assert smooth.shape == x.shape and torch.isfinite(smooth).all()
+    if method in RELEVANCE_METHODS:
+        _, delta = NoiseTunnel(method(model)).attribute(x, nt_samples=2, stdevs=0.1, target=[1, 2],
+                                                        return_convergence_delta=True)
+        assert delta.shape == (4,)
