@@ -311,8 +311,9 @@ def needs_operation_rules(rules) -> bool:
             or rules.matmul != "gradient" or rules.add != "gradient" or rules.pixel_conv != "gradient")
 
 
-class _IdentityModule(torch.autograd.Function):
-    """The identity rule around a whole activation module: ``dx = dy * y / x``."""
+class IdentityRelevance(torch.autograd.Function):
+    """The identity rule around a whole module (a norm, an activation): ``R_x = R_y``, i.e.
+    ``dx = dy * y / x`` given the module's input ``x`` and its already computed output ``y``."""
 
     @staticmethod
     def forward(ctx, x, output):
@@ -358,7 +359,7 @@ def _activation_forward(original):
             return original(x, *args, **kwargs)
         with torch.no_grad():
             output = original(x, *args, **kwargs)
-        return _IdentityModule.apply(x, output)
+        return IdentityRelevance.apply(x, output)
     return forward
 
 

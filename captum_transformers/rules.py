@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Dict, Iterator, List, Literal, Optional
+from typing import Iterator, List, Literal, Optional
 
 import torch
 from torch import nn
@@ -226,22 +226,6 @@ class _ScaleConstantNorm(torch.autograd.Function):
         return scaled.to(grad.dtype), None, None, None, None, None
 
 
-class _IdentityNorm(torch.autograd.Function):
-    """Chefer et al.'s norm rule: relevance passes unchanged, ``R_x = R_y`` (``dx = dy * y / x``)."""
-
-    @staticmethod
-    def forward(ctx, x, output):
-        ctx.save_for_backward(x, output)
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad):
-        from .operation_rules import identity_ratio
-
-        x, output = ctx.saved_tensors
-        return grad * identity_ratio(output, x).to(grad.dtype), None
-
-
 def _norm_forward(site: NormSite, rule: str):
     def make(original):
         def forward(x, *args, **kwargs):
@@ -250,7 +234,10 @@ def _norm_forward(site: NormSite, rule: str):
             with torch.no_grad():
                 output = original(x, *args, **kwargs)
             if rule == "identity":
-                return _IdentityNorm.apply(x, output)
+                # Chefer et al.'s norm rule: relevance passes unchanged, R_x = R_y.
+                from .operation_rules import IdentityRelevance
+
+                return IdentityRelevance.apply(x, output)
             return _ScaleConstantNorm.apply(x, output, site.scale, site.centered,
                                             rule == "scale_and_mean_constant", site.eps)
         return forward

@@ -1,25 +1,16 @@
 """Helpers shared by the Chefer-method tests (tiny models from configs, no hub)."""
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
 from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 
-from captum_transformers import (AttnLRP, CaptureError, InputError, PartialLRP, RawAttention,  # noqa: E402
-                                 RuleGradientXInput, RuleSet, TransformerLRP, TransformerRelevance, get_adapter)
-from captum_transformers.adapters import huggingface as hf_adapter  # noqa: E402
-from captum_transformers.operation_rules import operation_rules  # noqa: E402
-from captum_transformers.rules import norm_rules  # noqa: E402
-from hf_models import CASES, SMALL  # noqa: E402
-from restore import assert_same, snapshot  # noqa: E402
+from captum_transformers import AttnLRP, PartialLRP, RuleSet, TransformerLRP, TransformerRelevance  # noqa: E402
+from hf_models import SMALL  # noqa: E402
 
 F64 = torch.float64
 OPERATION_PRESETS = [pytest.param(rules, id=rules.name) for rules in (RuleSet.CHEFER, RuleSet.LRP, RuleSet.ATTN_LRP)]

@@ -1,23 +1,17 @@
 """Helpers and tiny models shared by the relevance-propagation tests (no hub, random weights)."""
 
-import contextlib
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
 from timm.models.vision_transformer import VisionTransformer  # noqa: E402
-from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 
-from captum_transformers import ConservativeLRP, InputError, RuleSet, get_adapter  # noqa: E402
-from captum_transformers.adapters import huggingface as hf_adapter  # noqa: E402
+from captum_transformers import RuleSet  # noqa: E402
 from captum_transformers.rules import find_norms  # noqa: E402
-from hf_models import CASES, SMALL  # noqa: E402
-from restore import assert_same, snapshot  # noqa: E402
+from hf_models import SMALL  # noqa: E402
 
 F64 = torch.float64
 PRESETS = [pytest.param(rules, id=rules.name) for rules in (RuleSet.GRADIENT, RuleSet.AH, RuleSet.AH_LN)]

@@ -29,12 +29,19 @@ transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
 from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 
-from captum_transformers import (AttnLRP, CaptureError, InputError, PartialLRP, RawAttention,  # noqa: E402
-                                 RuleGradientXInput, RuleSet, TransformerLRP, TransformerRelevance, get_adapter)
+from captum_transformers import (  # noqa: E402
+    AttnLRP,
+    InputError,
+    PartialLRP,
+    RawAttention,
+    RuleGradientXInput,
+    RuleSet,
+    TransformerLRP,
+    TransformerRelevance,
+    get_adapter,
+)
 from captum_transformers.adapters import huggingface as hf_adapter  # noqa: E402
-from captum_transformers.operation_rules import operation_rules  # noqa: E402
-from captum_transformers.rules import norm_rules  # noqa: E402
-from hf_models import CASES, SMALL  # noqa: E402
+from hf_models import CASES  # noqa: E402
 from restore import assert_same, snapshot  # noqa: E402
 
 F64 = torch.float64

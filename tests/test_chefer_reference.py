@@ -2,9 +2,6 @@
 float64 HF ViT, against TransformerRelevance, PartialLRP and TransformerLRP."""
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,29 +9,22 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
-from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 
-from captum_transformers import (AttnLRP, CaptureError, InputError, PartialLRP, RawAttention,  # noqa: E402
-                                 RuleGradientXInput, RuleSet, TransformerLRP, TransformerRelevance, get_adapter)
-from captum_transformers.adapters import huggingface as hf_adapter  # noqa: E402
+from captum_transformers import (  # noqa: E402
+    AttnLRP,
+    PartialLRP,
+    RuleGradientXInput,
+    RuleSet,
+    TransformerLRP,
+    TransformerRelevance,
+)
 from captum_transformers.operation_rules import operation_rules  # noqa: E402
 from captum_transformers.rules import norm_rules  # noqa: E402
-from hf_models import CASES, SMALL  # noqa: E402
-from restore import assert_same, snapshot  # noqa: E402
 
 F64 = torch.float64
 OPERATION_PRESETS = [pytest.param(rules, id=rules.name) for rules in (RuleSet.CHEFER, RuleSet.LRP, RuleSet.ATTN_LRP)]
 METHODS = [pytest.param(m, id=m.__name__) for m in (TransformerRelevance, PartialLRP, TransformerLRP, AttnLRP)]
-from chefer_models import (  # noqa: E402,F401
-    EncoderClassifier,
-    _hf_vit,
-    _images,
-    _lively,
-    _logits,
-    _pearson,
-    _relative,
-    _timm_vit,
-)
+from chefer_models import _hf_vit, _images, _relative  # noqa: E402
 
 
 # == 2. the slow reference: Chefer et al. Sec. 3, written out ===================================

@@ -2,7 +2,6 @@
 propagated by hand, one example at a time (slow reference)."""
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -12,37 +11,10 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
-from captum.attr import InputXGradient, LayerGradientXActivation  # noqa: E402
-from timm.models.vision_transformer import VisionTransformer  # noqa: E402
-from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 
-from captum_transformers import ConservativeLRP, InputError, RuleSet, get_adapter  # noqa: E402
-from captum_transformers.adapters import huggingface as hf_adapter  # noqa: E402
-from captum_transformers.rules import find_norms  # noqa: E402
-from hf_models import CASES, SMALL  # noqa: E402
-from restore import assert_same, snapshot  # noqa: E402
+from captum_transformers import ConservativeLRP  # noqa: E402
 from lrp_models import *  # noqa: F401,F403,E402  (tiny models, cases and helpers)
-from lrp_models import (  # noqa: E402,F401  (the leading-underscore helpers)
-    _case_bert,
-    _case_distilbert,
-    _case_gemma_like,
-    _case_gpt2,
-    _case_hf_vit,
-    _case_timm_vit,
-    _case_torch_mha,
-    _hf_vit,
-    _images,
-    _last_real,
-    _llama,
-    _logits,
-    _pearson,
-    _random_biases,
-    _random_norm_weights,
-    _relative_errors,
-    _text_inputs,
-    _timm_vit,
-    _zero_biases,
-)
+from lrp_models import _random_norm_weights  # noqa: E402
 
 
 # == 4. the detach trick == the paper's explicit rules ==========================================
