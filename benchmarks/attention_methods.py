@@ -60,13 +60,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import dataclasses
 import gc
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -78,19 +76,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 MODELS = ("vit", "bert")
-METHOD_NAMES = ("RawAttention", "AttentionRollout", "AttentionGradCAM", "GenericAttention", "ConservativeLRP",
-                "TransformerRelevance")
-GRADIENT_METHODS = ("AttentionGradCAM", "GenericAttention", "ConservativeLRP", "TransformerRelevance")
-# Reference passes: name -> label in the table.
-REFERENCES = {
-    "forward": "forward (no_grad)",
-    "forward_eager": "forward (no_grad, eager attn)",
-    "train_step": "fwd+bwd (params)",
-    "fwd_bwd_inputs": "fwd+bwd (input embeds)",
-}
-TIME_TARGETS = {"AttentionRollout": ("forward", 1.10), "GenericAttention": ("train_step", 1.15),
-                "ConservativeLRP": ("train_step", 1.15), "TransformerRelevance": ("train_step", 2.2)}
-MEMORY_TARGET = 1.30
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_report import (GRADIENT_METHODS, MEMORY_TARGET, METHOD_NAMES, REFERENCES, TIME_TARGETS,  # noqa: E402,F401
+                              Row, format_table, reference_of, summarize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,92 +244,7 @@ def time_ops(ops: Dict[str, Callable[[], object]], repeats: int, warmup: int = 2
 
 # --------------------------------------------------------------------------- memory
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-def _libc():
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-def _tight_malloc(enable: bool = True) -> None:
-    """Make glibc give freed tensor buffers back to the OS at once (see module docstring).
-
-    ``enable=False`` puts glibc's default thresholds (128 KiB) back, though as fixed values:
-    glibc's dynamic mmap threshold stays off for the rest of the process.
-    """
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024 if enable else 128 * 1024)
-        libc.mallopt(_M_TRIM_THRESHOLD, 0 if enable else 128 * 1024)
-
-
-def _trim() -> None:
-    gc.collect()
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-def _status_kib(field: str) -> Optional[int]:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_bytes(op: Callable[[], object], device: str = "cpu", warmup: bool = True) -> Tuple[int, bool]:
-    """Peak memory of ``op()`` above what was live before it; ``(bytes, exact)``.
-
-    ``exact`` is False for the CPU fallback without a resettable peak-RSS counter.
-    """
-    if device.startswith("cuda"):
-        if warmup:
-            op()
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        result = op()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        del result
-        return peak, True
-    can_reset = _status_kib("VmHWM") is not None and _reset_peak_rss()
-    if can_reset:
-        if warmup:
-            op()
-        _trim()
-        base = _status_kib("VmRSS")
-        _reset_peak_rss()
-        result = op()
-        peak = (_status_kib("VmHWM") - base) * 1024
-        del result
-        return max(peak, 0), True
-    # Fallback: growth of the lifetime peak (Linux reports KiB, macOS bytes).
-    scale = 1 if sys.platform == "darwin" else 1024
-    _trim()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    result = op()
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    del result
-    return max(after - before, 0) * scale, False
+from peak_memory import _tight_malloc, peak_bytes  # noqa: E402,F401  (peak_bytes is part of this API)
 
 
 def _child_peak(model_name: str, op_name: str, sizes: Sizes, device: str, threads: int) -> Tuple[int, bool]:
@@ -384,93 +287,6 @@ def _child_main(model_name: str, op_name: str, sizes: Sizes, device: str, thread
     ops = make_ops(model_name, model, make_batch(model_name, sizes, device), include=[op_name])
     peak, exact = peak_bytes(ops[op_name], device)
     print(json.dumps({"peak": peak, "exact": exact}))
-
-
-# --------------------------------------------------------------------------- report
-
-
-@dataclasses.dataclass
-class Row:
-    model: str
-    name: str
-    wall_ms: float
-    cpu_ms: Optional[float]
-    reference: Optional[str] = None
-    ratio: Optional[float] = None
-    cpu_ratio: Optional[float] = None
-    time_target: Optional[float] = None
-    peak_mib: Optional[float] = None
-    peak_exact: bool = True
-    memory_ratio: Optional[float] = None
-    memory_target: Optional[float] = None
-
-
-def reference_of(name: str) -> Optional[str]:
-    if name in GRADIENT_METHODS:
-        return "train_step"
-    if name in METHOD_NAMES:
-        return "forward"
-    return None
-
-
-def summarize(model_name: str, times: Dict[str, Dict[str, List[float]]],
-              peaks: Dict[str, Tuple[int, bool]], device: str) -> List[Row]:
-    rows = []
-    med = {name: statistics.median(t["wall"]) for name, t in times.items()}
-    cpu = {name: statistics.median(t["cpu"]) for name, t in times.items()} if device == "cpu" else {}
-    train_peak = peaks.get("train_step", (None, True))[0]
-    for name in times:
-        row = Row(model_name, name, med[name] * 1e3, cpu[name] * 1e3 if cpu else None)
-        ref = reference_of(name)
-        if ref is not None and ref in med:
-            row.reference = ref
-            row.ratio = med[name] / med[ref]
-            if cpu and cpu[ref] > 0:
-                row.cpu_ratio = cpu[name] / cpu[ref]
-            target = TIME_TARGETS.get(name)
-            row.time_target = target[1] if target and target[0] == ref else None
-        if name in peaks:
-            row.peak_mib = peaks[name][0] / 2 ** 20
-            row.peak_exact = peaks[name][1]
-            if name in METHOD_NAMES and train_peak:
-                row.memory_ratio = peaks[name][0] / train_peak
-                row.memory_target = MEMORY_TARGET
-        rows.append(row)
-    return rows
-
-
-def _verdict(value: Optional[float], target: Optional[float]) -> str:
-    if value is None or target is None:
-        return ""
-    return f"<= {target:.2f} {'ok' if value <= target else 'MISS'}"
-
-
-def format_table(rows: Sequence[Row]) -> str:
-    header = ["model", "measurement", "wall ms", "cpu ms", "vs", "x wall", "x cpu", "time target",
-              "peak MiB", "x train peak", "mem target"]
-    lines = []
-    for row in rows:
-        label = REFERENCES.get(row.name, row.name)
-        lines.append([
-            row.model, label, f"{row.wall_ms:.1f}", "" if row.cpu_ms is None else f"{row.cpu_ms:.1f}",
-            {"forward": "forward", "train_step": "fwd+bwd"}.get(row.reference or "", ""),
-            "" if row.ratio is None else f"{row.ratio:.2f}",
-            "" if row.cpu_ratio is None else f"{row.cpu_ratio:.2f}",
-            _verdict(row.ratio, row.time_target),
-            "" if row.peak_mib is None else ("" if row.peak_exact else "~") + f"{row.peak_mib:.1f}",
-            "" if row.memory_ratio is None else f"{row.memory_ratio:.2f}",
-            _verdict(row.memory_ratio, row.memory_target),
-        ])
-    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),
-           "  ".join("-" * w for w in widths)]
-    previous = None
-    for line in lines:
-        if previous is not None and line[0] != previous:
-            out.append("")
-        previous = line[0]
-        out.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
-    return "\n".join(out)
 
 
 def profile_op(op: Callable[[], object], rows: int = 25) -> str:

@@ -1,0 +1,104 @@
+"""Peak memory of one call, measured so that the numbers mean something on CPU and CUDA.
+
+CUDA: ``max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated
+before. CPU: glibc is told to return freed buffers to the OS at once (``mallopt``), the
+heap is trimmed, the kernel's peak-RSS counter is reset through ``/proc/self/clear_refs``
+and ``VmHWM - VmRSS`` is read after the call; without that counter, the growth of
+``ru_maxrss`` (approximate, flagged as not exact).
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import resource
+import sys
+from typing import Callable, Optional, Tuple
+
+import torch
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def _tight_malloc(enable: bool = True) -> None:
+    """Make glibc give freed tensor buffers back to the OS at once (see module docstring).
+
+    ``enable=False`` puts glibc's default thresholds (128 KiB) back, though as fixed values:
+    glibc's dynamic mmap threshold stays off for the rest of the process.
+    """
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024 if enable else 128 * 1024)
+        libc.mallopt(_M_TRIM_THRESHOLD, 0 if enable else 128 * 1024)
+
+
+def _trim() -> None:
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _status_kib(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_bytes(op: Callable[[], object], device: str = "cpu", warmup: bool = True) -> Tuple[int, bool]:
+    """Peak memory of ``op()`` above what was live before it; ``(bytes, exact)``.
+
+    ``exact`` is False for the CPU fallback without a resettable peak-RSS counter.
+    """
+    if device.startswith("cuda"):
+        if warmup:
+            op()
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        result = op()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del result
+        return peak, True
+    can_reset = _status_kib("VmHWM") is not None and _reset_peak_rss()
+    if can_reset:
+        if warmup:
+            op()
+        _trim()
+        base = _status_kib("VmRSS")
+        _reset_peak_rss()
+        result = op()
+        peak = (_status_kib("VmHWM") - base) * 1024
+        del result
+        return max(peak, 0), True
+    # Fallback: growth of the lifetime peak (Linux reports KiB, macOS bytes).
+    scale = 1 if sys.platform == "darwin" else 1024
+    _trim()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = op()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    del result
+    return max(after - before, 0) * scale, False
