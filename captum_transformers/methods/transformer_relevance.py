@@ -11,10 +11,6 @@ from ..trace import AttentionTrace, CaptureSpec
 from .base import TraceAttribution
 
 
-def _keep_gradient(probs: torch.Tensor, grad: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
-    return grad.detach().to(torch.promote_types(grad.dtype, torch.float32))
-
-
 def _relevance(probs: torch.Tensor, lrp_grad: torch.Tensor) -> torch.Tensor:
     """LRP relevance at an attention map in gradient x input form: ``R_A = A * g_A``."""
     dtype = torch.promote_types(lrp_grad.dtype, torch.float32)
@@ -39,7 +35,7 @@ class TransformerRelevance(TraceAttribution):
     a pass with the paper's rules (``RuleSet.CHEFER``: alpha=1/beta=0 linear layers, identity
     activations, norms and softmax, halved matmuls, normalised residual adds, relevance 1 at
     the target), ``\nabla A`` the plain gradient of the target logit. Two forward and
-    backward passes per batch (gradient, then relevance); class-specific. Later blocks
+    backward passes per batch (relevance, then gradient); class-specific. Later blocks
     multiply on the left, as in the authors' code; ``start_layer`` skips the first blocks.
 
     Example::
@@ -52,22 +48,22 @@ class TransformerRelevance(TraceAttribution):
         self.start_layer = start_layer
         self.rules = rules
 
-    def capture_spec(self) -> CaptureSpec:
-        return CaptureSpec(backward_reduce=_keep_gradient)
+    def capture_spec(self) -> CaptureSpec:  # the relevance pass
+        return CaptureSpec(backward_reduce=lambda probs, lrp_grad, valid: _relevance(probs, lrp_grad))
 
     def _trace(self, inputs: Tuple[torch.Tensor, ...], target: Any, additional: Tuple[Any, ...],
                forward_kwargs: Optional[dict]) -> AttentionTrace:
-        gradients = self.adapter.trace(self.model, inputs, additional, target, self.capture_spec(), forward_kwargs)
-        by_call: Dict[int, torch.Tensor] = {r.call_index: r.backward_value for r in gradients.records}
+        # The relevance pass first: its graph is the larger one, and it is freed before the
+        # gradient pass runs with only the per-layer R_A kept (peak = the larger pass, not both).
+        relevance = self.adapter.trace(self.model, inputs, additional, target, self.capture_spec(), forward_kwargs,
+                                       rules=self.rules)
+        by_call: Dict[int, torch.Tensor] = {r.call_index: r.backward_value for r in relevance.records}
 
-        def weighted(probs, lrp_grad, valid, call_index):
-            gradient = by_call.pop(call_index)
-            return functional.gradient_weighted_heads(_relevance(probs, lrp_grad), gradient, valid)
+        def weighted(probs, grad, valid, call_index):
+            return functional.gradient_weighted_heads(by_call.pop(call_index), grad, valid)
 
         spec = CaptureSpec(backward_reduce=weighted, pass_call_index=True)
-        relevance = self.adapter.trace(self.model, inputs, additional, _resolved(gradients.target), spec,
-                                       forward_kwargs, rules=self.rules)
-        return AttentionTrace(relevance.records, relevance.layout, gradients.logits, gradients.target)
+        return self.adapter.trace(self.model, inputs, additional, _resolved(relevance.target), spec, forward_kwargs)
 
     def reduce(self, trace: AttentionTrace) -> torch.Tensor:
         self.layers_from(trace, self.start_layer)
