@@ -24,7 +24,6 @@ from typing import Iterator, List, Literal, Optional
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from . import patching
 
@@ -65,10 +64,6 @@ class RuleSet:
     LRP = None
     ATTN_LRP = None
 
-    @property
-    def changes_anything(self) -> bool:
-        return any(getattr(self, f.name) != f.default for f in dataclasses.fields(self) if f.name != "name")
-
 
 RuleSet.GRADIENT = RuleSet()
 RuleSet.AH = RuleSet("AH", attention_gate="constant")
@@ -92,22 +87,6 @@ def gate(probs: torch.Tensor, rules: Optional[RuleSet]) -> torch.Tensor:
     if rules is not None and rules.attention_gate == "constant":
         return probs.detach()
     return probs
-
-
-class ConstantSoftmax(TorchFunctionMode):
-    """Within this mode every softmax output is a constant for autograd (the AH-rule).
-
-    The values are untouched, so the forward is bit-identical. It only sees softmax calls
-    made directly under it: inside a function that is itself a torch-function override
-    (``F.multi_head_attention_forward``) the mode is switched off, so the torch_mha adapter
-    zeroes the softmax output's gradient instead.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        if func in (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax):
-            return result.detach()
-        return result
 
 
 # -- norms ---------------------------------------------------------------------------------

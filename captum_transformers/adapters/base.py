@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, ContextManager, List, Optional, Sequence, Tuple
+import dataclasses
+from typing import TYPE_CHECKING, Any, ContextManager, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from .. import patching
 from ..errors import CaptureError, InputError
 from ..targets import select_targets
 from ..trace import AttentionRecord, AttentionTrace, Block, CaptureSpec, TokenLayout
-
-if False:  # pragma: no cover - typing only, avoids an import cycle
-    from ..rules import RuleSet
 from .recorder import Recorder
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..rules import RuleSet
 
 
 def find_patch_size(model: nn.Module) -> Optional[Tuple[int, int]]:
@@ -147,6 +149,27 @@ class Adapter(abc.ABC):
         return output
 
     # -- the capture loop -----------------------------------------------------------
+    def _forward(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
+                 forward_kwargs: Optional[dict], target: Any, recorder: Recorder,
+                 contexts: Sequence[ContextManager[None]] = ()):
+        """Run the model once under the capture (and ``contexts``); return the layout, the
+        logits, the explained score per example and its target index."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.capture(model, recorder))
+            for context in contexts:
+                stack.enter_context(context)
+            output = model(*inputs, *additional_forward_args, **(forward_kwargs or {}))
+        if not recorder.sites:
+            raise CaptureError(
+                f"The forward pass of {type(model).__name__} computed no attention that the {self.name} adapter "
+                "could observe. The model may use an attention implementation this adapter does not "
+                "intercept; register a custom adapter or pass adapter=."
+            )
+        layout = self.layout(model, inputs, recorder)
+        logits = self.logits(model, output, layout, recorder.causal)
+        scores, index = select_targets(logits, target)
+        return layout, logits, scores, index
+
     def trace(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
               target: Any, spec: CaptureSpec, forward_kwargs: Optional[dict] = None,
               rules: Optional["RuleSet"] = None) -> AttentionTrace:
@@ -155,26 +178,12 @@ class Adapter(abc.ABC):
         With ``rules`` the backward pass follows those propagation rules, so the backward
         reduction sees LRP-modified gradients (relevance = probs * gradient).
         """
-        if torch.is_inference_mode_enabled():
-            raise InputError(
-                "attribute() was called under torch.inference_mode(), where no gradient can ever be taken. "
-                "Call it under torch.no_grad() or with no context instead."
-            )
+        _refuse_inference_mode()
         recorder = Recorder(spec)
-        grad_mode = torch.enable_grad() if spec.needs_gradient else torch.no_grad()
-        with grad_mode:
-            with self.capture(model, recorder), (
-                    self.propagation(model, rules) if rules is not None else contextlib.nullcontext()):
-                output = model(*inputs, *additional_forward_args, **(forward_kwargs or {}))
-            if not recorder.sites:
-                raise CaptureError(
-                    f"The forward pass of {type(model).__name__} computed no attention that the {self.name} adapter "
-                    "could observe. The model may use an attention implementation this adapter does not "
-                    "intercept; register a custom adapter or pass adapter=."
-                )
-            layout = self.layout(model, inputs, recorder)
-            logits = self.logits(model, output, layout, recorder.causal)
-            scores, index = select_targets(logits, target)
+        contexts = [self.propagation(model, rules)] if rules is not None else []
+        with torch.enable_grad() if spec.needs_gradient else torch.no_grad():
+            layout, logits, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
+                                                          target, recorder, contexts)
             if spec.needs_gradient:
                 self._backward(recorder, seeded(scores, rules))
         records = tuple(
@@ -203,12 +212,7 @@ class Adapter(abc.ABC):
             )
         for site in sites:
             if not site.received_gradient:
-                # Not connected to the output: its true gradient is zero.
-                extra = {"call_index": site.call_index} if recorder.spec.pass_call_index else {}
-                site.backward_value = recorder.spec.backward_reduce(
-                    site.probs, torch.zeros_like(site.probs), recorder.valid_pairs(site), **extra
-                )
-                site.probs = None
+                recorder.reduce_gradient(site, torch.zeros_like(site.probs))  # not connected: gradient is zero
 
     # -- relevance: Gradient x Input under propagation rules ------------------------------
     def relevance(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
@@ -219,16 +223,12 @@ class Adapter(abc.ABC):
         ``at="tokens"``: relevance of the hidden states entering the first layer, summed over
         the hidden size, (B, N). ``at="inputs"``: ``x * dy/dx`` for every floating-point input.
         """
-        if torch.is_inference_mode_enabled():
-            raise InputError(
-                "attribute() was called under torch.inference_mode(), where no gradient can ever be taken. "
-                "Call it under torch.no_grad() or with no context instead."
-            )
+        _refuse_inference_mode()
         if at not in ("tokens", "inputs"):
             raise InputError(f"relevance must be read at 'tokens' or 'inputs', got {at!r}.")
-        recorder = Recorder(CaptureSpec())
         entering: List[torch.Tensor] = []
         with torch.enable_grad():
+            contexts = [self.propagation(model, rules)]
             if at == "inputs":
                 if not any(t.is_floating_point() for t in inputs):
                     raise InputError(
@@ -236,28 +236,19 @@ class Adapter(abc.ABC):
                         f"{[str(t.dtype) for t in inputs]}. Use the token relevance (the default) for token ids."
                     )
                 inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(self.capture(model, recorder))
-                stack.enter_context(self.propagation(model, rules))
-                if at == "tokens":
-                    stack.enter_context(_read_layer_input(self.first_layer(model), entering))
-                output = model(*inputs, *additional_forward_args, **(forward_kwargs or {}))
-            if not recorder.sites:
-                raise CaptureError(
-                    f"The forward pass of {type(model).__name__} computed no attention that the {self.name} adapter "
-                    "could observe, so the token layout is unknown."
-                )
-            layout = self.layout(model, inputs, recorder)
-            logits = self.logits(model, output, layout, recorder.causal)
-            scores, index = select_targets(logits, target)
+            else:
+                contexts.append(_read_layer_input(self.first_layer(model), entering))
+            layout, _, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
+                                                     target, Recorder(CaptureSpec()), contexts)
             leaves = entering[:1] if at == "tokens" else [t for t in inputs if t.is_floating_point()]
             if not leaves:
                 raise CaptureError("The first Transformer layer never ran, so no token relevance could be read.")
             if not scores.requires_grad:
                 raise CaptureError("The explained output does not depend on the inputs (it does not require grad).")
-            grads = torch.autograd.grad(seeded(scores, rules).sum(), leaves, allow_unused=True)
-        grads = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, grads)]
-        products = [(leaf * g).detach() for leaf, g in zip(leaves, grads)]
+            explained = seeded(scores, rules)
+            grads = torch.autograd.grad(explained.sum(), leaves, allow_unused=True)
+        products = [leaf.detach() * (torch.zeros_like(leaf) if g is None else g) for leaf, g in zip(leaves, grads)]
+        explained = explained.detach()
         if at == "tokens":
             hidden = products[0]
             if hidden.shape[0] != scores.shape[0] and hidden.shape[1] == scores.shape[0]:
@@ -265,14 +256,20 @@ class Adapter(abc.ABC):
             token_relevance = hidden.reshape(hidden.shape[0], hidden.shape[1], -1).sum(-1)
             if layout.token_mask is not None:
                 token_relevance = token_relevance * layout.token_mask.to(token_relevance.dtype)
-            total = token_relevance.sum(-1)
-            return RelevanceResult(token_relevance, None, layout, seeded(scores, rules).detach(), index, total)
-        per_input = []
-        iterator = iter(products)
-        for t in inputs:
-            per_input.append(next(iterator) if t.is_floating_point() else torch.zeros(t.shape, device=t.device))
+            return RelevanceResult(token_relevance, None, layout, explained, index, token_relevance.sum(-1))
+        remaining = iter(products)
+        per_input = tuple(next(remaining) if t.is_floating_point() else torch.zeros(t.shape, device=t.device)
+                          for t in inputs)
         total = sum(r.reshape(r.shape[0], -1).sum(-1) for r in per_input)
-        return RelevanceResult(None, tuple(per_input), layout, seeded(scores, rules).detach(), index, total)
+        return RelevanceResult(None, per_input, layout, explained, index, total)
+
+
+def _refuse_inference_mode() -> None:
+    if torch.is_inference_mode_enabled():
+        raise InputError(
+            "attribute() was called under torch.inference_mode(), where no gradient can ever be taken. "
+            "Call it under torch.no_grad() or with no context instead."
+        )
 
 
 def seeded(scores: torch.Tensor, rules: Optional["RuleSet"]) -> torch.Tensor:
@@ -291,7 +288,6 @@ def seeded(scores: torch.Tensor, rules: Optional["RuleSet"]) -> torch.Tensor:
 def _read_layer_input(layer: nn.Module, store: List[torch.Tensor]):
     """Replace the hidden states entering ``layer`` (first call only) by a leaf that requires
     grad, with the same values, so ``d score / d hidden`` can be read there."""
-    from .. import patching
 
     def pre_hook(module, args, kwargs):
         if store:
@@ -313,11 +309,15 @@ def _read_layer_input(layer: nn.Module, store: List[torch.Tensor]):
         yield
 
 
+@dataclasses.dataclass(frozen=True)
 class RelevanceResult:
     """What :meth:`Adapter.relevance` returns: token relevance (B, N) or per-input relevance,
     the layout, the relevance put on the output (B,) (the logit, or 1 under a one-hot seed),
     the target index, and the relevance sums (B,)."""
 
-    def __init__(self, tokens, per_input, layout, scores, target, total):
-        self.tokens, self.per_input, self.layout = tokens, per_input, layout
-        self.scores, self.target, self.total = scores, target, total
+    tokens: Optional[torch.Tensor]
+    per_input: Optional[Tuple[torch.Tensor, ...]]
+    layout: TokenLayout
+    scores: torch.Tensor
+    target: torch.Tensor
+    total: torch.Tensor

@@ -106,16 +106,17 @@ class Recorder:
         valid = valid.to(torch.bool)
         return (valid[:, :, None] & valid[:, None, :]).unsqueeze(1)
 
+    def reduce_gradient(self, site: Site, grad: torch.Tensor) -> None:
+        """Fuse ``site``'s heads with its gradient (B, H, Q, K), then drop the raw map."""
+        extra = {"call_index": site.call_index} if self.spec.pass_call_index else {}
+        site.backward_value = self.spec.backward_reduce(site.probs, grad, self.valid_pairs(site), **extra)
+        site.probs = None
+
     def hook(self, site: Site) -> None:
-        """Fuse ``site``'s heads as soon as its gradient arrives, then drop the raw map."""
-        reduce = self.spec.backward_reduce
+        """Fuse ``site``'s heads as soon as its gradient arrives."""
 
         def on_gradient(grad: torch.Tensor) -> None:
-            if site.grad_view is not None:
-                grad = site.grad_view(grad)
-            extra = {"call_index": site.call_index} if self.spec.pass_call_index else {}
-            site.backward_value = reduce(site.probs, grad, self.valid_pairs(site), **extra)
             site.received_gradient = True
-            site.probs = None
+            self.reduce_gradient(site, site.grad_view(grad) if site.grad_view is not None else grad)
 
         site.grad_tensor.register_hook(on_gradient)
