@@ -76,44 +76,30 @@ def test_forward_unchanged_inside_capture(case):
     torch.testing.assert_close(trace.logits, reference, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", CASE_NAMES)
-@pytest.mark.parametrize("method", METHODS)
-def test_exact_restore_after_normal_exit(case, method):
-    spec = CASES[case]
-    model = spec.model("sdpa")
-    inputs, kwargs = spec.inputs()
-    with torch.no_grad():
-        before_out = model(inputs, **kwargs)
-    before = snapshot(model)
-    method(model).attribute(inputs, target=0, forward_kwargs=kwargs)
-    assert_same(before, snapshot(model))
-    with torch.no_grad():
-        after_out = model(inputs, **kwargs)
-    assert torch.equal(before_out[0], after_out[0])
-
-
 class Boom(RuntimeError):
     pass
 
 
 @pytest.mark.parametrize("case", CASE_NAMES)
 @pytest.mark.parametrize("method", METHODS)
-def test_exact_restore_after_exception_mid_forward(case, method):
+@pytest.mark.parametrize("mid_forward_error", [False, True], ids=["normal_exit", "exception_mid_forward"])
+def test_exact_restore(case, method, mid_forward_error):
     spec = CASES[case]
     model = spec.model("sdpa")
     inputs, kwargs = spec.inputs()
     with torch.no_grad():
         before_out = model(inputs, **kwargs)
     before = snapshot(model)
-    blocks = get_adapter(model).blocks(model)
+    if mid_forward_error:
+        def explode(*_):
+            raise Boom("raised mid-forward")
 
-    def explode(*_):
-        raise Boom("raised mid-forward")
-
-    handle = blocks[-1].module.register_forward_hook(explode)
-    with pytest.raises(Boom):
+        handle = get_adapter(model).blocks(model)[-1].module.register_forward_hook(explode)
+        with pytest.raises(Boom):
+            method(model).attribute(inputs, target=0, forward_kwargs=kwargs)
+        handle.remove()
+    else:
         method(model).attribute(inputs, target=0, forward_kwargs=kwargs)
-    handle.remove()
     assert_same(before, snapshot(model))
     with torch.no_grad():
         assert torch.equal(before_out[0], model(inputs, **kwargs)[0])
