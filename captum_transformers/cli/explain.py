@@ -1,0 +1,128 @@
+"""``captum-transformers explain``: every method side by side on a few inputs, as a PNG.
+
+With no arguments it explains sample DigitCanvas test canvases with the built-in model,
+offline, in seconds. ``--model`` takes a HF directory or hub id, a timm name, or a
+checkpoint (see ``model_loading``); ``--image`` / ``--text`` give the inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+from ..errors import InputError
+from ..methods.catalog import METHOD_NAMES, build_method, resolve_method_names
+from . import figures
+from .model_loading import LoadedModel, load_model, read_image
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("explain", help="explain inputs with every method, write a PNG grid",
+                                   description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="HF model directory or hub id, timm model name, or checkpoint file "
+                                        "(default: the built-in DigitCanvas ViT)")
+    parser.add_argument("--arch", help="timm architecture of a state-dict checkpoint")
+    parser.add_argument("--random-init", action="store_true", help="timm: random weights instead of pretrained")
+    parser.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    parser.add_argument("--text", action="append", default=[], help="text to classify (repeatable)")
+    parser.add_argument("--method", action="append", choices=METHOD_NAMES + ("all",), default=None,
+                        help="method to run (repeatable; default: all)")
+    parser.add_argument("--target", type=int, help="class to explain (default: the predicted class)")
+    parser.add_argument("--samples", type=int, default=4, help="built-in model: number of sample canvases")
+    parser.add_argument("--out", default="captum_transformers_explain", help="output folder")
+    parser.set_defaults(run=run)
+
+
+def _raw_inputs(loaded: LoadedModel, args) -> tuple:
+    """The batch to explain: ``(inputs, forward_kwargs, displays, labels or None)``."""
+    if args.image and args.text:
+        raise InputError("give either --image or --text, not both.")
+    if loaded.modality == "image" and args.text:
+        raise InputError(f"{loaded.name} is an image model but got --text; give --image FILE or a text model.")
+    if loaded.modality == "text" and args.image:
+        raise InputError(f"{loaded.name} is a text model but got --image; give --text STRING or an image model.")
+    if args.image:
+        return (*loaded.prepare([read_image(path) for path in args.image]), None)
+    if args.text:
+        return (*loaded.prepare(args.text), None)
+    if args.model is not None:
+        raise InputError(f"nothing to explain: give --image FILE or --text STRING for {loaded.name}.")
+    if args.samples < 1:
+        raise InputError(f"--samples {args.samples}: expected at least 1.")
+    from ..tasks import digit_canvas
+
+    canvases = digit_canvases_sample(args.samples)
+    return (digit_canvas.normalize(canvases.images),), {}, list(canvases.images), canvases.labels
+
+
+def digit_canvases_sample(count: int):
+    from ..tasks.digit_canvas import digit_canvases
+
+    return digit_canvases(split="test", variant="one", n=count, seed=0)
+
+
+def _logits(model, inputs, forward_kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        output = model(*inputs, **forward_kwargs)
+    return getattr(output, "logits", output[0] if isinstance(output, (tuple, list)) else output)
+
+
+def run(args) -> int:
+    methods = resolve_method_names(args.method)
+    loaded = load_model(args.model, args.arch, args.random_init)
+    inputs, forward_kwargs, displays, labels = _raw_inputs(loaded, args)
+    logits = _logits(loaded.model, inputs, forward_kwargs)
+    if logits.dim() != 2:
+        raise InputError(f"{loaded.name} returns scores of shape {tuple(logits.shape)}; expected (batch, classes).")
+    classes = logits.shape[-1]
+    if args.target is not None and not 0 <= args.target < classes:
+        raise InputError(f"--target {args.target} is out of range: {loaded.name} has {classes} classes "
+                         f"(0..{classes - 1}).")
+    probabilities = logits.softmax(-1)
+    predicted = probabilities.argmax(-1)
+    target = predicted if args.target is None else torch.full_like(predicted, args.target)
+    titles = []
+    for index in range(len(displays)):
+        title = (f"pred {loaded.class_name(int(predicted[index]))} "
+                 f"({float(probabilities[index, predicted[index]]):.2f})")
+        if labels is not None:
+            title += f", true {loaded.class_name(int(labels[index]))}"
+        titles.append(title)
+        print(f"input {index}: {title}")
+    print(f"explaining class {'predicted' if args.target is None else loaded.class_name(args.target)} "
+          f"with {len(methods)} method(s) on {loaded.name}")
+    scores: Dict[str, torch.Tensor] = {}
+    for name in methods:
+        start = time.perf_counter()
+        attribution = build_method(name, loaded.model).attribute(
+            inputs[0] if len(inputs) == 1 else inputs, target=target, forward_kwargs=forward_kwargs or None,
+            return_tokens=loaded.modality == "text")
+        scores[name] = _display_scores(loaded, attribution, displays, forward_kwargs.get("attention_mask"))
+        print(f"  {name:>22}: {(time.perf_counter() - start) * 1000:7.0f} ms")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if loaded.modality == "image":
+        path = figures.image_grid(displays, scores, titles, out / "explanations.png")
+    else:
+        path = figures.token_strips(displays, scores, titles, out / "explanations.png")
+    print(f"wrote {path}")
+    return 0
+
+
+def _display_scores(loaded: LoadedModel, attribution, displays: List, mask) -> torch.Tensor:
+    """Image maps summed over channels (B, H, W); for text, the scores of each example's real
+    tokens (left- or right-padding alike), special tokens zeroed, padded to (B, longest)."""
+    if isinstance(attribution, tuple):
+        attribution = attribution[0]
+    attribution = attribution.detach().float()
+    if loaded.modality == "image":
+        return attribution.sum(1) if attribution.dim() == 4 else attribution
+    scores = torch.zeros(len(displays), max(len(tokens) for tokens in displays))
+    for row, tokens in enumerate(displays):  # display only: a few short examples
+        real = attribution[row] if mask is None else attribution[row][mask[row].bool()]
+        special = torch.tensor([token in loaded.special_tokens for token in tokens], dtype=torch.bool)
+        scores[row, :len(tokens)] = real[:len(tokens)].masked_fill(special, 0.0)
+    return scores

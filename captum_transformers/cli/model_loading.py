@@ -1,0 +1,238 @@
+"""Turn the ``--model`` argument of the command line into a model and its preprocessing.
+
+``--model`` is read, in this order, as:
+
+1. nothing: the built-in DigitCanvas ViT shipped inside the package (offline);
+2. an existing directory: a HuggingFace model saved with ``save_pretrained`` (its
+   ``config.json`` says image or text; the processor or tokenizer is read from the same
+   directory);
+3. an existing file: a checkpoint, either a whole pickled ``nn.Module``
+   (``torch.save(model)``) or a state dict together with ``--arch <timm model name>``;
+4. a timm model name (``timm.is_model``): pretrained weights from the hub, or random weights
+   with ``--random-init``;
+5. anything else: a HuggingFace hub id, fetched with ``from_pretrained``.
+
+Every failure is an ``InputError`` that names the fix (a hub that cannot be reached says to
+give the model as a local directory).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from ..errors import InputError
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to explain, with what the command line needs around it.
+
+    ``prepare(raws)`` turns a list of raw inputs (PIL images, or strings) into one batch of
+    model inputs: ``(model_inputs: tuple, forward_kwargs: dict, displays: list)`` where each
+    display is the [0, 1] image (3, H, W) or the example's list of tokens.
+    """
+
+    model: nn.Module
+    modality: str  # "image" or "text"
+    name: str
+    prepare: Callable
+    class_names: Optional[List[str]] = None
+    special_tokens: frozenset = frozenset()  # text: tokens shown but not scored ([CLS], [SEP], <s>, ...)
+
+    def class_name(self, index: int) -> str:
+        if self.class_names and 0 <= index < len(self.class_names):
+            return self.class_names[index]
+        return str(index)
+
+
+def load_model(spec: Optional[str], arch: Optional[str] = None, random_init: bool = False) -> LoadedModel:
+    """The model that ``--model spec`` names (see the module docstring for the order)."""
+    if spec is None:
+        return _builtin()
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _huggingface(str(path), local=True)
+    if path.is_file():
+        return _checkpoint(path, arch, random_init)
+    if spec.startswith(("./", "../", "/", "~")) or spec.endswith((".pt", ".pth", ".bin", ".safetensors")):
+        raise InputError(f"--model {spec!r}: no such file or directory; expected a HuggingFace model directory, "
+                         "a checkpoint file, a timm model name or a hub id.")
+    if _is_timm_name(spec):
+        return _timm(spec, pretrained=not random_init)
+    return _huggingface(spec, local=False)
+
+
+def _builtin() -> LoadedModel:
+    from ..tasks import digit_canvas, digit_model
+
+    def prepare(raws):
+        images = torch.stack([_image_tensor(raw, (32, 32)) for raw in raws])
+        return (digit_canvas.normalize(images),), {}, list(images)
+
+    return LoadedModel(digit_model.load_digit_model(), "image", "built-in DigitCanvas ViT", prepare,
+                       [str(digit) for digit in range(10)])
+
+
+def _is_timm_name(spec: str) -> bool:
+    try:
+        import timm
+    except ImportError:
+        return False
+    return timm.is_model(spec)
+
+
+def _timm(name: str, pretrained: bool, state_dict: Optional[Dict[str, torch.Tensor]] = None) -> LoadedModel:
+    import timm
+    import timm.data
+
+    try:
+        model = timm.create_model(name, pretrained=pretrained)
+    except Exception as error:  # network, missing weights: many exception types
+        raise InputError(f"could not fetch pretrained weights for timm model {name!r} ({type(error).__name__}); "
+                         "the hub is unreachable or has no weights for it. Give a local checkpoint instead "
+                         "(--model FILE --arch NAME), or --random-init to explain an untrained model.") from None
+    if state_dict is not None:
+        missing, unexpected = model.load_state_dict(state_dict, strict=False)
+        if missing or unexpected:
+            raise InputError(f"the checkpoint does not fit timm model {name!r}: missing {list(missing)[:5]}, "
+                             f"unexpected {list(unexpected)[:5]}; check --arch.")
+    model.eval()
+    config = timm.data.resolve_data_config({}, model=model)
+    built_for = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    size = tuple(built_for) if built_for is not None else tuple(config["input_size"][1:])
+    mean = torch.tensor(config["mean"]).view(3, 1, 1)
+    std = torch.tensor(config["std"]).view(3, 1, 1)
+
+    def prepare(raws):
+        images = torch.stack([_image_tensor(raw, size) for raw in raws])
+        return ((images - mean) / std,), {}, list(images)
+
+    return LoadedModel(model, "image", name, prepare, None)
+
+
+def _checkpoint(path: Path, arch: Optional[str], random_init: bool) -> LoadedModel:
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:
+        raise InputError(f"could not read checkpoint {str(path)!r} ({type(error).__name__}: {error}); expected a file "
+                         "written by torch.save.") from None
+    if isinstance(loaded, nn.Module):
+        return _wrap_module(loaded.eval(), path.name)
+    if isinstance(loaded, dict) and all(isinstance(v, torch.Tensor) for v in loaded.values()):
+        if arch is None:
+            raise InputError(f"{str(path)!r} holds a state dict; say which timm architecture it belongs to with "
+                             "--arch NAME (e.g. --arch vit_small_patch16_224).")
+        if not _is_timm_name(arch):
+            raise InputError(f"--arch {arch!r} is not a timm model name; see timm.list_models().")
+        return _timm(arch, pretrained=False, state_dict=loaded)
+    raise InputError(f"{str(path)!r} holds a {type(loaded).__name__}; expected a pickled nn.Module or a state dict.")
+
+
+def _wrap_module(model: nn.Module, name: str) -> LoadedModel:
+    """A whole pickled module: its timm data config if it has one (else ImageNet statistics),
+    at the input size its patch embedding was built for (else 224 x 224)."""
+    config = getattr(model, "pretrained_cfg", None) or {}
+    built_for = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    size = tuple(built_for) if built_for is not None else tuple(config.get("input_size", (3, 224, 224))[1:])
+    mean = torch.tensor(config.get("mean", (0.485, 0.456, 0.406))).view(3, 1, 1)
+    std = torch.tensor(config.get("std", (0.229, 0.224, 0.225))).view(3, 1, 1)
+
+    def prepare(raws):
+        images = torch.stack([_image_tensor(raw, size) for raw in raws])
+        return ((images - mean) / std,), {}, list(images)
+
+    return LoadedModel(model, "image", name, prepare, None)
+
+
+def _huggingface(source: str, local: bool) -> LoadedModel:
+    try:
+        import transformers
+    except ImportError:
+        raise InputError("HuggingFace models need transformers: pip install 'captum_transformers[hf]'.") from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(source)
+    except OSError:
+        if local:
+            raise InputError(f"{source!r} is a directory without a readable config.json; expected a model saved "
+                             "with save_pretrained.") from None
+        raise InputError(f"unknown model {source!r}: not a directory, not a checkpoint file, not a timm model name, "
+                         "and the HuggingFace hub could not provide it (unreachable, or no such model). Give the "
+                         "model as a local directory saved with save_pretrained (--model path/to/dir).") from None
+    names = _class_names(config)
+    if getattr(config, "image_size", None) is not None and config.model_type not in _TEXT_TYPES:
+        model = transformers.AutoModelForImageClassification.from_pretrained(source).eval()
+        try:
+            processor = transformers.AutoImageProcessor.from_pretrained(source)
+        except (OSError, ValueError):
+            processor = None
+        size = _pair(config.image_size)
+
+        def prepare(raws):
+            if processor is None:  # ViT-style default: [0, 1] -> [-1, 1]
+                images = torch.stack([_image_tensor(raw, size) for raw in raws])
+                return (images * 2 - 1,), {}, list(images)
+            pixels = processor(images=[raw.convert("RGB") for raw in raws], return_tensors="pt")["pixel_values"]
+            return (pixels,), {}, [_image_tensor(raw, tuple(pixels.shape[-2:])) for raw in raws]
+
+        return LoadedModel(model, "image", source, prepare, names)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(source).eval()
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise InputError(f"{source!r} has no tokenizer ({type(error).__name__}); save the tokenizer with "
+                         "tokenizer.save_pretrained into the same directory.") from None
+
+    def prepare(raws):
+        encoded = tokenizer(list(raws), return_tensors="pt", truncation=True, padding=True)
+        tokens = [tokenizer.convert_ids_to_tokens(ids[mask.bool()])
+                  for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"])]
+        return (encoded["input_ids"],), {"attention_mask": encoded["attention_mask"]}, tokens
+
+    return LoadedModel(model, "text", source, prepare, names, frozenset(tokenizer.all_special_tokens))
+
+
+_TEXT_TYPES = frozenset({"clip_text_model"})
+
+
+def _class_names(config) -> Optional[List[str]]:
+    labels = getattr(config, "id2label", None) or {}
+    if not labels:
+        return None
+    return [str(labels.get(index, labels.get(str(index), index))) for index in range(len(labels))]
+
+
+def _pair(size) -> tuple:
+    return (size, size) if isinstance(size, int) else tuple(size)
+
+
+def _image_tensor(raw, size) -> torch.Tensor:
+    """A PIL image as a (3, H, W) float tensor in [0, 1], resized to ``size`` (bilinear)."""
+    import numpy as np
+
+    array = np.asarray(raw.convert("RGB"), dtype=np.float32) / 255.0
+    image = torch.from_numpy(array).permute(2, 0, 1).unsqueeze(0)
+    if tuple(image.shape[-2:]) != tuple(size):
+        image = torch.nn.functional.interpolate(image, size=tuple(size), mode="bilinear", align_corners=False,
+                                                antialias=True)
+    return image[0].clamp(0, 1)
+
+
+def read_image(path: str):
+    """Open ``path`` as a PIL image, with a one-line error when it cannot be read."""
+    try:
+        from PIL import Image
+    except ImportError:
+        raise InputError("reading images needs Pillow: pip install pillow.") from None
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except FileNotFoundError:
+        raise InputError(f"--image {path!r}: no such file.") from None
+    except Exception as error:
+        raise InputError(f"--image {path!r} is not a readable image ({type(error).__name__}); expected a PNG, JPEG "
+                         "or any format Pillow opens.") from None
+

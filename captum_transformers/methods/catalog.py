@@ -1,0 +1,66 @@
+"""Every method under a short, stable name, for command lines, configs and benchmark tables.
+
+Names are lower-case and hyphenated; each maps to a factory ``model -> Attribution``.
+Gradient x Input is ``ConservativeLRP(variant="GI")`` (Gradient x Input at the same place
+the LRP methods read their relevance, so the comparison is like for like).
+
+Example::
+
+    >>> from captum_transformers.methods.catalog import build_method, METHOD_NAMES
+    >>> explainer = build_method("generic-attention", model)
+    >>> maps = explainer.attribute(pixel_values, target=labels)
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Dict, Iterable, List, Tuple
+
+from torch import nn
+
+from ..errors import InputError
+from .conservative_lrp import ConservativeLRP
+from .generic_attention import GenericAttention
+from .grad_cam import AttentionGradCAM
+from .lrp import AttnLRP, TransformerLRP
+from .raw_attention import RawAttention
+from .rollout import AttentionRollout
+from .transformer_relevance import PartialLRP, TransformerRelevance
+
+METHOD_FACTORIES: Dict[str, Callable[[nn.Module], object]] = {
+    "raw-attention": RawAttention,
+    "rollout": AttentionRollout,
+    "grad-cam": AttentionGradCAM,
+    "partial-lrp": PartialLRP,
+    "lrp": TransformerLRP,
+    "attn-lrp": AttnLRP,
+    "gradient-x-input": partial(ConservativeLRP, variant="GI"),
+    "conservative-lrp-ah": partial(ConservativeLRP, variant="AH"),
+    "conservative-lrp": partial(ConservativeLRP, variant="AH+LN"),
+    "generic-attention": GenericAttention,
+    "transformer-relevance": TransformerRelevance,
+}
+METHOD_NAMES: Tuple[str, ...] = tuple(METHOD_FACTORIES)
+
+# Methods whose score is a map over tokens/pixels from attention (needs an attention trace),
+# versus relevance read at the input. Both kinds run on every adapter in the support matrix.
+CLASS_AGNOSTIC = frozenset({"raw-attention", "rollout"})
+
+
+def resolve_method_names(names: Iterable[str] | None) -> List[str]:
+    """Validate ``names`` (``None`` or ``["all"]`` means every method), keeping their order."""
+    if names is None:
+        return list(METHOD_NAMES)
+    names = list(names)
+    if names == ["all"]:
+        return list(METHOD_NAMES)
+    unknown = [name for name in names if name not in METHOD_FACTORIES]
+    if unknown:
+        raise InputError(f"unknown method {', '.join(map(repr, unknown))}; expected one of "
+                         f"{', '.join(METHOD_NAMES)} (or 'all').")
+    return names
+
+
+def build_method(name: str, model: nn.Module):
+    """The attribution ``name`` (see ``METHOD_NAMES``) for ``model``."""
+    (name,) = resolve_method_names([name])
+    return METHOD_FACTORIES[name](model)
