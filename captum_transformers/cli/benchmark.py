@@ -1,0 +1,68 @@
+"""``captum-transformers benchmark``: the faithfulness table of a task, with JSON, CSV and plots.
+
+Under ``torchrun --nproc_per_node N`` the evaluation is sharded over the processes (gloo on
+CPU, NCCL with ``--device cuda``) and the metrics reduced; rank 0 prints and writes.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import InputError
+from ..methods.catalog import METHOD_NAMES
+
+
+def add_parser(subparsers) -> None:
+    from ..tasks.runner import TASKS
+
+    parser = subparsers.add_parser("benchmark", help="faithfulness metrics of methods on a benchmark task",
+                                   description=__doc__.splitlines()[0])
+    parser.add_argument("--task", required=True, choices=TASKS)
+    parser.add_argument("--methods", nargs="+", choices=METHOD_NAMES + ("all",), default=None,
+                        help="methods to evaluate (default: all)")
+    parser.add_argument("--limit", type=int, help="first N test examples only")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--explain", choices=("predicted", "label"),
+                        help="class to explain (default: predicted for digits, label for movies)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
+    parser.add_argument("--out", default="captum_transformers_benchmark", help="output folder")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run)
+
+
+def _start_distributed(device: str) -> str:
+    """Join the torchrun process group when launched by torchrun; returns the device to use."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return device
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise InputError("--device cuda but no CUDA device is available; use --device cpu (gloo).")
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return device
+
+
+def run(args) -> int:
+    from ..tasks.report import summary, table, write_report
+    from ..tasks.runner import run_benchmark
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"--device {args.device} but no CUDA device is available; use --device cpu.")
+    device = _start_distributed(args.device)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    try:
+        report = run_benchmark(args.task, args.methods, args.limit, args.batch_size,
+                               progress=not args.no_progress and rank == 0, device=device, explain=args.explain)
+        if rank == 0:
+            print(summary(report))
+            print(table(report))
+            for path in write_report(report, args.out):
+                print(f"wrote {path}")
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0

