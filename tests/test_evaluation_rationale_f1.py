@@ -20,7 +20,8 @@ def f1_of(token_scores, k="gold", word_ids=WORD_IDS, gold=GOLD):
 
 
 def test_word_score_is_max_over_pieces():
-    scores, has_piece = word_scores(torch.tensor([[9.0, 0.2, 0.7, 0.1, 0.3, 9.0]], dtype=torch.float64), WORD_IDS[:1], 4)
+    token_scores = torch.tensor([[9.0, 0.2, 0.7, 0.1, 0.3, 9.0]], dtype=torch.float64)
+    scores, has_piece = word_scores(token_scores, WORD_IDS[:1], 4)
     assert scores[0, :3].tolist() == [0.7, 0.1, 0.3] and has_piece[0].tolist() == [True, True, True, False]
 
 

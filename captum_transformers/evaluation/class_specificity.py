@@ -51,7 +51,8 @@ class ClassSpecificity(Accumulator):
         on_other = torch.cat([positive_mass(maps_a, masks_b), positive_mass(maps_b, masks_a)])
         total = on_own + on_other
         defined = total > 0
-        share = torch.where(defined, on_own / torch.where(defined, total, torch.ones_like(total)), torch.zeros_like(total))
+        safe_total = torch.where(defined, total, torch.ones_like(total))
+        share = torch.where(defined, on_own / safe_total, torch.zeros_like(total))
         self._add("share_sum", exact_sum(share))
         self._add("count", defined.sum())
         self._add("excluded", (~defined).sum())

@@ -19,10 +19,9 @@ def plot_curves(curves: Mapping[str, CurveResult], path, title: Optional[str] = 
     >>> plot_curves({"rollout": rollout_curve, "lrp": lrp_curve}, "auac.png", title="AUAC")  # doctest: +SKIP
     """
     if not curves or not all(isinstance(c, CurveResult) for c in curves.values()):
-        raise InputError(
-            f"plot_curves needs a non-empty {{method_name: CurveResult}} dict, got "
-            f"{ {k: type(v).__name__ for k, v in curves.items()} if isinstance(curves, Mapping) else type(curves).__name__}."
-        )
+        received = ({k: type(v).__name__ for k, v in curves.items()} if isinstance(curves, Mapping)
+                    else type(curves).__name__)
+        raise InputError(f"plot_curves needs a non-empty {{method_name: CurveResult}} dict, got {received}.")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -125,7 +125,8 @@ def result_from_dict(data: Dict[str, Any]) -> ResultRecord:
 def _check_rows(rows: Iterable[Row]) -> List[Row]:
     rows = list(rows)
     for row in rows:
-        if not (isinstance(row, tuple) and len(row) == 2 and isinstance(row[0], str) and isinstance(row[1], ResultRecord)):
+        is_pair = isinstance(row, tuple) and len(row) == 2
+        if not (is_pair and isinstance(row[0], str) and isinstance(row[1], ResultRecord)):
             raise InputError(
                 f"Each row must be a (method_name, result) pair, got {row!r}. "
                 "Collect rows as [(\"rollout\", metric.compute()), ...]."

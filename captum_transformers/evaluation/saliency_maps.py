@@ -2,13 +2,16 @@
 normalised per image."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..errors import InputError
 from .validation import require_tensor
 
 
-def as_pixel_maps(maps: torch.Tensor, height: int, width: int, channels: int = None, name: str = "maps") -> torch.Tensor:
+def as_pixel_maps(maps: torch.Tensor, height: int, width: int, channels: Optional[int] = None,
+                  name: str = "maps") -> torch.Tensor:
     """Return maps as (B, H, W) float64.
 
     Accepted: (B, H, W); (B, 1, H, W); (B, C, H, W) with one map per image channel, which is

@@ -48,7 +48,9 @@ class _TokenFlipping(Accumulator):
     def __init__(self, forward: Forward, replacement_id: int, fractions, max_batch_size) -> None:
         super().__init__()
         if not isinstance(replacement_id, int):
-            raise InputError(f"replacement_id must be an int token id (e.g. tokenizer.unk_token_id), got {replacement_id!r}.")
+            raise InputError(
+                f"replacement_id must be an int token id (e.g. tokenizer.unk_token_id), got {replacement_id!r}."
+            )
         self.forward = forward
         self.replacement_id = replacement_id
         self.fractions = require_fractions(fractions, 0.0, 1.0)
@@ -79,11 +81,11 @@ class _TokenFlipping(Accumulator):
         batch = input_ids.shape[0]
 
         def build(steps):
-            ids = torch.cat([
-                torch.where(flipped_at_step(s), torch.full_like(input_ids, self.replacement_id), input_ids) for s in steps
-            ])
+            replacement = torch.full_like(input_ids, self.replacement_id)
+            ids = torch.cat([torch.where(flipped_at_step(s), replacement, input_ids) for s in steps])
             repeat = lambda t: t.repeat(len(steps), *([1] * (t.dim() - 1)))  # noqa: E731 - step-major copies
-            return {"input_ids": ids, "attention_mask": repeat(attention_mask), **{k: repeat(v) for k, v in extra.items()}}
+            extra_copies = {k: repeat(v) for k, v in extra.items()}
+            return {"input_ids": ids, "attention_mask": repeat(attention_mask), **extra_copies}
 
         return logits_per_step(self.forward, build, len(self.fractions), batch, self.max_batch_size).to(torch.float64)
 
@@ -114,7 +116,7 @@ class TokenActivation(_TokenFlipping):
     def update(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, relevance: torch.Tensor,
                labels: torch.Tensor, special_tokens_mask: Optional[torch.Tensor] = None,
                extra_inputs: Optional[Mapping[str, torch.Tensor]] = None) -> None:
-        """Add a batch: ids, mask, relevance (B, S), labels (B,); ``extra_inputs`` (e.g. token_type_ids) pass through."""
+        """Add a batch: ids, mask, relevance (B, S), labels (B,); extra inputs (token_type_ids) pass through."""
         input_ids, attention_mask, relevance, labels, changeable, extra = self._prepare(
             input_ids, attention_mask, relevance, labels, special_tokens_mask, extra_inputs)
         order = ranks(torch.where(changeable, relevance, torch.full_like(relevance, -math.inf)), descending=True)
