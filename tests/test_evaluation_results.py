@@ -1,13 +1,11 @@
-"""Result records: JSON / CSV round trips, merging states, and the curve plot."""
+"""Result records: JSON / CSV round trips and the curve plot."""
 import json
 
 import pytest
-import torch
 
 from captum_transformers.errors import InputError
-from captum_transformers.evaluation import (ClassSpecificity, CurveResult, RationaleF1Result, SegmentationResult,
-                                            SpecificityResult, exact_sum, plot_curves, read_csv, read_json,
-                                            write_csv, write_json)
+from captum_transformers.evaluation import (CurveResult, RationaleF1Result, SegmentationResult, SpecificityResult,
+                                            plot_curves, read_csv, read_json, write_csv, write_json)
 
 CURVE = CurveResult("auac", (0.0, 0.5, 1.0), (0.25, 0.5, 0.75), 0.5, 10, y_label="p(true class)")
 ROWS = [
@@ -47,22 +45,3 @@ def test_plot_file_is_written(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(InputError):
         plot_curves({}, path)
-
-
-def test_exact_sum_is_independent_of_grouping():
-    values = torch.rand(1000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    grouped = exact_sum(values[:333]) + exact_sum(values[333:700]) + exact_sum(values[700:])
-    assert torch.equal(grouped, exact_sum(values)) and abs(float(exact_sum(values) - values.sum())) < 1e-6
-
-
-def test_merge_adds_states_and_refuses_other_kinds():
-    masks = torch.zeros(2, 4, 4, dtype=torch.bool)
-    masks[:, :2] = True
-    a, b = ClassSpecificity(), ClassSpecificity()
-    a.update(masks.double(), masks.double(), masks, ~masks)
-    b.update(masks.double(), masks.double(), masks, ~masks)
-    assert a.merge(b).state()["count"].item() == 8  # 2 examples x 2 directions, twice
-    with pytest.raises(InputError, match="merge"):
-        a.merge(object())
-    a.reset()
-    assert a.state()["count"].item() == 0

@@ -14,7 +14,7 @@ ModalityTokenRemoval   drop one modality's tokens by relevance (Chefer et al. IC
 ClassSpecificity       share of positive relevance on the explained object
 =====================  =============================================================
 """
-from .accumulator import Accumulator, exact_sum
+from .accumulator import Accumulator, exact_sum, limbs_value
 from .average_precision import average_precision
 from .class_specificity import ClassSpecificity
 from .curves import trapezoid
@@ -31,7 +31,7 @@ from .token_compaction import compact_tokens
 from .token_flipping import TOKEN_FRACTIONS, TokenActivation, TokenPruning
 
 __all__ = [
-    "Accumulator", "exact_sum", "average_precision", "ClassSpecificity", "trapezoid", "all_reduce_metrics",
+    "Accumulator", "exact_sum", "limbs_value", "average_precision", "ClassSpecificity", "trapezoid", "all_reduce_metrics",
     "shard_indices", "MODALITY_FRACTIONS", "ModalityTokenRemoval", "PIXEL_FRACTIONS", "PixelPerturbation",
     "plot_curves", "RationaleF1", "CurveResult", "RationaleF1Result", "ResultRecord", "SegmentationResult",
     "SpecificityResult", "read_csv", "read_json", "result_from_dict", "write_csv", "write_json", "minmax_normalize",

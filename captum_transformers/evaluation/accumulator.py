@@ -3,10 +3,12 @@
 A metric keeps only sums and counts, as float64 tensors returned (live, not copied) by
 ``state()``. Summing each state tensor over shards (``torch.distributed.all_reduce`` with
 ``SUM``, or ``merge``) therefore reproduces the single-process state. To make that hold
-*exactly*, not just to rounding, per-example real values are rounded to a multiple of a
-power of two (``2**-32`` for values in [0, 1]) before they are added: sums of such values are
-exact integers times that power in float64, so addition becomes associative and the order
-of batches, shards or the reduction tree cannot change a single bit.
+*exactly*, not just to rounding, sums of real per-example values are kept in fixed point:
+each value is rounded to a multiple of ``2**-40`` and the integer it becomes is split into a
+high and a low limb, summed separately. Every limb sum is an integer below ``2**53``, so
+float64 adds it exactly and the order of batches, shards or the reduction tree cannot change
+a single bit. (A single float64 grid would force a choice between resolution and range:
+squared logit errors of an untrained model are ~1e-8, of a trained one ~1e2.)
 """
 from __future__ import annotations
 
@@ -16,24 +18,42 @@ import torch
 
 from ..errors import InputError
 
-UNIT_RESOLUTION = 2.0 ** -32
-"""Grid for per-example values in [0, 1]: error <= 1.2e-10 each; sums stay exact up to 2**21 (2M) examples."""
+FRACTION_BITS = 40
+"""Values are rounded to multiples of 2**-40 (about 9e-13)."""
 
-WIDE_RESOLUTION = 2.0 ** -20
-"""Grid for unbounded per-example values (squared logit errors): error <= 5e-7 each; sums exact up to 2**33."""
+LOW_BITS = 26
+"""The low limb holds the last 26 bits: up to 2**27 examples sum exactly in it."""
+
+_MAX_MAGNITUDE = 2.0 ** 22  # keeps value * 2**40 well inside int64
 
 
-def exact_sum(values: torch.Tensor, dim: int = 0, resolution: float = UNIT_RESOLUTION) -> torch.Tensor:
-    """Sum of ``values`` along ``dim`` after rounding each to a multiple of ``resolution``.
+def exact_sum(values: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Fixed-point sum of ``values`` along ``dim``, as float64 limbs of shape (..., 2).
 
-    ``exact_sum(v) == round(v / r).sum() * r`` in float64, which is independent of the order
-    of summation while the total stays below ``2**53 * r``.
+    With ``q = round(v * 2**40)`` per value, the limbs are ``sum(q // 2**26)`` and
+    ``sum(q mod 2**26)``; ``limbs_value`` turns them back into the sum. Limb sums of disjoint
+    parts add up exactly to the limbs of the whole, in any order. Values must satisfy
+    ``|v| < 2**22``; totals stay exact up to about ``2**39`` (5e11).
 
-    >>> exact_sum(torch.tensor([0.1, 0.2])) + exact_sum(torch.tensor([0.3])) == exact_sum(torch.tensor([0.1, 0.2, 0.3]))
-    tensor(True)
+    >>> parts = exact_sum(torch.tensor([0.1, 0.2])) + exact_sum(torch.tensor([0.3]))
+    >>> bool((parts == exact_sum(torch.tensor([0.1, 0.2, 0.3]))).all()), round(float(limbs_value(parts)), 6)
+    (True, 0.6)
     """
-    grid = torch.round(values.to(torch.float64) / resolution)
-    return grid.sum(dim=dim) * resolution
+    values = values.detach().to(torch.float64)
+    if not bool((values.abs() < _MAX_MAGNITUDE).all()):
+        raise InputError(
+            f"A per-example value of magnitude {float(values.abs().max()):.3g} reached the metric; exact sums hold "
+            f"values below {_MAX_MAGNITUDE:.3g}. Check the model's logits (are they finite and reasonably scaled?)."
+        )
+    fixed = torch.round(values * 2.0 ** FRACTION_BITS).to(torch.int64)
+    high = torch.div(fixed, 2 ** LOW_BITS, rounding_mode="floor")
+    low = fixed - high * 2 ** LOW_BITS
+    return torch.stack([high.sum(dim=dim), low.sum(dim=dim)], dim=-1).to(torch.float64)
+
+
+def limbs_value(limbs: torch.Tensor) -> torch.Tensor:
+    """The float64 sum represented by ``exact_sum`` limbs (..., 2)."""
+    return limbs[..., 0] * 2.0 ** (LOW_BITS - FRACTION_BITS) + limbs[..., 1] * 2.0 ** -FRACTION_BITS
 
 
 class Accumulator:
@@ -46,8 +66,14 @@ class Accumulator:
     def __init__(self) -> None:
         self._state: Dict[str, torch.Tensor] = {}
 
-    def _add_state(self, name: str, shape=()) -> None:
-        self._state[name] = torch.zeros(shape, dtype=torch.float64)
+    def _add_state(self, name: str, shape=(), exact: bool = False) -> None:
+        """Register a zero state; ``exact=True`` for ``exact_sum`` limbs (an extra trailing dim of 2)."""
+        shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+        self._state[name] = torch.zeros(shape + ((2,) if exact else ()), dtype=torch.float64)
+
+    def _value(self, name: str) -> torch.Tensor:
+        """A state registered with ``exact=True`` as the float64 sum it represents."""
+        return limbs_value(self._state[name])
 
     def _add(self, name: str, value: torch.Tensor) -> None:
         self._state[name] += value.detach().to(device="cpu", dtype=torch.float64)

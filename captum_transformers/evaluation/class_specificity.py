@@ -35,7 +35,7 @@ class ClassSpecificity(Accumulator):
 
     def __init__(self) -> None:
         super().__init__()
-        self._add_state("share_sum")
+        self._add_state("share_sum", exact=True)
         self._add_state("count")
         self._add_state("excluded")
 
@@ -59,6 +59,6 @@ class ClassSpecificity(Accumulator):
 
     def compute(self) -> SpecificityResult:
         count = int(self._state["count"].item())
-        value = float(self._state["share_sum"]) / count if count else float("nan")
+        value = float(self._value("share_sum")) / count if count else float("nan")
         return SpecificityResult(name="class_specificity", specificity=value, count=count,
                                  excluded=int(self._state["excluded"].item()))

@@ -90,7 +90,7 @@ class ModalityTokenRemoval(Accumulator):
         self.fractions = require_fractions(fractions, 0.0, 1.0)
         self.pad_value = pad_value
         self.max_batch_size = check_max_batch_size(max_batch_size)
-        self._add_state("sums", (len(self.fractions),))
+        self._add_state("sums", (len(self.fractions),), exact=True)
         self._add_state("count")
 
     def update(self, inputs: ModalityInputs, relevance: torch.Tensor, labels: torch.Tensor,
@@ -148,7 +148,7 @@ class ModalityTokenRemoval(Accumulator):
 
     def compute(self) -> CurveResult:
         return mean_curve(
-            f"{self.modality}_removal_{self.mode}", self.fractions, self._state["sums"], self._state["count"],
+            f"{self.modality}_removal_{self.mode}", self.fractions, self._value("sums"), self._state["count"],
             auc_scale=100.0, higher_is_better=self.mode == "negative", y_label="accuracy",
             x_label=f"fraction of {self.modality} tokens removed",
         )

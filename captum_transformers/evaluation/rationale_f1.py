@@ -57,7 +57,8 @@ class RationaleF1(Accumulator):
         if not (k == "gold" or (isinstance(k, int) and not isinstance(k, bool) and k >= 0)):
             raise InputError(f"k={k!r} must be a non-negative int or 'gold' (the number of gold words).")
         self.k = k
-        for name in ("f1_sum", "count", "true_positive", "false_positive", "false_negative"):
+        self._add_state("f1_sum", exact=True)
+        for name in ("count", "true_positive", "false_positive", "false_negative"):
             self._add_state(name)
 
     def update(self, token_scores: torch.Tensor, word_ids: torch.Tensor, gold: torch.Tensor) -> None:
@@ -102,7 +103,7 @@ class RationaleF1(Accumulator):
         nan = float("nan")
         return RationaleF1Result(
             name=f"rationale_f1_top{self.k}",
-            macro_f1=float(s["f1_sum"]) / count if count else nan,
+            macro_f1=float(self._value("f1_sum")) / count if count else nan,
             micro_f1=2 * tp / (2 * tp + fp + fn) if (2 * tp + fp + fn) else (1.0 if count else nan),
             micro_precision=tp / (tp + fp) if tp + fp else nan,
             micro_recall=tp / (tp + fn) if tp + fn else nan,

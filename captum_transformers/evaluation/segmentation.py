@@ -43,7 +43,7 @@ class SegmentationScores(Accumulator):
         self._add_state("union", (2,))
         self._add_state("correct")
         self._add_state("labelled")
-        self._add_state("ap_sum")
+        self._add_state("ap_sum", exact=True)
         self._add_state("count")
 
     def update(self, maps: torch.Tensor, masks: torch.Tensor) -> None:
@@ -77,6 +77,6 @@ class SegmentationScores(Accumulator):
             iou_background=float(iou[0]) if count else nan,
             iou_foreground=float(iou[1]) if count else nan,
             miou=float(iou.mean()) if count else nan,
-            mean_ap=float(state["ap_sum"] / count) if count else nan,
+            mean_ap=float(self._value("ap_sum")) / count if count else nan,
             count=count,
         )

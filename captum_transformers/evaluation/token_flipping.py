@@ -8,7 +8,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from ..errors import InputError
-from .accumulator import WIDE_RESOLUTION, Accumulator, exact_sum
+from .accumulator import Accumulator, exact_sum
 from .batched_forward import Forward, check_max_batch_size, logits_per_step
 from .curves import mean_curve
 from .results import CurveResult
@@ -55,7 +55,7 @@ class _TokenFlipping(Accumulator):
         self.replacement_id = replacement_id
         self.fractions = require_fractions(fractions, 0.0, 1.0)
         self.max_batch_size = check_max_batch_size(max_batch_size)
-        self._add_state("sums", (len(self.fractions),))
+        self._add_state("sums", (len(self.fractions),), exact=True)
         self._add_state("count")
 
     def _prepare(self, input_ids, attention_mask, relevance, labels, special_tokens_mask, extra_inputs):
@@ -129,7 +129,7 @@ class TokenActivation(_TokenFlipping):
         self._add("count", torch.tensor(input_ids.shape[0]))
 
     def compute(self) -> CurveResult:
-        return mean_curve("auac", self.fractions, self._state["sums"], self._state["count"],
+        return mean_curve("auac", self.fractions, self._value("sums"), self._state["count"],
                           higher_is_better=True, y_label="p(true class)", x_label="fraction of tokens revealed")
 
 
@@ -169,9 +169,9 @@ class TokenPruning(_TokenFlipping):
         logits = self._logits(input_ids, attention_mask, extra,
                               lambda s: changeable & (order < pruned[s][:, None]))
         squared_error = ((logits - logits[:1]) ** 2).sum(dim=-1)
-        self._add("sums", exact_sum(squared_error, dim=1, resolution=WIDE_RESOLUTION))
+        self._add("sums", exact_sum(squared_error, dim=1))
         self._add("count", torch.tensor(input_ids.shape[0]))
 
     def compute(self) -> CurveResult:
-        return mean_curve("au_mse", self.fractions, self._state["sums"], self._state["count"],
+        return mean_curve("au_mse", self.fractions, self._value("sums"), self._state["count"],
                           higher_is_better=False, y_label="squared logit error", x_label="fraction of tokens pruned")
