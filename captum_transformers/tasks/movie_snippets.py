@@ -277,7 +277,7 @@ class MovieSnippets:
     ids: list[int]
     texts: list[str]
     labels: torch.Tensor  # LongTensor (N,): 1 positive, 0 negative
-    ratings: torch.Tensor  # FloatTensor (N,): mean human rating in [-4, 4]
+    ratings: torch.Tensor  # float64 (N,): mean human rating in [-4, 4]
     words: list[list[str]]
     rationales: list[list[bool]]  # silver, one bool per word
 
@@ -316,7 +316,7 @@ def build_movie_snippets(snippets_text: str, lexicon_text: str, split: str = "te
     rows = [row for row in rows if split_of[row[0]] == split][:limit]
     lexicon = parse_lexicon(lexicon_text)
     words = [split_words(text)[0] for _, _, text in rows]
-    ratings = torch.tensor([rating for _, rating, _ in rows], dtype=torch.float32)
+    ratings = torch.tensor([rating for _, rating, _ in rows], dtype=torch.float64)
     return MovieSnippets(ids=[row[0] for row in rows], texts=[row[2] for row in rows],
                          labels=(ratings > 0).long(), ratings=ratings, words=words,
                          rationales=[silver_rationale(w, lexicon) for w in words])
