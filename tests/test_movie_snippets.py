@@ -152,22 +152,27 @@ def test_word_ids_max_pool_to_the_silver_rationale_words(tokenizer):
 
 
 def test_tiny_fine_tune_lowers_the_loss_and_round_trips(tmp_path):
-    from transformers import AutoModelForSequenceClassification
-
-    from captum_transformers.tasks.movie_model import FineTuneConfig, evaluate, fine_tune, load_pretrained_minilm
+    from captum_transformers.tasks.movie_model import (REPORT_FILE, FineTuneConfig, evaluate, fine_tune,
+                                                       load_movie_model, load_pretrained_minilm, movie_model_dir)
     data = build_movie_snippets(snippets_text(), lexicon_text(), "train")
     model, tokenizer = load_pretrained_minilm(seed=0)
     before = evaluate(model, tokenizer, data)["loss"]
+    word_embeddings = model.get_input_embeddings().weight.detach().clone()
     config = FineTuneConfig(epochs=10, batch_size=8, learning_rate=3e-4, warmup_fraction=0.0, max_steps=8)
     history = fine_tune(model, tokenizer, data, None, config)
     after = evaluate(model, tokenizer, data)
     assert history[-1]["steps"] == 8
     assert after["loss"] < before - 0.05, (before, after)
-    assert not model.training and model.get_input_embeddings().weight.requires_grad
-    model.save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
-    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "m").eval()
-    inputs = encode(data[:4], tokenizer)
+    assert torch.equal(model.get_input_embeddings().weight, word_embeddings)   # frozen while training
+    assert not model.training and model.get_input_embeddings().weight.requires_grad   # and restored
+    # Saved where load_movie_model looks, as train_movie_model does.
+    target = movie_model_dir(tmp_path)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    (target / REPORT_FILE).write_text("{}")
+    loaded, loaded_tokenizer = load_movie_model(tmp_path, train_if_missing=False)
+    assert not loaded.training
+    inputs = encode(data[:4], loaded_tokenizer)
     with torch.no_grad():
         expected = model(inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
         actual = loaded(inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits

