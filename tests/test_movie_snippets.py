@@ -127,6 +127,7 @@ def test_slicing_returns_consistent_snippets():
     assert torch.equal(part.labels, data.labels[2:5]) and torch.equal(part.ratings, data.ratings[2:5])
     assert data[[4, 0]].ids == [data.ids[4], data.ids[0]]
     assert data[3]["text"] == data.texts[3] and data[3]["rationale"] == data.rationales[3]
+    assert part.rationale_kind.startswith("silver")
     assert len(build_movie_snippets(snippets_text(), lexicon_text(), "train", limit=7)) == 7
 
 

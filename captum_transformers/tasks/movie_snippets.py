@@ -44,6 +44,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -273,6 +274,10 @@ class MovieSnippets:
         >>> snippets[:4].labels
         tensor([1, 1, 0, 1])
     """
+
+    # Shown next to any score computed against the rationales: they are not human annotations.
+    rationale_kind: ClassVar[str] = (f"silver: VADER-lexicon words with |valence| >= {SILVER_VALENCE_THRESHOLD}, "
+                                     f"not human rationales")
 
     ids: list[int]
     texts: list[str]
