@@ -7,6 +7,11 @@ relevant, and record p(true class) at the revealed fractions 0, 0.1, ..., 1 (the
 Higher is better. A random ordering is shown for reference.
 
     python benchmarks/movie_auac_check.py [--cache-dir DIR] [--limit N] [--threads T]
+
+Measured on the saved 2-epoch model (test accuracy 0.872), all 1,007 test sentences, 1 thread,
+705 CPU seconds: AH+LN 0.903, GI 0.729, random 0.687 (curves at 0, 0.1, ..., 1 revealed:
+AH+LN 0.500 0.885 0.921 0.936 0.942 0.946 0.945 0.939 0.934 0.916 0.837;
+GI    0.500 0.617 0.663 0.702 0.730 0.753 0.764 0.776 0.795 0.818 0.837).
 """
 from __future__ import annotations
 

@@ -14,9 +14,15 @@ The result is saved with ``save_pretrained`` under ``<cache>/movie-minilm/`` wit
 
     python -m captum_transformers.tasks.movie_model [--cache-dir DIR] [--epochs N] [--threads T]
 
+Measured (2 epochs, 1 thread, on a 2-core machine shared with other jobs): 769 CPU
+seconds (23 min wall at about half a core); val accuracy 0.866 (epoch 1: 0.843), test
+accuracy 0.872. On that model and the 1,007 test sentences, the activation AUAC of Ali et
+al. (``benchmarks/movie_auac_check.py``) is 0.903 for ConservativeLRP AH+LN, 0.729 for
+Gradient x Input and 0.687 for a random order.
+
 Example::
 
-    >>> model, tokenizer = load_movie_model()          # trains once (a few CPU minutes) if missing
+    >>> model, tokenizer = load_movie_model()          # trains once (about 13 CPU minutes) if missing
     >>> batch = encode(load_movie_snippets("test", limit=8), tokenizer)
     >>> model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
 """
