@@ -1,6 +1,6 @@
-"""``python -m captum_transformers``: the offline demo."""
+"""``python -m captum_transformers``: the ``captum-transformers`` command line (default: ``explain``)."""
 import sys
 
-from .demo import main
+from .cli import main
 
 sys.exit(main())

@@ -6,7 +6,6 @@ checkpoint (see ``model_loading``); ``--image`` / ``--text`` give the inputs.
 """
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from typing import Dict, List
