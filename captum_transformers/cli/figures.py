@@ -22,7 +22,8 @@ def _pyplot():
 
 def image_grid(images: Sequence[torch.Tensor], maps: Dict[str, torch.Tensor], titles: Sequence[str],
                path: Path) -> Path:
-    """One row per image: the image, then each method's map (B, H, W) as a heat map."""
+    """One row per image: the image, then each method's map (B, H, W) as a heat map (a
+    diverging map centred at 0 for signed relevance)."""
     plt = _pyplot()
     rows, cols = len(images), len(maps) + 1
     figure, axes = plt.subplots(rows, cols, figsize=(1.7 * cols, 1.8 * rows), squeeze=False)
@@ -30,7 +31,12 @@ def image_grid(images: Sequence[torch.Tensor], maps: Dict[str, torch.Tensor], ti
         axes[row][0].imshow(image.permute(1, 2, 0).clamp(0, 1).numpy(), interpolation="nearest")
         axes[row][0].set_title(titles[row], fontsize=7)
         for col, (name, batch_maps) in enumerate(maps.items(), start=1):
-            axes[row][col].imshow(batch_maps[row].numpy(), cmap="inferno", interpolation="nearest")
+            heat = batch_maps[row]
+            if bool((heat < 0).any()):  # signed relevance: red positive, blue negative, white zero
+                limit = float(heat.abs().max()) or 1.0
+                axes[row][col].imshow(heat.numpy(), cmap="bwr", vmin=-limit, vmax=limit, interpolation="nearest")
+            else:
+                axes[row][col].imshow(heat.numpy(), cmap="inferno", interpolation="nearest")
             if row == 0:
                 axes[row][col].set_title(name, fontsize=7)
     for axis in (a for line in axes for a in line):
