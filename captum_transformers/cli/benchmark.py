@@ -27,6 +27,8 @@ def add_parser(subparsers) -> None:
                         help="class to explain (default: predicted for digits, label for movies)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
     parser.add_argument("--out", default="captum_transformers_benchmark", help="output folder")
+    parser.add_argument("--cache-dir", help="movies: where the data and fine-tuned model are cached "
+                                            "(default $CAPTUM_TRANSFORMERS_CACHE or ~/.cache/captum_transformers)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
 
@@ -56,7 +58,8 @@ def run(args) -> int:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     try:
         report = run_benchmark(args.task, args.methods, args.limit, args.batch_size,
-                               progress=not args.no_progress and rank == 0, device=device, explain=args.explain)
+                               progress=not args.no_progress and rank == 0, device=device, explain=args.explain,
+                               cache_dir=args.cache_dir)
         if rank == 0:
             print(summary(report))
             print(table(report))

@@ -89,7 +89,7 @@ def _image_scores(attribution) -> torch.Tensor:
     return attribution.detach().to(torch.float64).sum(1)
 
 
-def _run_digits(method_names, limit, batch_size, progress, device, explain):
+def _run_digits(method_names, limit, batch_size, progress, device, explain, cache_dir):
     from .digit_canvas import digit_canvases, normalize
     from .digit_model import load_digit_model
 
@@ -117,7 +117,7 @@ def _run_digits(method_names, limit, batch_size, progress, device, explain):
     return metrics, len(data)
 
 
-def _run_digits_two(method_names, limit, batch_size, progress, device, explain):
+def _run_digits_two(method_names, limit, batch_size, progress, device, explain, cache_dir):
     from .digit_canvas import digit_canvases, normalize
     from .digit_model import load_digit_model
 
@@ -138,12 +138,12 @@ def _run_digits_two(method_names, limit, batch_size, progress, device, explain):
     return metrics, len(data)
 
 
-def _run_movies(method_names, limit, batch_size, progress, device, explain):
+def _run_movies(method_names, limit, batch_size, progress, device, explain, cache_dir):
     from .movie_model import load_movie_model
     from .movie_snippets import encode, load_movie_snippets
 
-    data = load_movie_snippets(split="test", limit=limit)
-    model, tokenizer = load_movie_model()
+    data = load_movie_snippets(split="test", limit=limit, cache_dir=cache_dir)
+    model, tokenizer = load_movie_model(cache_dir)
     model = model.to(device)
     forward = lambda batch: model(**{k: v.to(device) for k, v in batch.items()}).logits  # noqa: E731
     unk = tokenizer.unk_token_id
@@ -204,12 +204,13 @@ _RUNNERS: Dict[str, Tuple[Callable, str]] = {
 
 def run_benchmark(task: str, methods: Optional[Sequence[str]] = None, limit: Optional[int] = None,
                   batch_size: int = 32, progress: bool = False, device: str = "cpu",
-                  explain: Optional[str] = None) -> BenchmarkReport:
+                  explain: Optional[str] = None, cache_dir: Optional[str] = None) -> BenchmarkReport:
     """Evaluate ``methods`` (catalog names; default all) on ``task`` and return every metric result.
 
     ``limit`` takes the first N examples of the test split; ``explain`` is ``"predicted"`` or
     ``"label"`` (default per task, see the module docstring; ignored by ``digits-two``, which
-    explains both labels). Under ``torch.distributed`` each process evaluates its shard of
+    explains both labels). ``cache_dir`` holds the movie data and fine-tuned model (default
+    ``$CAPTUM_TRANSFORMERS_CACHE`` or ``~/.cache/captum_transformers``). Under ``torch.distributed`` each process evaluates its shard of
     batches and the results are reduced; every process returns the full report.
     """
     if task not in _RUNNERS:
@@ -224,7 +225,7 @@ def run_benchmark(task: str, methods: Optional[Sequence[str]] = None, limit: Opt
         raise InputError(f"explain={explain!r}: expected 'predicted' or 'label'.")
     names = resolve_method_names(methods)
     start = time.perf_counter()
-    metrics, examples = runner(names, limit, batch_size, progress, torch.device(device), explain)
+    metrics, examples = runner(names, limit, batch_size, progress, torch.device(device), explain, cache_dir)
     all_reduce_metrics([metric for name in names for metric in metrics[name]])
     rows = tuple((name, metric.compute()) for name in names for metric in metrics[name])
     _, world_size = _distributed()
