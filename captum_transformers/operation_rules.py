@@ -26,6 +26,7 @@ Only operations whose tensor operands require grad are touched; an operand that 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import operator
 from typing import Any, Callable, Iterator, Optional
 
@@ -37,6 +38,76 @@ from torch.overrides import TorchFunctionMode
 from . import patching
 
 _TINY = 1e-9
+
+
+class BackwardSwitch:
+    """Which backward the rule Functions of one forward pass compute: their rule (``plain``
+    False) or the plain gradient of the operation they wrap (``plain`` True).
+
+    Every rule Function built while :func:`switchable_backward` is active keeps a reference
+    to the switch and reads it when its backward runs (on whatever thread autograd uses), so
+    one graph answers both questions: ``autograd.grad(..., retain_graph=True)`` for the
+    relevance, then flip the switch and differentiate the same graph again for the gradient.
+    The forward is computed once; both backward passes are exact (the plain one recomputes
+    or reuses exactly what autograd would have saved).
+    """
+
+    def __init__(self) -> None:
+        self.plain = False
+
+    @contextlib.contextmanager
+    def plain_gradient(self) -> Iterator[None]:
+        """Within this context, backward passes through the graph are plain gradients."""
+        previous, self.plain = self.plain, True
+        try:
+            yield
+        finally:
+            self.plain = previous
+
+
+_SWITCH: contextvars.ContextVar[Optional[BackwardSwitch]] = contextvars.ContextVar(
+    "captum_transformers_backward_switch", default=None)
+
+
+@contextlib.contextmanager
+def switchable_backward() -> Iterator[BackwardSwitch]:
+    """Rule Functions built inside this context can also give the plain gradient.
+
+    Example::
+
+        >>> with switchable_backward() as switch, operation_rules(model, RuleSet.CHEFER):
+        ...     y = model(x)
+        >>> relevance_grad, = torch.autograd.grad(y.sum(), x, retain_graph=True)   # LRP rules
+        >>> with switch.plain_gradient():
+        ...     plain_grad, = torch.autograd.grad(y.sum(), x)                       # dy/dx
+    """
+    switch = BackwardSwitch()
+    token = _SWITCH.set(switch)
+    try:
+        yield switch
+    finally:
+        _SWITCH.reset(token)
+
+
+def current_switch() -> Optional[BackwardSwitch]:
+    """The switch rule Functions built now will read (None outside :func:`switchable_backward`)."""
+    return _SWITCH.get()
+
+
+def _plain(ctx) -> bool:
+    return ctx.switch is not None and ctx.switch.plain
+
+
+def plain_gradient_of(func: Callable, args, kwargs, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The plain gradient of ``func(*args, **kwargs)`` with respect to its operand ``x``
+    (the tensor in ``args`` or ``kwargs`` that *is* ``x``), by recomputing it: exactly what
+    autograd would have computed, for the operations whose rule keeps only ``x``."""
+    with torch.enable_grad():
+        leaf = x.detach().requires_grad_()
+        swap = lambda t: leaf if t is x else t  # noqa: E731
+        output = func(*[swap(a) for a in args], **{k: swap(v) for k, v in kwargs.items()})
+        (g,) = torch.autograd.grad(output, leaf, grad)
+    return g
 
 
 def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
@@ -74,11 +145,14 @@ class _LinearAlphaBeta(torch.autograd.Function):
         output = func(*args, **kwargs)
         ctx.save_for_backward(x, weight, bias, output)
         ctx.shared = shared
+        ctx.switch = _SWITCH.get()
         return output
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, bias, output = ctx.saved_tensors
+        if _plain(ctx):
+            return grad @ weight.to(grad.dtype), None, None, None, None, None, None
         in_dtype = x.dtype
         dtype = torch.promote_types(x.dtype, torch.float32)
         x, weight, grad, output = x.to(dtype), weight.to(dtype), grad.to(dtype), output.to(dtype)
@@ -107,6 +181,7 @@ class _PixelBoundedConv(torch.autograd.Function):
     def forward(ctx, x, weight, func, args, kwargs):
         output = func(*args, **kwargs)
         ctx.save_for_backward(x, weight, output)
+        ctx.switch = _SWITCH.get()
         ctx.conv = dict(stride=kwargs.get("stride", args[3] if len(args) > 3 else 1),
                         padding=kwargs.get("padding", args[4] if len(args) > 4 else 0),
                         dilation=kwargs.get("dilation", args[5] if len(args) > 5 else 1),
@@ -116,9 +191,11 @@ class _PixelBoundedConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, output = ctx.saved_tensors
+        conv = ctx.conv
+        if _plain(ctx):
+            return torch.nn.grad.conv2d_input(x.shape, weight, grad, **conv), None, None, None, None
         dtype = torch.promote_types(x.dtype, torch.float32)
         x, weight, grad, output = x.to(dtype), weight.to(dtype), grad.to(dtype), output.to(dtype)
-        conv = ctx.conv
         low = x.amin(dim=(1, 2, 3), keepdim=True).expand_as(x)
         high = x.amax(dim=(1, 2, 3), keepdim=True).expand_as(x)
         w_pos, w_neg = weight.clamp(min=0), weight.clamp(max=0)
@@ -142,11 +219,16 @@ class _IdentityRule(torch.autograd.Function):
         # A closed-form ratio needs only x: keeping the output too would cost memory.
         ctx.save_for_backward(x, output if ratio_fn is None else None)
         ctx.ratio_fn = ratio_fn
+        ctx.switch = _SWITCH.get()
+        if ctx.switch is not None:  # the plain gradient recomputes the operation from x
+            ctx.func, ctx.args, ctx.kwargs = func, args, kwargs
         return output
 
     @staticmethod
     def backward(ctx, grad):
         x, output = ctx.saved_tensors
+        if _plain(ctx):
+            return plain_gradient_of(ctx.func, ctx.args, ctx.kwargs, x, grad), None, None, None, None
         ratio = ctx.ratio_fn(x, output) if ctx.ratio_fn is not None else identity_ratio(output, x)
         return grad * ratio.to(grad.dtype), None, None, None, None
 
@@ -158,6 +240,7 @@ class _UniformProduct(torch.autograd.Function):
     def forward(ctx, a, b, func, args, kwargs):
         ctx.func, ctx.args, ctx.kwargs = func, args, kwargs
         ctx.save_for_backward(a, b)
+        ctx.switch = _SWITCH.get()
         return func(*args, **kwargs)
 
     @staticmethod
@@ -173,7 +256,8 @@ class _UniformProduct(torch.autograd.Function):
                 a_, b_ = a.detach().requires_grad_(), b.detach().requires_grad_()
                 output = _call_with(func, args, ctx.kwargs, a, b, a_, b_)
                 g_a, g_b = torch.autograd.grad(output, (a_, b_), grad, allow_unused=True)
-        half = lambda g, like: torch.zeros_like(like) if g is None else 0.5 * g.sum_to_size(like.shape)  # noqa: E731
+        share = 1.0 if _plain(ctx) else 0.5
+        half = lambda g, like: torch.zeros_like(like) if g is None else share * g.sum_to_size(like.shape)  # noqa: E731
         return half(g_a, a), half(g_b, b), None, None, None
 
 
@@ -189,11 +273,14 @@ class _NormalizedAdd(torch.autograd.Function):
         output = func(*args, **kwargs)
         ctx.save_for_backward(a, b)
         ctx.batch_dim = batch_dim
+        ctx.switch = _SWITCH.get()
         return output
 
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
+        if _plain(ctx):
+            return grad.sum_to_size(a.shape), grad.sum_to_size(b.shape), None, None, None, None
         dtype = torch.promote_types(grad.dtype, torch.float32)
         g = grad.to(dtype)
         r_a, r_b = (a.to(dtype) * g), (b.to(dtype) * g)
@@ -313,17 +400,23 @@ def needs_operation_rules(rules) -> bool:
 
 class IdentityRelevance(torch.autograd.Function):
     """The identity rule around a whole module (a norm, an activation): ``R_x = R_y``, i.e.
-    ``dx = dy * y / x`` given the module's input ``x`` and its already computed output ``y``."""
+    ``dx = dy * y / x`` given the module's input ``x`` and its already computed output ``y``.
+
+    ``recompute(x)`` (the module's own forward) gives the plain gradient when the pass runs
+    under a :class:`BackwardSwitch` set to ``plain``."""
 
     @staticmethod
-    def forward(ctx, x, output):
+    def forward(ctx, x, output, recompute=None):
         ctx.save_for_backward(x, output)
+        ctx.switch, ctx.recompute = _SWITCH.get(), recompute
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad):
         x, output = ctx.saved_tensors
-        return grad * identity_ratio(output, x).to(grad.dtype), None
+        if _plain(ctx):
+            return plain_gradient_of(ctx.recompute, (x,), {}, x, grad), None, None
+        return grad * identity_ratio(output, x).to(grad.dtype), None, None
 
 
 # Not activations, or activations whose torch function the mode already rules (closed-form ratio).
@@ -359,7 +452,7 @@ def _activation_forward(original):
             return original(x, *args, **kwargs)
         with torch.no_grad():
             output = original(x, *args, **kwargs)
-        return IdentityRelevance.apply(x, output)
+        return IdentityRelevance.apply(x, output, lambda inputs: original(inputs, *args, **kwargs))
     return forward
 
 
