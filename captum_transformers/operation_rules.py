@@ -110,10 +110,19 @@ def plain_gradient_of(func: Callable, args, kwargs, x: torch.Tensor, grad: torch
     return g
 
 
-def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    """``a / (b + eps * sign(b))``, and 0 where ``b == 0`` (sign-aware stabiliser)."""
-    tiny = torch.tensor(_TINY, dtype=denominator.dtype, device=denominator.device)
-    return numerator / (denominator + torch.copysign(tiny, denominator)) * (denominator != 0)
+def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor, tiny: float = _TINY) -> torch.Tensor:
+    """``a / (b + eps * sign(b))``, and 0 where ``b == 0`` (sign-aware stabiliser, ``eps = tiny``).
+
+    Computed in a few in-place passes (it runs on every linear layer's output in the
+    backward pass). Example: ``safe_divide(torch.tensor([1., 1.]), torch.tensor([2., 0.]))``
+    is ``[0.5, 0.]``.
+    """
+    stabiliser = torch.tensor(tiny, dtype=denominator.dtype, device=denominator.device)
+    shifted = torch.copysign(stabiliser, denominator).add_(denominator)
+    ratio = torch.div(numerator, shifted, out=shifted) if shifted.shape == torch.broadcast_shapes(
+        numerator.shape, denominator.shape) and shifted.dtype == torch.result_type(numerator, shifted) \
+        else numerator / shifted
+    return ratio.mul_(denominator != 0)
 
 
 def identity_ratio(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -122,12 +131,11 @@ def identity_ratio(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     No stabiliser: ``R_x = x * (g * y / x) = y * g = R_y`` exactly, however small ``x`` is. A
     shifted denominator (``x + eps``) would give ``R_x = R_y * x / (x + eps)``, which is not the
     identity (half the relevance at ``|x| = eps``). Relevance on an exact zero (or where the
-    ratio overflows) is dropped. Computed in at least float32.
+    ratio overflows) is dropped: ``y / 0`` is never finite, so one pass mapping every
+    non-finite ratio to 0 covers both. Computed in at least float32.
     """
     dtype = torch.promote_types(torch.promote_types(x.dtype, output.dtype), torch.float32)
-    x, output = x.to(dtype), output.to(dtype)
-    ratio = output / torch.where(x == 0, torch.ones_like(x), x)
-    return torch.where((x == 0) | ~torch.isfinite(ratio), torch.zeros_like(ratio), ratio)
+    return torch.div(output.to(dtype), x.to(dtype)).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 class _LinearAlphaBeta(torch.autograd.Function):
@@ -158,12 +166,13 @@ class _LinearAlphaBeta(torch.autograd.Function):
         x, weight, grad, output = x.to(dtype), weight.to(dtype), grad.to(dtype), output.to(dtype)
         relevance = output * grad
         if ctx.shared:
-            product = output if bias is None else output - bias.to(dtype)
+            # Twice z+ and half s (scaling by 2 is exact): s W + sign(x) s |W| is then g_x itself.
+            twice_z_pos = output - bias.to(dtype) if bias is not None else output.clone()
             magnitude = weight.abs()
-            z_pos = 0.5 * (product + F.linear(x.abs(), magnitude))
-            s = safe_divide(relevance, z_pos)
+            twice_z_pos.add_(F.linear(x.abs(), magnitude))
+            half_s = safe_divide(relevance, twice_z_pos, 2 * _TINY)
             # sign(0) = 0 is harmless: relevance x * g is 0 there whatever g is.
-            g_x = 0.5 * (s @ weight + x.sign() * (s @ magnitude))
+            g_x = (half_s @ weight).addcmul_(x.sign(), half_s @ magnitude)
         else:
             w_pos, w_neg = weight.clamp(min=0), weight.clamp(max=0)
             s_pos = safe_divide(relevance, F.linear(x.clamp(min=0), w_pos))
@@ -230,7 +239,7 @@ class _IdentityRule(torch.autograd.Function):
         if _plain(ctx):
             return plain_gradient_of(ctx.func, ctx.args, ctx.kwargs, x, grad), None, None, None, None
         ratio = ctx.ratio_fn(x, output) if ctx.ratio_fn is not None else identity_ratio(output, x)
-        return grad * ratio.to(grad.dtype), None, None, None, None
+        return ratio.to(grad.dtype).mul_(grad), None, None, None, None
 
 
 class _UniformProduct(torch.autograd.Function):
@@ -283,17 +292,27 @@ class _NormalizedAdd(torch.autograd.Function):
             return grad.sum_to_size(a.shape), grad.sum_to_size(b.shape), None, None, None, None
         dtype = torch.promote_types(grad.dtype, torch.float32)
         g = grad.to(dtype)
-        r_a, r_b = (a.to(dtype) * g), (b.to(dtype) * g)
+        batch_dim = ctx.batch_dim
 
-        def per_example(r):
-            moved = r.movedim(ctx.batch_dim, 0) if ctx.batch_dim is not None else r.reshape(1, *r.shape)
-            total = moved.reshape(moved.shape[0], -1).sum(1)
-            shape = [1] * r.dim()
-            if ctx.batch_dim is not None:
-                shape[ctx.batch_dim] = -1
-            return total.reshape(shape) if ctx.batch_dim is not None else total.reshape([1] * r.dim())
+        def per_example(operand):
+            """``sum(operand * g)`` per example, shaped to broadcast against ``g``: one dot
+            product per example, without materialising the relevance ``operand * g``."""
+            operand = operand.to(dtype)
+            shape = [1] * g.dim()
+            if operand.shape != g.shape:  # a batch-shared operand: materialise the broadcast product
+                product = operand * g
+                total = product.movedim(batch_dim, 0).reshape(g.shape[batch_dim], -1).sum(1) \
+                    if batch_dim is not None else product.sum().reshape(1)
+            elif batch_dim is None:
+                total = torch.dot(operand.reshape(-1), g.reshape(-1)).reshape(1)
+            else:
+                total = torch.linalg.vecdot(operand.movedim(batch_dim, 0).reshape(g.shape[batch_dim], -1),
+                                            g.movedim(batch_dim, 0).reshape(g.shape[batch_dim], -1))
+            if batch_dim is not None:
+                shape[batch_dim] = -1
+            return total.reshape(shape)
 
-        s_a, s_b = per_example(r_a), per_example(r_b)
+        s_a, s_b = per_example(a), per_example(b)
         s = s_a + s_b
         share_a = safe_divide(s_a.abs(), s_a.abs() + s_b.abs()) * safe_divide(s, s_a)
         share_b = safe_divide(s_b.abs(), s_a.abs() + s_b.abs()) * safe_divide(s, s_b)
@@ -416,7 +435,7 @@ class IdentityRelevance(torch.autograd.Function):
         x, output = ctx.saved_tensors
         if _plain(ctx):
             return plain_gradient_of(ctx.recompute, (x,), {}, x, grad), None, None
-        return grad * identity_ratio(output, x).to(grad.dtype), None, None
+        return identity_ratio(output, x).to(grad.dtype).mul_(grad), None, None
 
 
 # Not activations, or activations whose torch function the mode already rules (closed-form ratio).
