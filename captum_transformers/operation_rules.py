@@ -361,6 +361,15 @@ class OperationRules(TorchFunctionMode):
         super().__init__()
         self.rules = rules
         self.batch_size = batch_size
+        self._tokens: list = []
+
+    def __enter__(self):
+        self._tokens.append(_ACTIVE_RULES.set(self))
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        _ACTIVE_RULES.reset(self._tokens.pop())
+        return super().__exit__(*exc_info)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -410,6 +419,54 @@ class OperationRules(TorchFunctionMode):
             if size == self.batch_size:
                 return dim
         return None
+
+
+_ACTIVE_RULES: contextvars.ContextVar[Optional[OperationRules]] = contextvars.ContextVar(
+    "captum_transformers_operation_rules", default=None)
+
+
+class _RecomputedSegment(torch.autograd.Function):
+    """A segment of the forward whose intermediate tensors are not kept: the backward
+    recomputes it (bit-identical: the same operations on the same inputs) under the rules
+    and backward switch that were active in the forward, and differentiates that."""
+
+    @staticmethod
+    def forward(ctx, segment, mode, switch, *tensors):
+        ctx.segment, ctx.mode, ctx.switch = segment, mode, switch
+        ctx.save_for_backward(*tensors)
+        return segment(*tensors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tensors = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+            token = _SWITCH.set(ctx.switch)
+            try:
+                with OperationRules(ctx.mode.rules, ctx.mode.batch_size):
+                    output = ctx.segment(*leaves)
+            finally:
+                _SWITCH.reset(token)
+            wanted = [leaf for leaf in leaves if leaf.requires_grad]
+            grads = iter(torch.autograd.grad(output, wanted, grad, allow_unused=True))
+        return (None, None, None, *[next(grads) if leaf.requires_grad else None for leaf in leaves])
+
+
+def recomputed_in_backward(segment: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+    """``segment(*tensors)``, keeping only ``tensors`` for the backward pass (which recomputes
+    the segment under the same per-operation rules) instead of every intermediate tensor.
+
+    For a short segment whose rules would keep a large intermediate: the attention scores
+    ``Q K^T`` that the softmax identity rule needs (one (B, H, Q, K) tensor per layer), when
+    ``Q`` and ``K`` are kept anyway. Outside :func:`operation_rules` (or without gradients) it
+    is just ``segment(*tensors)``. Example::
+
+        >>> probs = recomputed_in_backward(lambda q, k: torch.softmax(q @ k.mT, -1), q, k)
+    """
+    mode = _ACTIVE_RULES.get()
+    if mode is None or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        return segment(*tensors)
+    return _RecomputedSegment.apply(segment, mode, _SWITCH.get(), *tensors)
 
 
 def needs_operation_rules(rules) -> bool:
