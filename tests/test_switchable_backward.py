@@ -1,0 +1,136 @@
+"""One forward under LRP rules, two backward passes (the rules, then the plain gradient).
+
+1. With the backward switch flipped, the graph built under every rule set whose attention
+   gate is the gradient gives exactly the plain model's gradient (float64, rounding only),
+   and before it the rules' own backward is unchanged by the switch.
+2. TransformerRelevance from one forward equals the two-forward computation (a relevance
+   trace, then a separate plain-gradient trace) it replaces.
+3. The HF kernel's recomputed attention scores change no relevance and keep one
+   (B, H, Q, K) tensor per layer less for the backward pass.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+from captum_transformers import RuleSet, TransformerRelevance, get_adapter
+from captum_transformers.adapters import base as adapter_base
+from captum_transformers.adapters import huggingface
+from captum_transformers.operation_rules import switchable_backward
+from captum_transformers.trace import CaptureSpec
+from lrp_models import CONSERVATION_CASES, TARGET  # noqa: E402
+
+SWITCHABLE = [pytest.param(rules, id=rules.name) for rules in
+              (RuleSet.CHEFER, RuleSet.LRP, RuleSet.ATTN_LRP, dataclasses.replace(RuleSet.CHEFER, name="ScaleNorm",
+                                                                                    norm="scale_constant"))]
+
+
+def _gradients(model, inputs, kwargs, rules):
+    """At the first layer's input, for the explained logits: the rule gradient and the plain
+    gradient from one forward under ``rules``, the rule gradient of a forward without the
+    switch, and the plain gradient of the model."""
+    adapter = get_adapter(model)
+    layer = adapter.first_layer(model)
+
+    def run(contexts):
+        entering = []
+        with torch.enable_grad(), adapter_base._read_layer_input(layer, entering):
+            with contextlib.ExitStack() as stack:
+                switch = stack.enter_context(switchable_backward())
+                for context in contexts:
+                    stack.enter_context(context)
+                output = model(inputs, **(kwargs or {}))
+            logits = output.logits if hasattr(output, "logits") else output
+            if logits.dim() == 3:  # GPT-2: next-token logits at the last position
+                logits = logits[:, -1]
+            score = logits[:, TARGET].sum()
+            return entering[0], score, switch
+
+    leaf, score, switch = run([adapter.propagation(model, rules)])
+    (rule_grad,) = torch.autograd.grad(score, leaf, retain_graph=True)
+    with switch.plain_gradient():
+        (plain_grad,) = torch.autograd.grad(score, leaf)
+    leaf, score, _ = run([adapter.propagation(model, rules)])
+    (rule_only,) = torch.autograd.grad(score, leaf)
+    # The reference: plain gradients through the same attention kernel (a HF model's own
+    # eager path differs from it by rounding, more at padded positions).
+    leaf, score, _ = run([adapter.propagation(model, RuleSet.GRADIENT)])
+    (reference,) = torch.autograd.grad(score, leaf)
+    return rule_grad, plain_grad, rule_only, reference
+
+
+@pytest.mark.parametrize("rules", SWITCHABLE)
+@pytest.mark.parametrize("case", sorted(CONSERVATION_CASES))
+def test_switched_graph_gives_the_plain_gradient(case, rules):
+    model, inputs, kwargs, _ = CONSERVATION_CASES[case]()
+    rule_grad, plain_grad, rule_only, reference = _gradients(model, inputs, kwargs, rules)
+    torch.testing.assert_close(plain_grad, reference, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(rule_grad, rule_only, rtol=0, atol=0)  # the switch leaves the rules alone
+    assert (rule_grad - reference).abs().max() > 1e-6  # the rules do change the backward
+
+
+def _two_forward_relevance(explainer, inputs, target, kwargs):
+    """TransformerRelevance as it was computed before: a relevance trace under the rules,
+    then a separate plain-gradient trace."""
+    from captum_transformers import functional
+    from captum_transformers.methods.transformer_relevance import _relevance
+
+    adapter, model = explainer.adapter, explainer.model
+    first = adapter.trace(model, (inputs,), (), target,
+                          CaptureSpec(backward_reduce=lambda p, g, v: _relevance(p, g)), kwargs, rules=explainer.rules)
+    by_call = {r.call_index: r.backward_value for r in first.records}
+    spec = CaptureSpec(backward_reduce=lambda p, g, v, call_index: functional.gradient_weighted_heads(
+        by_call[call_index], g, v), pass_call_index=True)
+    return explainer.reduce(adapter.trace(model, (inputs,), (), target, spec, kwargs))
+
+
+@pytest.mark.parametrize("case", ["hf_vit", "hf_bert_no_pooler", "timm_vit", "torch_mha_encoder"])
+def test_transformer_relevance_from_one_forward_equals_two_forwards(case):
+    model, inputs, kwargs, _ = CONSERVATION_CASES[case]()
+    explainer = TransformerRelevance(model)
+    target = torch.tensor([TARGET, 0, 2])
+    one = explainer.attribute(inputs, target=target, forward_kwargs=kwargs, return_tokens=True)
+    two = _two_forward_relevance(explainer, inputs, target, kwargs)
+    mask = explainer.trace(inputs, target=target, forward_kwargs=kwargs).layout.token_mask
+    if mask is not None:
+        two = two * mask.to(two.dtype)
+    torch.testing.assert_close(one, two, rtol=1e-9, atol=1e-12)
+    assert two.abs().max() > 1e-3
+
+
+def _saved_bytes(function) -> int:
+    """Bytes of the distinct storages autograd saves for the backward pass while ``function`` runs."""
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        function()
+    return sum(storages.values())
+
+
+def test_recomputed_scores_change_nothing_and_keep_less(monkeypatch):
+    model, inputs, kwargs, _ = CONSERVATION_CASES["hf_vit"]()
+    adapter = get_adapter(model)
+    explainer = TransformerRelevance(model)
+
+    def forward():
+        with adapter.propagation(model, RuleSet.CHEFER):
+            model(inputs)
+
+    recomputed_maps = explainer.attribute(inputs, target=TARGET, return_tokens=True)
+    recomputed_bytes = _saved_bytes(forward)
+    monkeypatch.setattr(huggingface, "recomputed_in_backward", lambda segment, *tensors: segment(*tensors))
+    kept_maps = explainer.attribute(inputs, target=TARGET, return_tokens=True)
+    kept_bytes = _saved_bytes(forward)
+    torch.testing.assert_close(recomputed_maps, kept_maps, rtol=0, atol=0)
+    # Per layer, no longer kept: the float64 scores and the softmax's float32 output (the
+    # kernel's softmax runs in float32; the float64 probabilities stay, for A V).
+    batch, tokens, heads, layers = inputs.shape[0], 17, 4, 2
+    assert kept_bytes - recomputed_bytes == layers * batch * heads * tokens * tokens * (8 + 4)
