@@ -237,6 +237,11 @@ class _IdentityRule(torch.autograd.Function):
     def backward(ctx, grad):
         x, output = ctx.saved_tensors
         if _plain(ctx):
+            if ctx.func in _SOFTMAX and output is not None and output.dtype == x.dtype:
+                # What autograd computes for a softmax, from the output kept for the rule.
+                dim = ctx.kwargs.get("dim", ctx.args[1] if len(ctx.args) > 1 else None)
+                if isinstance(dim, int):
+                    return torch._softmax_backward_data(grad, output, dim, x.dtype), None, None, None, None
             return plain_gradient_of(ctx.func, ctx.args, ctx.kwargs, x, grad), None, None, None, None
         ratio = ctx.ratio_fn(x, output) if ctx.ratio_fn is not None else identity_ratio(output, x)
         return ratio.to(grad.dtype).mul_(grad), None, None, None, None
@@ -441,12 +446,15 @@ class _RecomputedSegment(torch.autograd.Function):
         tensors = ctx.saved_tensors
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
-            token = _SWITCH.set(ctx.switch)
-            try:
-                with OperationRules(ctx.mode.rules, ctx.mode.batch_size):
-                    output = ctx.segment(*leaves)
-            finally:
-                _SWITCH.reset(token)
+            if ctx.switch is not None and ctx.switch.plain:  # the plain gradient needs no rules
+                output = ctx.segment(*leaves)
+            else:
+                token = _SWITCH.set(ctx.switch)
+                try:
+                    with OperationRules(ctx.mode.rules, ctx.mode.batch_size):
+                        output = ctx.segment(*leaves)
+                finally:
+                    _SWITCH.reset(token)
             wanted = [leaf for leaf in leaves if leaf.requires_grad]
             grads = iter(torch.autograd.grad(output, wanted, grad, allow_unused=True))
         return (None, None, None, *[next(grads) if leaf.requires_grad else None for leaf in leaves])
