@@ -460,6 +460,12 @@ class _RecomputedSegment(torch.autograd.Function):
         return (None, None, None, *[next(grads) if leaf.requires_grad else None for leaf in leaves])
 
 
+def active_rules():
+    """The rule set of the :class:`OperationRules` mode active now (None outside one)."""
+    mode = _ACTIVE_RULES.get()
+    return None if mode is None else mode.rules
+
+
 def recomputed_in_backward(segment: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
     """``segment(*tensors)``, keeping only ``tensors`` for the backward pass (which recomputes
     the segment under the same per-operation rules) instead of every intermediate tensor.

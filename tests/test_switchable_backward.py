@@ -18,7 +18,7 @@ import torch
 
 from captum_transformers import RuleSet, TransformerRelevance, get_adapter
 from captum_transformers.adapters import base as adapter_base
-from captum_transformers.adapters import huggingface
+from captum_transformers.adapters import huggingface, torch_mha
 from captum_transformers.operation_rules import switchable_backward
 from captum_transformers.trace import CaptureSpec
 from lrp_models import CONSERVATION_CASES, TARGET  # noqa: E402
@@ -115,22 +115,30 @@ def _saved_bytes(function) -> int:
     return sum(storages.values())
 
 
-def test_recomputed_scores_change_nothing_and_keep_less(monkeypatch):
-    model, inputs, kwargs, _ = CONSERVATION_CASES["hf_vit"]()
+@pytest.mark.parametrize("case, kernel_module, layers, heads", [("hf_vit", huggingface, 2, 4),
+                                                                 ("torch_mha_encoder", torch_mha, 2, 2)])
+def test_recomputed_scores_change_nothing_and_keep_less(monkeypatch, case, kernel_module, layers, heads):
+    model, inputs, kwargs, _ = CONSERVATION_CASES[case]()
     adapter = get_adapter(model)
     explainer = TransformerRelevance(model)
 
     def forward():
         with adapter.propagation(model, RuleSet.CHEFER):
-            model(inputs)
+            model(inputs, **(kwargs or {}))
 
-    recomputed_maps = explainer.attribute(inputs, target=TARGET, return_tokens=True)
-    recomputed_bytes = _saved_bytes(forward)
-    monkeypatch.setattr(huggingface, "recomputed_in_backward", lambda segment, *tensors: segment(*tensors))
-    kept_maps = explainer.attribute(inputs, target=TARGET, return_tokens=True)
-    kept_bytes = _saved_bytes(forward)
+    def relevance():
+        return explainer.attribute(inputs, target=TARGET, forward_kwargs=kwargs, return_tokens=True)
+
+    recomputed_maps, recomputed_bytes = relevance(), _saved_bytes(forward)
+    monkeypatch.setattr(kernel_module, "recomputed_in_backward", lambda segment, *tensors: segment(*tensors))
+    kept_maps, kept_bytes = relevance(), _saved_bytes(forward)
     torch.testing.assert_close(recomputed_maps, kept_maps, rtol=1e-12, atol=1e-18)  # rounding only
-    # Per layer, no longer kept: the float64 scores and the softmax's float32 output (the
-    # kernel's softmax runs in float32; the float64 probabilities stay, for A V).
-    batch, tokens, heads, layers = inputs.shape[0], 17, 4, 2
-    assert kept_bytes - recomputed_bytes == layers * batch * heads * tokens * tokens * (8 + 4)
+    batch, tokens = recomputed_maps.shape
+    scores = layers * batch * heads * tokens * tokens * 8
+    if case == "hf_vit":
+        # No longer kept per layer: the float64 scores and the softmax's float32 output (the
+        # kernel's softmax runs in float32; the float64 probabilities stay, for A V).
+        assert kept_bytes - recomputed_bytes == scores * (8 + 4) // 8
+    else:  # the scores, and the scaled queries the product would keep
+        head_dim = 16 // heads
+        assert kept_bytes - recomputed_bytes == scores + layers * batch * heads * tokens * head_dim * 8
