@@ -110,19 +110,21 @@ def plain_gradient_of(func: Callable, args, kwargs, x: torch.Tensor, grad: torch
     return g
 
 
-def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor, tiny: float = _TINY) -> torch.Tensor:
+def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor, tiny: float = _TINY,
+                in_place: bool = False) -> torch.Tensor:
     """``a / (b + eps * sign(b))``, and 0 where ``b == 0`` (sign-aware stabiliser, ``eps = tiny``).
 
-    Computed in a few in-place passes (it runs on every linear layer's output in the
-    backward pass). Example: ``safe_divide(torch.tensor([1., 1.]), torch.tensor([2., 0.]))``
-    is ``[0.5, 0.]``.
+    ``in_place=True`` overwrites ``numerator`` with the result and ``denominator`` with the
+    shifted denominator (both must be owned, same shape and dtype): it runs on every linear
+    layer's output in the backward pass, where fresh buffers are costly. Example:
+    ``safe_divide(torch.tensor([1., 1.]), torch.tensor([2., 0.]))`` is ``[0.5, 0.]``.
     """
     stabiliser = torch.tensor(tiny, dtype=denominator.dtype, device=denominator.device)
-    shifted = torch.copysign(stabiliser, denominator).add_(denominator)
-    ratio = torch.div(numerator, shifted, out=shifted) if shifted.shape == torch.broadcast_shapes(
-        numerator.shape, denominator.shape) and shifted.dtype == torch.result_type(numerator, shifted) \
-        else numerator / shifted
-    return ratio.mul_(denominator != 0)
+    nonzero = denominator != 0
+    if in_place:
+        shifted = denominator.add_(torch.copysign(stabiliser, denominator))
+        return numerator.div_(shifted).mul_(nonzero)
+    return (numerator / (denominator + torch.copysign(stabiliser, denominator))).mul_(nonzero)
 
 
 def identity_ratio(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -167,12 +169,14 @@ class _LinearAlphaBeta(torch.autograd.Function):
         relevance = output * grad
         if ctx.shared:
             # Twice z+ and half s (scaling by 2 is exact): s W + sign(x) s |W| is then g_x itself.
-            twice_z_pos = output - bias.to(dtype) if bias is not None else output.clone()
-            magnitude = weight.abs()
-            twice_z_pos.add_(F.linear(x.abs(), magnitude))
-            half_s = safe_divide(relevance, twice_z_pos, 2 * _TINY)
+            # In place where possible: each fresh (B, N, features) buffer costs page faults.
+            magnitude, x_buffer = weight.abs(), x.abs()
+            twice_z_pos = F.linear(x_buffer, magnitude).add_(output)
+            if bias is not None:
+                twice_z_pos.sub_(bias.to(dtype))
+            half_s = safe_divide(relevance, twice_z_pos, 2 * _TINY, in_place=True)
             # sign(0) = 0 is harmless: relevance x * g is 0 there whatever g is.
-            g_x = (half_s @ weight).addcmul_(x.sign(), half_s @ magnitude)
+            g_x = (half_s @ weight).addcmul_(torch.sign(x, out=x_buffer), half_s @ magnitude)
         else:
             w_pos, w_neg = weight.clamp(min=0), weight.clamp(max=0)
             s_pos = safe_divide(relevance, F.linear(x.clamp(min=0), w_pos))
@@ -270,9 +274,14 @@ class _UniformProduct(torch.autograd.Function):
                 a_, b_ = a.detach().requires_grad_(), b.detach().requires_grad_()
                 output = _call_with(func, args, ctx.kwargs, a, b, a_, b_)
                 g_a, g_b = torch.autograd.grad(output, (a_, b_), grad, allow_unused=True)
-        share = 1.0 if _plain(ctx) else 0.5
-        half = lambda g, like: torch.zeros_like(like) if g is None else share * g.sum_to_size(like.shape)  # noqa: E731
-        return half(g_a, a), half(g_b, b), None, None, None
+        plain = _plain(ctx)
+
+        def share(g, like):
+            if g is None:
+                return torch.zeros_like(like)
+            return g.sum_to_size(like.shape) if plain else 0.5 * g.sum_to_size(like.shape)
+
+        return share(g_a, a), share(g_b, b), None, None, None
 
 
 def _call_with(func, args, kwargs, a, b, new_a, new_b):

@@ -61,7 +61,9 @@ class TransformerRelevance(TraceAttribution):
             by_call[call_index] = _relevance(probs, lrp_grad)
 
         def weighted(probs, grad, valid, call_index):
-            return functional.gradient_weighted_heads(by_call.pop(call_index), grad, valid)
+            # functional.gradient_weighted_heads(R_A, grad), in the popped R_A's own buffer.
+            relevance = by_call.pop(call_index)
+            return relevance.mul_(grad.to(relevance.dtype)).clamp_(min=0).mean(dim=1)
 
         relevance_spec = CaptureSpec(backward_reduce=keep_relevance, pass_call_index=True)
         gradient_spec = CaptureSpec(backward_reduce=weighted, pass_call_index=True)
