@@ -146,8 +146,7 @@ class _LinearAlphaBeta(torch.autograd.Function):
     (x+, W+) and (x-, W-) pairs separately (not conservative: each pair gets all of R).
 
     Eq. 5 costs three matmuls, not four, through ``x+ W+ + x- W- = (x W + |x| |W|) / 2`` (with
-    ``x W`` = output - bias, already known) and ``where(x >= 0, s W+, s W-) =
-    (s W + sign(x) s |W|) / 2``.
+    ``x W`` = output - bias, already known), then ``g_x = where(x >= 0, s W+, s W-)``.
     """
 
     @staticmethod
@@ -168,15 +167,16 @@ class _LinearAlphaBeta(torch.autograd.Function):
         x, weight, grad, output = x.to(dtype), weight.to(dtype), grad.to(dtype), output.to(dtype)
         relevance = output * grad
         if ctx.shared:
-            # Twice z+ and half s (scaling by 2 is exact): s W + sign(x) s |W| is then g_x itself.
-            # In place where possible: each fresh (B, N, features) buffer costs page faults.
-            magnitude, x_buffer = weight.abs(), x.abs()
-            twice_z_pos = F.linear(x_buffer, magnitude).add_(output)
+            # In place where possible: each fresh (B, N, features) buffer costs page faults and
+            # peak memory. z+ = x+ W+ + x- W- = (x W + |x| |W|) / 2, with x W = output - bias.
+            z_pos = F.linear(x.abs(), weight.abs()).add_(output)
             if bias is not None:
-                twice_z_pos.sub_(bias.to(dtype))
-            half_s = safe_divide(relevance, twice_z_pos, 2 * _TINY, in_place=True)
-            # sign(0) = 0 is harmless: relevance x * g is 0 there whatever g is.
-            g_x = (half_s @ weight).addcmul_(torch.sign(x, out=x_buffer), half_s @ magnitude)
+                z_pos.sub_(bias.to(dtype))
+            s = safe_divide(relevance, z_pos.mul_(0.5), in_place=True)
+            # R_x = x+ (W+^T s) + x- (W-^T s), i.e. g_x = where(x >= 0, s W+, s W-) (x = 0 carries
+            # no relevance whichever side it takes): two (B, N, in) buffers at a time.
+            g_x = s @ weight.clamp(min=0)
+            g_x = torch.where(x >= 0, g_x, s @ weight.clamp(max=0), out=g_x)
         else:
             w_pos, w_neg = weight.clamp(min=0), weight.clamp(max=0)
             s_pos = safe_divide(relevance, F.linear(x.clamp(min=0), w_pos))
