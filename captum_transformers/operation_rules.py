@@ -439,34 +439,44 @@ _ACTIVE_RULES: contextvars.ContextVar[Optional[OperationRules]] = contextvars.Co
     "captum_transformers_operation_rules", default=None)
 
 
-class _RecomputedSegment(torch.autograd.Function):
-    """A segment of the forward whose intermediate tensors are not kept: the backward
-    recomputes it (bit-identical: the same operations on the same inputs) under the rules
-    and backward switch that were active in the forward, and differentiates that."""
+class _SoftmaxOfRecomputedScores(torch.autograd.Function):
+    """``softmax(scores(*tensors))`` keeping only ``tensors`` and the probabilities: the
+    backward recomputes the scores (bit-identical: the same operations on the same inputs)
+    under the rules and backward switch that were active in the forward, and differentiates
+    them with the softmax's gradient from the kept probabilities: the identity rule's
+    ``g_S = (A / S) g_A``, or the plain softmax Jacobian when the switch says so."""
 
     @staticmethod
-    def forward(ctx, segment, mode, switch, *tensors):
-        ctx.segment, ctx.mode, ctx.switch = segment, mode, switch
-        ctx.save_for_backward(*tensors)
-        return segment(*tensors)
+    def forward(ctx, scores_fn, dim, dtype, mode, switch, *tensors):
+        probs = torch.softmax(scores_fn(*tensors), dim=dim, dtype=dtype)
+        ctx.scores_fn, ctx.dim, ctx.mode, ctx.switch = scores_fn, dim, mode, switch
+        ctx.save_for_backward(probs, *tensors)
+        return probs
 
     @staticmethod
     def backward(ctx, grad):
-        tensors = ctx.saved_tensors
+        probs, *tensors = ctx.saved_tensors
+        plain = ctx.switch is not None and ctx.switch.plain
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
-            if ctx.switch is not None and ctx.switch.plain:  # the plain gradient needs no rules
-                output = ctx.segment(*leaves)
+            if plain:  # the plain gradient needs no rules
+                scores = ctx.scores_fn(*leaves)
             else:
                 token = _SWITCH.set(ctx.switch)
                 try:
                     with OperationRules(ctx.mode.rules, ctx.mode.batch_size):
-                        output = ctx.segment(*leaves)
+                        scores = ctx.scores_fn(*leaves)
                 finally:
                     _SWITCH.reset(token)
+            if plain or ctx.mode.rules.softmax != "identity":
+                # What autograd computes for softmax(S, dtype=...): the Jacobian in the output's
+                # dtype, then the cast back to the scores' dtype.
+                g_scores = torch._softmax_backward_data(grad.to(probs.dtype), probs, ctx.dim, probs.dtype)
+            else:  # the identity rule, as _IdentityRule computes it
+                g_scores = identity_ratio(probs, scores.detach()).to(grad.dtype).mul_(grad)
             wanted = [leaf for leaf in leaves if leaf.requires_grad]
-            grads = iter(torch.autograd.grad(output, wanted, grad, allow_unused=True))
-        return (None, None, None, *[next(grads) if leaf.requires_grad else None for leaf in leaves])
+            grads = iter(torch.autograd.grad(scores, wanted, g_scores.to(scores.dtype), allow_unused=True))
+        return (None, None, None, None, None, *[next(grads) if leaf.requires_grad else None for leaf in leaves])
 
 
 def active_rules():
@@ -475,21 +485,23 @@ def active_rules():
     return None if mode is None else mode.rules
 
 
-def recomputed_in_backward(segment: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
-    """``segment(*tensors)``, keeping only ``tensors`` for the backward pass (which recomputes
-    the segment under the same per-operation rules) instead of every intermediate tensor.
+def softmax_of_recomputed_scores(scores_fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, dim: int = -1,
+                                 dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``torch.softmax(scores_fn(*tensors), dim, dtype)``, keeping for the backward pass only
+    ``tensors`` and the probabilities (which ``A V`` keeps anyway), not the scores.
 
-    For a short segment whose rules would keep a large intermediate: the attention scores
-    ``Q K^T`` that the softmax identity rule needs (one (B, H, Q, K) tensor per layer), when
-    ``Q`` and ``K`` are kept anyway. Outside :func:`operation_rules` (or without gradients) it
-    is just ``segment(*tensors)``. Example::
+    The softmax identity rule (Chefer et al. 2021) needs the softmax input ``S = Q K^T * scale
+    (+ mask)``: one (B, H, Q, K) tensor per layer. Its backward recomputes ``S`` from ``Q`` and
+    ``K`` (kept anyway by the product rule and the projections) under the same per-operation
+    rules. Outside :func:`operation_rules` (or without gradients) it is just the softmax.
+    Example::
 
-        >>> probs = recomputed_in_backward(lambda q, k: torch.softmax(q @ k.mT, -1), q, k)
+        >>> probs = softmax_of_recomputed_scores(lambda q, k: q @ k.mT * scale, q, k, dim=-1)
     """
     mode = _ACTIVE_RULES.get()
     if mode is None or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
-        return segment(*tensors)
-    return _RecomputedSegment.apply(segment, mode, _SWITCH.get(), *tensors)
+        return torch.softmax(scores_fn(*tensors), dim=dim, dtype=dtype)
+    return _SoftmaxOfRecomputedScores.apply(scores_fn, dim, dtype, mode, _SWITCH.get(), *tensors)
 
 
 def needs_operation_rules(rules) -> bool:

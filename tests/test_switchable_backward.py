@@ -130,15 +130,16 @@ def test_recomputed_scores_change_nothing_and_keep_less(monkeypatch, case, kerne
         return explainer.attribute(inputs, target=TARGET, forward_kwargs=kwargs, return_tokens=True)
 
     recomputed_maps, recomputed_bytes = relevance(), _saved_bytes(forward)
-    monkeypatch.setattr(kernel_module, "recomputed_in_backward", lambda segment, *tensors: segment(*tensors))
+    monkeypatch.setattr(kernel_module, "softmax_of_recomputed_scores",
+                        lambda scores, *tensors, dim, dtype=None: torch.softmax(scores(*tensors), dim=dim, dtype=dtype))
     kept_maps, kept_bytes = relevance(), _saved_bytes(forward)
     torch.testing.assert_close(recomputed_maps, kept_maps, rtol=1e-12, atol=1e-18)  # rounding only
     batch, tokens = recomputed_maps.shape
     scores = layers * batch * heads * tokens * tokens * 8
     if case == "hf_vit":
-        # No longer kept per layer: the float64 scores and the softmax's float32 output (the
-        # kernel's softmax runs in float32; the float64 probabilities stay, for A V).
-        assert kept_bytes - recomputed_bytes == scores * (8 + 4) // 8
+        # No longer kept per layer: the float64 scores. (The kernel's softmax runs in float32;
+        # its output is kept either way, by the identity rule or for the recomputation.)
+        assert kept_bytes - recomputed_bytes == scores
     else:  # the scores, and the scaled queries the product would keep
         head_dim = 16 // heads
         assert kept_bytes - recomputed_bytes == scores + layers * batch * heads * tokens * head_dim * 8

@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import patching
 from ..errors import CaptureError, InputError
-from ..operation_rules import operation_rules, recomputed_in_backward
+from ..operation_rules import operation_rules, softmax_of_recomputed_scores
 from ..rules import RuleSet, gate, norm_rules
 from ..trace import Block
 from .base import Adapter
@@ -84,7 +84,7 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     value_states = _repeat_kv(value, groups)
     softcap = kwargs.get("softcap")
 
-    def probabilities(query: torch.Tensor, key_states: torch.Tensor) -> torch.Tensor:
+    def scores(query: torch.Tensor, key_states: torch.Tensor) -> torch.Tensor:
         scores = torch.matmul(query, key_states.transpose(-1, -2)) * scaling
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
@@ -94,15 +94,16 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                 scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
             else:
                 scores = scores + mask
-        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        return scores
 
     rules = _RULES.get()
     if rules is not None and rules.softmax == "identity":
         # The identity rule on the softmax needs its input, the scores: recompute them from
         # Q and K (kept anyway) in the backward pass instead of keeping a (B, H, Q, K) tensor.
-        probs = recomputed_in_backward(probabilities, query, key_states)
+        probs = softmax_of_recomputed_scores(scores, query, key_states, dim=-1, dtype=torch.float32)
     else:
-        probs = probabilities(query, key_states)
+        probs = torch.softmax(scores(query, key_states), dim=-1, dtype=torch.float32)
+    probs = probs.to(query.dtype)
     if active is not None:
         recorder, blocks = active
         block = blocks.get(id(module)) or Block(type(module).__name__, module, _kind(module))
