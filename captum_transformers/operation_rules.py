@@ -468,12 +468,23 @@ class _SoftmaxOfRecomputedScores(torch.autograd.Function):
                         scores = ctx.scores_fn(*leaves)
                 finally:
                     _SWITCH.reset(token)
+            # The scores' values are not needed once their gradient is known (the operations
+            # that make them, a product, a scaling and a mask, keep no output), so their buffer
+            # takes the gradient: one (B, H, Q, K) buffer less at the peak.
+            buffer, probs = scores.detach(), probs.detach()
+            same_dtype = scores.dtype == probs.dtype == grad.dtype
             if plain or ctx.mode.rules.softmax != "identity":
                 # What autograd computes for softmax(S, dtype=...): the Jacobian in the output's
                 # dtype, then the cast back to the scores' dtype.
                 g_scores = torch._softmax_backward_data(grad.to(probs.dtype), probs, ctx.dim, probs.dtype)
-            else:  # the identity rule, as _IdentityRule computes it
-                g_scores = identity_ratio(probs, scores.detach()).to(grad.dtype).mul_(grad)
+                if same_dtype:
+                    g_scores = buffer.copy_(g_scores)
+            elif same_dtype:  # the identity rule, as _IdentityRule computes it, in place
+                g_scores = torch.div(probs, buffer, out=buffer).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+                g_scores.mul_(grad)
+            else:
+                g_scores = identity_ratio(probs, buffer).to(grad.dtype).mul_(grad)
+            del buffer
             wanted = [leaf for leaf in leaves if leaf.requires_grad]
             grads = iter(torch.autograd.grad(scores, wanted, g_scores.to(scores.dtype), allow_unused=True))
         return (None, None, None, None, None, *[next(grads) if leaf.requires_grad else None for leaf in leaves])

@@ -101,6 +101,31 @@ def test_transformer_relevance_from_one_forward_equals_two_forwards(case):
     assert two.abs().max() > 1e-3
 
 
+def _softmax_of_kept_scores(scores, *tensors, dim, dtype=None):
+    return torch.softmax(scores(*tensors), dim=dim, dtype=dtype)
+
+
+@pytest.mark.parametrize("name", ["vit", "bert"])
+def test_one_forward_equals_two_forwards_in_float32(monkeypatch, name):
+    """float32, where the recomputed scores' buffer takes their gradient in place; the
+    reference keeps the scores (the softmax rule Function of operation_rules)."""
+    from chefer_models import _lively
+    from hf_models import CASES
+
+    case = CASES[name]
+    model = _lively(case.model())
+    inputs, kwargs = case.inputs()
+    explainer = TransformerRelevance(model)
+    one = explainer.attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
+    monkeypatch.setattr(huggingface, "softmax_of_recomputed_scores", _softmax_of_kept_scores)
+    two = _two_forward_relevance(explainer, inputs, 1, kwargs)
+    mask = explainer.trace(inputs, target=1, forward_kwargs=kwargs).layout.token_mask
+    if mask is not None:
+        two = two * mask.to(two.dtype)
+    torch.testing.assert_close(one, two, rtol=1e-5, atol=1e-6)
+    assert two.abs().max() > 1e-3
+
+
 def _saved_bytes(function) -> int:
     """Bytes of the distinct storages autograd saves for the backward pass while ``function`` runs."""
     storages = {}
@@ -130,8 +155,7 @@ def test_recomputed_scores_change_nothing_and_keep_less(monkeypatch, case, kerne
         return explainer.attribute(inputs, target=TARGET, forward_kwargs=kwargs, return_tokens=True)
 
     recomputed_maps, recomputed_bytes = relevance(), _saved_bytes(forward)
-    monkeypatch.setattr(kernel_module, "softmax_of_recomputed_scores",
-                        lambda scores, *tensors, dim, dtype=None: torch.softmax(scores(*tensors), dim=dim, dtype=dtype))
+    monkeypatch.setattr(kernel_module, "softmax_of_recomputed_scores", _softmax_of_kept_scores)
     kept_maps, kept_bytes = relevance(), _saved_bytes(forward)
     torch.testing.assert_close(recomputed_maps, kept_maps, rtol=1e-12, atol=1e-18)  # rounding only
     batch, tokens = recomputed_maps.shape
