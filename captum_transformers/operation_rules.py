@@ -170,15 +170,17 @@ class _LinearAlphaBeta(torch.autograd.Function):
         if ctx.shared:
             # In place where possible: each fresh (B, N, features) buffer costs page faults.
             # 2 z+ = 2 (x+ W+ + x- W-) = x W + |x| |W|, with x W = output - bias already known.
-            magnitude, x_buffer = weight.abs(), x.abs()
-            twice_z_pos = F.linear(x_buffer, magnitude).add_(output)
+            magnitude = weight.abs()
+            twice_z_pos = F.linear(x.abs(), magnitude).add_(output)
             if bias is not None:
                 twice_z_pos.sub_(bias.to(dtype))
             # s / 2 (scaling by 2 is exact), so that g_x = where(x >= 0, s W+, s W-)
             # = s/2 W + sign(x) s/2 |W| (sign(0) = 0 is harmless: x = 0 carries no relevance).
-            # Not torch.where: on CPU it is several times slower than sign and addcmul.
+            # Not torch.where: on CPU it is several times slower than sign and multiply-add.
+            # At most two (B, N, in) buffers at a time.
             half_s = safe_divide(relevance, twice_z_pos, 2 * _TINY, in_place=True)
-            g_x = (half_s @ weight).addcmul_(torch.sign(x, out=x_buffer), half_s @ magnitude)
+            signed = (half_s @ magnitude).mul_(x.sign())
+            g_x = (half_s @ weight).add_(signed)
         else:
             w_pos, w_neg = weight.clamp(min=0), weight.clamp(max=0)
             s_pos = safe_divide(relevance, F.linear(x.clamp(min=0), w_pos))
