@@ -12,7 +12,7 @@ randomly initialised from configs (no hub access), this prints one row per measu
     SDPA by default; an eager-attention forward is printed too, since a capture runs an
     explicit softmax attention);
   - ``AttentionGradCAM``, ``GenericAttention`` and ``ConservativeLRP`` need one backward, and
-    ``TransformerRelevance`` two forward+backward passes: they are compared with
+    ``TransformerRelevance`` one forward and two backward passes: they are compared with
     a *training-step-like* pass, a forward with gradients plus
     ``torch.autograd.grad(target logits sum, parameters)``. A forward plus the gradient
     with respect to the input embeddings only (no weight gradients) is printed too.

@@ -26,6 +26,7 @@ Only operations whose tensor operands require grad are touched; an operand that 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import operator
 from typing import Any, Callable, Iterator, Optional
 
@@ -39,10 +40,91 @@ from . import patching
 _TINY = 1e-9
 
 
-def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    """``a / (b + eps * sign(b))``, and 0 where ``b == 0`` (sign-aware stabiliser)."""
-    tiny = torch.tensor(_TINY, dtype=denominator.dtype, device=denominator.device)
-    return numerator / (denominator + torch.copysign(tiny, denominator)) * (denominator != 0)
+class BackwardSwitch:
+    """Which backward the rule Functions of one forward pass compute: their rule (``plain``
+    False) or the plain gradient of the operation they wrap (``plain`` True).
+
+    Every rule Function built while :func:`switchable_backward` is active keeps a reference
+    to the switch and reads it when its backward runs (on whatever thread autograd uses), so
+    one graph answers both questions: ``autograd.grad(..., retain_graph=True)`` for the
+    relevance, then flip the switch and differentiate the same graph again for the gradient.
+    The forward is computed once; both backward passes are exact (the plain one recomputes
+    or reuses exactly what autograd would have saved).
+    """
+
+    def __init__(self) -> None:
+        self.plain = False
+
+    @contextlib.contextmanager
+    def plain_gradient(self) -> Iterator[None]:
+        """Within this context, backward passes through the graph are plain gradients."""
+        previous, self.plain = self.plain, True
+        try:
+            yield
+        finally:
+            self.plain = previous
+
+
+_SWITCH: contextvars.ContextVar[Optional[BackwardSwitch]] = contextvars.ContextVar(
+    "captum_transformers_backward_switch", default=None)
+
+
+@contextlib.contextmanager
+def switchable_backward() -> Iterator[BackwardSwitch]:
+    """Rule Functions built inside this context can also give the plain gradient.
+
+    Example::
+
+        >>> with switchable_backward() as switch, operation_rules(model, RuleSet.CHEFER):
+        ...     y = model(x)
+        >>> relevance_grad, = torch.autograd.grad(y.sum(), x, retain_graph=True)   # LRP rules
+        >>> with switch.plain_gradient():
+        ...     plain_grad, = torch.autograd.grad(y.sum(), x)                       # dy/dx
+    """
+    switch = BackwardSwitch()
+    token = _SWITCH.set(switch)
+    try:
+        yield switch
+    finally:
+        _SWITCH.reset(token)
+
+
+def current_switch() -> Optional[BackwardSwitch]:
+    """The switch rule Functions built now will read (None outside :func:`switchable_backward`)."""
+    return _SWITCH.get()
+
+
+def _plain(ctx) -> bool:
+    return ctx.switch is not None and ctx.switch.plain
+
+
+def plain_gradient_of(func: Callable, args, kwargs, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The plain gradient of ``func(*args, **kwargs)`` with respect to its operand ``x``
+    (the tensor in ``args`` or ``kwargs`` that *is* ``x``), by recomputing it: exactly what
+    autograd would have computed, for the operations whose rule keeps only ``x``."""
+    with torch.enable_grad():
+        leaf = x.detach().requires_grad_()
+        swap = lambda t: leaf if t is x else t  # noqa: E731
+        output = func(*[swap(a) for a in args], **{k: swap(v) for k, v in kwargs.items()})
+        (g,) = torch.autograd.grad(output, leaf, grad)
+    return g
+
+
+def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor, tiny: float = _TINY,
+                in_place: bool = False) -> torch.Tensor:
+    """``a / (b + eps * sign(b))``, and 0 where ``b == 0`` (sign-aware stabiliser, ``eps = tiny``).
+
+    ``in_place=True`` overwrites ``numerator`` with the result and ``denominator`` with the
+    shifted denominator (both must be owned, same shape and dtype): it runs on every linear
+    layer's output in the backward pass, where fresh buffers are costly. Example:
+    ``safe_divide(torch.tensor([1., 1.]), torch.tensor([2., 0.]))`` is ``[0.5, 0.]``.
+    """
+    stabiliser = torch.tensor(tiny, dtype=denominator.dtype, device=denominator.device)
+    nonzero = denominator != 0
+    if in_place:
+        shifted = denominator.add_(torch.copysign(stabiliser, denominator))
+        return numerator.div_(shifted).mul_(nonzero)
+    return (numerator / (denominator + torch.copysign(stabiliser, denominator))).mul_(nonzero)
 
 
 def identity_ratio(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -51,12 +133,11 @@ def identity_ratio(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     No stabiliser: ``R_x = x * (g * y / x) = y * g = R_y`` exactly, however small ``x`` is. A
     shifted denominator (``x + eps``) would give ``R_x = R_y * x / (x + eps)``, which is not the
     identity (half the relevance at ``|x| = eps``). Relevance on an exact zero (or where the
-    ratio overflows) is dropped. Computed in at least float32.
+    ratio overflows) is dropped: ``y / 0`` is never finite, so one pass mapping every
+    non-finite ratio to 0 covers both. Computed in at least float32.
     """
     dtype = torch.promote_types(torch.promote_types(x.dtype, output.dtype), torch.float32)
-    x, output = x.to(dtype), output.to(dtype)
-    ratio = output / torch.where(x == 0, torch.ones_like(x), x)
-    return torch.where((x == 0) | ~torch.isfinite(ratio), torch.zeros_like(ratio), ratio)
+    return torch.div(output.to(dtype), x.to(dtype)).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 class _LinearAlphaBeta(torch.autograd.Function):
@@ -74,22 +155,32 @@ class _LinearAlphaBeta(torch.autograd.Function):
         output = func(*args, **kwargs)
         ctx.save_for_backward(x, weight, bias, output)
         ctx.shared = shared
+        ctx.switch = _SWITCH.get()
         return output
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, bias, output = ctx.saved_tensors
+        if _plain(ctx):
+            return grad @ weight.to(grad.dtype), None, None, None, None, None, None
         in_dtype = x.dtype
         dtype = torch.promote_types(x.dtype, torch.float32)
         x, weight, grad, output = x.to(dtype), weight.to(dtype), grad.to(dtype), output.to(dtype)
         relevance = output * grad
         if ctx.shared:
-            product = output if bias is None else output - bias.to(dtype)
+            # In place where possible: each fresh (B, N, features) buffer costs page faults.
+            # 2 z+ = 2 (x+ W+ + x- W-) = x W + |x| |W|, with x W = output - bias already known.
             magnitude = weight.abs()
-            z_pos = 0.5 * (product + F.linear(x.abs(), magnitude))
-            s = safe_divide(relevance, z_pos)
-            # sign(0) = 0 is harmless: relevance x * g is 0 there whatever g is.
-            g_x = 0.5 * (s @ weight + x.sign() * (s @ magnitude))
+            twice_z_pos = F.linear(x.abs(), magnitude).add_(output)
+            if bias is not None:
+                twice_z_pos.sub_(bias.to(dtype))
+            # s / 2 (scaling by 2 is exact), so that g_x = where(x >= 0, s W+, s W-)
+            # = s/2 W + sign(x) s/2 |W| (sign(0) = 0 is harmless: x = 0 carries no relevance).
+            # Not torch.where: on CPU it is several times slower than sign and multiply-add.
+            # At most two (B, N, in) buffers at a time.
+            half_s = safe_divide(relevance, twice_z_pos, 2 * _TINY, in_place=True)
+            signed = (half_s @ magnitude).mul_(x.sign())
+            g_x = (half_s @ weight).add_(signed)
         else:
             w_pos, w_neg = weight.clamp(min=0), weight.clamp(max=0)
             s_pos = safe_divide(relevance, F.linear(x.clamp(min=0), w_pos))
@@ -107,6 +198,7 @@ class _PixelBoundedConv(torch.autograd.Function):
     def forward(ctx, x, weight, func, args, kwargs):
         output = func(*args, **kwargs)
         ctx.save_for_backward(x, weight, output)
+        ctx.switch = _SWITCH.get()
         ctx.conv = dict(stride=kwargs.get("stride", args[3] if len(args) > 3 else 1),
                         padding=kwargs.get("padding", args[4] if len(args) > 4 else 0),
                         dilation=kwargs.get("dilation", args[5] if len(args) > 5 else 1),
@@ -116,9 +208,11 @@ class _PixelBoundedConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, output = ctx.saved_tensors
+        conv = ctx.conv
+        if _plain(ctx):
+            return torch.nn.grad.conv2d_input(x.shape, weight, grad, **conv), None, None, None, None
         dtype = torch.promote_types(x.dtype, torch.float32)
         x, weight, grad, output = x.to(dtype), weight.to(dtype), grad.to(dtype), output.to(dtype)
-        conv = ctx.conv
         low = x.amin(dim=(1, 2, 3), keepdim=True).expand_as(x)
         high = x.amax(dim=(1, 2, 3), keepdim=True).expand_as(x)
         w_pos, w_neg = weight.clamp(min=0), weight.clamp(max=0)
@@ -142,13 +236,23 @@ class _IdentityRule(torch.autograd.Function):
         # A closed-form ratio needs only x: keeping the output too would cost memory.
         ctx.save_for_backward(x, output if ratio_fn is None else None)
         ctx.ratio_fn = ratio_fn
+        ctx.switch = _SWITCH.get()
+        if ctx.switch is not None:  # the plain gradient recomputes the operation from x
+            ctx.func, ctx.args, ctx.kwargs = func, args, kwargs
         return output
 
     @staticmethod
     def backward(ctx, grad):
         x, output = ctx.saved_tensors
+        if _plain(ctx):
+            if ctx.func in _SOFTMAX and output is not None and output.dtype == x.dtype:
+                # What autograd computes for a softmax, from the output kept for the rule.
+                dim = ctx.kwargs.get("dim", ctx.args[1] if len(ctx.args) > 1 else None)
+                if isinstance(dim, int):
+                    return torch._softmax_backward_data(grad, output, dim, x.dtype), None, None, None, None
+            return plain_gradient_of(ctx.func, ctx.args, ctx.kwargs, x, grad), None, None, None, None
         ratio = ctx.ratio_fn(x, output) if ctx.ratio_fn is not None else identity_ratio(output, x)
-        return grad * ratio.to(grad.dtype), None, None, None, None
+        return ratio.to(grad.dtype).mul_(grad), None, None, None, None
 
 
 class _UniformProduct(torch.autograd.Function):
@@ -158,6 +262,7 @@ class _UniformProduct(torch.autograd.Function):
     def forward(ctx, a, b, func, args, kwargs):
         ctx.func, ctx.args, ctx.kwargs = func, args, kwargs
         ctx.save_for_backward(a, b)
+        ctx.switch = _SWITCH.get()
         return func(*args, **kwargs)
 
     @staticmethod
@@ -173,8 +278,14 @@ class _UniformProduct(torch.autograd.Function):
                 a_, b_ = a.detach().requires_grad_(), b.detach().requires_grad_()
                 output = _call_with(func, args, ctx.kwargs, a, b, a_, b_)
                 g_a, g_b = torch.autograd.grad(output, (a_, b_), grad, allow_unused=True)
-        half = lambda g, like: torch.zeros_like(like) if g is None else 0.5 * g.sum_to_size(like.shape)  # noqa: E731
-        return half(g_a, a), half(g_b, b), None, None, None
+        plain = _plain(ctx)
+
+        def share(g, like):
+            if g is None:
+                return torch.zeros_like(like)
+            return g.sum_to_size(like.shape) if plain else 0.5 * g.sum_to_size(like.shape)
+
+        return share(g_a, a), share(g_b, b), None, None, None
 
 
 def _call_with(func, args, kwargs, a, b, new_a, new_b):
@@ -189,24 +300,37 @@ class _NormalizedAdd(torch.autograd.Function):
         output = func(*args, **kwargs)
         ctx.save_for_backward(a, b)
         ctx.batch_dim = batch_dim
+        ctx.switch = _SWITCH.get()
         return output
 
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
+        if _plain(ctx):
+            return grad.sum_to_size(a.shape), grad.sum_to_size(b.shape), None, None, None, None
         dtype = torch.promote_types(grad.dtype, torch.float32)
         g = grad.to(dtype)
-        r_a, r_b = (a.to(dtype) * g), (b.to(dtype) * g)
+        batch_dim = ctx.batch_dim
 
-        def per_example(r):
-            moved = r.movedim(ctx.batch_dim, 0) if ctx.batch_dim is not None else r.reshape(1, *r.shape)
-            total = moved.reshape(moved.shape[0], -1).sum(1)
-            shape = [1] * r.dim()
-            if ctx.batch_dim is not None:
-                shape[ctx.batch_dim] = -1
-            return total.reshape(shape) if ctx.batch_dim is not None else total.reshape([1] * r.dim())
+        def per_example(operand):
+            """``sum(operand * g)`` per example, shaped to broadcast against ``g``: one dot
+            product per example, without materialising the relevance ``operand * g``."""
+            operand = operand.to(dtype)
+            shape = [1] * g.dim()
+            if operand.shape != g.shape:  # a batch-shared operand: materialise the broadcast product
+                product = operand * g
+                total = product.movedim(batch_dim, 0).reshape(g.shape[batch_dim], -1).sum(1) \
+                    if batch_dim is not None else product.sum().reshape(1)
+            elif batch_dim is None:
+                total = torch.dot(operand.reshape(-1), g.reshape(-1)).reshape(1)
+            else:
+                total = torch.linalg.vecdot(operand.movedim(batch_dim, 0).reshape(g.shape[batch_dim], -1),
+                                            g.movedim(batch_dim, 0).reshape(g.shape[batch_dim], -1))
+            if batch_dim is not None:
+                shape[batch_dim] = -1
+            return total.reshape(shape)
 
-        s_a, s_b = per_example(r_a), per_example(r_b)
+        s_a, s_b = per_example(a), per_example(b)
         s = s_a + s_b
         share_a = safe_divide(s_a.abs(), s_a.abs() + s_b.abs()) * safe_divide(s, s_a)
         share_b = safe_divide(s_b.abs(), s_a.abs() + s_b.abs()) * safe_divide(s, s_b)
@@ -255,6 +379,15 @@ class OperationRules(TorchFunctionMode):
         super().__init__()
         self.rules = rules
         self.batch_size = batch_size
+        self._tokens: list = []
+
+    def __enter__(self):
+        self._tokens.append(_ACTIVE_RULES.set(self))
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        _ACTIVE_RULES.reset(self._tokens.pop())
+        return super().__exit__(*exc_info)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -306,6 +439,86 @@ class OperationRules(TorchFunctionMode):
         return None
 
 
+_ACTIVE_RULES: contextvars.ContextVar[Optional[OperationRules]] = contextvars.ContextVar(
+    "captum_transformers_operation_rules", default=None)
+
+
+class _SoftmaxOfRecomputedScores(torch.autograd.Function):
+    """``softmax(scores(*tensors))`` keeping only ``tensors`` and the probabilities: the
+    backward recomputes the scores (bit-identical: the same operations on the same inputs)
+    under the rules and backward switch that were active in the forward, and differentiates
+    them with the softmax's gradient from the kept probabilities: the identity rule's
+    ``g_S = (A / S) g_A``, or the plain softmax Jacobian when the switch says so."""
+
+    @staticmethod
+    def forward(ctx, scores_fn, dim, dtype, mode, switch, *tensors):
+        probs = torch.softmax(scores_fn(*tensors), dim=dim, dtype=dtype)
+        ctx.scores_fn, ctx.dim, ctx.mode, ctx.switch = scores_fn, dim, mode, switch
+        ctx.save_for_backward(probs, *tensors)
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, *tensors = ctx.saved_tensors
+        plain = ctx.switch is not None and ctx.switch.plain
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+            if plain:  # the plain gradient needs no rules
+                scores = ctx.scores_fn(*leaves)
+            else:
+                token = _SWITCH.set(ctx.switch)
+                try:
+                    with OperationRules(ctx.mode.rules, ctx.mode.batch_size):
+                        scores = ctx.scores_fn(*leaves)
+                finally:
+                    _SWITCH.reset(token)
+            # The scores' values are not needed once their gradient is known (the operations
+            # that make them, a product, a scaling and a mask, keep no output), so their buffer
+            # takes the gradient: one (B, H, Q, K) buffer less at the peak.
+            buffer, probs = scores.detach(), probs.detach()
+            same_dtype = scores.dtype == probs.dtype == grad.dtype
+            if plain or ctx.mode.rules.softmax != "identity":
+                # What autograd computes for softmax(S, dtype=...): the Jacobian in the output's
+                # dtype, then the cast back to the scores' dtype.
+                g_scores = torch._softmax_backward_data(grad.to(probs.dtype), probs, ctx.dim, probs.dtype)
+                if same_dtype:
+                    g_scores = buffer.copy_(g_scores)
+            elif same_dtype:  # the identity rule, as _IdentityRule computes it, in place
+                g_scores = torch.div(probs, buffer, out=buffer).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+                g_scores.mul_(grad)
+            else:
+                g_scores = identity_ratio(probs, buffer).to(grad.dtype).mul_(grad)
+            del buffer
+            wanted = [leaf for leaf in leaves if leaf.requires_grad]
+            grads = iter(torch.autograd.grad(scores, wanted, g_scores.to(scores.dtype), allow_unused=True))
+        return (None, None, None, None, None, *[next(grads) if leaf.requires_grad else None for leaf in leaves])
+
+
+def active_rules():
+    """The rule set of the :class:`OperationRules` mode active now (None outside one)."""
+    mode = _ACTIVE_RULES.get()
+    return None if mode is None else mode.rules
+
+
+def softmax_of_recomputed_scores(scores_fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, dim: int = -1,
+                                 dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``torch.softmax(scores_fn(*tensors), dim, dtype)``, keeping for the backward pass only
+    ``tensors`` and the probabilities (which ``A V`` keeps anyway), not the scores.
+
+    The softmax identity rule (Chefer et al. 2021) needs the softmax input ``S = Q K^T * scale
+    (+ mask)``: one (B, H, Q, K) tensor per layer. Its backward recomputes ``S`` from ``Q`` and
+    ``K`` (kept anyway by the product rule and the projections) under the same per-operation
+    rules. Outside :func:`operation_rules` (or without gradients) it is just the softmax.
+    Example::
+
+        >>> probs = softmax_of_recomputed_scores(lambda q, k: q @ k.mT * scale, q, k, dim=-1)
+    """
+    mode = _ACTIVE_RULES.get()
+    if mode is None or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        return torch.softmax(scores_fn(*tensors), dim=dim, dtype=dtype)
+    return _SoftmaxOfRecomputedScores.apply(scores_fn, dim, dtype, mode, _SWITCH.get(), *tensors)
+
+
 def needs_operation_rules(rules) -> bool:
     return (rules.linear != "gradient" or rules.activation != "gradient" or rules.softmax == "identity"
             or rules.matmul != "gradient" or rules.add != "gradient" or rules.pixel_conv != "gradient")
@@ -313,17 +526,23 @@ def needs_operation_rules(rules) -> bool:
 
 class IdentityRelevance(torch.autograd.Function):
     """The identity rule around a whole module (a norm, an activation): ``R_x = R_y``, i.e.
-    ``dx = dy * y / x`` given the module's input ``x`` and its already computed output ``y``."""
+    ``dx = dy * y / x`` given the module's input ``x`` and its already computed output ``y``.
+
+    ``recompute(x)`` (the module's own forward) gives the plain gradient when the pass runs
+    under a :class:`BackwardSwitch` set to ``plain``."""
 
     @staticmethod
-    def forward(ctx, x, output):
+    def forward(ctx, x, output, recompute=None):
         ctx.save_for_backward(x, output)
+        ctx.switch, ctx.recompute = _SWITCH.get(), recompute
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad):
         x, output = ctx.saved_tensors
-        return grad * identity_ratio(output, x).to(grad.dtype), None
+        if _plain(ctx):
+            return plain_gradient_of(ctx.recompute, (x,), {}, x, grad), None, None
+        return identity_ratio(output, x).to(grad.dtype).mul_(grad), None, None
 
 
 # Not activations, or activations whose torch function the mode already rules (closed-form ratio).
@@ -359,7 +578,7 @@ def _activation_forward(original):
             return original(x, *args, **kwargs)
         with torch.no_grad():
             output = original(x, *args, **kwargs)
-        return IdentityRelevance.apply(x, output)
+        return IdentityRelevance.apply(x, output, lambda inputs: original(inputs, *args, **kwargs))
     return forward
 
 

@@ -187,14 +187,21 @@ class _ScaleConstantNorm(torch.autograd.Function):
     ``dx = C (dy * a / sigma)`` (LayerNorm; no ``C`` when the mean is frozen too or for RMSNorm)."""
 
     @staticmethod
-    def forward(ctx, x, output, scale, centered, freeze_mean, eps):
+    def forward(ctx, x, output, scale, centered, freeze_mean, eps, recompute=None):
         ctx.save_for_backward(x, scale)
         ctx.centered, ctx.freeze_mean, ctx.eps = centered, freeze_mean, eps
+        from .operation_rules import current_switch
+
+        ctx.switch, ctx.recompute = current_switch(), recompute
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad):
         x, scale = ctx.saved_tensors
+        if ctx.switch is not None and ctx.switch.plain:  # the norm's own gradient (one graph, two passes)
+            from .operation_rules import plain_gradient_of
+
+            return plain_gradient_of(ctx.recompute, (x,), {}, x, grad), None, None, None, None, None, None
         dtype = torch.promote_types(x.dtype, torch.float32)
         x = x.to(dtype)
         centred = x - x.mean(dim=-1, keepdim=True) if ctx.centered else x
@@ -202,7 +209,7 @@ class _ScaleConstantNorm(torch.autograd.Function):
         scaled = grad.to(dtype) * scale.to(dtype) / sigma
         if ctx.centered and not ctx.freeze_mean:
             scaled = scaled - scaled.mean(dim=-1, keepdim=True)
-        return scaled.to(grad.dtype), None, None, None, None, None
+        return scaled.to(grad.dtype), None, None, None, None, None, None
 
 
 def _norm_forward(site: NormSite, rule: str):
@@ -212,13 +219,14 @@ def _norm_forward(site: NormSite, rule: str):
                 return original(x, *args, **kwargs)
             with torch.no_grad():
                 output = original(x, *args, **kwargs)
+            recompute = lambda inputs: original(inputs, *args, **kwargs)  # noqa: E731  (the plain gradient)
             if rule == "identity":
                 # Chefer et al.'s norm rule: relevance passes unchanged, R_x = R_y.
                 from .operation_rules import IdentityRelevance
 
-                return IdentityRelevance.apply(x, output)
+                return IdentityRelevance.apply(x, output, recompute)
             return _ScaleConstantNorm.apply(x, output, site.scale, site.centered,
-                                            rule == "scale_and_mean_constant", site.eps)
+                                            rule == "scale_and_mean_constant", site.eps, recompute)
         return forward
     return make
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from .. import patching
 from ..errors import CaptureError, InputError
+from ..operation_rules import switchable_backward
 from ..targets import select_targets
 from ..trace import AttentionRecord, AttentionTrace, Block, CaptureSpec, TokenLayout
 from .recorder import Recorder
@@ -172,26 +173,44 @@ class Adapter(abc.ABC):
 
     def trace(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
               target: Any, spec: CaptureSpec, forward_kwargs: Optional[dict] = None,
-              rules: Optional["RuleSet"] = None) -> AttentionTrace:
+              rules: Optional["RuleSet"] = None, plain_spec: Optional[CaptureSpec] = None) -> AttentionTrace:
         """One forward (and, if ``spec`` needs gradients, one backward) pass over a batch.
 
         With ``rules`` the backward pass follows those propagation rules, so the backward
         reduction sees LRP-modified gradients (relevance = probs * gradient).
+
+        With ``rules`` and ``plain_spec`` too, the same graph is differentiated a second time
+        with plain gradients (every rule Function switched to its operation's own gradient, the
+        explained logit as seed), reduced by ``plain_spec``: one forward, two backward passes.
+        ``spec`` reduces the first, ``plain_spec`` the second; the trace holds the second's
+        values. Only for rules whose forward graph is the plain one (no detached attention gate).
         """
         _refuse_inference_mode()
+        if plain_spec is not None and (rules is None or rules.attention_gate != "gradient"):
+            raise InputError(
+                f"A plain-gradient second pass needs rules whose graph keeps the attention gate (got {rules!r}); "
+                "run two traces instead."
+            )
         recorder = Recorder(spec)
-        contexts = [self.propagation(model, rules)] if rules is not None else []
-        with torch.enable_grad() if spec.needs_gradient else torch.no_grad():
+        recorder.keep_probs = plain_spec is not None
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.enable_grad() if spec.needs_gradient else torch.no_grad())
+            switch = stack.enter_context(switchable_backward()) if plain_spec is not None else None
+            contexts = [self.propagation(model, rules)] if rules is not None else []
             layout, logits, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
                                                           target, recorder, contexts)
             if spec.needs_gradient:
-                self._backward(recorder, seeded(scores, rules))
+                self._backward(recorder, seeded(scores, rules), retain_graph=switch is not None)
+            if switch is not None:
+                recorder.next_pass(plain_spec)
+                with switch.plain_gradient():
+                    self._backward(recorder, scores)
         records = tuple(
             AttentionRecord(s.block, s.call_index, s.forward_value, s.backward_value) for s in recorder.sites
         )
         return AttentionTrace(records, layout, logits.detach(), index)
 
-    def _backward(self, recorder: Recorder, scores: torch.Tensor) -> None:
+    def _backward(self, recorder: Recorder, scores: torch.Tensor, retain_graph: bool = False) -> None:
         sites = recorder.sites if recorder.spec.backward_blocks == "all" else recorder.sites[-1:]
         for site in sites:
             if not site.grad_tensor.requires_grad or not recorder.anchors:
@@ -204,7 +223,8 @@ class Adapter(abc.ABC):
             raise CaptureError(
                 "The explained output does not depend on any observed attention (it does not require grad)."
             )
-        torch.autograd.grad(scores.sum(), inputs=list(recorder.anchors.values()), allow_unused=True)
+        torch.autograd.grad(scores.sum(), inputs=list(recorder.anchors.values()), allow_unused=True,
+                            retain_graph=retain_graph)
         if not any(s.received_gradient for s in sites):
             raise CaptureError(
                 "No gradient reached any observed attention map: the explained output does not depend on the "

@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import patching
 from ..errors import CaptureError, InputError
-from ..operation_rules import operation_rules
+from ..operation_rules import operation_rules, softmax_of_recomputed_scores
 from ..rules import RuleSet, gate, norm_rules
 from ..trace import Block
 from .base import Adapter
@@ -82,17 +82,28 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     groups = query.shape[1] // key.shape[1]
     key_states = _repeat_kv(key, groups)
     value_states = _repeat_kv(value, groups)
-    scores = torch.matmul(query, key_states.transpose(-1, -2)) * scaling
     softcap = kwargs.get("softcap")
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is not None:
-        mask = attention_mask[:, :, :, : key_states.shape[-2]]
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+
+    def scores(query: torch.Tensor, key_states: torch.Tensor) -> torch.Tensor:
+        scores = torch.matmul(query, key_states.transpose(-1, -2)) * scaling
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if attention_mask is not None:
+            mask = attention_mask[:, :, :, : key_states.shape[-2]]
+            if mask.dtype == torch.bool:
+                scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+            else:
+                scores = scores + mask
+        return scores
+
+    rules = _RULES.get()
+    if rules is not None and rules.softmax == "identity":
+        # The identity rule on the softmax needs its input, the scores: recompute them from
+        # Q and K (kept anyway) in the backward pass instead of keeping a (B, H, Q, K) tensor.
+        probs = softmax_of_recomputed_scores(scores, query, key_states, dim=-1, dtype=torch.float32)
+    else:
+        probs = torch.softmax(scores(query, key_states), dim=-1, dtype=torch.float32)
+    probs = probs.to(query.dtype)
     if active is not None:
         recorder, blocks = active
         block = blocks.get(id(module)) or Block(type(module).__name__, module, _kind(module))

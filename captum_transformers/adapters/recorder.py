@@ -45,6 +45,7 @@ class Site:
     grad_view: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     backward_value: Optional[torch.Tensor] = None
     received_gradient: bool = False
+    hooked: bool = False
 
 
 class Recorder:
@@ -56,6 +57,8 @@ class Recorder:
         self.anchors: Dict[torch.device, torch.Tensor] = {}
         self.key_valid: Optional[torch.Tensor] = None
         self.causal: bool = False
+        # True while a later backward pass through the same graph still needs the maps.
+        self.keep_probs: bool = False
 
     def connect(self, tensor: torch.Tensor) -> torch.Tensor:
         """Tap a block's floating-point input so gradients reach this block's attention."""
@@ -107,13 +110,27 @@ class Recorder:
         return (valid[:, :, None] & valid[:, None, :]).unsqueeze(1)
 
     def reduce_gradient(self, site: Site, grad: torch.Tensor) -> None:
-        """Fuse ``site``'s heads with its gradient (B, H, Q, K), then drop the raw map."""
+        """Fuse ``site``'s heads with its gradient (B, H, Q, K), then drop the raw map (unless
+        another backward pass through the same graph will need it)."""
         extra = {"call_index": site.call_index} if self.spec.pass_call_index else {}
         site.backward_value = self.spec.backward_reduce(site.probs, grad, self.valid_pairs(site), **extra)
-        site.probs = None
+        if not self.keep_probs:
+            site.probs = None
+
+    def next_pass(self, spec: CaptureSpec) -> None:
+        """Reduce the next backward pass through the same graph with ``spec`` (the last pass:
+        maps are dropped as they are reduced). The previous pass's values are overwritten."""
+        self.spec = spec
+        self.keep_probs = False
+        for site in self.sites:
+            site.received_gradient = False
 
     def hook(self, site: Site) -> None:
-        """Fuse ``site``'s heads as soon as its gradient arrives."""
+        """Fuse ``site``'s heads as soon as its gradient arrives (once per site; the hook
+        serves every backward pass through the graph)."""
+        if site.hooked:
+            return
+        site.hooked = True
 
         def on_gradient(grad: torch.Tensor) -> None:
             site.received_gradient = True

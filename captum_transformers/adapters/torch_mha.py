@@ -40,7 +40,7 @@ from torch import nn
 
 from .. import patching
 from ..errors import CaptureError, InputError
-from ..operation_rules import needs_operation_rules, operation_rules
+from ..operation_rules import active_rules, needs_operation_rules, operation_rules, softmax_of_recomputed_scores
 from ..rules import RuleSet, norm_rules
 from ..trace import Block
 from .base import Adapter
@@ -370,14 +370,24 @@ def _explicit_attention(module: nn.MultiheadAttention, arguments: Dict[str, Any]
         return x.reshape(steps, batch, heads, head_dim).permute(1, 2, 0, 3)
 
     q, k, v = split(q, length), split(k, source), split(v, source)
-    scores = (q * (1.0 / float(head_dim)) ** 0.5) @ k.transpose(-1, -2)
-    attn_mask = _additive(arguments["attn_mask"], scores.dtype)
-    if attn_mask is not None:
-        scores = scores + (attn_mask.reshape(batch, heads, length, source) if attn_mask.dim() == 3 else attn_mask)
-    padding = _additive(arguments["key_padding_mask"], scores.dtype)
-    if padding is not None:
-        scores = scores + padding.reshape(batch, 1, 1, source)
-    weights = torch.softmax(scores, dim=-1)
+
+    def scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        scores = (q * (1.0 / float(head_dim)) ** 0.5) @ k.transpose(-1, -2)
+        attn_mask = _additive(arguments["attn_mask"], scores.dtype)
+        if attn_mask is not None:
+            scores = scores + (attn_mask.reshape(batch, heads, length, source) if attn_mask.dim() == 3 else attn_mask)
+        padding = _additive(arguments["key_padding_mask"], scores.dtype)
+        if padding is not None:
+            scores = scores + padding.reshape(batch, 1, 1, source)
+        return scores
+
+    rules = active_rules()
+    if rules is not None and rules.softmax == "identity":
+        # The softmax identity rule needs the scores: recompute them from q and k (kept
+        # anyway) in the backward pass rather than keep a (B, H, L, S) tensor per layer.
+        weights = softmax_of_recomputed_scores(scores, q, k, dim=-1)
+    else:
+        weights = torch.softmax(scores(q, k), dim=-1)
     attended = (weights @ v).permute(2, 0, 1, 3).reshape(length, batch, embed)
     output = torch.nn.functional.linear(attended, module.out_proj.weight, module.out_proj.bias)
     if not batched:

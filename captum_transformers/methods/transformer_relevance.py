@@ -34,8 +34,9 @@ class TransformerRelevance(TraceAttribution):
     read at the classification row. ``R^A`` is the LRP relevance at each attention map from
     a pass with the paper's rules (``RuleSet.CHEFER``: alpha=1/beta=0 linear layers, identity
     activations, norms and softmax, halved matmuls, normalised residual adds, relevance 1 at
-    the target), ``\nabla A`` the plain gradient of the target logit. Two forward and
-    backward passes per batch (relevance, then gradient); class-specific. Later blocks
+    the target), ``\nabla A`` the plain gradient of the target logit. One forward pass
+    under the rules and two backward passes through its graph (relevance, then the plain
+    gradient); class-specific. Later blocks
     multiply on the left, as in the authors' code; ``start_layer`` skips the first blocks.
 
     Example::
@@ -53,17 +54,30 @@ class TransformerRelevance(TraceAttribution):
 
     def _trace(self, inputs: Tuple[torch.Tensor, ...], target: Any, additional: Tuple[Any, ...],
                forward_kwargs: Optional[dict]) -> AttentionTrace:
-        # The relevance pass first: its graph is the larger one, and it is freed before the
-        # gradient pass runs with only the per-layer R_A kept (peak = the larger pass, not both).
-        relevance = self.adapter.trace(self.model, inputs, additional, target, self.capture_spec(), forward_kwargs,
-                                       rules=self.rules)
-        by_call: Dict[int, torch.Tensor] = {r.call_index: r.backward_value for r in relevance.records}
+        # Per-head R_A of each map, kept from the relevance pass until its gradient arrives.
+        by_call: Dict[int, torch.Tensor] = {}
+
+        def keep_relevance(probs, lrp_grad, valid, call_index):
+            by_call[call_index] = _relevance(probs, lrp_grad)
 
         def weighted(probs, grad, valid, call_index):
-            return functional.gradient_weighted_heads(by_call.pop(call_index), grad, valid)
+            # functional.gradient_weighted_heads(R_A, grad), in the popped R_A's own buffer.
+            relevance = by_call.pop(call_index)
+            return relevance.mul_(grad.to(relevance.dtype)).clamp_(min=0).mean(dim=1)
 
-        spec = CaptureSpec(backward_reduce=weighted, pass_call_index=True)
-        return self.adapter.trace(self.model, inputs, additional, _resolved(relevance.target), spec, forward_kwargs)
+        relevance_spec = CaptureSpec(backward_reduce=keep_relevance, pass_call_index=True)
+        gradient_spec = CaptureSpec(backward_reduce=weighted, pass_call_index=True)
+        if self.rules.attention_gate == "gradient":
+            # One forward under the rules, then two backward passes through the same graph:
+            # the relevance (rules), then the plain gradient (every rule switched off).
+            return self.adapter.trace(self.model, inputs, additional, target, relevance_spec, forward_kwargs,
+                                      rules=self.rules, plain_spec=gradient_spec)
+        # A detached attention gate changes the graph itself: a separate plain pass. The
+        # relevance pass runs first and is freed before the gradient pass (peak = the larger).
+        relevance = self.adapter.trace(self.model, inputs, additional, target, relevance_spec, forward_kwargs,
+                                       rules=self.rules)
+        return self.adapter.trace(self.model, inputs, additional, _resolved(relevance.target), gradient_spec,
+                                  forward_kwargs)
 
     def reduce(self, trace: AttentionTrace) -> torch.Tensor:
         self.layers_from(trace, self.start_layer)
