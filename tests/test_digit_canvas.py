@@ -163,7 +163,7 @@ def test_constants_match_train_statistics():
 
 @pytest.mark.parametrize("kwargs, word", [
     (dict(split="training"), "split"), (dict(variant="three"), "variant"), (dict(n=-1), "n"),
-    (dict(n=2.5), "n"), (dict(seed=-3), "seed")])
+    (dict(n=2.5), "n"), (dict(seed=-3), "seed"), (dict(clutter=1.5), "clutter"), (dict(clutter=-0.1), "clutter")])
 def test_bad_arguments_raise_input_error(kwargs, word):
     with pytest.raises(InputError, match=word):
         digit_canvases(**kwargs)
@@ -174,3 +174,24 @@ def test_bad_batch_size_and_normalize_input(one):
         next(one.batches(0))
     with pytest.raises(InputError, match="normalize"):
         normalize(torch.zeros(3, 32, 32))
+
+
+def test_one_digit_boxes_stay_within_the_jitter_of_the_centre(one):
+    rows = one.masks.any(2).float().argmax(1)   # first row of the mask; the box starts at or above it
+    cols = one.masks.any(1).float().argmax(1)
+    centre = (dc.CANVAS - dc.DIGIT) // 2
+    assert int(rows.min()) >= centre - dc.POSITION_JITTER and int(cols.min()) >= centre - dc.POSITION_JITTER
+    last = dc.CANVAS - 1 - one.masks.any(2).flip(1).float().argmax(1)
+    assert int(last.max()) <= centre + dc.POSITION_JITTER + dc.DIGIT - 1
+
+
+def test_clutter_fades_background_and_distractors_but_not_digits():
+    full = digit_canvases("train", "one", n=16, seed=5)
+    clean = digit_canvases("train", "one", n=16, seed=5, clutter=0.0)
+    assert torch.equal(full.masks, clean.masks) and torch.equal(full.labels, clean.labels)
+    outside = ~clean.masks[:, None].expand_as(clean.images)
+    # digits on black: outside the mask only the digit's faintest rim (alpha <= MASK_ALPHA) remains
+    assert float(clean.images[outside].max()) <= dc.MASK_ALPHA + 1e-6
+    assert float(full.images[outside].mean()) > 0.1                # texture and distractors
+    half = digit_canvases("train", "one", n=16, seed=5, clutter=0.5)
+    assert 0.0 < float(half.images[outside].mean()) < float(full.images[outside].mean())

@@ -108,3 +108,10 @@ def test_training_command_writes_weights_and_record(tmp_path, monkeypatch):
 def test_bad_epochs_raise_input_error():
     with pytest.raises(InputError, match="epochs"):
         train_digits.train(epochs=0)
+
+
+def test_curriculum_ramps_clutter_to_the_benchmark_canvases():
+    from captum_transformers.tasks.train_digits import CLUTTER_RAMP_EPOCHS, clutter_at
+
+    assert clutter_at(0) == 0.0 and clutter_at(CLUTTER_RAMP_EPOCHS // 2) == pytest.approx(0.5, abs=0.05)
+    assert clutter_at(CLUTTER_RAMP_EPOCHS) == 1.0 and clutter_at(10 * CLUTTER_RAMP_EPOCHS) == 1.0

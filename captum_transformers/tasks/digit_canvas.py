@@ -35,6 +35,7 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Dict, Iterator, Optional, Tuple
@@ -66,6 +67,11 @@ OPACITY = (0.8, 1.0)
 # Distractors are fainter than digits: still salient strokes that draw attention, but an
 # easier task for a tiny ViT trained for minutes on a CPU (a difficulty knob, chosen, not tuned).
 DISTRACTOR_OPACITY = (0.35, 0.6)
+# A digit's box sits within +-POSITION_JITTER pixels of its home (the centre for one digit;
+# for two, each half along the split axis is fixed and the other axis jitters). Unrestricted
+# placement left a 4-layer ViT near chance for thousands of CPU steps; this keeps the task
+# learnable in minutes while the distractors still roam the whole canvas.
+POSITION_JITTER = 3
 
 # Per-channel statistics of train canvases (both variants, 4096 each, seed 0), rounded;
 # constants so that normalising never depends on generating data first.
@@ -226,15 +232,17 @@ def _partners(rng: np.random.Generator, pool: np.ndarray, labels: np.ndarray, fi
 def _layouts(rng: np.random.Generator, n: int, variant: str) -> Tuple[np.ndarray, np.ndarray]:
     """Top-left corners (n, k) rows and cols of the k true digits.
 
-    Two digits use disjoint boxes: side by side (cols 0 and 16) or stacked (rows 0 and 16),
-    with a free offset along the other axis.
+    One digit: within ``POSITION_JITTER`` of the centred box. Two digits use disjoint boxes:
+    side by side (cols 0 and 16) or stacked (rows 0 and 16), jittered like one digit along the
+    other axis.
     """
-    free = CANVAS - DIGIT
+    centre = (CANVAS - DIGIT) // 2
+    low, high = centre - POSITION_JITTER, centre + POSITION_JITTER
     if variant == "one":
-        return rng.integers(0, free + 1, size=(n, 1)), rng.integers(0, free + 1, size=(n, 1))
+        return rng.integers(low, high + 1, size=(n, 1)), rng.integers(low, high + 1, size=(n, 1))
     stacked = rng.random(n) < 0.5
     fixed = np.broadcast_to(np.array([0, DIGIT]), (n, 2))
-    loose = rng.integers(0, free + 1, size=(n, 2))
+    loose = rng.integers(low, high + 1, size=(n, 2))
     first_box_first = rng.random(n) < 0.5  # which digit takes the top/left box
     fixed = np.where(first_box_first[:, None], fixed, fixed[:, ::-1])
     rows = np.where(stacked[:, None], fixed, loose)
@@ -307,14 +315,16 @@ def _render(plan: _Plan, with_digits: bool = True) -> np.ndarray:
 
 
 def digit_canvases(split: str = "test", variant: str = "one", n: Optional[int] = None,
-                   seed: int = 0) -> DigitCanvasSet:
+                   seed: int = 0, clutter: float = 1.0) -> DigitCanvasSet:
     """Generate DigitCanvas images with exact masks and labels (deterministic in all arguments).
 
     ``split`` in {"train", "val", "test"} picks the source digits (disjoint per split);
     ``variant`` "one" draws one true digit per canvas, "two" two digits of different
     classes in non-overlapping boxes; ``n`` canvases (default: one per source digit of the
-    split, each source once); ``seed`` selects the random layout. Same arguments give
-    bit-identical tensors. See the module docstring for the construction.
+    split, each source once); ``seed`` selects the random layout; ``clutter`` in [0, 1] scales
+    the texture background and the distractors' opacity (1: the benchmark canvases; 0: the
+    digits alone on black, for a training curriculum; the layout and digits do not change
+    with it). Same arguments give bit-identical tensors. See the module docstring for the construction.
 
     Example::
 
@@ -322,7 +332,12 @@ def digit_canvases(split: str = "test", variant: str = "one", n: Optional[int] =
         >>> bool((pair.labels[:, 0] != pair.labels[:, 1]).all()), pair.masks.shape
         (True, torch.Size([4, 2, 32, 32]))
     """
+    if not isinstance(clutter, (int, float)) or isinstance(clutter, bool) or not 0.0 <= clutter <= 1.0:
+        raise InputError(f"clutter must be a number in [0, 1] (1 = the benchmark canvases), received {clutter!r}.")
     plan = _plan(split, variant, n, seed)
+    if clutter != 1.0:
+        plan = dataclasses.replace(plan, backgrounds=plan.backgrounds * np.float32(clutter),
+                                   distractor_alpha=plan.distractor_alpha * np.float32(clutter))
     masks = plan.digit_alpha.transpose(1, 0, 2, 3) > MASK_ALPHA
     labels, sources = plan.labels, plan.sources
     if variant == "one":
