@@ -87,8 +87,8 @@ def test_a_few_training_steps_lower_the_loss():
 
 def test_training_is_seeded_and_deterministic():
     torch.set_num_threads(1)
-    first = train_digits.train(epochs=1, seed=0, canvases_per_epoch=128, max_steps=3, evaluate_n=16)
-    again = train_digits.train(epochs=1, seed=0, canvases_per_epoch=128, max_steps=3, evaluate_n=16)
+    first = train_digits.train(epochs=1, seed=0, canvases_per_epoch=256, max_steps=3, evaluate_n=16)
+    again = train_digits.train(epochs=1, seed=0, canvases_per_epoch=256, max_steps=3, evaluate_n=16)
     assert len(first["losses"]) == 3 and first["losses"] == again["losses"]
     assert all(torch.equal(a, b) for a, b in zip(first["model"].state_dict().values(),
                                                  again["model"].state_dict().values()))
@@ -100,7 +100,7 @@ def test_training_command_writes_weights_and_record(tmp_path, monkeypatch):
     out = tmp_path / "model.pt"
     assert train_digits.main(["--out", str(out), "--epochs", "1", "--seed", "3"]) == 0
     record = json.loads(out.with_suffix(".json").read_text())
-    assert record["seed"] == 3 and record["command"].endswith("--epochs 1 --seed 3")
+    assert record["seed"] == 3 and record["command"].endswith("--epochs 1 --seed 3 --threads 1")
     state = torch.load(out, weights_only=True)
     assert set(state) == set(build_digit_model().state_dict())
 
