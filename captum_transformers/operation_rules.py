@@ -36,78 +36,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import patching
+from .activation_discovery import is_activation
+from .backward_switch import _SWITCH, plain_gradient_of
+from .backward_switch import plain_requested as _plain
 
 _TINY = 1e-9
-
-
-class BackwardSwitch:
-    """Which backward the rule Functions of one forward pass compute: their rule (``plain``
-    False) or the plain gradient of the operation they wrap (``plain`` True).
-
-    Every rule Function built while :func:`switchable_backward` is active keeps a reference
-    to the switch and reads it when its backward runs (on whatever thread autograd uses), so
-    one graph answers both questions: ``autograd.grad(..., retain_graph=True)`` for the
-    relevance, then flip the switch and differentiate the same graph again for the gradient.
-    The forward is computed once; both backward passes are exact (the plain one recomputes
-    or reuses exactly what autograd would have saved).
-    """
-
-    def __init__(self) -> None:
-        self.plain = False
-
-    @contextlib.contextmanager
-    def plain_gradient(self) -> Iterator[None]:
-        """Within this context, backward passes through the graph are plain gradients."""
-        previous, self.plain = self.plain, True
-        try:
-            yield
-        finally:
-            self.plain = previous
-
-
-_SWITCH: contextvars.ContextVar[Optional[BackwardSwitch]] = contextvars.ContextVar(
-    "captum_transformers_backward_switch", default=None)
-
-
-@contextlib.contextmanager
-def switchable_backward() -> Iterator[BackwardSwitch]:
-    """Rule Functions built inside this context can also give the plain gradient.
-
-    Example::
-
-        >>> with switchable_backward() as switch, operation_rules(model, RuleSet.CHEFER):
-        ...     y = model(x)
-        >>> relevance_grad, = torch.autograd.grad(y.sum(), x, retain_graph=True)   # LRP rules
-        >>> with switch.plain_gradient():
-        ...     plain_grad, = torch.autograd.grad(y.sum(), x)                       # dy/dx
-    """
-    switch = BackwardSwitch()
-    token = _SWITCH.set(switch)
-    try:
-        yield switch
-    finally:
-        _SWITCH.reset(token)
-
-
-def current_switch() -> Optional[BackwardSwitch]:
-    """The switch rule Functions built now will read (None outside :func:`switchable_backward`)."""
-    return _SWITCH.get()
-
-
-def _plain(ctx) -> bool:
-    return ctx.switch is not None and ctx.switch.plain
-
-
-def plain_gradient_of(func: Callable, args, kwargs, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """The plain gradient of ``func(*args, **kwargs)`` with respect to its operand ``x``
-    (the tensor in ``args`` or ``kwargs`` that *is* ``x``), by recomputing it: exactly what
-    autograd would have computed, for the operations whose rule keeps only ``x``."""
-    with torch.enable_grad():
-        leaf = x.detach().requires_grad_()
-        swap = lambda t: leaf if t is x else t  # noqa: E731
-        output = func(*[swap(a) for a in args], **{k: swap(v) for k, v in kwargs.items()})
-        (g,) = torch.autograd.grad(output, leaf, grad)
-    return g
 
 
 def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor, tiny: float = _TINY,
@@ -443,80 +376,10 @@ _ACTIVE_RULES: contextvars.ContextVar[Optional[OperationRules]] = contextvars.Co
     "captum_transformers_operation_rules", default=None)
 
 
-class _SoftmaxOfRecomputedScores(torch.autograd.Function):
-    """``softmax(scores(*tensors))`` keeping only ``tensors`` and the probabilities: the
-    backward recomputes the scores (bit-identical: the same operations on the same inputs)
-    under the rules and backward switch that were active in the forward, and differentiates
-    them with the softmax's gradient from the kept probabilities: the identity rule's
-    ``g_S = (A / S) g_A``, or the plain softmax Jacobian when the switch says so."""
-
-    @staticmethod
-    def forward(ctx, scores_fn, dim, dtype, mode, switch, *tensors):
-        probs = torch.softmax(scores_fn(*tensors), dim=dim, dtype=dtype)
-        ctx.scores_fn, ctx.dim, ctx.mode, ctx.switch = scores_fn, dim, mode, switch
-        ctx.save_for_backward(probs, *tensors)
-        return probs
-
-    @staticmethod
-    def backward(ctx, grad):
-        probs, *tensors = ctx.saved_tensors
-        plain = ctx.switch is not None and ctx.switch.plain
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
-            if plain:  # the plain gradient needs no rules
-                scores = ctx.scores_fn(*leaves)
-            else:
-                token = _SWITCH.set(ctx.switch)
-                try:
-                    with OperationRules(ctx.mode.rules, ctx.mode.batch_size):
-                        scores = ctx.scores_fn(*leaves)
-                finally:
-                    _SWITCH.reset(token)
-            # The scores' values are not needed once their gradient is known (the operations
-            # that make them, a product, a scaling and a mask, keep no output), so their buffer
-            # takes the gradient: one (B, H, Q, K) buffer less at the peak.
-            buffer, probs = scores.detach(), probs.detach()
-            same_dtype = scores.dtype == probs.dtype == grad.dtype
-            if plain or ctx.mode.rules.softmax != "identity":
-                # What autograd computes for softmax(S, dtype=...): the Jacobian in the output's
-                # dtype, then the cast back to the scores' dtype.
-                g_scores = torch._softmax_backward_data(grad.to(probs.dtype), probs, ctx.dim, probs.dtype)
-                if same_dtype:
-                    g_scores = buffer.copy_(g_scores)
-            elif same_dtype:  # the identity rule, as _IdentityRule computes it, in place
-                g_scores = torch.div(probs, buffer, out=buffer).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-                g_scores.mul_(grad)
-            else:
-                g_scores = identity_ratio(probs, buffer).to(grad.dtype).mul_(grad)
-            del buffer
-            wanted = [leaf for leaf in leaves if leaf.requires_grad]
-            grads = iter(torch.autograd.grad(scores, wanted, g_scores.to(scores.dtype), allow_unused=True))
-        return (None, None, None, None, None, *[next(grads) if leaf.requires_grad else None for leaf in leaves])
-
-
 def active_rules():
     """The rule set of the :class:`OperationRules` mode active now (None outside one)."""
     mode = _ACTIVE_RULES.get()
     return None if mode is None else mode.rules
-
-
-def softmax_of_recomputed_scores(scores_fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, dim: int = -1,
-                                 dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``torch.softmax(scores_fn(*tensors), dim, dtype)``, keeping for the backward pass only
-    ``tensors`` and the probabilities (which ``A V`` keeps anyway), not the scores.
-
-    The softmax identity rule (Chefer et al. 2021) needs the softmax input ``S = Q K^T * scale
-    (+ mask)``: one (B, H, Q, K) tensor per layer. Its backward recomputes ``S`` from ``Q`` and
-    ``K`` (kept anyway by the product rule and the projections) under the same per-operation
-    rules. Outside :func:`operation_rules` (or without gradients) it is just the softmax.
-    Example::
-
-        >>> probs = softmax_of_recomputed_scores(lambda q, k: q @ k.mT * scale, q, k, dim=-1)
-    """
-    mode = _ACTIVE_RULES.get()
-    if mode is None or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
-        return torch.softmax(scores_fn(*tensors), dim=dim, dtype=dtype)
-    return _SoftmaxOfRecomputedScores.apply(scores_fn, dim, dtype, mode, _SWITCH.get(), *tensors)
 
 
 def needs_operation_rules(rules) -> bool:
@@ -543,33 +406,6 @@ class IdentityRelevance(torch.autograd.Function):
         if _plain(ctx):
             return plain_gradient_of(ctx.recompute, (x,), {}, x, grad), None, None
         return identity_ratio(output, x).to(grad.dtype).mul_(grad), None, None
-
-
-# Not activations, or activations whose torch function the mode already rules (closed-form ratio).
-_NOT_ACTIVATIONS = (nn.Dropout, nn.Identity, nn.Softmax, nn.LogSoftmax, nn.Flatten, nn.Unflatten,
-                    nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Mish)
-
-
-@torch.no_grad()
-def _is_activation(module: nn.Module, like: torch.Tensor) -> bool:
-    """An elementwise, parameter-free map with ``f(0) = 0`` that is not the identity:
-    found by probing what it computes (hand-written GELUs such as GPT-2's ``gelu_new``)."""
-    if isinstance(module, _NOT_ACTIVATIONS) or any(True for _ in module.children()):
-        return False
-    if any(True for _ in module.parameters()) or any(b.is_floating_point() for b in module.buffers()):
-        return False
-    x = torch.linspace(-6, 6, 241, dtype=like.dtype, device=like.device).reshape(1, 241)
-    try:
-        y = module.forward(x)  # not __call__: the user's hooks must not see the probe
-        y_permuted = module.forward(x.flip(-1))
-        y_zero = module.forward(torch.zeros(1, 3, dtype=x.dtype, device=x.device))
-    except Exception:
-        return False
-    if not all(isinstance(t, torch.Tensor) for t in (y, y_permuted, y_zero)) or y.shape != x.shape:
-        return False
-    elementwise = torch.allclose(y_permuted, y.flip(-1), rtol=1e-5, atol=1e-6)
-    return bool(elementwise and torch.isfinite(y).all() and y_zero.abs().max() <= 1e-6
-                and (y - x).abs().max() > 1e-3)
 
 
 def _activation_forward(original):
@@ -606,7 +442,7 @@ def operation_rules(model: nn.Module, rules) -> Iterator[None]:
         if rules.activation == "identity":
             like = next((t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), None)
             for module in model.modules():
-                if like is not None and _is_activation(module, like):
+                if like is not None and is_activation(module, like):
                     stack.enter_context(patching.instance_forward(module, _activation_forward))
         stack.enter_context(patching.instance_forward(model, make))
         yield

@@ -190,7 +190,7 @@ class _ScaleConstantNorm(torch.autograd.Function):
     def forward(ctx, x, output, scale, centered, freeze_mean, eps, recompute=None):
         ctx.save_for_backward(x, scale)
         ctx.centered, ctx.freeze_mean, ctx.eps = centered, freeze_mean, eps
-        from .operation_rules import current_switch
+        from .backward_switch import current_switch
 
         ctx.switch, ctx.recompute = current_switch(), recompute
         return output.view_as(output)
@@ -199,7 +199,7 @@ class _ScaleConstantNorm(torch.autograd.Function):
     def backward(ctx, grad):
         x, scale = ctx.saved_tensors
         if ctx.switch is not None and ctx.switch.plain:  # the norm's own gradient (one graph, two passes)
-            from .operation_rules import plain_gradient_of
+            from .backward_switch import plain_gradient_of
 
             return plain_gradient_of(ctx.recompute, (x,), {}, x, grad), None, None, None, None, None, None
         dtype = torch.promote_types(x.dtype, torch.float32)

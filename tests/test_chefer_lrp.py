@@ -389,7 +389,7 @@ def test_pixel_zb_rule_conserves_and_matches_its_definition():
 def test_activation_modules_are_found_by_behaviour():
     from transformers.activations import NewGELUActivation
 
-    from captum_transformers.operation_rules import _is_activation
+    from captum_transformers.activation_discovery import is_activation as _is_activation
 
     like = torch.zeros(1)
 

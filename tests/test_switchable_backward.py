@@ -19,7 +19,7 @@ import torch
 from captum_transformers import RuleSet, TransformerRelevance, get_adapter
 from captum_transformers.adapters import base as adapter_base
 from captum_transformers.adapters import huggingface, torch_mha
-from captum_transformers.operation_rules import switchable_backward
+from captum_transformers.backward_switch import switchable_backward
 from captum_transformers.trace import CaptureSpec
 from lrp_models import CONSERVATION_CASES, TARGET  # noqa: E402
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from .. import patching
 from ..errors import CaptureError, InputError
-from ..operation_rules import switchable_backward
+from ..backward_switch import switchable_backward
 from ..targets import select_targets
 from ..trace import AttentionRecord, AttentionTrace, Block, CaptureSpec, TokenLayout
 from .recorder import Recorder

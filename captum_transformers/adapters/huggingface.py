@@ -19,7 +19,8 @@ from torch import nn
 
 from .. import patching
 from ..errors import CaptureError, InputError
-from ..operation_rules import operation_rules, softmax_of_recomputed_scores
+from ..operation_rules import operation_rules
+from ..recomputed_softmax import softmax_of_recomputed_scores
 from ..rules import RuleSet, gate, norm_rules
 from ..trace import Block
 from .base import Adapter
