@@ -51,16 +51,10 @@ def _raw_inputs(loaded: LoadedModel, args) -> tuple:
         raise InputError(f"nothing to explain: give --image FILE or --text STRING for {loaded.name}.")
     if args.samples < 1:
         raise InputError(f"--samples {args.samples}: expected at least 1.")
-    from ..tasks import digit_canvas
+    from ..tasks.digit_canvas import digit_canvases, normalize
 
-    canvases = digit_canvases_sample(args.samples)
-    return (digit_canvas.normalize(canvases.images),), {}, list(canvases.images), canvases.labels
-
-
-def digit_canvases_sample(count: int):
-    from ..tasks.digit_canvas import digit_canvases
-
-    return digit_canvases(split="test", variant="one", n=count, seed=0)
+    canvases = digit_canvases(split="test", variant="one", n=args.samples, seed=0)
+    return (normalize(canvases.images),), {}, list(canvases.images), canvases.labels
 
 
 def _logits(model, inputs, forward_kwargs) -> torch.Tensor:
