@@ -66,13 +66,28 @@ def load_model(spec: Optional[str], arch: Optional[str] = None, random_init: boo
     return _huggingface(spec, local=False)
 
 
+def _image_preparer(size, mean, std) -> Callable:
+    """``prepare`` for image models: resize to ``size``, then ``(x - mean) / std`` per channel."""
+    mean = torch.as_tensor(mean, dtype=torch.float32).view(3, 1, 1)
+    std = torch.as_tensor(std, dtype=torch.float32).view(3, 1, 1)
+
+    def prepare(raws):
+        images = torch.stack([_image_tensor(raw, size) for raw in raws])
+        return ((images - mean) / std,), {}, list(images)
+
+    return prepare
+
+
+def _input_size(model: nn.Module, default) -> tuple:
+    """The (H, W) the patch embedding was built for (timm), else ``default``."""
+    built_for = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    return tuple(built_for) if built_for is not None else tuple(default)
+
+
 def _builtin() -> LoadedModel:
     from ..tasks import digit_canvas, digit_model
 
-    def prepare(raws):
-        images = torch.stack([_image_tensor(raw, (32, 32)) for raw in raws])
-        return (digit_canvas.normalize(images),), {}, list(images)
-
+    prepare = _image_preparer((32, 32), digit_canvas.DIGIT_MEAN, digit_canvas.DIGIT_STD)
     return LoadedModel(digit_model.load_digit_model(), "image", "built-in DigitCanvas ViT", prepare,
                        [str(digit) for digit in range(10)])
 
@@ -102,15 +117,7 @@ def _timm(name: str, pretrained: bool, state_dict: Optional[Dict[str, torch.Tens
                              f"unexpected {list(unexpected)[:5]}; check --arch.")
     model.eval()
     config = timm.data.resolve_data_config({}, model=model)
-    built_for = getattr(getattr(model, "patch_embed", None), "img_size", None)
-    size = tuple(built_for) if built_for is not None else tuple(config["input_size"][1:])
-    mean = torch.tensor(config["mean"]).view(3, 1, 1)
-    std = torch.tensor(config["std"]).view(3, 1, 1)
-
-    def prepare(raws):
-        images = torch.stack([_image_tensor(raw, size) for raw in raws])
-        return ((images - mean) / std,), {}, list(images)
-
+    prepare = _image_preparer(_input_size(model, config["input_size"][1:]), config["mean"], config["std"])
     return LoadedModel(model, "image", name, prepare, None)
 
 
@@ -136,15 +143,8 @@ def _wrap_module(model: nn.Module, name: str) -> LoadedModel:
     """A whole pickled module: its timm data config if it has one (else ImageNet statistics),
     at the input size its patch embedding was built for (else 224 x 224)."""
     config = getattr(model, "pretrained_cfg", None) or {}
-    built_for = getattr(getattr(model, "patch_embed", None), "img_size", None)
-    size = tuple(built_for) if built_for is not None else tuple(config.get("input_size", (3, 224, 224))[1:])
-    mean = torch.tensor(config.get("mean", (0.485, 0.456, 0.406))).view(3, 1, 1)
-    std = torch.tensor(config.get("std", (0.229, 0.224, 0.225))).view(3, 1, 1)
-
-    def prepare(raws):
-        images = torch.stack([_image_tensor(raw, size) for raw in raws])
-        return ((images - mean) / std,), {}, list(images)
-
+    size = _input_size(model, config.get("input_size", (3, 224, 224))[1:])
+    prepare = _image_preparer(size, config.get("mean", (0.485, 0.456, 0.406)), config.get("std", (0.229, 0.224, 0.225)))
     return LoadedModel(model, "image", name, prepare, None)
 
 

@@ -75,11 +75,13 @@ def _distributed() -> Tuple[int, int]:
     return 0, 1
 
 
-def _batch_ranges(n: int, batch_size: int, rank: int, world_size: int) -> List[range]:
-    """This process's batches: the dataset is cut into batches, and the batches sharded."""
-    starts = list(range(0, n, batch_size))
-    mine = shard_indices(len(starts), rank, world_size)
-    return [range(starts[i], min(starts[i] + batch_size, n)) for i in mine]
+def _my_batches(n: int, batch_size: int, task: str, progress: bool) -> List[slice]:
+    """This process's batches as slices: the dataset is cut into batches, the batches sharded
+    over the processes (so each example sits in the same batch as in a single process)."""
+    rank, world_size = _distributed()
+    starts = range(0, n, batch_size)
+    mine = [slice(starts[i], min(starts[i] + batch_size, n)) for i in shard_indices(len(starts), rank, world_size)]
+    return _progress(mine, len(mine), task, progress)
 
 
 def _image_scores(attribution) -> torch.Tensor:
@@ -101,11 +103,8 @@ def _run_digits(method_names, limit, batch_size, progress, device, explain, cach
                PixelPerturbation(forward, "negative", normalize=normalize), SegmentationScores()]
         for name in method_names}
     explainers = {name: build_method(name, model) for name in method_names}
-    rank, world_size = _distributed()
-    batches = _batch_ranges(len(data), batch_size, rank, world_size)
-    for indices in _progress(batches, len(batches), "digits", progress):
-        images, labels, masks = data.images[indices.start:indices.stop], data.labels[indices.start:indices.stop], \
-            data.masks[indices.start:indices.stop]
+    for chunk in _my_batches(len(data), batch_size, "digits", progress):
+        images, labels, masks = data.images[chunk], data.labels[chunk], data.masks[chunk]
         inputs = normalize(images).to(device)
         target = _explained_class(model, inputs, labels, explain)
         for name, explainer in explainers.items():
@@ -125,15 +124,13 @@ def _run_digits_two(method_names, limit, batch_size, progress, device, explain, 
     model = load_digit_model().to(device)
     metrics = {name: [ClassSpecificity()] for name in method_names}
     explainers = {name: build_method(name, model) for name in method_names}
-    rank, world_size = _distributed()
-    batches = _batch_ranges(len(data), batch_size, rank, world_size)
-    for indices in _progress(batches, len(batches), "digits-two", progress):
-        chunk = slice(indices.start, indices.stop)
+    for chunk in _my_batches(len(data), batch_size, "digits-two", progress):
         inputs = normalize(data.images[chunk]).to(device)
         labels, masks = data.labels[chunk], data.masks[chunk]
+        # Both digits in one call: the batch twice, explaining the first then the second label.
+        doubled, targets = torch.cat([inputs, inputs]), torch.cat([labels[:, 0], labels[:, 1]]).to(device)
         for name, explainer in explainers.items():
-            maps_a = _image_scores(explainer.attribute(inputs, target=labels[:, 0].to(device))).cpu()
-            maps_b = _image_scores(explainer.attribute(inputs, target=labels[:, 1].to(device))).cpu()
+            maps_a, maps_b = _image_scores(explainer.attribute(doubled, target=targets)).cpu().chunk(2)
             metrics[name][0].update(maps_a, maps_b, masks[:, 0], masks[:, 1])
     return metrics, len(data)
 
@@ -151,10 +148,8 @@ def _run_movies(method_names, limit, batch_size, progress, device, explain, cach
         name: [TokenActivation(forward, unk), TokenPruning(forward, unk), RationaleF1(k="gold")]
         for name in method_names}
     explainers = {name: build_method(name, model) for name in method_names}
-    rank, world_size = _distributed()
-    batches = _batch_ranges(len(data), batch_size, rank, world_size)
-    for indices in _progress(batches, len(batches), "movies", progress):
-        snippets = data[indices.start:indices.stop]
+    for chunk in _my_batches(len(data), batch_size, "movies", progress):
+        snippets = data[chunk]
         encoded = encode(snippets, tokenizer)
         ids, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
         labels = snippets.labels
