@@ -5,12 +5,18 @@ A method never touches a module: it receives an :class:`AttentionTrace` and redu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional, Tuple
+from typing import Callable, Dict, Literal, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
 BlockKind = Literal["self", "cross"]
+
+#: The stream of a model with one token sequence.
+TOKENS = "tokens"
+#: The key stream of a cross-attention block whose adapter names no streams.
+CONTEXT = "context"
+Streams = Tuple[str, str]
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,15 @@ class Block:
     name: str
     module: nn.Module = field(compare=False, repr=False)
     kind: BlockKind = "self"
+    # (query stream, key stream), e.g. ("decoder", "encoder"); None: derived from ``kind``.
+    # A module called for several stream pairs (LXMERT's co-attention) names them per call.
+    streams: Optional[Streams] = None
+
+    @property
+    def default_streams(self) -> Streams:
+        if self.streams is not None:
+            return self.streams
+        return (TOKENS, TOKENS) if self.kind == "self" else (TOKENS, CONTEXT)
 
 
 @dataclass(frozen=True)
@@ -40,6 +55,7 @@ class CaptureSpec:
 
     forward_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     backward_reduce: Optional[Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None
+    # "last": only the last call of each (query stream, key stream) pair.
     backward_blocks: Literal["all", "last"] = "all"
     # When True, backward_reduce is also given ``call_index=`` (the call's position in the
     # forward pass), for reductions that pair each map with data from an earlier pass.
@@ -52,12 +68,18 @@ class CaptureSpec:
 
 @dataclass(frozen=True)
 class AttentionRecord:
-    """One attention call: the block, its position in call order, and the reductions."""
+    """One attention call: the block, its position in call order, the reductions, and the
+    (query stream, key stream) it mixed."""
 
     block: Block
     call_index: int
     forward_value: Optional[torch.Tensor] = None
     backward_value: Optional[torch.Tensor] = None
+    streams: Streams = (TOKENS, TOKENS)
+
+    @property
+    def is_self(self) -> bool:
+        return self.streams[0] == self.streams[1]
 
 
 @dataclass(frozen=True)
@@ -86,13 +108,63 @@ class TokenLayout:
 
 
 @dataclass(frozen=True)
+class InputSpan:
+    """Which tokens of which stream one input tensor holds: ``stream``'s positions
+    ``start:stop`` (``stop=None``: to the end). ``grid`` (rows, cols): those tokens form an
+    image's patch or feature grid, mapped onto a 4-D input by bilinear upsampling."""
+
+    stream: str
+    start: int = 0
+    stop: Optional[int] = None
+    grid: Optional[Tuple[int, int]] = None
+
+
+@dataclass(frozen=True)
+class StreamLayouts:
+    """The token streams of a model, which of them the output reads, and where inputs sit.
+
+    ``layouts`` maps each stream (``"tokens"`` for one-sequence models; ``"text"`` and
+    ``"image"`` for LXMERT; ``"encoder"`` and ``"decoder"`` for DETR and seq2seq models) to
+    its :class:`TokenLayout`; the explained rows of a stream are its layout's ``query_rows``.
+    ``explained`` lists the streams whose rows the output reads (LXMERT: the text CLS; a
+    CLIP similarity: both towers). ``inputs`` gives one :class:`InputSpan` per input tensor
+    (None: the input holds no tokens, e.g. LXMERT's box positions, and gets zeros).
+    """
+
+    layouts: Mapping[str, TokenLayout]
+    explained: Tuple[str, ...]
+    inputs: Tuple[Optional[InputSpan], ...]
+
+    @classmethod
+    def single(cls, layout: TokenLayout, num_inputs: int) -> "StreamLayouts":
+        """One stream, ``"tokens"``: every input maps onto the whole sequence (or its grid)."""
+        span = InputSpan(TOKENS, layout.num_prefix_tokens, None, layout.grid) if layout.grid else InputSpan(TOKENS)
+        return cls({TOKENS: layout}, (TOKENS,), (span,) * num_inputs)
+
+    @property
+    def is_single(self) -> bool:
+        return len(self.layouts) == 1
+
+    def sizes(self) -> Dict[str, int]:
+        return {name: layout.num_tokens for name, layout in self.layouts.items()}
+
+
+@dataclass(frozen=True)
 class AttentionTrace:
-    """Everything one forward (and backward) pass observed, in call order."""
+    """Everything one forward (and backward) pass observed, in call order.
+
+    ``layout`` is the first explained stream's layout; ``streams`` has all of them.
+    """
 
     records: Tuple[AttentionRecord, ...]
     layout: TokenLayout
     logits: torch.Tensor
     target: Optional[torch.Tensor]
+    streams: Optional[StreamLayouts] = None
+
+    def __post_init__(self) -> None:
+        if self.streams is None:
+            object.__setattr__(self, "streams", StreamLayouts.single(self.layout, 1))
 
     def __len__(self) -> int:
         return len(self.records)

@@ -19,7 +19,7 @@ from .. import patching
 from ..errors import CaptureError, InputError
 from ..backward_switch import switchable_backward
 from ..targets import select_targets
-from ..trace import AttentionRecord, AttentionTrace, Block, CaptureSpec, TokenLayout
+from ..trace import AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
 from .recorder import Recorder
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -95,8 +95,13 @@ class Adapter(abc.ABC):
             return last.to(torch.long).unsqueeze(1)
         return torch.zeros(batch, 1, dtype=torch.long, device=device)
 
+    def stream_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder) -> StreamLayouts:
+        """The model's token streams. Default: one stream (:meth:`layout`) that every input
+        maps onto; adapters of bi-modal, dual-encoder and encoder-decoder models override it."""
+        return StreamLayouts.single(self.layout(model, inputs, recorder), len(inputs))
+
     def layout(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder) -> TokenLayout:
-        self_sites = [s for s in recorder.sites if s.block.kind == "self"] or recorder.sites
+        self_sites = [s for s in recorder.sites if s.streams[0] == s.streams[1]] or recorder.sites
         num_tokens = self_sites[0].num_keys
         if any(s.num_keys != num_tokens or s.num_queries != num_tokens for s in self_sites):
             shapes = sorted({(s.num_queries, s.num_keys) for s in self_sites})
@@ -166,10 +171,10 @@ class Adapter(abc.ABC):
                 "could observe. The model may use an attention implementation this adapter does not "
                 "intercept; register a custom adapter or pass adapter=."
             )
-        layout = self.layout(model, inputs, recorder)
-        logits = self.logits(model, output, layout, recorder.causal)
+        streams = self.stream_layouts(model, inputs, recorder)
+        logits = self.logits(model, output, streams.layouts[streams.explained[0]], recorder.causal)
         scores, index = select_targets(logits, target)
-        return layout, logits, scores, index
+        return streams, logits, scores, index
 
     def trace(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
               target: Any, spec: CaptureSpec, forward_kwargs: Optional[dict] = None,
@@ -197,8 +202,8 @@ class Adapter(abc.ABC):
             stack.enter_context(torch.enable_grad() if spec.needs_gradient else torch.no_grad())
             switch = stack.enter_context(switchable_backward()) if plain_spec is not None else None
             contexts = [self.propagation(model, rules)] if rules is not None else []
-            layout, logits, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
-                                                          target, recorder, contexts)
+            streams, logits, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
+                                                           target, recorder, contexts)
             if spec.needs_gradient:
                 self._backward(recorder, seeded(scores, rules), retain_graph=switch is not None)
             if switch is not None:
@@ -206,12 +211,14 @@ class Adapter(abc.ABC):
                 with switch.plain_gradient():
                     self._backward(recorder, scores)
         records = tuple(
-            AttentionRecord(s.block, s.call_index, s.forward_value, s.backward_value) for s in recorder.sites
+            AttentionRecord(s.block, s.call_index, s.forward_value, s.backward_value, s.streams)
+            for s in recorder.sites
         )
-        return AttentionTrace(records, layout, logits.detach(), index)
+        layout = streams.layouts[streams.explained[0]]
+        return AttentionTrace(records, layout, logits.detach(), index, streams)
 
     def _backward(self, recorder: Recorder, scores: torch.Tensor, retain_graph: bool = False) -> None:
-        sites = recorder.sites if recorder.spec.backward_blocks == "all" else recorder.sites[-1:]
+        sites = recorder.sites if recorder.spec.backward_blocks == "all" else recorder.last_per_streams()
         for site in sites:
             if not site.grad_tensor.requires_grad or not recorder.anchors:
                 raise CaptureError(
@@ -258,8 +265,9 @@ class Adapter(abc.ABC):
                 inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
             else:
                 contexts.append(_read_layer_input(self.first_layer(model), entering))
-            layout, _, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
-                                                     target, Recorder(CaptureSpec()), contexts)
+            streams, _, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
+                                                      target, Recorder(CaptureSpec()), contexts)
+            layout = streams.layouts[streams.explained[0]]
             leaves = entering[:1] if at == "tokens" else [t for t in inputs if t.is_floating_point()]
             if not leaves:
                 raise CaptureError("The first Transformer layer never ran, so no token relevance could be read.")

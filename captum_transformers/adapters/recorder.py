@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ..trace import Block, CaptureSpec
+from ..trace import Block, CaptureSpec, Streams
 
 
 class _AnchorTap(torch.autograd.Function):
@@ -46,6 +46,7 @@ class Site:
     backward_value: Optional[torch.Tensor] = None
     received_gradient: bool = False
     hooked: bool = False
+    streams: Optional[Streams] = None
 
 
 class Recorder:
@@ -56,6 +57,8 @@ class Recorder:
         self.sites: List[Site] = []
         self.anchors: Dict[torch.device, torch.Tensor] = {}
         self.key_valid: Optional[torch.Tensor] = None
+        # Non-padding tokens (B, N) per stream, from the first call that reports a key mask.
+        self.stream_valid: Dict[str, torch.Tensor] = {}
         self.causal: bool = False
         # True while a later backward pass through the same graph still needs the maps.
         self.keep_probs: bool = False
@@ -79,35 +82,46 @@ class Recorder:
         grad_view: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         key_valid: Optional[torch.Tensor] = None,
         causal: bool = False,
+        streams: Optional[Streams] = None,
     ) -> None:
         """Store one call's attention ``probs`` (B, H, Q, K).
 
         ``grad_tensor`` is the tensor autograd actually differentiates when ``probs`` is a
         view outside the graph (``nn.MultiheadAttention`` returns such a view);
         ``grad_view`` reshapes its gradient to (B, H, Q, K). ``key_valid`` (B, K) marks
-        non-padding keys.
+        non-padding keys (of the first stream that reports any). ``streams`` names the
+        (query stream, key stream) of this call when the block alone does not say it.
         """
         if probs.dim() != 4:
             raise ValueError(f"attention probabilities must be (B, H, Q, K), got shape {tuple(probs.shape)}")
-        site = Site(block, len(self.sites), probs.shape[2], probs.shape[3], probs.shape[0])
+        site = Site(block, len(self.sites), probs.shape[2], probs.shape[3], probs.shape[0],
+                    streams=tuple(streams) if streams is not None else block.default_streams)
         if self.spec.forward_reduce is not None:
             site.forward_value = self.spec.forward_reduce(probs.detach())
         if self.spec.needs_gradient:
             site.probs = probs.detach()
             site.grad_tensor = probs if grad_tensor is None else grad_tensor
             site.grad_view = grad_view
-        if key_valid is not None and self.key_valid is None:
-            self.key_valid = key_valid.expand(probs.shape[0], -1) if key_valid.shape[0] == 1 else key_valid
+        if key_valid is not None:
+            key_valid = key_valid.expand(probs.shape[0], -1) if key_valid.shape[0] == 1 else key_valid
+            if self.key_valid is None:
+                self.key_valid = key_valid
+            self.stream_valid.setdefault(site.streams[1], key_valid)
         self.causal = self.causal or causal
         self.sites.append(site)
 
     def valid_pairs(self, site: Site) -> Optional[torch.Tensor]:
         """(B, 1, Q, K) True where both the query and the key are real tokens, if known."""
-        valid = self.key_valid
-        if valid is None or site.block.kind != "self" or valid.shape[-1] != site.num_keys:
+        queries = self.stream_valid.get(site.streams[0])
+        keys = self.stream_valid.get(site.streams[1])
+        if queries is None and keys is None:
             return None
-        valid = valid.to(torch.bool)
-        return (valid[:, :, None] & valid[:, None, :]).unsqueeze(1)
+        if queries is None or queries.shape[-1] != site.num_queries:
+            queries = torch.ones(site.batch_size, site.num_queries, dtype=torch.bool, device=keys.device)
+        if keys is None or keys.shape[-1] != site.num_keys:
+            keys = torch.ones(site.batch_size, site.num_keys, dtype=torch.bool, device=queries.device)
+        queries, keys = queries.to(torch.bool), keys.to(torch.bool)
+        return (queries[:, :, None] & keys[:, None, :]).unsqueeze(1)
 
     def reduce_gradient(self, site: Site, grad: torch.Tensor) -> None:
         """Fuse ``site``'s heads with its gradient (B, H, Q, K), then drop the raw map (unless
@@ -116,6 +130,11 @@ class Recorder:
         site.backward_value = self.spec.backward_reduce(site.probs, grad, self.valid_pairs(site), **extra)
         if not self.keep_probs:
             site.probs = None
+
+    def last_per_streams(self) -> List[Site]:
+        """The last call of each (query stream, key stream) pair, in call order."""
+        last = {site.streams: site for site in self.sites}
+        return sorted(last.values(), key=lambda site: site.call_index)
 
     def next_pass(self, spec: CaptureSpec) -> None:
         """Reduce the next backward pass through the same graph with ``spec`` (the last pass:
