@@ -100,6 +100,11 @@ class Adapter(abc.ABC):
         maps onto; adapters of bi-modal, dual-encoder and encoder-decoder models override it."""
         return StreamLayouts.single(self.layout(model, inputs, recorder), len(inputs))
 
+    def rows_for_target(self, model: nn.Module, streams: StreamLayouts, index: torch.Tensor) -> StreamLayouts:
+        """The layouts once the target is resolved to ``index`` (B, D), for models whose explained
+        row depends on it (DETR: the query of a ``(query_index, class)`` target). Default: as is."""
+        return streams
+
     def layout(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder) -> TokenLayout:
         self_sites = [s for s in recorder.sites if s.streams[0] == s.streams[1]] or recorder.sites
         num_tokens = self_sites[0].num_keys
@@ -174,7 +179,7 @@ class Adapter(abc.ABC):
         streams = self.stream_layouts(model, inputs, recorder)
         logits = self.logits(model, output, streams.layouts[streams.explained[0]], recorder.causal)
         scores, index = select_targets(logits, target)
-        return streams, logits, scores, index
+        return self.rows_for_target(model, streams, index), logits, scores, index
 
     def trace(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
               target: Any, spec: CaptureSpec, forward_kwargs: Optional[dict] = None,
