@@ -169,7 +169,7 @@ class Adapter(abc.ABC):
             stack.enter_context(self.capture(model, recorder))
             for context in contexts:
                 stack.enter_context(context)
-            output = model(*inputs, *additional_forward_args, **(forward_kwargs or {}))
+            output = self.call_model(model, inputs, additional_forward_args, forward_kwargs)
         if not recorder.sites:
             raise CaptureError(
                 f"The forward pass of {type(model).__name__} computed no attention that the {self.name} adapter "
@@ -178,8 +178,21 @@ class Adapter(abc.ABC):
             )
         streams = self.stream_layouts(model, inputs, recorder)
         logits = self.logits(model, output, streams.layouts[streams.explained[0]], recorder.causal)
-        scores, index = select_targets(logits, target)
+        scores, index = self.select_targets(model, logits, target)
         return self.rows_for_target(model, streams, index), logits, scores, index
+
+    def call_model(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
+                   forward_kwargs: Optional[dict]) -> Any:
+        """Run ``model`` on the inputs. Default: ``model(*inputs, *additional_forward_args,
+        **forward_kwargs)``; adapters override it to pass an input by keyword (a seq2seq
+        model's ``decoder_input_ids``)."""
+        return model(*inputs, *additional_forward_args, **(forward_kwargs or {}))
+
+    def select_targets(self, model: nn.Module, logits: torch.Tensor, target: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The explained score per example (B,) and its index (B, D) (:func:`select_targets`).
+        Adapters override it where a target needs a model-specific meaning or check (CLIP's
+        dual encoder: ``None`` is each image's own text)."""
+        return select_targets(logits, target)
 
     def trace(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
               target: Any, spec: CaptureSpec, forward_kwargs: Optional[dict] = None,

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+import dataclasses
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -22,7 +23,7 @@ from ..errors import CaptureError, InputError
 from ..operation_rules import operation_rules
 from ..recomputed_softmax import softmax_of_recomputed_scores
 from ..rules import RuleSet, gate, norm_rules
-from ..trace import Block
+from ..trace import CONTEXT, Block, InputSpan, StreamLayouts, Streams, TokenLayout
 from .base import Adapter
 from .recorder import Recorder
 
@@ -46,6 +47,24 @@ _MODEL_TYPE_QUIRKS: Dict[str, Dict[str, Any]] = {
 _CLASS_ROWS: Dict[str, Tuple[int, ...]] = {
     "DeiTForImageClassificationWithTeacher": (0, 1),
 }
+# Streams by module path, for models with more than one token sequence. The first
+# component of a block's dotted path found in _STREAM_COMPONENTS names its query stream
+# ("text_model.encoder.layers.0.self_attn" -> "text"; "model.decoder.layers.0.encoder_attn"
+# -> "decoder"); a cross-attention block's keys come from _CROSS_KEY_STREAMS[query stream].
+# A model whose blocks all query one stream keeps the single "tokens" stream.
+_STREAM_COMPONENTS: Dict[str, str] = {
+    "text_model": "text",     # CLIP-style dual encoders
+    "vision_model": "image",
+    "encoder": "encoder",     # encoder-decoders: BART, mBART, Marian, Pegasus, T5, EncoderDecoderModel
+    "decoder": "decoder",
+}
+_CROSS_KEY_STREAMS: Dict[str, str] = {"decoder": "encoder"}
+# Attributes under which models keep a cross-attention module whose class does not say so
+# (BART family: encoder_attn; T5: EncDecAttention inside T5LayerCrossAttention; BERT: crossattention).
+_CROSS_COMPONENTS = frozenset({"encoder_attn", "EncDecAttention", "crossattention", "cross_attn", "cross_attention",
+                               "encoder_decoder_attention"})
+# Eager-kernel arguments that change the attention and that the kernel below does not implement.
+_UNSUPPORTED_KERNEL_ARGS = ("sinks", "s_aux")
 _OUTPUT_FIELDS = ("logits", "logits_per_image", "image_embeds", "text_embeds", "pooler_output")
 
 
@@ -71,10 +90,19 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                      dropout: float = 0.0, **kwargs: Any):
     """Explicit softmax attention that reports its probabilities to the active recorder.
 
-    ``A = softmax(Q K^T * scaling + mask)``, ``O = A V``, with grouped-query heads
-    expanded, optional logit soft-capping, and the eager dropout. Returns
-    ``(O transposed to (B, Q, H, D), A)`` as every transformers kernel does.
+    ``A = softmax(Q K^T * scaling + position_bias + mask)``, ``O = A V``, with grouped-query
+    heads expanded, optional logit soft-capping, and the eager dropout. ``position_bias``
+    is T5's (and its relatives') additive relative-position bias (T5 also passes
+    ``scaling=1.0``). Returns ``(O transposed to (B, Q, H, D), A)`` as every transformers
+    kernel does.
     """
+    unsupported = [name for name in _UNSUPPORTED_KERNEL_ARGS if kwargs.get(name) is not None]
+    if unsupported:
+        raise CaptureError(
+            f"{type(module).__name__} passes {unsupported} (attention sinks) to its attention kernel, which the "
+            "captum_transformers kernel does not implement, so the captured attention would differ from the model's. "
+            "This model is not supported by the HuggingFace adapter."
+        )
     active = _ACTIVE.get()
     if active is not None:
         query = active[0].connect(query)
@@ -84,9 +112,12 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     key_states = _repeat_kv(key, groups)
     value_states = _repeat_kv(value, groups)
     softcap = kwargs.get("softcap")
+    position_bias = kwargs.get("position_bias")
 
     def scores(query: torch.Tensor, key_states: torch.Tensor) -> torch.Tensor:
         scores = torch.matmul(query, key_states.transpose(-1, -2)) * scaling
+        if position_bias is not None:
+            scores = scores + position_bias
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         if attention_mask is not None:
@@ -115,8 +146,10 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return output, probs
 
 
-def _kind(module: nn.Module) -> str:
+def _kind(module: nn.Module, name: str = "") -> str:
+    """``"cross"`` when the module says so, or sits under an attribute of _CROSS_COMPONENTS."""
     cross = getattr(module, "is_cross_attention", False) or "Cross" in type(module).__name__
+    cross = cross or any(part in _CROSS_COMPONENTS for part in name.split("."))
     return "cross" if cross else "self"
 
 
@@ -141,6 +174,29 @@ def _pretrained(model: nn.Module) -> nn.Module:
     raise CaptureError(f"{type(model).__name__} contains no transformers PreTrainedModel.")
 
 
+def _sub_config(model: nn.Module, name: str) -> Any:
+    """``config.<name>`` of a composite model (CLIP's text_config), else the config itself."""
+    config = _pretrained(model).config
+    sub = getattr(config, name, None)
+    return config if sub is None else sub
+
+
+def _stream_tokens(recorder: Recorder, stream: str) -> int:
+    """The length of ``stream``: the keys of its self-attention, else the queries it sends."""
+    sizes = {s.num_keys for s in recorder.sites if s.streams == (stream, stream)}
+    sizes = sizes or {s.num_queries for s in recorder.sites if s.streams[0] == stream}
+    if len(sizes) != 1:
+        raise CaptureError(
+            f"The {stream!r} stream was seen with lengths {sorted(sizes)}; expected one sequence length per stream."
+        )
+    return sizes.pop()
+
+
+def _stream_mask(recorder: Recorder, stream: str) -> Optional[torch.Tensor]:
+    mask = recorder.stream_valid.get(stream)
+    return None if mask is None else mask.to(torch.bool)
+
+
 def _is_attention_module(module: nn.Module) -> bool:
     name = type(module).__name__
     return "Attention" in name and not any("Attention" in type(c).__name__ for c in module.children())
@@ -151,15 +207,65 @@ class HuggingFaceAdapter(Adapter):
 
     Tested: BERT, DistilBERT, RoBERTa, ViT, DeiT (plain and distilled), CLIP vision and
     text towers, GPT-2 and Llama-style decoders (causal masks, grouped-query attention),
-    with padding masks. Models with inline attention (LXMERT, VisualBERT) are not
-    intercepted here and raise :class:`CaptureError`.
+    with padding masks; CLIP's dual encoder; BART and T5 encoder-decoders. Models with
+    inline attention (LXMERT, VisualBERT) are not intercepted here and raise
+    :class:`CaptureError`.
+
+    Models with several token streams (named from module paths, :attr:`stream_components`):
+
+    * CLIP dual encoder (``CLIPModel``), streams ``"text"`` and ``"image"``. Inputs
+      ``(input_ids, pixel_values)``, the text mask by keyword. The explained score of example
+      ``i`` is ``logits_per_image[i, target[i]]``: image ``i`` against text ``target[i]``.
+      ``target=None`` means each image's own text (the diagonal, not the arg-max), and a
+      target must be a permutation of the texts: text ``j``'s map is its share of the one
+      similarity that reads it, returned in row ``j`` of the ``input_ids`` attribution.
+    * Encoder-decoders (BART, mBART, Marian, Pegasus, T5), streams ``"encoder"`` and
+      ``"decoder"``. Inputs ``(input_ids, decoder_input_ids)``: the second input is passed
+      to the model by keyword (``decoder_inputs_embeds`` when it is floating point); masks
+      go in ``forward_kwargs`` (``attention_mask``, ``decoder_attention_mask``) or the
+      encoder mask in ``additional_forward_args``. The explained score is the next-token
+      logit at the last real decoder position, so ``target`` is the id of the generated
+      token to explain; to explain an earlier generated token, truncate
+      ``decoder_input_ids`` to the tokens before it. The attributions are (source
+      relevance, decoder-prefix relevance).
+
+    Example::
+
+        >>> GenericAttention(bart).attribute((source_ids, prefix_ids), target=next_id,
+        ...                                  forward_kwargs={"attention_mask": source_mask})
     """
 
     name = "huggingface"
-    families = "transformers models using AttentionInterface (BERT, DistilBERT, RoBERTa, ViT, DeiT, CLIP towers, GPT-2, Llama-style)"
+    families = ("transformers models using AttentionInterface (BERT, DistilBERT, RoBERTa, ViT, DeiT, CLIP towers "
+                "and dual encoder, GPT-2, Llama-style, BART, T5)")
+    # Overridable per subclass: path component -> query stream; query stream -> key stream
+    # of its cross-attention; stream set -> the method building its layouts.
+    stream_components: Mapping[str, str] = _STREAM_COMPONENTS
+    cross_key_streams: Mapping[str, str] = _CROSS_KEY_STREAMS
+    layout_builders: Mapping[frozenset, str] = {
+        frozenset({"text", "image"}): "dual_encoder_layouts",
+        frozenset({"encoder", "decoder"}): "encoder_decoder_layouts",
+    }
 
     def blocks(self, model: nn.Module) -> List[Block]:
-        return [Block(name, m, _kind(m)) for name, m in model.named_modules() if _is_attention_module(m)]
+        found = [(name, m, _kind(m, name)) for name, m in model.named_modules() if _is_attention_module(m)]
+        streams = [self.block_streams(name, kind) for name, _, kind in found]
+        if len({s[0] for s in streams if s is not None}) < 2:
+            streams = [None] * len(found)  # one sequence: the default "tokens" stream
+        return [Block(name, m, kind, s) for (name, m, kind), s in zip(found, streams)]
+
+    def block_streams(self, name: str, kind: str) -> Optional[Streams]:
+        """(query stream, key stream) of the block at dotted path ``name``: the first path
+        component in :attr:`stream_components` names the query stream; None if none does."""
+        for part in name.split("."):
+            stream = self.stream_components.get(part)
+            if stream is not None:
+                return (stream, stream) if kind == "self" else (stream, self.cross_key_streams.get(stream, CONTEXT))
+        return None
+
+    def query_streams(self, model: nn.Module) -> frozenset:
+        """The query streams of ``model``'s blocks (empty for one-sequence models)."""
+        return frozenset(b.streams[0] for b in self.blocks(model) if b.streams is not None)
 
     @contextlib.contextmanager
     def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
@@ -214,10 +320,120 @@ class HuggingFaceAdapter(Adapter):
                 f"The CLIP text tower pools at the end-of-text token, found from input_ids; got an input of shape "
                 f"{tuple(input_ids.shape)} and dtype {input_ids.dtype}. Pass input_ids as the first input."
             )
-        eos = _pretrained(model).config.eos_token_id
+        eos = _sub_config(model, "text_config").eos_token_id
         ids = input_ids.to(torch.int)
         position = ids.argmax(dim=-1) if eos == 2 else (ids == eos).int().argmax(dim=-1)
         return position.to(torch.long).unsqueeze(1)
+
+    # -- several streams ------------------------------------------------------------------
+    def stream_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder) -> StreamLayouts:
+        """One ``"tokens"`` stream for one-sequence models; otherwise the layouts built by the
+        method :attr:`layout_builders` names for the model's set of query streams."""
+        names = frozenset(site.streams[0] for site in recorder.sites)
+        if len(names) < 2:
+            return super().stream_layouts(model, inputs, recorder)
+        builder = self.layout_builders.get(names)
+        if builder is None:
+            raise CaptureError(
+                f"{type(model).__name__} has attention over the streams {sorted(names)}, for which the {self.name} "
+                f"adapter knows no layout (known: {[sorted(k) for k in self.layout_builders]}). Subclass "
+                "HuggingFaceAdapter and add a layout builder, or explain one tower of the model."
+            )
+        return getattr(self, builder)(model, inputs, recorder)
+
+    def dual_encoder_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...],
+                             recorder: Recorder) -> StreamLayouts:
+        """CLIP: the text tower read at each text's end-of-text token, the image tower at its
+        CLS token (row 0) in front of the patch grid. ``input_ids`` map onto the text
+        stream, ``pixel_values`` onto the image's patch grid."""
+        ids = next((t for t in inputs if not t.is_floating_point() and t.dim() == 2), None)
+        if ids is None:
+            raise InputError(
+                f"A dual text-image encoder is explained from inputs (input_ids, pixel_values); got inputs of shapes "
+                f"{[tuple(t.shape) for t in inputs]} and dtypes {[str(t.dtype) for t in inputs]}. Pass input_ids (and "
+                "pixel_values) as inputs and the text attention mask in forward_kwargs."
+            )
+        num_text = _stream_tokens(recorder, "text")
+        num_image = _stream_tokens(recorder, "image")
+        batch = recorder.sites[0].batch_size
+        text = TokenLayout(num_text, self._eos_rows(model, ids), _stream_mask(recorder, "text"))
+        pixels = next((t for t in inputs if t.is_floating_point() and t.dim() == 4), None)
+        vision = _sub_config(model, "vision_config")
+        patch = getattr(vision, "patch_size", None)
+        patch = (patch, patch) if isinstance(patch, int) else self.patch_size(model)
+        size = tuple(pixels.shape[-2:]) if pixels is not None else (vision.image_size, vision.image_size)
+        grid = (size[0] // patch[0], size[1] // patch[1])
+        prefix = num_image - grid[0] * grid[1]
+        if prefix != 1:
+            raise CaptureError(
+                f"The image tower attends over {num_image} tokens but an image of {size[0]}x{size[1]} with patch size "
+                f"{patch} gives a {grid[0]}x{grid[1]} grid plus one CLS token. Check the image size."
+            )
+        image = TokenLayout(num_image, torch.zeros(batch, 1, dtype=torch.long, device=ids.device), None, prefix, grid)
+        spans = tuple(InputSpan("text") if t is ids else InputSpan("image", prefix, None, grid) if t is pixels
+                      else None for t in inputs)
+        return StreamLayouts({"text": text, "image": image}, ("text", "image"), spans)
+
+    def encoder_decoder_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...],
+                                recorder: Recorder) -> StreamLayouts:
+        """Encoder-decoders: the decoder read at its last real token (the next-token position),
+        as a causal decoder; the encoder is reached through cross-attention (its row 0 is a
+        placeholder, never read). Input 0 maps onto the encoder, input 1 onto the decoder."""
+        batch = recorder.sites[0].batch_size
+        device = inputs[0].device
+        encoder_mask = _stream_mask(recorder, "encoder")
+        decoder_mask = _stream_mask(recorder, "decoder")
+        num_decoder = _stream_tokens(recorder, "decoder")
+        if decoder_mask is None:
+            last = torch.full((batch,), num_decoder - 1, device=device)
+        else:
+            positions = torch.arange(num_decoder, device=decoder_mask.device)
+            last = torch.where(decoder_mask, positions, -1).amax(dim=1)
+        layouts = {
+            "encoder": TokenLayout(_stream_tokens(recorder, "encoder"),
+                                   torch.zeros(batch, 1, dtype=torch.long, device=device), encoder_mask),
+            "decoder": TokenLayout(num_decoder, last.to(torch.long).unsqueeze(1), decoder_mask),
+        }
+        spans = (InputSpan("encoder"), InputSpan("decoder"))[: len(inputs)] + (None,) * max(len(inputs) - 2, 0)
+        return StreamLayouts(layouts, ("decoder",), spans)
+
+    def call_model(self, model, inputs, additional_forward_args, forward_kwargs):
+        """An encoder-decoder given inputs ``(input_ids, decoder_input_ids)`` gets the second
+        by keyword (positionally it would land on ``attention_mask``)."""
+        if len(inputs) != 2 or not getattr(_pretrained(model).config, "is_encoder_decoder", False):
+            return super().call_model(model, inputs, additional_forward_args, forward_kwargs)
+        keyword = "decoder_inputs_embeds" if inputs[1].is_floating_point() else "decoder_input_ids"
+        given = [k for k in ("decoder_input_ids", "decoder_inputs_embeds") if k in (forward_kwargs or {})]
+        if given:
+            raise InputError(
+                f"The decoder sequence was given twice: as the second input and as forward_kwargs {given}. Pass "
+                "inputs=(input_ids, decoder_input_ids), or inputs=input_ids with decoder_input_ids in forward_kwargs "
+                "(then the decoder prefix gets no attribution)."
+            )
+        return model(inputs[0], *additional_forward_args, **{**(forward_kwargs or {}), keyword: inputs[1]})
+
+    def select_targets(self, model, logits, target):
+        """CLIP's dual encoder (``logits_per_image``, images x texts): ``None`` explains each
+        image with its own text, and any target must pair the images with the texts one to
+        one (a permutation), so each text tower map explains exactly one similarity."""
+        batch = logits.shape[0]
+        paired = logits.dim() == 2 and logits.shape[1] == batch and {"text", "image"} <= self.query_streams(model)
+        if not paired:
+            return super().select_targets(model, logits, target)
+        if target is None:
+            target = list(range(batch))
+        scores, index = super().select_targets(model, logits, target)
+        chosen = index[:, 0].tolist()
+        if sorted(chosen) != list(range(batch)):
+            repeated = sorted({j for j in chosen if chosen.count(j) > 1})
+            raise InputError(
+                f"target={chosen} pairs the {batch} images with texts {chosen}, which is not a permutation of "
+                f"range({batch}): texts {repeated} are chosen by several images and "
+                f"{sorted(set(range(batch)) - set(chosen))} by none, so the text tower's map of a text would mix "
+                f"several similarities. Pass target=list(range({batch})) (or None) to explain each image with its own "
+                "text, or any permutation; explain other pairs in separate calls."
+            )
+        return scores, index
 
     def logits(self, model, output, layout, causal):
         if not isinstance(output, (torch.Tensor, tuple, list)):
