@@ -315,6 +315,24 @@ def test_methods_on_encoder_decoders(name, method):
     assert [tuple(t.shape) for t in tokens] == [(3, 7), (3, 4)]
 
 
+def test_vision_encoder_decoder_maps_the_image_grid():
+    encoder = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                     image_size=32, patch_size=8)
+    decoder = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=99, n_positions=16, bos_token_id=0,
+                                      eos_token_id=0, add_cross_attention=True, is_decoder=True)
+    model = transformers.VisionEncoderDecoderModel(
+        transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)).eval()
+    pixels, prefix = torch.randn(2, 3, 32, 32), torch.randint(3, 90, (2, 4))
+    result = GenericAttention(model).trace((pixels, prefix), target=5)
+    assert [r.streams for r in result.records] == [("encoder", "encoder")] * 2 + [("decoder", "decoder"),
+                                                                                 ("decoder", "encoder")] * 2
+    encoder_layout = result.streams.layouts["encoder"]
+    assert encoder_layout.grid == (4, 4) and encoder_layout.num_prefix_tokens == 1
+    image_map, prefix_map = GenericAttention(model).attribute((pixels, prefix), target=5)
+    assert image_map.shape == pixels.shape and prefix_map.shape == prefix.shape
+    assert image_map.abs().sum() > 0 and prefix_map.abs().sum() > 0
+
+
 def _trim(kwargs, i, source_len, prefix_len):
     return {"attention_mask": kwargs["attention_mask"][i:i + 1, :source_len],
             "decoder_attention_mask": kwargs["decoder_attention_mask"][i:i + 1, :prefix_len]}

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+import inspect
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -179,6 +179,16 @@ def _sub_config(model: nn.Module, name: str) -> Any:
     config = _pretrained(model).config
     sub = getattr(config, name, None)
     return config if sub is None else sub
+
+
+def _takes_decoder_inputs(model: nn.Module) -> bool:
+    """True for a seq2seq model called directly (its forward names ``decoder_input_ids``);
+    DETR (also ``is_encoder_decoder``) and user wrappers are called positionally."""
+    try:
+        parameters = inspect.signature(type(model).forward).parameters  # the instance forward may be wrapped
+    except (TypeError, ValueError):
+        return False
+    return "decoder_input_ids" in parameters and "decoder_inputs_embeds" in parameters
 
 
 def _stream_tokens(recorder: Recorder, stream: str) -> int:
@@ -389,18 +399,36 @@ class HuggingFaceAdapter(Adapter):
         else:
             positions = torch.arange(num_decoder, device=decoder_mask.device)
             last = torch.where(decoder_mask, positions, -1).amax(dim=1)
+        num_encoder = _stream_tokens(recorder, "encoder")
+        grid, prefix = self._image_grid(model, inputs[0], num_encoder)
         layouts = {
-            "encoder": TokenLayout(_stream_tokens(recorder, "encoder"),
-                                   torch.zeros(batch, 1, dtype=torch.long, device=device), encoder_mask),
+            "encoder": TokenLayout(num_encoder, torch.zeros(batch, 1, dtype=torch.long, device=device), encoder_mask,
+                                   prefix, grid),
             "decoder": TokenLayout(num_decoder, last.to(torch.long).unsqueeze(1), decoder_mask),
         }
-        spans = (InputSpan("encoder"), InputSpan("decoder"))[: len(inputs)] + (None,) * max(len(inputs) - 2, 0)
+        spans = (InputSpan("encoder", prefix, None, grid), InputSpan("decoder"))[: len(inputs)]
+        spans += (None,) * (len(inputs) - len(spans))
         return StreamLayouts(layouts, ("decoder",), spans)
+
+    def _image_grid(self, model: nn.Module, pixels: torch.Tensor, num_tokens: int):
+        """(grid, prefix tokens) of an image input to an encoder (VisionEncoderDecoder's ViT);
+        (None, 0) for token inputs."""
+        if pixels.dim() != 4 or not pixels.is_floating_point():
+            return None, 0
+        patch = self.patch_size(model)
+        grid = None if patch is None else (pixels.shape[-2] // patch[0], pixels.shape[-1] // patch[1])
+        if grid is None or not 0 <= num_tokens - grid[0] * grid[1] <= 2:
+            raise CaptureError(
+                f"The encoder attends over {num_tokens} tokens, which do not form the patch grid of an image of shape "
+                f"{tuple(pixels.shape)} (patch size {patch}) with at most two prefix tokens. Image inputs of "
+                "encoder-decoders are mapped for ViT-style encoders only; explain the token sequences instead."
+            )
+        return grid, num_tokens - grid[0] * grid[1]
 
     def call_model(self, model, inputs, additional_forward_args, forward_kwargs):
         """An encoder-decoder given inputs ``(input_ids, decoder_input_ids)`` gets the second
         by keyword (positionally it would land on ``attention_mask``)."""
-        if len(inputs) != 2 or not getattr(_pretrained(model).config, "is_encoder_decoder", False):
+        if len(inputs) != 2 or not _takes_decoder_inputs(model):
             return super().call_model(model, inputs, additional_forward_args, forward_kwargs)
         keyword = "decoder_inputs_embeds" if inputs[1].is_floating_point() else "decoder_input_ids"
         given = [k for k in ("decoder_input_ids", "decoder_inputs_embeds") if k in (forward_kwargs or {})]
