@@ -47,7 +47,20 @@ def _torch_mha():
     return _EncoderClassifier().eval(), ids, {"key_padding_mask": padding}
 
 
-EXAMPLES = {"huggingface": _huggingface, "timm": _timm, "torch_mha": _torch_mha}
+def _inline_attention():
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.VisualBertForVisualReasoning(transformers.VisualBertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, visual_embedding_dim=8,
+        vocab_size=50, num_labels=3))
+    ids = torch.randint(3, 50, (3, 6))
+    mask = torch.ones(3, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    return model.eval(), ids, {"attention_mask": mask, "visual_embeds": torch.randn(3, 4, 8)}
+
+
+EXAMPLES = {"huggingface": _huggingface, "timm": _timm, "torch_mha": _torch_mha, "inline_attention": _inline_attention}
 ADAPTERS = sorted(a.name for a in registered_adapters())
 METHODS = [pytest.param(m, id=m.__name__) for m in ATTENTION_METHODS]
 
