@@ -33,6 +33,12 @@ Streams (Chefer et al., ICCV 2021, Sec. 3-4: bi-modal self- and co-attention):
   ``visual_embeds`` too, wrap the model so ``visual_embeds`` is positional (any
   ``nn.Module`` whose forward passes the tensors through unchanged is found and mapped).
 
+Propagation rules (:meth:`InlineAttentionAdapter.propagation`) cover every preset; the
+forward pass stays bit-identical. Token relevance (``ConservativeLRP`` and the other
+relevance methods at ``"tokens"``) is read at the first layer's input, which for LXMERT is
+the text stream only; for relevance on both modalities read it at the inputs
+(``relevance_at="inputs"``, with text given as embeddings).
+
 Example::
 
     >>> from captum_transformers import GenericAttention
