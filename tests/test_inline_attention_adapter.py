@@ -423,3 +423,38 @@ def test_ah_ln_conserves_on_bias_free_lxmert_at_the_inputs_and_gi_does_not():
         errors[variant] = ((total - logits).abs() / logits.abs()).max()
     assert errors["AH+LN"] <= 1e-6, errors
     assert errors["GI"] > 0.1, errors
+
+
+def test_lxmert_token_relevance_is_read_per_stream_and_conserves_over_both():
+    """Token relevance is read at the first layer of each stream (text: the first language
+    layer; image: the first relational layer), mapped onto that stream's inputs only."""
+    torch.manual_seed(0)
+    model = _bias_free(LxmertCLS().eval())
+    generator = torch.Generator().manual_seed(3)
+    embeds = torch.randn(B, T, 32, generator=generator, dtype=torch.float64)
+    feats, pos = (t.double() for t in regions())
+    _, mask = text()
+    logits = model(embeds, feats, pos, attention_mask=mask)[:, 1].detach()
+    explainer = ConservativeLRP(model, "AH+LN", relevance_at="tokens")
+    kwargs = {"attention_mask": mask}
+    text_tokens, image_tokens = explainer.attribute((embeds, feats, pos), target=1, return_tokens=True,
+                                                    forward_kwargs=kwargs)
+    assert text_tokens.shape == (B, T) and image_tokens.shape == (B, I)
+    assert torch.all(text_tokens[1, 3:] == 0)  # padding
+    total = text_tokens.sum(-1) + image_tokens.sum(-1)
+    assert ((total - logits).abs() / logits.abs()).max() <= 1e-6
+    assert image_tokens.abs().sum() > 0.05 * total.abs().sum()  # the image stream carries relevance
+    on_embeds, on_feats, on_pos = explainer.attribute((embeds, feats, pos), target=1, forward_kwargs=kwargs)
+    torch.testing.assert_close(on_embeds[..., 0], text_tokens)
+    torch.testing.assert_close(on_feats[..., 0], image_tokens)
+    assert torch.count_nonzero(on_pos) == 0
+
+
+def test_lxmert_relevance_with_as_many_regions_as_tokens_keeps_the_streams_apart():
+    model = lxmert()
+    ids, mask = text(padded=False)
+    feats, pos = regions()
+    feats, pos = feats[:, :T - 1], pos[:, :T - 1]  # as many regions as text tokens
+    ids = ids[:, :T - 1]
+    on_ids, on_feats, _ = ConservativeLRP(model, "AH+LN").attribute((ids, feats, pos), target=0)
+    assert not torch.allclose(on_ids, on_feats[..., 0])

@@ -35,9 +35,9 @@ Streams (Chefer et al., ICCV 2021, Sec. 3-4: bi-modal self- and co-attention):
 
 Propagation rules (:meth:`InlineAttentionAdapter.propagation`) cover every preset; the
 forward pass stays bit-identical. Token relevance (``ConservativeLRP`` and the other
-relevance methods at ``"tokens"``) is read at the first layer's input, which for LXMERT is
-the text stream only; for relevance on both modalities read it at the inputs
-(``relevance_at="inputs"``, with text given as embeddings).
+relevance methods at ``"tokens"``) is read at the input of each stream's first layer: for
+LXMERT the first language layer (text) and the first relational layer (image regions), so
+the two sum to the explained output under conservative rules.
 
 Example::
 
@@ -88,6 +88,8 @@ class InlineFamily:
     entries: Tuple[Tuple[str, str, Optional[str], int], ...]
     explained: Tuple[str, ...]
     streams: Tuple[str, ...]
+    # (stream, layer list): token relevance of the stream is read at the list's first layer.
+    first_layers: Tuple[Tuple[str, str], ...] = ()
     dropout: str = "dropout"
     query: str = "hidden_states"
     context: Optional[str] = None
@@ -114,6 +116,8 @@ FAMILIES: Dict[str, InlineFamily] = {
         ),
         explained=(TEXT,),
         streams=(TEXT, IMAGE),
+        # Module order (layer, x_layers, r_layers) is not call order (layer, r_layers, x_layers).
+        first_layers=((TEXT, "layer"), (IMAGE, "r_layers")),
     ),
     "visual_bert": InlineFamily(
         attention="VisualBertSelfAttention",
@@ -221,6 +225,22 @@ class InlineAttentionAdapter(Adapter):
         if not blocks:
             raise CaptureError(f"{type(model).__name__} has no {family.attention} module to observe.")
         return blocks
+
+    def first_layers(self, model: nn.Module) -> Dict[Optional[str], nn.Module]:
+        family = self.family(model)
+        if not family.first_layers:
+            return super().first_layers(model)
+        modules = dict(model.named_modules())
+        layers = {}
+        for stream, layer_list in family.first_layers:
+            found = [name for name in modules if name.split(".")[-2:] == [layer_list, "0"]]
+            if not found:
+                raise CaptureError(
+                    f"{type(model).__name__} has no {layer_list!r} layers, where the {stream} tokens enter the "
+                    f"model alone; read relevance at the inputs instead (relevance_at='inputs')."
+                )
+            layers[stream] = modules[found[0]]
+        return layers
 
     @contextlib.contextmanager
     def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
