@@ -15,7 +15,6 @@ Tiny models from configs (random weights, no hub). What is proved here:
 """
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
