@@ -30,3 +30,10 @@ from .torch_mha import TorchMHAAdapter  # noqa: E402
 register_adapter("torch.nn.modules.activation.MultiheadAttention", TorchMHAAdapter())
 
 __all__ += ["TorchMHAAdapter"]
+
+from .detr import DetrAdapter  # noqa: E402
+
+# Before the generic PreTrainedModel entry in the MRO of every DETR class.
+register_adapter("transformers.models.detr.modeling_detr.DetrPreTrainedModel", DetrAdapter())
+
+__all__ += ["DetrAdapter"]
