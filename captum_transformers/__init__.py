@@ -15,7 +15,7 @@ from .methods import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHOD
                       TraceAttribution, TransformerLRP, TransformerRelevance)
 from .rules import RuleSet
 from .registry import get_adapter, register_adapter, registered_adapters
-from .trace import AttentionRecord, AttentionTrace, Block, CaptureSpec, TokenLayout
+from .trace import AttentionRecord, AttentionTrace, Block, CaptureSpec, InputSpan, StreamLayouts, TokenLayout
 
 __version__ = "0.1.0"
 
@@ -24,7 +24,7 @@ __all__ = [
     "UnsupportedModelError", "ATTENTION_METHODS", "RELEVANCE_METHODS", "ConservativeLRP", "RuleSet",
     "LRP_ATTENTION_METHODS", "AttnLRP", "PartialLRP", "RuleGradientXInput", "TransformerLRP", "TransformerRelevance", "AttentionGradCAM", "AttentionRollout", "GenericAttention",
     "RawAttention", "TraceAttribution", "get_adapter", "register_adapter", "registered_adapters",
-    "AttentionRecord", "AttentionTrace", "Block", "CaptureSpec", "TokenLayout", "__version__",
+    "AttentionRecord", "AttentionTrace", "Block", "CaptureSpec", "InputSpan", "StreamLayouts", "TokenLayout", "__version__",
 ]
 
 from .detection import Detections, explain_detections  # noqa: E402

@@ -8,7 +8,7 @@ shape of each input.
 from __future__ import annotations
 
 import abc
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -17,10 +17,15 @@ from captum.log import log_usage
 from torch import nn
 
 from ..adapters.base import Adapter
-from ..errors import InputError
+from ..errors import CaptureError, InputError
 from ..registry import get_adapter
-from ..trace import AttentionTrace, CaptureSpec, TokenLayout
+from ..relevancy_maps import explained_rows
+from ..trace import AttentionRecord, AttentionTrace, CaptureSpec, InputSpan, StreamLayouts, TokenLayout
 from .. import functional
+
+#: What :meth:`TraceAttribution.reduce` returns: token scores (B, N) of a one-stream model,
+#: or scores per stream name.
+StreamScores = Union[torch.Tensor, Dict[str, torch.Tensor]]
 
 TensorOrTuple = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 
@@ -60,20 +65,27 @@ def _format_additional(additional_forward_args: Any) -> Tuple[Any, ...]:
 
 
 def scores_to_input(scores: torch.Tensor, layout: TokenLayout, tensor: torch.Tensor) -> torch.Tensor:
-    """Map token scores (B, N) onto the shape of one input tensor.
+    """Map one stream's token scores (B, N) onto the shape of one input tensor (see
+    :func:`span_to_input`); the input covers the whole stream, or its patch grid."""
+    return span_to_input(scores, StreamLayouts.single(layout, 1).inputs[0], tensor)
 
-    Images (B, C, H, W): the patch-token scores as a (gh, gw) map, bilinearly upsampled to
-    H x W and expanded over channels. Token inputs (B, N) get the scores; embeddings
-    (B, N, D) get them repeated over D. An input with no token correspondence (for example
-    a per-example scalar feature) gets zeros: it is not a token the attention mixes.
+
+def span_to_input(scores: torch.Tensor, span: InputSpan, tensor: torch.Tensor) -> torch.Tensor:
+    """Map the tokens ``span`` selects from a stream's scores (B, N) onto one input tensor.
+
+    Images (B, C, H, W) with a ``grid``: the tokens as a (gh, gw) map, bilinearly upsampled
+    to H x W and expanded over channels. Token inputs (B, n) get the scores; embeddings
+    (B, n, D) get them repeated over D. An input with no token correspondence (for example a
+    per-example scalar feature) gets zeros: it is not a token the attention mixes.
     """
     batch = scores.shape[0]
-    if layout.grid is not None and tensor.dim() == 4:
-        patches = scores[:, layout.num_prefix_tokens:].reshape(batch, 1, *layout.grid)
+    tokens = scores[:, span.start:span.stop]
+    if span.grid is not None and tensor.dim() == 4:
+        patches = tokens[:, : span.grid[0] * span.grid[1]].reshape(batch, 1, *span.grid)
         upsampled = F.interpolate(patches, size=tensor.shape[-2:], mode="bilinear", align_corners=False)
         return upsampled.expand(-1, tensor.shape[1], -1, -1).contiguous()
-    if tensor.dim() >= 2 and tensor.shape[1] == layout.num_tokens:
-        view = scores.reshape(batch, layout.num_tokens, *([1] * (tensor.dim() - 2)))
+    if tensor.dim() >= 2 and tensor.shape[1] == tokens.shape[1]:
+        view = tokens.reshape(batch, tokens.shape[1], *([1] * (tensor.dim() - 2)))
         return view.expand(*tensor.shape).contiguous()
     return torch.zeros(tensor.shape, dtype=scores.dtype, device=scores.device)
 
@@ -94,8 +106,8 @@ class TraceAttribution(Attribution):
         """What to keep from each attention call."""
 
     @abc.abstractmethod
-    def reduce(self, trace: AttentionTrace) -> torch.Tensor:
-        """Token scores (B, N) from a trace."""
+    def reduce(self, trace: AttentionTrace) -> StreamScores:
+        """Token scores (B, N) from a one-stream trace, or a dict of them per stream."""
 
     def trace(self, inputs: TensorOrTuple, target: Any = None, additional_forward_args: Any = None,
               forward_kwargs: Optional[dict] = None) -> AttentionTrace:
@@ -129,23 +141,123 @@ class TraceAttribution(Attribution):
         formatted, is_tuple = _format_inputs(inputs)
         _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
         trace = self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
-        scores = self.reduce(trace)
-        if trace.layout.token_mask is not None:
-            scores = scores * trace.layout.token_mask.to(scores.dtype)
+        per_stream = self.stream_scores(trace)
+        streams = trace.streams
         if return_tokens:
-            return scores
-        mapped = tuple(scores_to_input(scores, trace.layout, t) for t in formatted)
+            if streams.is_single:
+                return per_stream[next(iter(streams.layouts))]
+            return tuple(per_stream[name] for name in streams.layouts)
+        if len(streams.inputs) != len(formatted):
+            raise CaptureError(
+                f"The {self.adapter.name} adapter described {len(streams.inputs)} input(s) but {len(formatted)} were "
+                "given; pass the inputs the adapter documents, or return_tokens=True for per-stream token scores."
+            )
+        mapped = tuple(
+            torch.zeros(t.shape, device=t.device) if span is None else span_to_input(per_stream[span.stream], span, t)
+            for span, t in zip(streams.inputs, formatted)
+        )
         return mapped if is_tuple else mapped[0]
+
+    def stream_scores(self, trace: AttentionTrace) -> Dict[str, torch.Tensor]:
+        """:meth:`reduce` as scores for every stream of the trace, zero at padding.
+
+        A stream the method gives no score (no attention call connects it to an explained
+        stream, e.g. raw attention without a cross map) gets zeros.
+        """
+        scores = self.reduce(trace)
+        streams = trace.streams
+        if not isinstance(scores, dict):
+            scores = {streams.explained[0]: scores}
+        reference = next(iter(scores.values()))
+        out = {}
+        for name, layout in streams.layouts.items():
+            value = scores.get(name)
+            if value is None:
+                value = reference.new_zeros(reference.shape[0], layout.num_tokens)
+            if layout.token_mask is not None:
+                value = value * layout.token_mask.to(value.dtype)
+            out[name] = value
+        return out
 
     @staticmethod
     def layers_from(trace: AttentionTrace, start_layer: int) -> int:
-        """Validate ``start_layer`` against the number of captured attention layers."""
-        if not 0 <= start_layer < len(trace):
+        """Validate ``start_layer`` against the attention calls of each query stream."""
+        counts: Dict[str, int] = {}
+        for record in trace.records:
+            counts[record.streams[0]] = counts.get(record.streams[0], 0) + 1
+        most = max(counts.values())
+        if not 0 <= start_layer < most:
+            per_stream = "" if len(counts) == 1 else f" (calls per query stream: {counts})"
             raise InputError(
-                f"start_layer={start_layer} but the model has {len(trace)} attention layers; "
-                f"use a value in [0, {len(trace)})."
+                f"start_layer={start_layer} but the model has {most} attention layers{per_stream}; "
+                f"use a value in [0, {most})."
             )
         return start_layer
+
+    @staticmethod
+    def is_one_sequence(trace: AttentionTrace) -> bool:
+        """True for one stream attending only to itself: the fast row-vector paths apply."""
+        return trace.streams.is_single and all(r.is_self for r in trace.records)
+
+    @staticmethod
+    def records_from(trace: AttentionTrace, start_layer: int) -> List[AttentionRecord]:
+        """The calls of each query stream from its ``start_layer``-th call on, in call order."""
+        seen: Dict[str, int] = {}
+        kept = []
+        for record in trace.records:
+            index = seen.get(record.streams[0], 0)
+            seen[record.streams[0]] = index + 1
+            if index >= start_layer:
+                kept.append(record)
+        return kept
+
+    @staticmethod
+    def stream_sizes(trace: AttentionTrace) -> Dict[str, int]:
+        """Tokens per stream, checked against every recorded call's stream pair."""
+        sizes = trace.streams.sizes()
+        for record in trace.records:
+            unknown = [name for name in record.streams if name not in sizes]
+            if unknown:
+                raise CaptureError(
+                    f"Attention call {record.call_index} ({record.block.name}) mixes streams {record.streams} but the "
+                    f"adapter's layouts only describe {sorted(sizes)}; the adapter must give a layout per stream."
+                )
+        return sizes
+
+    @staticmethod
+    def without_padding(trace: AttentionTrace, record: AttentionRecord, value: torch.Tensor) -> torch.Tensor:
+        """A fused (B, Q, K) map with padded queries and keys zeroed, from the streams' masks."""
+        layouts = trace.streams.layouts
+        query, key = (layouts.get(name) for name in record.streams)
+        if query is not None and query.token_mask is not None and query.token_mask.shape[-1] == value.shape[1]:
+            value = value * query.token_mask.to(value.dtype)[:, :, None]
+        if key is not None and key.token_mask is not None and key.token_mask.shape[-1] == value.shape[2]:
+            value = value * key.token_mask.to(value.dtype)[:, None, :]
+        return value
+
+    def explained_stream_rows(self, trace: AttentionTrace, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+        """Row vectors (B, N_q) selecting the explained token(s) of each explained stream."""
+        layouts = trace.streams.layouts
+        return {
+            name: functional.query_vectors(layouts[name].query_rows, layouts[name].num_tokens, dtype,
+                                           layouts[name].query_weights)
+            for name in trace.streams.explained
+        }
+
+    def last_map_rows(self, trace: AttentionTrace, backward: bool) -> Dict[str, torch.Tensor]:
+        """Baselines on the last attention map: per stream ``t``, the explained rows of the last
+        call of each explained stream ``q`` over ``t``, summed over ``q`` (one stream: the last
+        map's explained row)."""
+        last: Dict[Tuple[str, str], AttentionRecord] = {}
+        for record in trace.records:
+            if (record.backward_value if backward else record.forward_value) is not None:
+                last[record.streams] = record
+        maps = {}
+        for pair, record in last.items():
+            value = record.backward_value if backward else record.forward_value
+            maps[pair] = self.without_padding(trace, record, value)
+        dtype = next(iter(maps.values())).dtype
+        return explained_rows(maps, self.explained_stream_rows(trace, dtype))
 
     @staticmethod
     def start_rows(trace: AttentionTrace, dtype: torch.dtype) -> torch.Tensor:

@@ -1,9 +1,7 @@
 """Generic attention explainability, self-attention rule (Chefer et al., ICCV 2021)."""
 from __future__ import annotations
 
-import torch
-
-from .. import functional
+from .. import functional, relevancy_maps
 from ..trace import AttentionTrace, CaptureSpec
 from .base import TraceAttribution
 
@@ -20,6 +18,15 @@ class GenericAttention(TraceAttribution):
     gradient is of the target score, so the map is class-specific. One forward and one
     backward pass per batch; heads are fused as each gradient arrives.
 
+    Models with several token streams get every rule of the paper (Sec. 3, Eq. 1-11, see
+    :mod:`captum_transformers.relevancy_maps`): one map per pair of streams, self-attention
+    updating ``R^{qt}`` (Eq. 6-7), co-attention updating ``R^{qk}`` and ``R^{qq}`` with the row
+    normalisation of Eq. 8-9 (Eq. 10-11), and encoder-decoder models keeping no ``R^{ed}``. A
+    stream's scores are the explained rows of ``R^{qt}`` for each explained stream ``q``
+    (Sec. 3.1): LXMERT's text CLS row of ``R^{tt}`` and ``R^{ti}``, a DETR query's row of
+    ``R^{de}``, both towers of a CLIP similarity. Inputs get their stream's scores (a tuple
+    of inputs gets a tuple of maps), ``return_tokens=True`` a tuple of per-stream scores.
+
     Example::
 
         >>> explainer = GenericAttention(model)
@@ -29,7 +36,8 @@ class GenericAttention(TraceAttribution):
     Args:
         model: a supported transformer.
         adapter: an adapter instance or registered name, to override the lookup.
-        start_layer: first attention layer (in call order) whose update is applied.
+        start_layer: first attention layer (in call order) whose update is applied; with
+            several streams, counted per query stream (each CLIP tower skips its first layers).
     """
 
     def __init__(self, model, adapter=None, start_layer: int = 0) -> None:
@@ -39,7 +47,12 @@ class GenericAttention(TraceAttribution):
     def capture_spec(self) -> CaptureSpec:
         return CaptureSpec(backward_reduce=functional.gradient_weighted_heads)
 
-    def reduce(self, trace: AttentionTrace) -> torch.Tensor:
+    def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
-        maps = trace.backward_values(self.start_layer)
-        return functional.self_attention_relevance_rows(maps, self.start_rows(trace, maps[-1].dtype))
+        if self.is_one_sequence(trace):
+            maps = trace.backward_values(self.start_layer)
+            return functional.self_attention_relevance_rows(maps, self.start_rows(trace, maps[-1].dtype))
+        records = self.records_from(trace, self.start_layer)
+        steps = [(r.streams, self.without_padding(trace, r, r.backward_value)) for r in records]
+        maps = relevancy_maps.accumulate(steps, self.stream_sizes(trace))
+        return relevancy_maps.explained_rows(maps, self.explained_stream_rows(trace, steps[0][1].dtype))

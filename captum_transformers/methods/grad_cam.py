@@ -1,8 +1,6 @@
 """Grad-CAM on the last attention layer (the baseline of Chefer et al., CVPR 2021)."""
 from __future__ import annotations
 
-import torch
-
 from .. import functional
 from ..trace import AttentionTrace, CaptureSpec
 from .base import TraceAttribution
@@ -16,7 +14,8 @@ class AttentionGradCAM(TraceAttribution):
 
     Grad-CAM applied to the heads of the last attention map, as the baseline in Chefer et
     al., "Transformer Interpretability Beyond Attention Visualization" (CVPR 2021).
-    Class-specific through the gradient of the target score ``y_t``.
+    Class-specific through the gradient of the target score ``y_t``. With several streams, the
+    last map of each (explained stream, stream) pair is used (ICCV 2021, Sec. 4).
 
     Example::
 
@@ -26,7 +25,5 @@ class AttentionGradCAM(TraceAttribution):
     def capture_spec(self) -> CaptureSpec:
         return CaptureSpec(backward_reduce=functional.gradcam_heads, backward_blocks="last")
 
-    def reduce(self, trace: AttentionTrace) -> torch.Tensor:
-        cam = trace.records[-1].backward_value
-        start = self.start_rows(trace, cam.dtype)
-        return torch.bmm(start.unsqueeze(1), cam).squeeze(1)
+    def reduce(self, trace: AttentionTrace):
+        return self.last_map_rows(trace, backward=True)

@@ -15,6 +15,9 @@ class RawAttention(TraceAttribution):
 
     the row of the explained token ``q`` (CLS, or the last real token of a decoder) in the
     last layer's head-fused attention map. Class-agnostic: ``target`` does not change it.
+    Several streams (Chefer et al., ICCV 2021, Sec. 4): each stream's scores come from the
+    last map with the explained stream as queries and that stream as keys (LXMERT's image
+    tokens: the last text-over-image co-attention; DETR's image: the last cross-attention).
     The baseline "raw attention" of Chefer et al. (CVPR 2021, ICCV 2021).
 
     Example::
@@ -36,7 +39,5 @@ class RawAttention(TraceAttribution):
     def capture_spec(self) -> CaptureSpec:
         return CaptureSpec(forward_reduce=lambda probs: functional.fuse_heads(probs, self.head_fusion))
 
-    def reduce(self, trace: AttentionTrace) -> torch.Tensor:
-        last = trace.records[-1].forward_value
-        start = self.start_rows(trace, last.dtype)
-        return torch.bmm(start.unsqueeze(1), last).squeeze(1)
+    def reduce(self, trace: AttentionTrace):
+        return self.last_map_rows(trace, backward=False)

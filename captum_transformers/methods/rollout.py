@@ -5,7 +5,7 @@ from typing import Sequence, Union
 
 import torch
 
-from .. import functional
+from .. import functional, relevancy_maps
 from ..trace import AttentionTrace, CaptureSpec
 from .base import TraceAttribution
 
@@ -20,6 +20,11 @@ class AttentionRollout(TraceAttribution):
     Transformers", ACL 2020). Before adding the identity, ``discard_ratio`` zeroes the lowest
     fraction of each example's off-diagonal attention (a float, or one value per example).
     Class-agnostic; one forward pass, no backward.
+
+    Several streams (the baseline of Chefer et al., ICCV 2021, Sec. 4): each stream's
+    self-attention is rolled out on its own (``R^{ss}``, full matrices), and the relevance of
+    key stream ``k`` for explained stream ``q`` is Eq. 12, ``R^{qk} = (R^{qq})^T Abar R^{kk}``
+    with ``Abar`` the last head-fused ``q``-over-``k`` map.
 
     Example::
 
@@ -45,10 +50,27 @@ class AttentionRollout(TraceAttribution):
     def capture_spec(self) -> CaptureSpec:
         return CaptureSpec(forward_reduce=lambda probs: functional.fuse_heads(probs, self.head_fusion))
 
-    def reduce(self, trace: AttentionTrace) -> torch.Tensor:
+    def _corrected(self, layer_map: torch.Tensor) -> torch.Tensor:
+        return functional.add_identity_and_normalize(functional.discard_lowest(layer_map, self.discard_ratio))
+
+    def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
-        maps = [
-            functional.add_identity_and_normalize(functional.discard_lowest(m, self.discard_ratio))
-            for m in trace.forward_values(self.start_layer)
-        ]
-        return functional.rollout_rows(maps, self.start_rows(trace, maps[-1].dtype))
+        if self.is_one_sequence(trace):
+            maps = [self._corrected(m) for m in trace.forward_values(self.start_layer)]
+            return functional.rollout_rows(maps, self.start_rows(trace, maps[-1].dtype))
+        sizes = self.stream_sizes(trace)
+        records = self.records_from(trace, self.start_layer)
+        dtype = torch.promote_types(records[0].forward_value.dtype, torch.float32)
+        batch, device = records[0].forward_value.shape[0], records[0].forward_value.device
+        maps = {pair: value for pair, value in relevancy_maps.initial_maps(sizes, batch, dtype, device).items()
+                if pair[0] == pair[1]}
+        last_cross = {}
+        for record in records:
+            layer_map = self.without_padding(trace, record, record.forward_value.to(dtype))
+            if record.is_self:
+                maps[record.streams] = torch.bmm(self._corrected(layer_map), maps[record.streams])
+            else:
+                last_cross[record.streams] = layer_map
+        for (query, key), layer_map in last_cross.items():
+            maps[(query, key)] = relevancy_maps.cross_rollout(maps[(query, query)], layer_map, maps[(key, key)])
+        return relevancy_maps.explained_rows(maps, self.explained_stream_rows(trace, dtype))

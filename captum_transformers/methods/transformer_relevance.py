@@ -5,7 +5,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .. import functional
+from .. import functional, relevancy_maps
 from ..rules import RuleSet
 from ..trace import AttentionTrace, CaptureSpec
 from .base import TraceAttribution
@@ -38,6 +38,10 @@ class TransformerRelevance(TraceAttribution):
     under the rules and two backward passes through its graph (relevance, then the plain
     gradient); class-specific. Later blocks
     multiply on the left, as in the authors' code; ``start_layer`` skips the first blocks.
+
+    Several streams, as the baseline of Chefer et al., ICCV 2021 (Sec. 4, Eq. 13): each
+    explained stream's self-attention maps are chained as above; for any other stream the
+    last map of the explained stream over it is taken, its heads fused by Eq. 13.
 
     Example::
 
@@ -79,10 +83,17 @@ class TransformerRelevance(TraceAttribution):
         return self.adapter.trace(self.model, inputs, additional, _resolved(relevance.target), gradient_spec,
                                   forward_kwargs)
 
-    def reduce(self, trace: AttentionTrace) -> torch.Tensor:
+    def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
-        maps = trace.backward_values(self.start_layer)
-        return functional.self_attention_relevance_rows(maps, self.start_rows(trace, maps[-1].dtype))
+        if self.is_one_sequence(trace):
+            maps = trace.backward_values(self.start_layer)
+            return functional.self_attention_relevance_rows(maps, self.start_rows(trace, maps[-1].dtype))
+        records = self.records_from(trace, self.start_layer)
+        steps = [(r.streams, self.without_padding(trace, r, r.backward_value)) for r in records]
+        maps = relevancy_maps.accumulate([step for step in steps if step[0][0] == step[0][1]],
+                                         self.stream_sizes(trace), dtype=steps[0][1].dtype)
+        maps.update({pair: value for pair, value in steps if pair[0] != pair[1]})  # the last cross map wins
+        return relevancy_maps.explained_rows(maps, self.explained_stream_rows(trace, steps[0][1].dtype))
 
 
 class PartialLRP(TraceAttribution):
@@ -112,6 +123,5 @@ class PartialLRP(TraceAttribution):
         return self.adapter.trace(self.model, inputs, additional, target, self.capture_spec(), forward_kwargs,
                                   rules=self.rules)
 
-    def reduce(self, trace: AttentionTrace) -> torch.Tensor:
-        last = trace.records[-1].backward_value
-        return torch.bmm(self.start_rows(trace, last.dtype).unsqueeze(1), last).squeeze(1)
+    def reduce(self, trace: AttentionTrace):
+        return self.last_map_rows(trace, backward=True)
