@@ -7,6 +7,8 @@ other (with the default 0.02 every query gives the same logits to 4 decimals).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -17,14 +19,16 @@ NUM_LABELS = 3
 STRIDE = 8
 
 
-def detr(attn_implementation: str = "eager", seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
+def detr(attn_implementation: Optional[str] = "eager", seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
+    """The detector; ``attn_implementation=None`` lets transformers choose (sdpa for the
+    Transformer; naming "sdpa" fails, as the ResNet backbone does not support it)."""
     backbone = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
                                          layer_type="basic", out_features=["stage2"])
     config = transformers.DetrConfig(
         backbone_config=backbone, use_pretrained_backbone=False, d_model=32, encoder_layers=2, decoder_layers=2,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
         num_queries=NUM_QUERIES, num_labels=NUM_LABELS, dropout=0.0, init_std=0.5,
-        attn_implementation=attn_implementation,
+        **({} if attn_implementation is None else {"attn_implementation": attn_implementation}),
     )
     torch.manual_seed(seed)
     return transformers.DetrForObjectDetection(config).to(dtype).eval()

@@ -266,3 +266,109 @@ def test_explain_detections_with_nothing_above_threshold_is_empty(model):
     assert found.maps.shape == (0, 3, 64, 48)
     for field in (found.image_index, found.query_index, found.label, found.score):
         assert field.shape == (0,)
+
+
+# -- end to end, through the multi-stream methods -------------------------------------------
+def _self_normalised(relevance):
+    """Eq. 8-9 of Chefer et al. (ICCV 2021): (R - I) / rowsum(R - I) + I (a zero row stays 0)."""
+    eye = torch.eye(relevance.shape[-1], dtype=relevance.dtype)
+    aggregated = relevance - eye
+    sums = aggregated.sum(-1, keepdim=True)
+    return torch.where(sums == 0, 0.0, aggregated / torch.where(sums == 0, 1.0, sums)) + eye
+
+
+def _encoder_decoder_relevance(recorded):
+    """R^{ee}, R^{dd}, R^{de} written from the paper's encoder-decoder rules (Sec. 3), one
+    example at a time: self-attention R^{st} += Abar R^{st}; cross-attention
+    R^{de} += (Rbar^{dd})^T Abar Rbar^{ee} (R^{ed} = 0, so R^{dd} gets nothing)."""
+    batch, n_enc, n_dec = recorded.logits.shape[0], recorded.streams.layouts[ENC].num_tokens, NUM_QUERIES
+    out = []
+    for b in range(batch):
+        ee, dd, de = torch.eye(n_enc), torch.eye(n_dec), torch.zeros(n_dec, n_enc)
+        for record in recorded.records:
+            abar = (record.forward_value[b] * record.backward_value[b]).clamp(min=0).mean(0)
+            if record.streams == (ENC, ENC):
+                ee = ee + abar @ ee
+            elif record.streams == (DEC, DEC):
+                dd, de = dd + abar @ dd, de + abar @ de
+            else:
+                de = de + _self_normalised(dd).T @ abar @ _self_normalised(ee)
+        out.append((ee, dd, de))
+    return out
+
+
+def test_generic_attention_reads_the_querys_row_of_the_decoder_encoder_map(model):
+    from captum_transformers import GenericAttention
+
+    pixels = images()
+    targets = [(3, 1), (0, 2)]
+    encoder_scores, decoder_scores = GenericAttention(model).attribute(pixels, target=targets, return_tokens=True)
+    reference = _encoder_decoder_relevance(trace(model, pixels, targets))
+    for b, (q, _) in enumerate(targets):
+        _, dd, de = reference[b]
+        torch.testing.assert_close(encoder_scores[b], de[q], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(decoder_scores[b], dd[q], rtol=1e-5, atol=1e-7)
+        assert de[q].abs().sum() > 0
+
+    maps = GenericAttention(model).attribute(pixels, target=targets)
+    assert maps.shape == pixels.shape and torch.isfinite(maps).all()
+    grid = encoder_scores.reshape(2, 1, 8, 6)
+    upsampled = torch.nn.functional.interpolate(grid, size=(64, 48), mode="bilinear", align_corners=False)
+    torch.testing.assert_close(maps, upsampled.expand(-1, 3, -1, -1))
+
+
+def test_different_queries_give_different_maps(model):
+    from captum_transformers import GenericAttention
+
+    pixels = images(1)
+    explainer = GenericAttention(model)
+    maps = [explainer.attribute(pixels, target=(q, 1)) for q in range(NUM_QUERIES)]
+    for i in range(NUM_QUERIES):
+        for j in range(i + 1, NUM_QUERIES):
+            assert not torch.allclose(maps[i], maps[j], rtol=1e-3, atol=1e-6), (i, j)
+
+
+def test_padded_images_get_zero_relevance_outside_the_image_and_the_mask_no_map(model):
+    from captum_transformers import GenericAttention
+
+    pixels, mask = images(), padded_mask()
+    encoder_scores, _ = GenericAttention(model).attribute((pixels, mask), target=(1, 1), return_tokens=True)
+    padding = ~trace(model, (pixels, mask), (1, 1), CaptureSpec()).streams.layouts[ENC].token_mask
+    assert padding[1].any() and torch.equal(encoder_scores[padding], torch.zeros(int(padding.sum())))
+    image_map, mask_map = GenericAttention(model).attribute((pixels, mask), target=(1, 1))
+    assert image_map.shape == pixels.shape and torch.equal(mask_map, torch.zeros(mask.shape))
+
+
+def test_explain_detections_with_generic_attention_matches_one_call_per_detection(model):
+    from captum_transformers import GenericAttention
+
+    pixels = images(2)
+    explainer = GenericAttention(model)
+    found = explain_detections(explainer, pixels, threshold=0.0)
+    assert found.maps.shape == (2 * NUM_QUERIES, 3, 64, 48)
+    for d in (0, NUM_QUERIES + 2):
+        b, q, c = (int(t[d]) for t in (found.image_index, found.query_index, found.label))
+        alone = explainer.attribute(pixels[b:b + 1], target=(q, c))
+        torch.testing.assert_close(found.maps[d:d + 1], alone, rtol=1e-4, atol=1e-7)
+
+
+def test_sdpa_model_gives_the_eager_trace():
+    pixels = images()
+    eager = trace(detr("eager"), pixels, (2, 1))
+    sdpa_model = detr(None)  # transformers' default: sdpa
+    assert sdpa_model.config._attn_implementation == "sdpa"
+    sdpa = trace(sdpa_model, pixels, (2, 1))
+    assert [r.streams for r in sdpa.records] == CALL_STREAMS
+    for a, b in zip(eager.records, sdpa.records):
+        torch.testing.assert_close(a.forward_value, b.forward_value)
+        torch.testing.assert_close(a.backward_value, b.backward_value)
+    assert sdpa_model.config._attn_implementation == "sdpa"
+
+
+def test_relevance_methods_run_on_detr(model):
+    from captum_transformers import LRP_ATTENTION_METHODS, RELEVANCE_METHODS
+
+    pixels = images()
+    for method in (*LRP_ATTENTION_METHODS, *RELEVANCE_METHODS):
+        maps = method(model).attribute(pixels, target=[(2, 1), (4, 0)])
+        assert maps.shape == pixels.shape and torch.isfinite(maps).all() and maps.abs().sum() > 0, method.__name__
