@@ -39,3 +39,10 @@ register_adapter("transformers.models.lxmert.modeling_lxmert.LxmertPreTrainedMod
 register_adapter("transformers.models.visual_bert.modeling_visual_bert.VisualBertPreTrainedModel", _INLINE)
 
 __all__ += ["InlineAttentionAdapter"]
+
+from .detr import DetrAdapter  # noqa: E402
+
+# Before the generic PreTrainedModel entry in the MRO of every DETR class.
+register_adapter("transformers.models.detr.modeling_detr.DetrPreTrainedModel", DetrAdapter())
+
+__all__ += ["DetrAdapter"]

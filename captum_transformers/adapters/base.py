@@ -116,6 +116,15 @@ class Adapter(abc.ABC):
         maps onto; adapters of bi-modal, dual-encoder and encoder-decoder models override it."""
         return StreamLayouts.single(self.layout(model, inputs, recorder), len(inputs))
 
+    def resolve_target(self, model: nn.Module, logits: torch.Tensor, target: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The explained score per example (B,) and its index (B, D) for a Captum ``target``.
+
+        Default: Captum's target forms (:func:`~captum_transformers.targets.select_targets`),
+        ``None`` meaning the arg-max. Adapters whose outputs need another default override it
+        (DETR: the most confident detection, not the arg-max over "no object" too).
+        """
+        return select_targets(logits, target)
+
     def rows_for_target(self, model: nn.Module, streams: StreamLayouts, index: torch.Tensor) -> StreamLayouts:
         """The layouts once the target is resolved to ``index`` (B, D), for models whose explained
         row depends on it (DETR: the query of a ``(query_index, class)`` target). Default: as is."""
@@ -194,7 +203,7 @@ class Adapter(abc.ABC):
             )
         streams = self.stream_layouts(model, inputs, recorder)
         logits = self.logits(model, output, streams.layouts[streams.explained[0]], recorder.causal)
-        scores, index = select_targets(logits, target)
+        scores, index = self.resolve_target(model, logits, target)
         return self.rows_for_target(model, streams, index), logits, scores, index
 
     def trace(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
