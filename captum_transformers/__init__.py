@@ -26,3 +26,7 @@ __all__ = [
     "RawAttention", "TraceAttribution", "get_adapter", "register_adapter", "registered_adapters",
     "AttentionRecord", "AttentionTrace", "Block", "CaptureSpec", "InputSpan", "StreamLayouts", "TokenLayout", "__version__",
 ]
+
+from .detection import Detections, explain_detections  # noqa: E402
+
+__all__ += ["Detections", "explain_detections"]

@@ -47,7 +47,29 @@ def _torch_mha():
     return _EncoderClassifier().eval(), ids, {"key_padding_mask": padding}
 
 
-EXAMPLES = {"huggingface": _huggingface, "timm": _timm, "torch_mha": _torch_mha}
+def _inline_attention():
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.VisualBertForVisualReasoning(transformers.VisualBertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, visual_embedding_dim=8,
+        vocab_size=50, num_labels=3))
+    ids = torch.randint(3, 50, (3, 6))
+    mask = torch.ones(3, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    return model.eval(), ids, {"attention_mask": mask, "visual_embeds": torch.randn(3, 4, 8)}
+
+
+def _detr():
+    from detr_models import detr, images
+
+    return detr(), images(3), {}
+
+
+EXAMPLES = {"huggingface": _huggingface, "timm": _timm, "torch_mha": _torch_mha, "inline_attention": _inline_attention,
+            "detr": _detr}
+# Targets per example when the output is not (B, classes): DETR's are (query, class) pairs.
+TARGETS = {"detr": [(0, 1), (4, 2), (2, 0)]}
 ADAPTERS = sorted(a.name for a in registered_adapters())
 METHODS = [pytest.param(m, id=m.__name__) for m in ATTENTION_METHODS]
 
@@ -62,14 +84,17 @@ def test_adapter_contract(name, method):
     model, inputs, kwargs = EXAMPLES[name]()
     assert get_adapter(model).name == name
     explainer = method(model)
-    targets = [0, 1, 2]
+    targets = TARGETS.get(name, [0, 1, 2])
     maps = explainer.attribute(inputs, target=targets, forward_kwargs=kwargs)
     assert maps.shape == inputs.shape and torch.isfinite(maps).all()
     tokens = explainer.attribute(inputs, target=targets, forward_kwargs=kwargs, return_tokens=True)
+    per_stream = (lambda scores: scores if isinstance(scores, tuple) else (scores,))
     for i in range(inputs.shape[0]):
         single = explainer.attribute(inputs[i:i + 1], target=targets[i], return_tokens=True,
                                      forward_kwargs={k: v[i:i + 1] for k, v in kwargs.items()})
-        torch.testing.assert_close(tokens[i:i + 1], single, rtol=1e-4, atol=1e-6)
+        assert len(per_stream(tokens)) == len(per_stream(single))
+        for together, alone in zip(per_stream(tokens), per_stream(single)):
+            torch.testing.assert_close(together[i:i + 1], alone, rtol=1e-4, atol=1e-6)
 
     with torch.no_grad():
         before_output = model(inputs, **kwargs)

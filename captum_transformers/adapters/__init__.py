@@ -30,3 +30,19 @@ from .torch_mha import TorchMHAAdapter  # noqa: E402
 register_adapter("torch.nn.modules.activation.MultiheadAttention", TorchMHAAdapter())
 
 __all__ += ["TorchMHAAdapter"]
+
+from .inline_attention import InlineAttentionAdapter  # noqa: E402
+
+# Inline attention (softmax then self.dropout) is invisible to the AttentionInterface kernel.
+_INLINE = InlineAttentionAdapter()
+register_adapter("transformers.models.lxmert.modeling_lxmert.LxmertPreTrainedModel", _INLINE)
+register_adapter("transformers.models.visual_bert.modeling_visual_bert.VisualBertPreTrainedModel", _INLINE)
+
+__all__ += ["InlineAttentionAdapter"]
+
+from .detr import DetrAdapter  # noqa: E402
+
+# Before the generic PreTrainedModel entry in the MRO of every DETR class.
+register_adapter("transformers.models.detr.modeling_detr.DetrPreTrainedModel", DetrAdapter())
+
+__all__ += ["DetrAdapter"]

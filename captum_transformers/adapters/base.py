@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Any, ContextManager, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -63,12 +63,28 @@ class Adapter(abc.ABC):
         (``encoder.layer.0``, ``blocks.0``, ``layers.0``); the attention module itself if it
         is not inside one.
         """
-        block = self.blocks(model)[0]
-        parts = block.name.split(".")
-        for end in range(len(parts), 0, -1):
-            if parts[end - 1].isdigit():
-                return model.get_submodule(".".join(parts[:end]))
-        return block.module
+        return _enclosing_layer(model, self.blocks(model)[0])
+
+    def first_layers(self, model: nn.Module) -> Dict[Optional[str], nn.Module]:
+        """The first layer of each token stream, whose input holds that stream's tokens.
+
+        Models with several streams (a CLIP dual encoder, LXMERT, BART, DETR) get one per
+        stream, from the first self-attention block :meth:`blocks` assigns to it; other models
+        ``{None: first_layer(model)}`` (None: the one stream there is).
+        """
+        first: Dict[str, Block] = {}
+        for block in self.blocks(model):
+            if block.streams is not None and block.streams[0] == block.streams[1]:
+                first.setdefault(block.streams[0], block)
+        if len(first) <= 1:
+            return {None: self.first_layer(model)}
+        layers = {stream: _enclosing_layer(model, block) for stream, block in first.items()}
+        if len({id(layer) for layer in layers.values()}) != len(layers):
+            raise CaptureError(
+                f"The streams {sorted(layers)} of {type(model).__name__} enter the same layer, so token relevance "
+                "cannot be read per stream there; read it at the inputs (relevance_at='inputs') instead."
+            )
+        return layers
 
     # -- layout ---------------------------------------------------------------------
     def num_prefix_tokens(self, model: nn.Module) -> Optional[int]:
@@ -99,6 +115,15 @@ class Adapter(abc.ABC):
         """The model's token streams. Default: one stream (:meth:`layout`) that every input
         maps onto; adapters of bi-modal, dual-encoder and encoder-decoder models override it."""
         return StreamLayouts.single(self.layout(model, inputs, recorder), len(inputs))
+
+    def resolve_target(self, model: nn.Module, logits: torch.Tensor, target: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The explained score per example (B,) and its index (B, D) for a Captum ``target``.
+
+        Default: Captum's target forms (:func:`~captum_transformers.targets.select_targets`),
+        ``None`` meaning the arg-max. Adapters whose outputs need another default override it
+        (DETR: the most confident detection, not the arg-max over "no object" too).
+        """
+        return select_targets(logits, target)
 
     def rows_for_target(self, model: nn.Module, streams: StreamLayouts, index: torch.Tensor) -> StreamLayouts:
         """The layouts once the target is resolved to ``index`` (B, D), for models whose explained
@@ -178,7 +203,7 @@ class Adapter(abc.ABC):
             )
         streams = self.stream_layouts(model, inputs, recorder)
         logits = self.logits(model, output, streams.layouts[streams.explained[0]], recorder.causal)
-        scores, index = self.select_targets(model, logits, target)
+        scores, index = self.resolve_target(model, logits, target)
         return self.rows_for_target(model, streams, index), logits, scores, index
 
     def call_model(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
@@ -187,12 +212,6 @@ class Adapter(abc.ABC):
         **forward_kwargs)``; adapters override it to pass an input by keyword (a seq2seq
         model's ``decoder_input_ids``)."""
         return model(*inputs, *additional_forward_args, **(forward_kwargs or {}))
-
-    def select_targets(self, model: nn.Module, logits: torch.Tensor, target: Any) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The explained score per example (B,) and its index (B, D) (:func:`select_targets`).
-        Adapters override it where a target needs a model-specific meaning or check (CLIP's
-        dual encoder: ``None`` is each image's own text)."""
-        return select_targets(logits, target)
 
     def trace(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
               target: Any, spec: CaptureSpec, forward_kwargs: Optional[dict] = None,
@@ -265,13 +284,15 @@ class Adapter(abc.ABC):
                   forward_kwargs: Optional[dict] = None) -> "RelevanceResult":
         """One forward and one backward pass of Gradient x Input under ``rules``.
 
-        ``at="tokens"``: relevance of the hidden states entering the first layer, summed over
-        the hidden size, (B, N). ``at="inputs"``: ``x * dy/dx`` for every floating-point input.
+        ``at="tokens"``: relevance of the hidden states entering the first layer of each
+        stream (:meth:`first_layers`), summed over the hidden size, (B, N) per stream.
+        ``at="inputs"``: ``x * dy/dx`` for every floating-point input.
         """
         _refuse_inference_mode()
         if at not in ("tokens", "inputs"):
             raise InputError(f"relevance must be read at 'tokens' or 'inputs', got {at!r}.")
-        entering: List[torch.Tensor] = []
+        layers = self.first_layers(model) if at == "tokens" else {}
+        entering: Dict[Optional[str], List[torch.Tensor]] = {stream: [] for stream in layers}
         with torch.enable_grad():
             contexts = [self.propagation(model, rules)]
             if at == "inputs":
@@ -282,11 +303,13 @@ class Adapter(abc.ABC):
                     )
                 inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
             else:
-                contexts.append(_read_layer_input(self.first_layer(model), entering))
+                contexts.extend(_read_layer_input(layer, entering[stream]) for stream, layer in layers.items())
             streams, _, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
                                                       target, Recorder(CaptureSpec()), contexts)
             layout = streams.layouts[streams.explained[0]]
-            leaves = entering[:1] if at == "tokens" else [t for t in inputs if t.is_floating_point()]
+            read = {streams.explained[0] if stream is None else stream: store[0]
+                    for stream, store in entering.items() if store}
+            leaves = list(read.values()) if at == "tokens" else [t for t in inputs if t.is_floating_point()]
             if not leaves:
                 raise CaptureError("The first Transformer layer never ran, so no token relevance could be read.")
             if not scores.requires_grad:
@@ -296,18 +319,32 @@ class Adapter(abc.ABC):
         products = [leaf.detach() * (torch.zeros_like(leaf) if g is None else g) for leaf, g in zip(leaves, grads)]
         explained = explained.detach()
         if at == "tokens":
-            hidden = products[0]
-            if hidden.shape[0] != scores.shape[0] and hidden.shape[1] == scores.shape[0]:
-                hidden = hidden.transpose(0, 1)  # sequence-first layers
-            token_relevance = hidden.reshape(hidden.shape[0], hidden.shape[1], -1).sum(-1)
-            if layout.token_mask is not None:
-                token_relevance = token_relevance * layout.token_mask.to(token_relevance.dtype)
-            return RelevanceResult(token_relevance, None, layout, explained, index, token_relevance.sum(-1))
+            per_stream = {}
+            for stream, hidden in zip(read, products):
+                if hidden.shape[0] != scores.shape[0] and hidden.shape[1] == scores.shape[0]:
+                    hidden = hidden.transpose(0, 1)  # sequence-first layers
+                token_relevance = hidden.reshape(hidden.shape[0], hidden.shape[1], -1).sum(-1)
+                mask = streams.layouts[stream].token_mask if stream in streams.layouts else None
+                if mask is not None and mask.shape == token_relevance.shape:
+                    token_relevance = token_relevance * mask.to(token_relevance.dtype)
+                per_stream[stream] = token_relevance
+            first = next(iter(per_stream.values()))
+            total = sum(r.sum(-1) for r in per_stream.values())
+            return RelevanceResult(first, None, layout, explained, index, total, per_stream, streams)
         remaining = iter(products)
         per_input = tuple(next(remaining) if t.is_floating_point() else torch.zeros(t.shape, device=t.device)
                           for t in inputs)
         total = sum(r.reshape(r.shape[0], -1).sum(-1) for r in per_input)
         return RelevanceResult(None, per_input, layout, explained, index, total)
+
+
+def _enclosing_layer(model: nn.Module, block: Block) -> nn.Module:
+    """The ancestor of ``block`` that is an element of a layer list (its path ends in a number)."""
+    parts = block.name.split(".")
+    for end in range(len(parts), 0, -1):
+        if parts[end - 1].isdigit():
+            return model.get_submodule(".".join(parts[:end]))
+    return block.module
 
 
 def _refuse_inference_mode() -> None:
@@ -357,9 +394,10 @@ def _read_layer_input(layer: nn.Module, store: List[torch.Tensor]):
 
 @dataclasses.dataclass(frozen=True)
 class RelevanceResult:
-    """What :meth:`Adapter.relevance` returns: token relevance (B, N) or per-input relevance,
-    the layout, the relevance put on the output (B,) (the logit, or 1 under a one-hot seed),
-    the target index, and the relevance sums (B,)."""
+    """What :meth:`Adapter.relevance` returns: token relevance (B, N) (of the first stream) or
+    per-input relevance, the layout, the relevance put on the output (B,) (the logit, or 1
+    under a one-hot seed), the target index, the relevance sums (B,) over every stream, the
+    token relevance of every stream read, and the streams."""
 
     tokens: Optional[torch.Tensor]
     per_input: Optional[Tuple[torch.Tensor, ...]]
@@ -367,3 +405,5 @@ class RelevanceResult:
     scores: torch.Tensor
     target: torch.Tensor
     total: torch.Tensor
+    stream_tokens: Optional[Dict[str, torch.Tensor]] = None
+    streams: Optional[StreamLayouts] = None

@@ -440,17 +440,17 @@ class HuggingFaceAdapter(Adapter):
             )
         return model(inputs[0], *additional_forward_args, **{**(forward_kwargs or {}), keyword: inputs[1]})
 
-    def select_targets(self, model, logits, target):
+    def resolve_target(self, model, logits, target):
         """CLIP's dual encoder (``logits_per_image``, images x texts): ``None`` explains each
         image with its own text, and any target must pair the images with the texts one to
         one (a permutation), so each text tower map explains exactly one similarity."""
         batch = logits.shape[0]
         paired = logits.dim() == 2 and logits.shape[1] == batch and {"text", "image"} <= self.query_streams(model)
         if not paired:
-            return super().select_targets(model, logits, target)
+            return super().resolve_target(model, logits, target)
         if target is None:
             target = list(range(batch))
-        scores, index = super().select_targets(model, logits, target)
+        scores, index = super().resolve_target(model, logits, target)
         chosen = index[:, 0].tolist()
         if sorted(chosen) != list(range(batch)):
             repeated = sorted({j for j in chosen if chosen.count(j) > 1})

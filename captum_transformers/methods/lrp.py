@@ -5,13 +5,14 @@ from typing import Any, Literal, Optional, Union
 
 from captum.attr import GradientAttribution
 from captum.log import log_usage
+import torch
 from torch import nn
 
 from ..adapters.base import Adapter
-from ..errors import InputError
+from ..errors import CaptureError, InputError
 from ..registry import get_adapter
 from ..rules import RuleSet
-from .base import TensorOrTuple, _check_forward_kwargs, _format_additional, _format_inputs, scores_to_input
+from .base import TensorOrTuple, _check_forward_kwargs, _format_additional, _format_inputs, span_to_input
 
 
 class RuleGradientXInput(GradientAttribution):
@@ -68,16 +69,28 @@ class RuleGradientXInput(GradientAttribution):
         result = self.adapter.relevance(self.model, formatted, _format_additional(additional_forward_args), target,
                                         self.rules, at, forward_kwargs)
         if result.tokens is not None:
+            per_stream = result.stream_tokens
             if return_tokens:
-                attributions: TensorOrTuple = result.tokens
+                attributions: TensorOrTuple = result.tokens if len(per_stream) == 1 else tuple(per_stream.values())
             else:
-                mapped = tuple(scores_to_input(result.tokens, result.layout, t) for t in formatted)
+                mapped = tuple(self._to_input(per_stream, span, t) for span, t in zip(result.streams.inputs, formatted))
                 attributions = mapped if is_tuple else mapped[0]
         else:
             attributions = result.per_input if is_tuple else result.per_input[0]
         if return_convergence_delta:
             return attributions, result.total - result.scores.to(result.total.dtype)
         return attributions
+
+
+    def _to_input(self, per_stream, span, tensor):
+        if span is None:
+            return torch.zeros(tensor.shape, device=tensor.device)
+        if span.stream not in per_stream:
+            raise CaptureError(
+                f"An input holds tokens of the stream {span.stream!r} but token relevance was read for "
+                f"{sorted(per_stream)} only; use relevance_at='inputs' for floating-point inputs."
+            )
+        return span_to_input(per_stream[span.stream], span, tensor)
 
 
 class TransformerLRP(RuleGradientXInput):
