@@ -217,7 +217,7 @@ class HuggingFaceAdapter(Adapter):
 
     Tested: BERT, DistilBERT, RoBERTa, ViT, DeiT (plain and distilled), CLIP vision and
     text towers, GPT-2 and Llama-style decoders (causal masks, grouped-query attention),
-    with padding masks; CLIP's dual encoder; BART and T5 encoder-decoders. Models with
+    with padding masks; CLIP's dual encoder; BART, T5 and ViT-to-GPT-2 encoder-decoders. Models with
     inline attention (LXMERT, VisualBERT) are not intercepted here and raise
     :class:`CaptureError`.
 
@@ -229,6 +229,7 @@ class HuggingFaceAdapter(Adapter):
       ``target=None`` means each image's own text (the diagonal, not the arg-max), and a
       target must be a permutation of the texts: text ``j``'s map is its share of the one
       similarity that reads it, returned in row ``j`` of the ``input_ids`` attribution.
+      A method's ``start_layer`` counts layers per tower.
     * Encoder-decoders (BART, mBART, Marian, Pegasus, T5), streams ``"encoder"`` and
       ``"decoder"``. Inputs ``(input_ids, decoder_input_ids)``: the second input is passed
       to the model by keyword (``decoder_inputs_embeds`` when it is floating point); masks
@@ -237,7 +238,8 @@ class HuggingFaceAdapter(Adapter):
       logit at the last real decoder position, so ``target`` is the id of the generated
       token to explain; to explain an earlier generated token, truncate
       ``decoder_input_ids`` to the tokens before it. The attributions are (source
-      relevance, decoder-prefix relevance).
+      relevance, decoder-prefix relevance). A ViT encoder's pixel input
+      (``VisionEncoderDecoderModel``) is mapped through its patch grid.
 
     Example::
 
