@@ -1,0 +1,102 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Bi-modal and encoder-decoder Transformers
+#
+# Chefer, Gur & Wolf (ICCV 2021) keep one relevancy map per pair of token *streams* (text
+# and image for LXMERT, encoder and decoder for DETR) and update them attention call by
+# attention call. `captum_transformers` records which streams each call mixes, so the same
+# `attribute()` call explains these models too:
+#
+# * a tuple of inputs gets a tuple of maps back, each input scored by its own stream
+#   (inputs without tokens, such as LXMERT's box coordinates, get zeros);
+# * `return_tokens=True` gives the raw token scores, one tensor per stream.
+#
+# **Every model here is built from a config with random weights** (no download), so the
+# numbers show how to call the methods, not what a trained model looks at. Replace the
+# `...Config(...)` lines by `from_pretrained(...)` for a real checkpoint.
+
+# %%
+import os
+import tempfile
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import torch
+import transformers
+
+from captum_transformers import (AttentionGradCAM, AttentionRollout, GenericAttention, RawAttention,
+                                 explain_detections)
+
+OUT = os.environ.get("QUICKSTART_OUT") or tempfile.mkdtemp(prefix="multimodal_")
+os.makedirs(OUT, exist_ok=True)
+torch.manual_seed(0)
+
+# %% [markdown]
+# ## LXMERT: co-attention between text and image regions
+#
+# LXMERT's cross-attention module runs twice per cross layer (text over image, then image
+# over text). GenericAttention applies the paper's co-attention rules (Eq. 10-11, with the
+# row normalisation of Eq. 8-9) and reads the text [CLS] row of `R^{tt}` and `R^{ti}`.
+
+# %%
+lxmert = transformers.LxmertForQuestionAnswering(transformers.LxmertConfig(
+    hidden_size=32, num_attention_heads=4, intermediate_size=64, l_layers=2, x_layers=2, r_layers=1,
+    visual_feat_dim=16, visual_pos_dim=4, vocab_size=100, num_qa_labels=5)).eval()
+input_ids = torch.randint(5, 100, (2, 7))
+attention_mask = torch.ones(2, 7, dtype=torch.long)
+attention_mask[1, 5:] = 0                                     # the second question is shorter
+visual_feats, visual_pos = torch.randn(2, 9, 16), torch.rand(2, 9, 4)
+
+on_ids, on_feats, on_pos = GenericAttention(lxmert).attribute(
+    (input_ids, visual_feats, visual_pos), target=[1, 3], forward_kwargs={"attention_mask": attention_mask})
+print("text map", tuple(on_ids.shape), "region map", tuple(on_feats.shape), "box map is zero:", bool((on_pos == 0).all()))
+
+for method in (RawAttention, AttentionRollout, AttentionGradCAM, GenericAttention):
+    text, regions = method(lxmert).attribute((input_ids, visual_feats, visual_pos), target=[1, 3],
+                                             forward_kwargs={"attention_mask": attention_mask}, return_tokens=True)
+    print(f"{method.__name__:>18}: most relevant region per example {regions.argmax(-1).tolist()}, "
+          f"padding scored {float(text[1, 5:].abs().sum()):.1f}")
+
+# %% [markdown]
+# ## DETR: every confident detection explained in one batch
+#
+# A detection is a query `q` with a class `c`; the target is the pair `(q, c)`, and the map
+# is row `q` of the decoder-to-encoder relevancy `R^{de}`, upsampled from the backbone's
+# feature grid to the image. `explain_detections` finds every detection above a score
+# threshold and explains them all in one `attribute` call.
+
+# %%
+backbone = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                     layer_type="basic", out_features=["stage2"])
+detr = transformers.DetrForObjectDetection(transformers.DetrConfig(
+    backbone_config=backbone, use_pretrained_backbone=False, d_model=32, encoder_layers=2, decoder_layers=2,
+    encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+    num_queries=6, num_labels=3, init_std=0.5)).eval()
+images = torch.randn(2, 3, 64, 48)
+
+found = explain_detections(GenericAttention(detr), images, threshold=0.5)
+print(f"{len(found)} detections: images {found.image_index.tolist()}, queries {found.query_index.tolist()}, "
+      f"classes {found.label.tolist()}")
+
+# %%
+shown = min(len(found), 4)
+if shown:
+    figure, axes = plt.subplots(1, shown, figsize=(3 * shown, 3), squeeze=False)
+    for column in range(shown):
+        axes[0, column].imshow(found.maps[column, 0].numpy(), cmap="inferno")
+        axes[0, column].set_title(f"image {int(found.image_index[column])}, query {int(found.query_index[column])}")
+        axes[0, column].axis("off")
+    figure.savefig(os.path.join(OUT, "detr_detections.png"), bbox_inches="tight")
+    plt.close(figure)
+print("figures in", OUT)
