@@ -69,6 +69,43 @@ for method in (RawAttention, AttentionRollout, AttentionGradCAM, GenericAttentio
           f"padding scored {float(text[1, 5:].abs().sum()):.1f}")
 
 # %% [markdown]
+# ## CLIP: which words and which patches make an image match a text
+#
+# The score is `logits_per_image[b, target_b]`: image `b` against the text `target_b`. Both
+# towers are explained in one backward pass; `target=None` pairs each image with its own
+# text, and any target must be a permutation of the texts (each text map then explains
+# exactly one similarity). `start_layer` skips each tower's first layers.
+
+# %%
+clip = transformers.CLIPModel(transformers.CLIPConfig(
+    text_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                     vocab_size=100, max_position_embeddings=16, bos_token_id=0, pad_token_id=1, eos_token_id=2),
+    vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                       image_size=32, patch_size=8),
+    projection_dim=16)).eval()
+texts = torch.randint(5, 100, (2, 6))
+texts[:, -1] = 2                                               # the end-of-text token CLIP pools at
+pictures = torch.randn(2, 3, 32, 32)
+on_text, on_image = GenericAttention(clip).attribute((texts, pictures))
+print("CLIP text map", tuple(on_text.shape), "image map", tuple(on_image.shape))
+
+# %% [markdown]
+# ## BART: source and prefix relevance for a generated token
+#
+# The explained output is the next-token logit at the last decoder position, so `target`
+# is a token id; truncate `decoder_input_ids` to explain an earlier generated token.
+
+# %%
+bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
+    d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+    encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100, max_position_embeddings=32)).eval()
+source, prefix = torch.randint(5, 100, (2, 8)), torch.randint(5, 100, (2, 4))
+on_source, on_prefix = GenericAttention(bart).attribute((source, prefix), target=[17, 42])
+# Random weights with BART's small init give small gradients: show each map relative to its maximum.
+print("source relevance", (on_source[0] / on_source[0].max()).numpy().round(2),
+      "prefix relevance (the last token includes its own identity)", on_prefix[0].numpy().round(3))
+
+# %% [markdown]
 # ## DETR: every confident detection explained in one batch
 #
 # A detection is a query `q` with a class `c`; the target is the pair `(q, c)`, and the map
