@@ -1,8 +1,6 @@
 """Snapshot everything a capture could leave behind on a model, to prove exact restore."""
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 

@@ -40,7 +40,7 @@ from captum_transformers import (  # noqa: E402
     TransformerRelevance,
     get_adapter,
 )
-from captum_transformers.adapters import huggingface as hf_adapter  # noqa: E402
+from captum_transformers.adapters import hf_kernel as hf_adapter  # noqa: E402
 from hf_models import CASES  # noqa: E402
 from restore import assert_same, snapshot  # noqa: E402
 

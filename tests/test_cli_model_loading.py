@@ -1,5 +1,4 @@
 """``--model`` resolution of the command line: local HF directories, timm names, checkpoints, errors."""
-import os
 
 import pytest
 import torch

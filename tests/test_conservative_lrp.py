@@ -27,7 +27,7 @@ timm = pytest.importorskip("timm")
 from captum.attr import InputXGradient, LayerGradientXActivation  # noqa: E402
 
 from captum_transformers import ConservativeLRP, InputError, RuleSet, get_adapter  # noqa: E402
-from captum_transformers.adapters import huggingface as hf_adapter  # noqa: E402
+from captum_transformers.adapters import hf_kernel as hf_adapter  # noqa: E402
 from captum_transformers.rules import find_norms  # noqa: E402
 from hf_models import CASES  # noqa: E402
 from restore import assert_same, snapshot  # noqa: E402

@@ -18,7 +18,7 @@ import torch
 
 from captum_transformers import RuleSet, TransformerRelevance, get_adapter
 from captum_transformers.adapters import base as adapter_base
-from captum_transformers.adapters import huggingface, torch_mha
+from captum_transformers.adapters import hf_kernel, torch_mha
 from captum_transformers.backward_switch import switchable_backward
 from captum_transformers.trace import CaptureSpec
 from lrp_models import CONSERVATION_CASES, TARGET  # noqa: E402
@@ -117,7 +117,7 @@ def test_one_forward_equals_two_forwards_in_float32(monkeypatch, name):
     inputs, kwargs = case.inputs()
     explainer = TransformerRelevance(model)
     one = explainer.attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
-    monkeypatch.setattr(huggingface, "softmax_of_recomputed_scores", _softmax_of_kept_scores)
+    monkeypatch.setattr(hf_kernel, "softmax_of_recomputed_scores", _softmax_of_kept_scores)
     two = _two_forward_relevance(explainer, inputs, 1, kwargs)
     mask = explainer.trace(inputs, target=1, forward_kwargs=kwargs).layout.token_mask
     if mask is not None:
@@ -140,7 +140,7 @@ def _saved_bytes(function) -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("case, kernel_module, layers, heads", [("hf_vit", huggingface, 2, 4),
+@pytest.mark.parametrize("case, kernel_module, layers, heads", [("hf_vit", hf_kernel, 2, 4),
                                                                  ("torch_mha_encoder", torch_mha, 2, 2)])
 def test_recomputed_scores_change_nothing_and_keep_less(monkeypatch, case, kernel_module, layers, heads):
     model, inputs, kwargs, _ = CONSERVATION_CASES[case]()

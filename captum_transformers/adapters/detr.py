@@ -28,7 +28,8 @@ from torch import nn
 from ..errors import CaptureError, InputError
 from ..targets import select_targets
 from ..trace import Block, InputSpan, StreamLayouts, TokenLayout
-from .huggingface import HuggingFaceAdapter, _is_attention_module, _kind
+from .hf_kernel import block_kind
+from .huggingface import HuggingFaceAdapter, _is_attention_module
 from .recorder import Recorder
 
 ENCODER = "encoder"
@@ -94,7 +95,7 @@ class DetrAdapter(HuggingFaceAdapter):
             for name, module in side.named_modules(prefix=side_name):
                 if not _is_attention_module(module):
                     continue
-                kind = _kind(module)
+                kind = block_kind(module)
                 blocks.append(Block(name, module, kind, _STREAMS[(stream_side, kind)]))
         return blocks
 

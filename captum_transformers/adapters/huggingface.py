@@ -1,17 +1,14 @@
 """HuggingFace transformers models, through the attention-function registry.
 
-transformers >= 5 dispatches attention through ``ALL_ATTENTION_FUNCTIONS`` keyed by
-``config._attn_implementation``. We register one kernel (an explicit softmax attention,
-numerically the library's eager path) under a private key, together with the eager mask
-function under the same key (without it, padding masks would be silently dropped), and
-point the model's configs at that key only inside :meth:`HuggingFaceAdapter.capture`.
-Outside a capture the kernel is inert: with no active recorder it just computes attention.
-eager, sdpa and flash models all become the same explicit computation while captured.
+Inside :meth:`HuggingFaceAdapter.capture` (and :meth:`~HuggingFaceAdapter.propagation`) the
+model's configs point at the explicit kernel of :mod:`.hf_kernel`, so eager, sdpa and flash
+models all become the same explicit computation while captured. This module knows the
+models: their attention blocks and token streams (one sequence; CLIP's two towers;
+encoder and decoder), the explained rows, the input spans, targets and output fields.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import inspect
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
@@ -21,19 +18,11 @@ from torch import nn
 from .. import patching
 from ..errors import CaptureError, InputError
 from ..operation_rules import operation_rules
-from ..recomputed_softmax import softmax_of_recomputed_scores
-from ..rules import RuleSet, gate, norm_rules
+from ..rules import RuleSet, norm_rules
 from ..trace import CONTEXT, Block, InputSpan, StreamLayouts, Streams, TokenLayout
 from .base import Adapter
+from .hf_kernel import ATTENTION_KEY, active_recorder, active_rules, block_kind
 from .recorder import Recorder
-
-ATTENTION_KEY = "captum_transformers"
-
-_ACTIVE: contextvars.ContextVar[Optional[Tuple[Recorder, Dict[int, Block]]]] = contextvars.ContextVar(
-    "captum_transformers_hf_recorder", default=None
-)
-_RULES: contextvars.ContextVar[Optional[RuleSet]] = contextvars.ContextVar("captum_transformers_hf_rules", default=None)
-_REGISTERED = False
 
 # Per-architecture quirks are rows of data. prefix: tokens before the patch grid;
 # rows: classifier token positions; "eos": CLIP text pools at the end-of-text token.
@@ -59,110 +48,7 @@ _STREAM_COMPONENTS: Dict[str, str] = {
     "decoder": "decoder",
 }
 _CROSS_KEY_STREAMS: Dict[str, str] = {"decoder": "encoder"}
-# Attributes under which models keep a cross-attention module whose class does not say so
-# (BART family: encoder_attn; T5: EncDecAttention inside T5LayerCrossAttention; BERT: crossattention).
-_CROSS_COMPONENTS = frozenset({"encoder_attn", "EncDecAttention", "crossattention", "cross_attn", "cross_attention",
-                               "encoder_decoder_attention"})
-# Eager-kernel arguments that change the attention and that the kernel below does not implement.
-_UNSUPPORTED_KERNEL_ARGS = ("sinks", "s_aux")
 _OUTPUT_FIELDS = ("logits", "logits_per_image", "image_embeds", "text_embeds", "pooler_output")
-
-
-def _key_valid_from_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Non-padding keys (B, K) from a 4D additive or boolean mask, read at the last query row."""
-    if mask is None or mask.dim() != 4:
-        return None
-    row = mask[:, 0, -1, :]
-    if row.dtype == torch.bool:
-        return row
-    return row > torch.finfo(row.dtype).min / 2
-
-
-def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
-    if groups == 1:
-        return states
-    batch, heads, length, dim = states.shape
-    return states[:, :, None].expand(batch, heads, groups, length, dim).reshape(batch, heads * groups, length, dim)
-
-
-def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
-                     dropout: float = 0.0, **kwargs: Any):
-    """Explicit softmax attention that reports its probabilities to the active recorder.
-
-    ``A = softmax(Q K^T * scaling + position_bias + mask)``, ``O = A V``, with grouped-query
-    heads expanded, optional logit soft-capping, and the eager dropout. ``position_bias``
-    is T5's (and its relatives') additive relative-position bias (T5 also passes
-    ``scaling=1.0``). Returns ``(O transposed to (B, Q, H, D), A)`` as every transformers
-    kernel does.
-    """
-    unsupported = [name for name in _UNSUPPORTED_KERNEL_ARGS if kwargs.get(name) is not None]
-    if unsupported:
-        raise CaptureError(
-            f"{type(module).__name__} passes {unsupported} (attention sinks) to its attention kernel, which the "
-            "captum_transformers kernel does not implement, so the captured attention would differ from the model's. "
-            "This model is not supported by the HuggingFace adapter."
-        )
-    active = _ACTIVE.get()
-    if active is not None:
-        query = active[0].connect(query)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    groups = query.shape[1] // key.shape[1]
-    key_states = _repeat_kv(key, groups)
-    value_states = _repeat_kv(value, groups)
-    softcap = kwargs.get("softcap")
-    position_bias = kwargs.get("position_bias")
-
-    def scores(query: torch.Tensor, key_states: torch.Tensor) -> torch.Tensor:
-        scores = torch.matmul(query, key_states.transpose(-1, -2)) * scaling
-        if position_bias is not None:
-            scores = scores + position_bias
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        if attention_mask is not None:
-            mask = attention_mask[:, :, :, : key_states.shape[-2]]
-            if mask.dtype == torch.bool:
-                scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-            else:
-                scores = scores + mask
-        return scores
-
-    rules = _RULES.get()
-    if rules is not None and rules.softmax == "identity":
-        # The identity rule on the softmax needs its input, the scores: recompute them from
-        # Q and K (kept anyway) in the backward pass instead of keeping a (B, H, Q, K) tensor.
-        probs = softmax_of_recomputed_scores(scores, query, key_states, dim=-1, dtype=torch.float32)
-    else:
-        probs = torch.softmax(scores(query, key_states), dim=-1, dtype=torch.float32)
-    probs = probs.to(query.dtype)
-    if active is not None:
-        recorder, blocks = active
-        block = blocks.get(id(module)) or Block(type(module).__name__, module, _kind(module))
-        recorder.record(block, probs, key_valid=_key_valid_from_mask(attention_mask),
-                        causal=bool(getattr(module, "is_causal", False)) and block.kind == "self")
-    dropped = nn.functional.dropout(gate(probs, _RULES.get()), p=dropout, training=module.training)
-    output = torch.matmul(dropped, value_states).transpose(1, 2).contiguous()
-    return output, probs
-
-
-def _kind(module: nn.Module, name: str = "") -> str:
-    """``"cross"`` when the module says so, or sits under an attribute of _CROSS_COMPONENTS."""
-    cross = getattr(module, "is_cross_attention", False) or "Cross" in type(module).__name__
-    cross = cross or any(part in _CROSS_COMPONENTS for part in name.split("."))
-    return "cross" if cross else "self"
-
-
-def _register_kernel() -> None:
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionInterface.register(ATTENTION_KEY, captum_attention)
-    AttentionMaskInterface.register(ATTENTION_KEY, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
-    _REGISTERED = True
 
 
 def _pretrained(model: nn.Module) -> nn.Module:
@@ -260,7 +146,7 @@ class HuggingFaceAdapter(Adapter):
     }
 
     def blocks(self, model: nn.Module) -> List[Block]:
-        found = [(name, m, _kind(m, name)) for name, m in model.named_modules() if _is_attention_module(m)]
+        found = [(name, m, block_kind(m, name)) for name, m in model.named_modules() if _is_attention_module(m)]
         streams = [self.block_streams(name, kind) for name, _, kind in found]
         if len({s[0] for s in streams if s is not None}) < 2:
             streams = [None] * len(found)  # one sequence: the default "tokens" stream
@@ -281,25 +167,15 @@ class HuggingFaceAdapter(Adapter):
 
     @contextlib.contextmanager
     def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
-        _register_kernel()
         blocks = {id(b.module): b for b in self.blocks(model)}
-        token = _ACTIVE.set((recorder, blocks))
-        try:
-            with patching.hf_attention_implementation(model, ATTENTION_KEY):
-                yield
-        finally:
-            _ACTIVE.reset(token)
+        with active_recorder(recorder, blocks), patching.hf_attention_implementation(model, ATTENTION_KEY):
+            yield
 
     @contextlib.contextmanager
     def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
-        _register_kernel()
-        token = _RULES.set(rules)
-        try:
-            with patching.hf_attention_implementation(model, ATTENTION_KEY), norm_rules(model, rules), \
-                    operation_rules(model, rules):
-                yield
-        finally:
-            _RULES.reset(token)
+        with active_rules(rules), patching.hf_attention_implementation(model, ATTENTION_KEY), \
+                norm_rules(model, rules), operation_rules(model, rules):
+            yield
 
     def _quirks(self, model: nn.Module) -> Dict[str, Any]:
         return _MODEL_TYPE_QUIRKS.get(getattr(_pretrained(model).config, "model_type", ""), {})

@@ -1,0 +1,156 @@
+"""The explicit attention kernel that HuggingFace models run while captured.
+
+transformers >= 5 dispatches attention through ``ALL_ATTENTION_FUNCTIONS`` keyed by
+``config._attn_implementation``. :func:`captum_attention` is registered there under a
+private key (:data:`ATTENTION_KEY`), together with the eager mask function under the same
+key (without it, padding masks would be silently dropped). The adapter points a model's
+configs at the key only inside its contexts; the kernel reads the active recorder and rule
+set from context variables (:func:`active_recorder`, :func:`active_rules`) and is inert
+outside them.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..errors import CaptureError
+from ..recomputed_softmax import softmax_of_recomputed_scores
+from ..rules import RuleSet, gate
+from ..trace import Block
+from .recorder import Recorder
+
+ATTENTION_KEY = "captum_transformers"
+
+_ACTIVE: contextvars.ContextVar[Optional[Tuple[Recorder, Dict[int, Block]]]] = contextvars.ContextVar(
+    "captum_transformers_hf_recorder", default=None
+)
+_RULES: contextvars.ContextVar[Optional[RuleSet]] = contextvars.ContextVar("captum_transformers_hf_rules", default=None)
+_REGISTERED = False
+
+# Attributes under which models keep a cross-attention module whose class does not say so
+# (BART family: encoder_attn; T5: EncDecAttention inside T5LayerCrossAttention; BERT: crossattention).
+_CROSS_COMPONENTS = frozenset({"encoder_attn", "EncDecAttention", "crossattention", "cross_attn", "cross_attention",
+                               "encoder_decoder_attention"})
+# Eager-kernel arguments that change the attention and that the kernel below does not implement.
+_UNSUPPORTED_KERNEL_ARGS = ("sinks", "s_aux")
+def _key_valid_from_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Non-padding keys (B, K) from a 4D additive or boolean mask, read at the last query row."""
+    if mask is None or mask.dim() != 4:
+        return None
+    row = mask[:, 0, -1, :]
+    if row.dtype == torch.bool:
+        return row
+    return row > torch.finfo(row.dtype).min / 2
+
+
+def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return states
+    batch, heads, length, dim = states.shape
+    return states[:, :, None].expand(batch, heads, groups, length, dim).reshape(batch, heads * groups, length, dim)
+
+
+def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
+                     dropout: float = 0.0, **kwargs: Any):
+    """Explicit softmax attention that reports its probabilities to the active recorder.
+
+    ``A = softmax(Q K^T * scaling + position_bias + mask)``, ``O = A V``, with grouped-query
+    heads expanded, optional logit soft-capping, and the eager dropout. ``position_bias``
+    is T5's (and its relatives') additive relative-position bias (T5 also passes
+    ``scaling=1.0``). Returns ``(O transposed to (B, Q, H, D), A)`` as every transformers
+    kernel does.
+    """
+    unsupported = [name for name in _UNSUPPORTED_KERNEL_ARGS if kwargs.get(name) is not None]
+    if unsupported:
+        raise CaptureError(
+            f"{type(module).__name__} passes {unsupported} (attention sinks) to its attention kernel, which the "
+            "captum_transformers kernel does not implement, so the captured attention would differ from the model's. "
+            "This model is not supported by the HuggingFace adapter."
+        )
+    active = _ACTIVE.get()
+    if active is not None:
+        query = active[0].connect(query)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    groups = query.shape[1] // key.shape[1]
+    key_states = _repeat_kv(key, groups)
+    value_states = _repeat_kv(value, groups)
+    softcap = kwargs.get("softcap")
+    position_bias = kwargs.get("position_bias")
+
+    def scores(query: torch.Tensor, key_states: torch.Tensor) -> torch.Tensor:
+        scores = torch.matmul(query, key_states.transpose(-1, -2)) * scaling
+        if position_bias is not None:
+            scores = scores + position_bias
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if attention_mask is not None:
+            mask = attention_mask[:, :, :, : key_states.shape[-2]]
+            if mask.dtype == torch.bool:
+                scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+            else:
+                scores = scores + mask
+        return scores
+
+    rules = _RULES.get()
+    if rules is not None and rules.softmax == "identity":
+        # The identity rule on the softmax needs its input, the scores: recompute them from
+        # Q and K (kept anyway) in the backward pass instead of keeping a (B, H, Q, K) tensor.
+        probs = softmax_of_recomputed_scores(scores, query, key_states, dim=-1, dtype=torch.float32)
+    else:
+        probs = torch.softmax(scores(query, key_states), dim=-1, dtype=torch.float32)
+    probs = probs.to(query.dtype)
+    if active is not None:
+        recorder, blocks = active
+        block = blocks.get(id(module)) or Block(type(module).__name__, module, block_kind(module))
+        recorder.record(block, probs, key_valid=_key_valid_from_mask(attention_mask),
+                        causal=bool(getattr(module, "is_causal", False)) and block.kind == "self")
+    dropped = nn.functional.dropout(gate(probs, _RULES.get()), p=dropout, training=module.training)
+    output = torch.matmul(dropped, value_states).transpose(1, 2).contiguous()
+    return output, probs
+
+
+def block_kind(module: nn.Module, name: str = "") -> str:
+    """``"cross"`` when the module says so, or sits under an attribute of _CROSS_COMPONENTS."""
+    cross = getattr(module, "is_cross_attention", False) or "Cross" in type(module).__name__
+    cross = cross or any(part in _CROSS_COMPONENTS for part in name.split("."))
+    return "cross" if cross else "self"
+
+
+def _register_kernel() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_KEY, captum_attention)
+    AttentionMaskInterface.register(ATTENTION_KEY, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    _REGISTERED = True
+
+
+@contextlib.contextmanager
+def active_recorder(recorder: Recorder, blocks: Dict[int, Block]) -> Iterator[None]:
+    """Inside: every kernel call reports to ``recorder`` (``blocks`` keyed by module id)."""
+    _register_kernel()
+    token = _ACTIVE.set((recorder, blocks))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def active_rules(rules: RuleSet) -> Iterator[None]:
+    """Inside: every kernel call applies ``rules`` to its softmax and attention gate."""
+    _register_kernel()
+    token = _RULES.set(rules)
+    try:
+        yield
+    finally:
+        _RULES.reset(token)
