@@ -16,6 +16,10 @@ forward order, with the head-fused map ``Abar`` (B, N_q, N_k) of each call:
 Encoder-decoder models are the case where no call has the encoder as query stream, so
 ``R^{ed}`` stays 0 and Eq. 11 adds nothing, exactly the paper's "no R^{ed}".
 
+Calls that read the same inputs (LXMERT's text-over-image and image-over-text attention of
+one cross layer) form a *group*: every addition of the group is computed from the maps
+before it, then all are added, as the layer computes both directions from its inputs.
+
 Example::
 
     >>> steps = [(("text", "text"), a_tt), (("text", "image"), a_ti)]
@@ -24,7 +28,8 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Mapping, Optional, Tuple
+import itertools
+from typing import Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -56,39 +61,60 @@ def normalized_self_relevance(self_map: torch.Tensor) -> torch.Tensor:
     return torch.where(sums == 0, torch.zeros_like(aggregated), aggregated / safe) + eye
 
 
-def apply_self_attention(maps: Dict[Pair, torch.Tensor], stream: str, abar: torch.Tensor) -> None:
-    """Eq. 6-7: ``R^{qt} <- R^{qt} + Abar R^{qt}`` for every stream ``t`` (``q = stream``)."""
-    for (s, t), current in list(maps.items()):
-        if s == stream:
-            maps[(s, t)] = current + torch.bmm(abar, current)
+def self_attention_additions(maps: Mapping[Pair, torch.Tensor], stream: str,
+                             abar: torch.Tensor) -> Dict[Pair, torch.Tensor]:
+    """Eq. 6-7: ``R^{qt} += Abar R^{qt}`` for every stream ``t`` (``q = stream``): the additions."""
+    return {(s, t): torch.bmm(abar, current) for (s, t), current in maps.items() if s == stream}
 
 
-def apply_cross_attention(maps: Dict[Pair, torch.Tensor], query: str, key: str, abar: torch.Tensor) -> None:
-    """Eq. 10-11 for ``query`` tokens attending to ``key`` tokens."""
+def cross_attention_additions(maps: Mapping[Pair, torch.Tensor], query: str, key: str,
+                              abar: torch.Tensor) -> Dict[Pair, torch.Tensor]:
+    """Eq. 10-11 for ``query`` tokens attending to ``key`` tokens: the additions to
+    ``R^{qk}`` (``(Rbar^{qq})^T Abar Rbar^{kk}``) and to ``R^{qq}`` (``Abar R^{kq}``)."""
     query_self = normalized_self_relevance(maps[(query, query)])
     key_self = normalized_self_relevance(maps[(key, key)])
-    cross_addition = torch.bmm(torch.bmm(query_self.transpose(1, 2), abar), key_self)
-    self_addition = torch.bmm(abar, maps[(key, query)])
-    maps[(query, key)] = maps[(query, key)] + cross_addition
-    maps[(query, query)] = maps[(query, query)] + self_addition
+    return {
+        (query, key): torch.bmm(torch.bmm(query_self.transpose(1, 2), abar), key_self),
+        (query, query): torch.bmm(abar, maps[(key, query)]),
+    }
 
 
 def accumulate(steps: Iterable[Tuple[Pair, torch.Tensor]], sizes: Mapping[str, int],
-               dtype: Optional[torch.dtype] = None) -> Dict[Pair, torch.Tensor]:
-    """Every relevancy map after applying ``steps`` ((query, key) stream pair, ``Abar``) in order."""
+               dtype: Optional[torch.dtype] = None,
+               groups: Optional[Sequence[Optional[Hashable]]] = None) -> Dict[Pair, torch.Tensor]:
+    """Every relevancy map after applying ``steps`` ((query, key) stream pair, ``Abar``) in order.
+
+    ``groups`` (one per step, None: alone): consecutive steps with the same group are applied
+    together, each addition computed from the maps before the group.
+    """
     steps = list(steps)
     if not steps:
         raise ValueError("accumulate needs at least one attention call.")
+    groups = list(groups) if groups is not None else [None] * len(steps)
+    if len(groups) != len(steps):
+        raise ValueError(f"accumulate got {len(steps)} steps but {len(groups)} groups.")
     first = steps[0][1]
     dtype = dtype or torch.promote_types(first.dtype, torch.float32)
     maps = initial_maps(sizes, first.shape[0], dtype, first.device)
-    for (query, key), abar in steps:
-        abar = abar.to(dtype)
-        if query == key:
-            apply_self_attention(maps, query, abar)
-        else:
-            apply_cross_attention(maps, query, key, abar)
+    for batch in _consecutive_groups(steps, groups):
+        additions: List[Dict[Pair, torch.Tensor]] = []
+        for (query, key), abar in batch:
+            abar = abar.to(dtype)
+            if query == key:
+                additions.append(self_attention_additions(maps, query, abar))
+            else:
+                additions.append(cross_attention_additions(maps, query, key, abar))
+        for addition in additions:
+            for pair, value in addition.items():
+                maps[pair] = maps[pair] + value
     return maps
+
+
+def _consecutive_groups(steps: list, groups: list) -> Iterable[list]:
+    """Runs of consecutive steps sharing a group that is not None; other steps alone."""
+    keys = [group if group is not None else object() for group in groups]
+    for _, run in itertools.groupby(zip(keys, steps), key=lambda pair: pair[0]):
+        yield [step for _, step in run]
 
 
 def explained_rows(maps: Mapping[Pair, torch.Tensor], rows: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ A method never touches a module: it receives an :class:`AttentionTrace` and redu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Literal, Mapping, Optional, Tuple
+from typing import Callable, Dict, Hashable, Literal, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -69,13 +69,16 @@ class CaptureSpec:
 @dataclass(frozen=True)
 class AttentionRecord:
     """One attention call: the block, its position in call order, the reductions, and the
-    (query stream, key stream) it mixed."""
+    (query stream, key stream) it mixed. Consecutive calls sharing a ``group`` (not None)
+    read the same inputs, as LXMERT's two co-attention directions in one cross layer do, so
+    relevance rules apply them together, from the maps before the group."""
 
     block: Block
     call_index: int
     forward_value: Optional[torch.Tensor] = None
     backward_value: Optional[torch.Tensor] = None
     streams: Streams = (TOKENS, TOKENS)
+    group: Optional[Hashable] = None
 
     @property
     def is_self(self) -> bool:

@@ -248,17 +248,36 @@ CASES = {"lxmert": _lxmert_case, "visual_bert": _visual_bert_case}
 @pytest.mark.parametrize("padded", [False, True], ids=["pad-free", "padded"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_batch_equals_single(case, padded):
+    """Each example of a padded batch equals the example alone with its padding cut off."""
     model, inputs, kwargs = CASES[case](padded)
     explainer = GenericAttention(model)
     targets = [0, 1, 2]
     batch = explainer.attribute(inputs, target=targets, forward_kwargs=kwargs, return_tokens=True)
     batch = batch if isinstance(batch, tuple) else (batch,)
     for i in range(B):
-        single = explainer.attribute(tuple(t[i:i + 1] for t in inputs), target=targets[i], return_tokens=True,
-                                     forward_kwargs={k: v[i:i + 1] for k, v in kwargs.items()})
+        n = int(kwargs["attention_mask"][i].sum())  # real text tokens
+        alone_inputs = (inputs[0][i:i + 1, :n], *(t[i:i + 1] for t in inputs[1:]))
+        alone_kwargs = {k: v[i:i + 1, :n] if k == "attention_mask" else v[i:i + 1] for k, v in kwargs.items()}
+        single = explainer.attribute(alone_inputs, target=targets[i], return_tokens=True, forward_kwargs=alone_kwargs)
         single = single if isinstance(single, tuple) else (single,)
-        for whole, one in zip(batch, single):
-            torch.testing.assert_close(whole[i:i + 1], one, rtol=1e-4, atol=1e-6)
+        if case == "lxmert":  # (text, image) streams
+            torch.testing.assert_close(batch[0][i, :n], single[0][0], rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(batch[1][i], single[1][0], rtol=1e-4, atol=1e-6)
+        else:  # one stream [text; visual]
+            torch.testing.assert_close(batch[0][i, :n], single[0][0, :n], rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(batch[0][i, T:], single[0][0, n:], rtol=1e-4, atol=1e-6)
+
+
+def test_lxmert_co_attention_directions_of_a_cross_layer_share_a_group():
+    model = lxmert()
+    ids, mask = text()
+    feats, pos = regions()
+    result = trace(model, (ids, feats, pos), {"attention_mask": mask})
+    cross = [r for r in result.records if not r.is_self]
+    assert [r.streams for r in cross] == [("text", "image"), ("image", "text")] * X_LAYERS
+    groups = [r.group for r in cross]
+    assert groups[0] == groups[1] and groups[2] == groups[3] and groups[0] != groups[2]
+    assert all(r.group is None for r in result.records if r.is_self)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

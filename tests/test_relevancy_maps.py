@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from captum_transformers import AttentionGradCAM, AttentionRollout, GenericAttention, RawAttention
-from captum_transformers import relevancy_maps
+from captum_transformers import InputError, relevancy_maps
 from captum_transformers.functional import add_identity_and_normalize, self_attention_relevance_rows
 from captum_transformers.methods.transformer_relevance import PartialLRP, TransformerRelevance
 from captum_transformers.trace import AttentionRecord, AttentionTrace, Block, InputSpan, StreamLayouts, TokenLayout
@@ -43,23 +43,26 @@ def _reference_normalized(self_map):
     return out
 
 
-def _reference(steps, sizes, example):
+def _reference(steps, sizes, example, layers=None):
+    """``layers``: the steps grouped into layers whose calls read the same inputs (default:
+    one call per layer); every addition of a layer is computed from the maps before it."""
     streams = list(dict.fromkeys(name for pair, _ in steps for name in pair))
     maps = {}
     for s in streams:  # Eq. 1-2
         for t in streams:
             maps[(s, t)] = torch.eye(sizes[s], dtype=torch.float64) if s == t else torch.zeros(
                 sizes[s], sizes[t], dtype=torch.float64)
-    for (q, k), abar in steps:
-        a = abar[example]
-        if q == k:  # Eq. 6 and Eq. 7, each from the map before the call
-            for t in streams:
-                maps[(q, t)] = maps[(q, t)] + a @ maps[(q, t)]
-        else:  # Eq. 10 and Eq. 11, both from the maps before the call
-            addition_qk = _reference_normalized(maps[(q, q)]).T @ a @ _reference_normalized(maps[(k, k)])
-            addition_qq = a @ maps[(k, q)]
-            maps[(q, k)] = maps[(q, k)] + addition_qk
-            maps[(q, q)] = maps[(q, q)] + addition_qq
+    for layer in layers or [[step] for step in steps]:
+        additions = []
+        for (q, k), abar in layer:
+            a = abar[example]
+            if q == k:  # Eq. 6 and Eq. 7
+                additions += [((q, t), a @ maps[(q, t)]) for t in streams]
+            else:  # Eq. 10 and Eq. 11
+                additions.append(((q, k), _reference_normalized(maps[(q, q)]).T @ a @ _reference_normalized(maps[(k, k)])))
+                additions.append(((q, q), a @ maps[(k, q)]))
+        for pair, addition in additions:
+            maps[pair] = maps[pair] + addition
     return maps
 
 
@@ -72,6 +75,21 @@ def test_accumulate_matches_the_per_example_reference(pairs):
         expected = _reference(steps, sizes, example)
         for pair, value in expected.items():
             torch.testing.assert_close(maps[pair][example], value, rtol=1e-10, atol=1e-12)
+
+
+def test_co_attention_directions_of_one_layer_are_applied_together():
+    """LXMERT computes text-over-image and image-over-text from the same layer inputs."""
+    steps = _random_steps(LXMERT_LIKE)
+    groups = [None, None, "x0", "x0", None, None, "x1", "x1", None]
+    layers = [[steps[0]], [steps[1]], steps[2:4], [steps[4]], [steps[5]], steps[6:8], [steps[8]]]
+    sizes = {"text": 5, "image": 4}
+    together = relevancy_maps.accumulate(steps, sizes, groups=groups)
+    one_by_one = relevancy_maps.accumulate(steps, sizes)
+    for example in range(2):
+        expected = _reference(steps, sizes, example, layers)
+        for pair, value in expected.items():
+            torch.testing.assert_close(together[pair][example], value, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(together[("text", "image")], one_by_one[("text", "image")])
 
 
 def test_encoder_decoder_keeps_no_encoder_to_decoder_map():
@@ -116,12 +134,13 @@ def _layout(stream, row=0, mask=None):
     return TokenLayout(SIZES[stream], torch.full((2, 1), row), mask)
 
 
-def _trace(pairs, explained, forward=False, masks=None, seed=0):
-    steps = _random_steps(pairs, seed=seed)
+def _trace(pairs, explained, forward=False, masks=None, seed=0, groups=None, steps=None):
+    steps = steps or _random_steps(pairs, seed=seed)
+    groups = groups or [None] * len(steps)
     block = Block("attention", nn.Identity())
     records = tuple(
-        AttentionRecord(block, index, value if forward else None, None if forward else value, pair)
-        for index, (pair, value) in enumerate(steps)
+        AttentionRecord(block, index, value if forward else None, None if forward else value, pair, group)
+        for index, ((pair, value), group) in enumerate(zip(steps, groups))
     )
     names = list(dict.fromkeys(name for pair in pairs for name in pair))
     masks = masks or {}
@@ -151,29 +170,63 @@ def test_generic_attention_reads_the_explained_rows_of_the_reference_maps(pairs,
             torch.testing.assert_close(scores[stream][example], expected[(explained[0], stream)][row])
 
 
+def test_generic_attention_applies_the_groups_of_the_trace():
+    groups = [None, None, "x0", "x0", None, None, "x1", "x1", None]
+    trace, steps = _trace(LXMERT_LIKE, ("text",), groups=groups)
+    scores = _method(GenericAttention).reduce(trace)
+    layers = [[steps[0]], [steps[1]], steps[2:4], [steps[4]], [steps[5]], steps[6:8], [steps[8]]]
+    expected = _reference(steps, {"text": 5, "image": 4}, 1, layers)
+    torch.testing.assert_close(scores["image"][1], expected[("text", "image")][0])
+
+
 def test_generic_attention_start_layer_counts_calls_per_query_stream():
     trace, steps = _trace(DETR_LIKE, ("decoder",))
     scores = GenericAttention(nn.MultiheadAttention(4, 1), start_layer=1).reduce(trace)
     kept = [steps[1], steps[3], steps[4], steps[5]]  # encoder call 1; decoder calls 1, 2, 3
     expected = _reference(kept, {"encoder": 6, "decoder": 3}, 0)
     torch.testing.assert_close(scores["encoder"][0], expected[("decoder", "encoder")][1])
+    per_stream = GenericAttention(nn.MultiheadAttention(4, 1), start_layer={"encoder": 1}).reduce(trace)
+    expected = _reference(steps[1:], {"encoder": 6, "decoder": 3}, 0)
+    torch.testing.assert_close(per_stream["encoder"][0], expected[("decoder", "encoder")][1])
 
 
-def test_padding_is_removed_from_every_map():
+@pytest.mark.parametrize("cls", [GenericAttention, AttentionRollout, TransformerRelevance])
+@pytest.mark.parametrize("start_layer", [2, {"encoder": 2}, {"image": 0}, -1], ids=["int", "dict", "unknown", "negative"])
+def test_a_start_layer_that_empties_a_stream_is_an_error(cls, start_layer):
+    trace, _ = _trace(DETR_LIKE, ("decoder",), forward=cls is AttentionRollout)
+    with pytest.raises(InputError, match="start_layer"):
+        cls(nn.MultiheadAttention(4, 1), start_layer=start_layer).reduce(trace)
+
+
+def _with_padding(steps, padded, fill_query, fill_key):
+    """Copies of the text-stream maps with the padded query rows and key columns filled."""
+    filled = []
+    for (query, key), value in steps:
+        value = value.clone()
+        if query == "text":
+            value[padded] = fill_query
+        if key == "text":
+            value.transpose(1, 2)[padded] = fill_key
+        filled.append(((query, key), value))
+    return filled
+
+
+@pytest.mark.parametrize("cls", [GenericAttention, TransformerRelevance, RawAttention, AttentionRollout])
+def test_padded_rows_and_columns_never_change_the_result(cls):
+    """Garbage in the padded rows and columns of every map gives the scores of zeros there."""
     mask = torch.ones(2, SIZES["text"], dtype=torch.bool)
     mask[1, 3:] = False
-    trace, _ = _trace(LXMERT_LIKE, ("text",), masks={"text": mask})
-    method = _method(GenericAttention)
-    scores = method.stream_scores(trace)
-    assert torch.all(scores["text"][1, 3:] == 0)
-    # Padded text tokens never contribute: the maps of example 1 equal those of a trace whose
-    # padded rows and columns are zero to begin with.
-    for record in trace.records:
-        cleaned = method.without_padding(trace, record, record.backward_value)
-        if record.streams[0] == "text":
-            assert torch.all(cleaned[1, 3:, :] == 0)
-        if record.streams[1] == "text":
-            assert torch.all(cleaned[1, :, 3:] == 0)
+    steps = _random_steps(LXMERT_LIKE)
+    noisy_steps, clean_steps = _with_padding(steps, ~mask, 5.0, 7.0), _with_padding(steps, ~mask, 0.0, 0.0)
+    forward = cls in (RawAttention, AttentionRollout)
+    noisy, _ = _trace(LXMERT_LIKE, ("text",), forward=forward, masks={"text": mask}, steps=noisy_steps)
+    clean, _ = _trace(LXMERT_LIKE, ("text",), forward=forward, masks={"text": mask}, steps=clean_steps)
+    noisy_scores, clean_scores = _method(cls).reduce(noisy), _method(cls).reduce(clean)
+    for stream in ("text", "image"):
+        torch.testing.assert_close(noisy_scores[stream], clean_scores[stream])
+    unmasked, _ = _trace(LXMERT_LIKE, ("text",), forward=forward, steps=noisy_steps)
+    unmasked_scores = _method(cls).reduce(unmasked)
+    assert any(not torch.allclose(unmasked_scores[s], clean_scores[s]) for s in ("text", "image"))  # it would matter
 
 
 def test_rollout_uses_eq_12_between_streams():

@@ -19,7 +19,7 @@ from .. import patching
 from ..errors import CaptureError, InputError
 from ..backward_switch import switchable_backward
 from ..targets import select_targets
-from ..trace import AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
+from ..trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
 from .recorder import Recorder
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -114,6 +114,15 @@ class Adapter(abc.ABC):
     def stream_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder) -> StreamLayouts:
         """The model's token streams. Default: one stream (:meth:`layout`) that every input
         maps onto; adapters of bi-modal, dual-encoder and encoder-decoder models override it."""
+        others = sorted({site.streams for site in recorder.sites if site.streams != (TOKENS, TOKENS)})
+        if others:
+            names = sorted({site.block.name for site in recorder.sites if site.streams != (TOKENS, TOKENS)})
+            raise CaptureError(
+                f"The {self.name} adapter describes one token sequence, but attention calls of {names} mix the "
+                f"streams {others} (cross-attention, e.g. an nn.TransformerDecoder's memory). Explain a model that "
+                "attends over one sequence (e.g. the encoder alone), or give the adapter a layout per stream "
+                "(Adapter.stream_layouts)."
+            )
         return StreamLayouts.single(self.layout(model, inputs, recorder), len(inputs))
 
     def resolve_target(self, model: nn.Module, logits: torch.Tensor, target: Any) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -248,7 +257,7 @@ class Adapter(abc.ABC):
                 with switch.plain_gradient():
                     self._backward(recorder, scores)
         records = tuple(
-            AttentionRecord(s.block, s.call_index, s.forward_value, s.backward_value, s.streams)
+            AttentionRecord(s.block, s.call_index, s.forward_value, s.backward_value, s.streams, s.group)
             for s in recorder.sites
         )
         layout = streams.layouts[streams.explained[0]]

@@ -355,16 +355,18 @@ class _Call:
         self.signature = inspect.signature(block.module.forward)
         self.family = family
         self.calls = 0
-        self.pending: List[Tuple[Optional[torch.Tensor], Streams]] = []
+        self.pending: List[Tuple[Optional[torch.Tensor], Streams, Optional[tuple]]] = []
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict):
         bound = self.signature.bind(*args, **kwargs)
         family = self.family
         query = bound.arguments.get(family.query)
-        # LXMERT's co-attention alternates its query stream: language first, then vision.
+        # LXMERT's co-attention alternates its query stream: language first, then vision. Both
+        # directions of one cross layer read the layer's inputs: one group, applied together.
         streams = self.pairs[self.calls % len(self.pairs)]
+        group = (self.block.name, self.calls // len(self.pairs)) if len(self.pairs) > 1 else None
         self.calls += 1
-        self.pending.append((_key_valid(bound.arguments.get(family.mask)), streams))
+        self.pending.append((_key_valid(bound.arguments.get(family.mask)), streams, group))
         if not isinstance(query, torch.Tensor):
             return None
         tapped = self.recorder.connect(query)
@@ -378,9 +380,9 @@ class _Call:
     def after(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if not self.pending:
             return  # the dropout ran outside its attention module's forward
-        key_valid, streams = self.pending.pop()
+        key_valid, streams, group = self.pending.pop()
         probs = args[0]
-        self.recorder.record(self.block, probs, key_valid=key_valid, streams=streams)
+        self.recorder.record(self.block, probs, key_valid=key_valid, streams=streams, group=group)
 
 
 def _entry_hook(module: nn.Module, rows: List[Tuple[str, str, Optional[str], int]], entries: _Entries):

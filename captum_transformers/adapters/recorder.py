@@ -10,7 +10,7 @@ arrives. Nothing else keeps a per-head gradient alive: memory stays O(L B N^2).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Hashable, List, Optional
 
 import torch
 
@@ -47,6 +47,7 @@ class Site:
     received_gradient: bool = False
     hooked: bool = False
     streams: Optional[Streams] = None
+    group: Optional[Hashable] = None
 
 
 class Recorder:
@@ -83,6 +84,7 @@ class Recorder:
         key_valid: Optional[torch.Tensor] = None,
         causal: bool = False,
         streams: Optional[Streams] = None,
+        group: Optional[Hashable] = None,
     ) -> None:
         """Store one call's attention ``probs`` (B, H, Q, K).
 
@@ -90,12 +92,13 @@ class Recorder:
         view outside the graph (``nn.MultiheadAttention`` returns such a view);
         ``grad_view`` reshapes its gradient to (B, H, Q, K). ``key_valid`` (B, K) marks
         non-padding keys (of the first stream that reports any). ``streams`` names the
-        (query stream, key stream) of this call when the block alone does not say it.
+        (query stream, key stream) of this call when the block alone does not say it;
+        ``group`` ties consecutive calls that read the same inputs (see AttentionRecord).
         """
         if probs.dim() != 4:
             raise ValueError(f"attention probabilities must be (B, H, Q, K), got shape {tuple(probs.shape)}")
         site = Site(block, len(self.sites), probs.shape[2], probs.shape[3], probs.shape[0],
-                    streams=tuple(streams) if streams is not None else block.default_streams)
+                    streams=tuple(streams) if streams is not None else block.default_streams, group=group)
         if self.spec.forward_reduce is not None:
             site.forward_value = self.spec.forward_reduce(probs.detach())
         if self.spec.needs_gradient:
@@ -116,10 +119,12 @@ class Recorder:
         keys = self.stream_valid.get(site.streams[1])
         if queries is None and keys is None:
             return None
+        device = (queries if queries is not None else keys).device
+        # A stream's mask covers its tokens; a call over other lengths (none known here) is all valid.
         if queries is None or queries.shape[-1] != site.num_queries:
-            queries = torch.ones(site.batch_size, site.num_queries, dtype=torch.bool, device=keys.device)
+            queries = torch.ones(site.batch_size, site.num_queries, dtype=torch.bool, device=device)
         if keys is None or keys.shape[-1] != site.num_keys:
-            keys = torch.ones(site.batch_size, site.num_keys, dtype=torch.bool, device=queries.device)
+            keys = torch.ones(site.batch_size, site.num_keys, dtype=torch.bool, device=device)
         queries, keys = queries.to(torch.bool), keys.to(torch.bool)
         return (queries[:, :, None] & keys[:, None, :]).unsqueeze(1)
 

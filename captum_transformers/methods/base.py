@@ -8,7 +8,7 @@ shape of each input.
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,8 @@ from .. import functional
 #: What :meth:`TraceAttribution.reduce` returns: token scores (B, N) of a one-stream model,
 #: or scores per stream name.
 StreamScores = Union[torch.Tensor, Dict[str, torch.Tensor]]
+#: ``start_layer`` of the layer-wise methods: one value for every stream, or one per stream.
+StartLayer = Union[int, Mapping[str, int]]
 
 TensorOrTuple = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 
@@ -81,7 +83,12 @@ def span_to_input(scores: torch.Tensor, span: InputSpan, tensor: torch.Tensor) -
     batch = scores.shape[0]
     tokens = scores[:, span.start:span.stop]
     if span.grid is not None and tensor.dim() == 4:
-        patches = tokens[:, : span.grid[0] * span.grid[1]].reshape(batch, 1, *span.grid)
+        if tokens.shape[1] != span.grid[0] * span.grid[1]:
+            raise CaptureError(
+                f"{tokens.shape[1]} tokens cannot form the {span.grid[0]}x{span.grid[1]} grid of an input of shape "
+                f"{tuple(tensor.shape)}; the adapter's layout does not match the model. Pass return_tokens=True."
+            )
+        patches = tokens.reshape(batch, 1, *span.grid)
         upsampled = F.interpolate(patches, size=tensor.shape[-2:], mode="bilinear", align_corners=False)
         return upsampled.expand(-1, tensor.shape[1], -1, -1).contiguous()
     if tensor.dim() >= 2 and tensor.shape[1] == tokens.shape[1]:
@@ -180,36 +187,52 @@ class TraceAttribution(Attribution):
         return out
 
     @staticmethod
-    def layers_from(trace: AttentionTrace, start_layer: int) -> int:
-        """Validate ``start_layer`` against the attention calls of each query stream."""
+    def layers_from(trace: AttentionTrace, start_layer: StartLayer) -> StartLayer:
+        """Validate ``start_layer`` (an int, or ``{stream: int}``) against the attention calls of
+        each query stream: no stream may lose all of its calls."""
         counts: Dict[str, int] = {}
         for record in trace.records:
             counts[record.streams[0]] = counts.get(record.streams[0], 0) + 1
-        most = max(counts.values())
-        if not 0 <= start_layer < most:
-            per_stream = "" if len(counts) == 1 else f" (calls per query stream: {counts})"
-            raise InputError(
-                f"start_layer={start_layer} but the model has {most} attention layers{per_stream}; "
-                f"use a value in [0, {most})."
-            )
+        if isinstance(start_layer, Mapping):
+            unknown = sorted(set(start_layer) - set(counts))
+            if unknown:
+                raise InputError(
+                    f"start_layer names streams {unknown} but the model's attention calls query {sorted(counts)}."
+                )
+        for stream, count in counts.items():
+            start = start_layer.get(stream, 0) if isinstance(start_layer, Mapping) else start_layer
+            if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < count:
+                if len(counts) == 1:
+                    raise InputError(
+                        f"start_layer={start_layer} but the model has {count} attention layers; "
+                        f"use a value in [0, {count})."
+                    )
+                raise InputError(
+                    f"start_layer={start_layer} leaves the {stream!r} stream none of its {count} attention calls "
+                    f"(calls per query stream: {counts}). Give one value per stream, e.g. "
+                    f"start_layer={{{stream!r}: {max(count - 1, 0)}}}, each below that stream's count."
+                )
         return start_layer
+
+    @staticmethod
+    def records_from(trace: AttentionTrace, start_layer: StartLayer) -> List[AttentionRecord]:
+        """The calls of each query stream from its ``start_layer``-th call on, in call order
+        (``start_layer`` an int for every stream, or ``{stream: int}``, others from 0)."""
+        seen: Dict[str, int] = {}
+        kept = []
+        for record in trace.records:
+            stream = record.streams[0]
+            index = seen.get(stream, 0)
+            seen[stream] = index + 1
+            start = start_layer.get(stream, 0) if isinstance(start_layer, Mapping) else start_layer
+            if index >= start:
+                kept.append(record)
+        return kept
 
     @staticmethod
     def is_one_sequence(trace: AttentionTrace) -> bool:
         """True for one stream attending only to itself: the fast row-vector paths apply."""
         return trace.streams.is_single and all(r.is_self for r in trace.records)
-
-    @staticmethod
-    def records_from(trace: AttentionTrace, start_layer: int) -> List[AttentionRecord]:
-        """The calls of each query stream from its ``start_layer``-th call on, in call order."""
-        seen: Dict[str, int] = {}
-        kept = []
-        for record in trace.records:
-            index = seen.get(record.streams[0], 0)
-            seen[record.streams[0]] = index + 1
-            if index >= start_layer:
-                kept.append(record)
-        return kept
 
     @staticmethod
     def stream_sizes(trace: AttentionTrace) -> Dict[str, int]:
@@ -228,11 +251,17 @@ class TraceAttribution(Attribution):
     def without_padding(trace: AttentionTrace, record: AttentionRecord, value: torch.Tensor) -> torch.Tensor:
         """A fused (B, Q, K) map with padded queries and keys zeroed, from the streams' masks."""
         layouts = trace.streams.layouts
-        query, key = (layouts.get(name) for name in record.streams)
-        if query is not None and query.token_mask is not None and query.token_mask.shape[-1] == value.shape[1]:
-            value = value * query.token_mask.to(value.dtype)[:, :, None]
-        if key is not None and key.token_mask is not None and key.token_mask.shape[-1] == value.shape[2]:
-            value = value * key.token_mask.to(value.dtype)[:, None, :]
+        for axis, name in ((1, record.streams[0]), (2, record.streams[1])):
+            mask = layouts[name].token_mask if name in layouts else None
+            if mask is None:
+                continue
+            if mask.shape[-1] != value.shape[axis]:
+                raise CaptureError(
+                    f"Attention call {record.call_index} ({record.block.name}) has {value.shape[axis]} "
+                    f"{'queries' if axis == 1 else 'keys'} but the {name!r} stream's padding mask covers "
+                    f"{mask.shape[-1]} tokens; the adapter's layout does not describe this call."
+                )
+            value = value * (mask.to(value.dtype)[:, :, None] if axis == 1 else mask.to(value.dtype)[:, None, :])
         return value
 
     def explained_stream_rows(self, trace: AttentionTrace, dtype: torch.dtype) -> Dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .. import functional, relevancy_maps
 from ..trace import AttentionTrace, CaptureSpec
-from .base import TraceAttribution
+from .base import StartLayer, TraceAttribution
 
 
 class GenericAttention(TraceAttribution):
@@ -36,11 +36,13 @@ class GenericAttention(TraceAttribution):
     Args:
         model: a supported transformer.
         adapter: an adapter instance or registered name, to override the lookup.
-        start_layer: first attention layer (in call order) whose update is applied; with
-            several streams, counted per query stream (each CLIP tower skips its first layers).
+        start_layer: first attention layer (in call order) whose update is applied. With
+            several streams it counts the attention calls of each query stream (a decoder
+            layer with cross-attention makes two); ``{"image": 11}`` sets it per stream
+            (e.g. only CLIP's image tower, as the ICCV code did for ViT-B/16).
     """
 
-    def __init__(self, model, adapter=None, start_layer: int = 0) -> None:
+    def __init__(self, model, adapter=None, start_layer: StartLayer = 0) -> None:
         super().__init__(model, adapter)
         self.start_layer = start_layer
 
@@ -50,9 +52,9 @@ class GenericAttention(TraceAttribution):
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
         if self.is_one_sequence(trace):
-            maps = trace.backward_values(self.start_layer)
+            maps = [r.backward_value for r in self.records_from(trace, self.start_layer)]
             return functional.self_attention_relevance_rows(maps, self.start_rows(trace, maps[-1].dtype))
         records = self.records_from(trace, self.start_layer)
         steps = [(r.streams, self.without_padding(trace, r, r.backward_value)) for r in records]
-        maps = relevancy_maps.accumulate(steps, self.stream_sizes(trace))
+        maps = relevancy_maps.accumulate(steps, self.stream_sizes(trace), groups=[r.group for r in records])
         return relevancy_maps.explained_rows(maps, self.explained_stream_rows(trace, steps[0][1].dtype))

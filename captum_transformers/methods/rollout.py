@@ -7,7 +7,7 @@ import torch
 
 from .. import functional, relevancy_maps
 from ..trace import AttentionTrace, CaptureSpec
-from .base import TraceAttribution
+from .base import StartLayer, TraceAttribution
 
 
 class AttentionRollout(TraceAttribution):
@@ -36,11 +36,12 @@ class AttentionRollout(TraceAttribution):
         adapter: an adapter instance or registered name, to override the lookup.
         head_fusion: ``"mean"`` (default), ``"max"`` or ``"min"``.
         discard_ratio: fraction in [0, 1) of lowest attention values dropped per layer.
-        start_layer: first attention layer (in call order) included in the product.
+        start_layer: first attention layer (in call order) included in the product; per query
+            stream with several streams, or ``{stream: int}`` (see GenericAttention).
     """
 
     def __init__(self, model, adapter=None, head_fusion: functional.HeadFusion = "mean",
-                 discard_ratio: Union[float, Sequence[float], torch.Tensor] = 0.0, start_layer: int = 0) -> None:
+                 discard_ratio: Union[float, Sequence[float], torch.Tensor] = 0.0, start_layer: StartLayer = 0) -> None:
         super().__init__(model, adapter)
         functional.fuse_heads(torch.zeros(1, 1, 1, 1), head_fusion)
         self.head_fusion = head_fusion
@@ -56,7 +57,7 @@ class AttentionRollout(TraceAttribution):
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
         if self.is_one_sequence(trace):
-            maps = [self._corrected(m) for m in trace.forward_values(self.start_layer)]
+            maps = [self._corrected(r.forward_value) for r in self.records_from(trace, self.start_layer)]
             return functional.rollout_rows(maps, self.start_rows(trace, maps[-1].dtype))
         sizes = self.stream_sizes(trace)
         records = self.records_from(trace, self.start_layer)

@@ -6,9 +6,10 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from .. import functional, relevancy_maps
+from ..errors import InputError
 from ..rules import RuleSet
 from ..trace import AttentionTrace, CaptureSpec
-from .base import TraceAttribution
+from .base import StartLayer, TraceAttribution
 
 
 def _relevance(probs: torch.Tensor, lrp_grad: torch.Tensor) -> torch.Tensor:
@@ -48,7 +49,7 @@ class TransformerRelevance(TraceAttribution):
         >>> maps = TransformerRelevance(vit).attribute(pixel_values, target=labels)   # (B, 3, H, W)
     """
 
-    def __init__(self, model, adapter=None, start_layer: int = 0, rules: RuleSet = RuleSet.CHEFER) -> None:
+    def __init__(self, model, adapter=None, start_layer: StartLayer = 0, rules: RuleSet = RuleSet.CHEFER) -> None:
         super().__init__(model, adapter)
         self.start_layer = start_layer
         self.rules = rules
@@ -86,12 +87,14 @@ class TransformerRelevance(TraceAttribution):
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
         if self.is_one_sequence(trace):
-            maps = trace.backward_values(self.start_layer)
+            maps = [r.backward_value for r in self.records_from(trace, self.start_layer)]
             return functional.self_attention_relevance_rows(maps, self.start_rows(trace, maps[-1].dtype))
         records = self.records_from(trace, self.start_layer)
         steps = [(r.streams, self.without_padding(trace, r, r.backward_value)) for r in records]
-        maps = relevancy_maps.accumulate([step for step in steps if step[0][0] == step[0][1]],
-                                         self.stream_sizes(trace), dtype=steps[0][1].dtype)
+        self_steps = [step for step in steps if step[0][0] == step[0][1]]
+        if not self_steps:
+            raise InputError(f"start_layer={self.start_layer} leaves no self-attention call to chain; lower it.")
+        maps = relevancy_maps.accumulate(self_steps, self.stream_sizes(trace), dtype=steps[0][1].dtype)
         maps.update({pair: value for pair, value in steps if pair[0] != pair[1]})  # the last cross map wins
         return relevancy_maps.explained_rows(maps, self.explained_stream_rows(trace, steps[0][1].dtype))
 
