@@ -57,12 +57,15 @@ def gradcam_heads(probs: torch.Tensor, grad: torch.Tensor, valid: Optional[torch
     return (weights * probs.to(dtype)).mean(dim=1).clamp(min=0)
 
 
-def discard_lowest(maps: torch.Tensor, ratio: Union[float, Sequence[float], torch.Tensor]) -> torch.Tensor:
+def discard_lowest(maps: torch.Tensor, ratio: Union[float, Sequence[float], torch.Tensor],
+                   valid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Zero the lowest ``ratio`` fraction of each example's off-diagonal attention.
 
     ``ratio`` is a float or one value per example. Diagonal entries are never discarded
-    (they carry the residual stream once the identity is added). Ties are broken by
-    position, so exactly ``floor(ratio * (N*N - N))`` entries are zeroed per example.
+    (they carry the residual stream once the identity is added). ``valid`` (B, Q, K), when
+    given, marks the real (query, key) pairs: only those count and compete, so padding does
+    not change an example's map. Ties are broken by position, so exactly
+    ``floor(ratio * n)`` entries are zeroed per example, ``n`` its candidate count.
     """
     batch, queries, keys = maps.shape
     ratio_t = torch.as_tensor(ratio, dtype=torch.float64, device=maps.device).reshape(-1)
@@ -78,11 +81,13 @@ def discard_lowest(maps: torch.Tensor, ratio: Union[float, Sequence[float], torc
     diagonal = torch.zeros(queries, keys, dtype=torch.bool, device=maps.device)
     if queries == keys:
         diagonal.fill_diagonal_(True)
-    diagonal = diagonal.reshape(-1)
-    candidates = int((~diagonal).sum())
+    excluded = diagonal.reshape(1, -1).expand(batch, -1)
+    if valid is not None:
+        excluded = excluded | ~valid.reshape(batch, -1).to(torch.bool)
+    candidates = (~excluded).sum(dim=1).to(torch.float64)
     count = torch.floor(ratio_t * candidates).to(torch.long)
-    # Rank every entry per example; diagonal entries are pushed past all candidates.
-    scores = flat.masked_fill(diagonal, float("inf"))
+    # Rank every entry per example; excluded entries are pushed past all candidates.
+    scores = flat.masked_fill(excluded, float("inf"))
     order = scores.argsort(dim=-1, stable=True)
     ranks = torch.empty_like(order)
     ranks.scatter_(1, order, torch.arange(flat.shape[1], device=maps.device).expand_as(order))

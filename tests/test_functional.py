@@ -104,6 +104,21 @@ def test_discard_lowest_is_per_example_and_keeps_the_diagonal():
     assert kept[kept > 0].min() >= maps[0][off_diagonal].sort().values[6 - 1]
 
 
+def test_discard_lowest_counts_only_valid_pairs():
+    """With a mask, a padded example's map equals the map of its real tokens alone."""
+    maps = _random_maps(layers=1, batch=1, tokens=5)[0]
+    real = 3
+    padded = maps.clone()
+    padded[:, real:, :] = 0.3  # padded queries: anything
+    padded[:, :, real:] = 0.0  # padded keys: attention 0
+    token_mask = torch.arange(5) < real
+    valid = (token_mask[:, None] & token_mask[None, :]).unsqueeze(0)
+    masked = F.discard_lowest(padded, 0.5, valid)[:, :real, :real]
+    alone = F.discard_lowest(maps[:, :real, :real].clone(), 0.5)
+    torch.testing.assert_close(masked, alone)
+    assert not torch.equal(F.discard_lowest(padded, 0.5)[:, :real, :real], alone)  # without it they differ
+
+
 @pytest.mark.parametrize("bad", [1.0, -0.1, [0.1, 0.2, 0.3]])
 def test_discard_ratio_is_validated(bad):
     with pytest.raises(ValueError, match="discard_ratio"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from captum_transformers import ATTENTION_METHODS, CaptureError, GenericAttention, get_adapter
+from captum_transformers import ATTENTION_METHODS, AttentionRollout, CaptureError, GenericAttention, get_adapter
 from hf_models import CASES
 from restore import assert_same, snapshot
 
@@ -49,6 +49,18 @@ def test_batch_equals_single(case, method):
         single = explainer.attribute(inputs[i:i + 1], target=targets[i], forward_kwargs=single_kwargs,
                                      return_tokens=True)
         torch.testing.assert_close(batched[i:i + 1], single, rtol=1e-4, atol=1e-6)
+
+
+def test_rollout_with_discard_ratio_ignores_padding():
+    """A padded example's rollout equals the example's real tokens alone, discard included."""
+    spec = CASES["bert"]
+    model = spec.model()
+    inputs, kwargs = spec.inputs(batch=3)  # example 1 is padded after 5 tokens
+    explainer = AttentionRollout(model, discard_ratio=0.5)
+    batched = explainer.attribute(inputs, forward_kwargs=kwargs, return_tokens=True)
+    alone = explainer.attribute(inputs[1:2, :5], forward_kwargs={"attention_mask": kwargs["attention_mask"][1:2, :5]},
+                                return_tokens=True)
+    torch.testing.assert_close(batched[1, :5], alone[0], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("case", CASE_NAMES)

@@ -1,7 +1,7 @@
 """Attention rollout (Abnar & Zuidema, 2020)."""
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -18,7 +18,8 @@ class AttentionRollout(TraceAttribution):
 
     read at the explained token's row (Abnar & Zuidema, "Quantifying Attention Flow in
     Transformers", ACL 2020). Before adding the identity, ``discard_ratio`` zeroes the lowest
-    fraction of each example's off-diagonal attention (a float, or one value per example).
+    fraction of each example's off-diagonal attention between real tokens (a float, or one
+    value per example; padding neither counts nor competes).
     Class-agnostic; one forward pass, no backward.
 
     Several streams (the baseline of Chefer et al., ICCV 2021, Sec. 4): each stream's
@@ -51,13 +52,23 @@ class AttentionRollout(TraceAttribution):
     def capture_spec(self) -> CaptureSpec:
         return CaptureSpec(forward_reduce=lambda probs: functional.fuse_heads(probs, self.head_fusion))
 
-    def _corrected(self, layer_map: torch.Tensor) -> torch.Tensor:
-        return functional.add_identity_and_normalize(functional.discard_lowest(layer_map, self.discard_ratio))
+    def _corrected(self, layer_map: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return functional.add_identity_and_normalize(functional.discard_lowest(layer_map, self.discard_ratio, valid))
+
+    @staticmethod
+    def _valid_pairs(trace: AttentionTrace, record) -> Optional[torch.Tensor]:
+        """(B, Q, K) real (query, key) pairs of a self-attention call, from its stream's mask."""
+        layout = trace.streams.layouts.get(record.streams[0])
+        if layout is None or layout.token_mask is None:
+            return None
+        mask = layout.token_mask.to(torch.bool)
+        return mask[:, :, None] & mask[:, None, :]
 
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
         if self.is_one_sequence(trace):
-            maps = [self._corrected(r.forward_value) for r in self.records_from(trace, self.start_layer)]
+            maps = [self._corrected(r.forward_value, self._valid_pairs(trace, r))
+                    for r in self.records_from(trace, self.start_layer)]
             return functional.rollout_rows(maps, self.start_rows(trace, maps[-1].dtype))
         sizes = self.stream_sizes(trace)
         records = self.records_from(trace, self.start_layer)
@@ -69,7 +80,8 @@ class AttentionRollout(TraceAttribution):
         for record in records:
             layer_map = self.without_padding(trace, record, record.forward_value.to(dtype))
             if record.is_self:
-                maps[record.streams] = torch.bmm(self._corrected(layer_map), maps[record.streams])
+                corrected = self._corrected(layer_map, self._valid_pairs(trace, record))
+                maps[record.streams] = torch.bmm(corrected, maps[record.streams])
             else:
                 last_cross[record.streams] = layer_map
         for (query, key), layer_map in last_cross.items():
