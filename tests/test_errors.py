@@ -123,3 +123,27 @@ def test_forward_kwargs_with_the_wrong_batch_say_how_to_fix(bert):
     model, (inputs, kwargs) = bert
     with pytest.raises(InputError, match="additional_forward_args"):
         GenericAttention(model).attribute(inputs[:2], target=0, forward_kwargs=kwargs)
+
+
+class _DecoderClassifier(nn.Module):
+    """An nn.TransformerDecoder over token embeddings, attending to a memory of other length."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(23, 16)
+        self.decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0,
+                                                                        batch_first=True), 1)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, ids, memory):
+        return self.head(self.decoder(self.embed(ids), memory)[:, 0])
+
+
+@pytest.mark.parametrize("method", ATTENTION_METHODS)
+def test_cross_attention_to_an_undescribed_stream_is_a_clear_error(method):
+    """The adapter describes one sequence; a memory of another length is not silently dropped."""
+    torch.manual_seed(0)
+    model = _DecoderClassifier().eval()
+    with pytest.raises(CaptureError, match="one token sequence"):
+        method(model).attribute(torch.randint(0, 23, (2, 6)), target=1,
+                                additional_forward_args=(torch.randn(2, 7, 16),))
