@@ -95,7 +95,9 @@ def test_benchmark_digits_two_class_specificity(tmp_path, capsys):
     assert main(["benchmark", "--task", "digits-two", "--methods", "rollout", "grad-cam", "--limit", "6",
                  "--no-progress", "--out", str(tmp_path)]) == 0
     rows = {row["method"]: row for row in json.loads((tmp_path / "results.json").read_text())}
-    assert rows["rollout"]["specificity"] == pytest.approx(0.5, abs=1e-9)  # class-agnostic by construction
+    # Class-agnostic by construction: both digits get the same map, up to float32 rounding of
+    # the same canvas computed at two rows of one batch.
+    assert rows["rollout"]["specificity"] == pytest.approx(0.5, abs=1e-6)
     assert 0.0 <= rows["grad-cam"]["specificity"] <= 1.0
 
 

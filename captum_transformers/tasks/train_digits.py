@@ -42,7 +42,7 @@ from ..errors import InputError
 from .digit_canvas import DigitCanvasSet, digit_canvases, normalize
 from .digit_model import MODEL_CONFIG, RECORD_FILE, WEIGHTS_FILE, build_digit_model
 
-DEFAULT_EPOCHS = 80
+DEFAULT_EPOCHS = 200  # the shipped model (assets/digit_vit.json); 80 epochs reached 0.874 / 38 %
 DEFAULT_SEED = 0
 CANVASES_PER_EPOCH = 4096
 BATCH_SIZE = 64
