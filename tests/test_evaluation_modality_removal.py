@@ -136,3 +136,38 @@ def test_bad_inputs_raise_input_error():
         metric.update(inputs, relevance["random"], labels.double())
     with pytest.raises(InputError, match="mode"):
         ModalityTokenRemoval(SumModel(), "image", mode="up")
+
+
+def test_end_to_end_on_lxmert_with_generic_attention_region_scores():
+    """The bi-modal loop a user writes: per-stream token scores of an LXMERT explanation drive
+    the removal of image regions, and the clean step reproduces the model's own accuracy."""
+    pytest.importorskip("transformers")
+    from captum_transformers import GenericAttention
+    from inline_models import lxmert, regions, text
+
+    model = lxmert()
+    ids, text_mask = text()
+    feats, pos = regions()
+    labels = model(ids, feats, pos, attention_mask=text_mask).question_answering_score.argmax(-1)
+    _, region_scores = GenericAttention(model).attribute(
+        (ids, feats, pos), target=labels.tolist(), forward_kwargs={"attention_mask": text_mask}, return_tokens=True)
+
+    def forward(modalities):
+        (text_ids, mask), (boxes, box_mask) = modalities["text"], modalities["image"]
+        return model(text_ids, boxes[..., :feats.shape[-1]], boxes[..., feats.shape[-1]:], attention_mask=mask,
+                     visual_attention_mask=box_mask).question_answering_score
+
+    image = torch.cat([feats, pos], dim=-1)
+    image_mask = torch.ones(image.shape[:2], dtype=torch.bool)
+    metric = ModalityTokenRemoval(forward, modality="image", fractions=(0.0, 0.5, 0.75))
+    with torch.no_grad():
+        metric.update({"text": (ids, text_mask), "image": (image, image_mask)}, region_scores, labels)
+    result = metric.compute()
+    assert result.y[0] == 1.0  # nothing removed: the model's own predictions
+    # Half removed, by hand: keep the two least relevant regions of each example, in order.
+    kept = region_scores.argsort(dim=1, descending=True, stable=True)[:, 2:].sort(dim=1).values
+    index = kept[..., None].expand(-1, -1, image.shape[-1])
+    with torch.no_grad():
+        half = forward({"text": (ids, text_mask),
+                        "image": (image.gather(1, index), torch.ones(kept.shape, dtype=torch.bool))})
+    assert result.y[1] == pytest.approx((half.argmax(-1) == labels).double().mean().item())
