@@ -1,5 +1,9 @@
-"""Snapshot everything a capture could leave behind on a model, to prove exact restore."""
+"""Snapshot everything a capture could leave behind on a model, to prove exact restore, and
+make a forward pass fail midway."""
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -22,6 +26,21 @@ def snapshot(model: nn.Module) -> dict:
     grads = {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()}
     return dict(state=state, hooks=hooks, instance_attrs=instance_attrs, flags=flags, impls=impls, grads=grads,
                 training=model.training, fastpath=torch.backends.mha.get_fastpath_enabled())
+
+
+@contextlib.contextmanager
+def raising_after(module: nn.Module, error: BaseException) -> Iterator[None]:
+    """Inside, every forward of ``module`` raises ``error`` once it has run (the hook is
+    removed on the way out): a capture or rule context dies mid-forward."""
+
+    def explode(*_):
+        raise error
+
+    handle = module.register_forward_hook(explode)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def assert_same(before: dict, after: dict) -> None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from captum_transformers import ATTENTION_METHODS, get_adapter, registered_adapters
-from restore import assert_same, snapshot
+from restore import assert_same, raising_after, snapshot
 
 
 def _huggingface():
@@ -99,15 +99,10 @@ def test_adapter_contract(name, method):
     with torch.no_grad():
         before_output = model(inputs, **kwargs)
     before = snapshot(model)
-    last_block = get_adapter(model).blocks(model)[-1].module
-
-    def explode(*_):
-        raise KeyboardInterrupt  # not an Exception: restore must not depend on `except Exception`
-
-    handle = last_block.register_forward_hook(explode)
-    with pytest.raises(KeyboardInterrupt):
-        explainer.attribute(inputs, target=targets, forward_kwargs=kwargs)
-    handle.remove()
+    # KeyboardInterrupt is not an Exception: restore must not depend on `except Exception`.
+    with raising_after(get_adapter(model).blocks(model)[-1].module, KeyboardInterrupt()):
+        with pytest.raises(KeyboardInterrupt):
+            explainer.attribute(inputs, target=targets, forward_kwargs=kwargs)
     assert_same(before, snapshot(model))
     with torch.no_grad():
         after_output = model(inputs, **kwargs)

@@ -42,7 +42,7 @@ from captum_transformers import (  # noqa: E402
 )
 from captum_transformers.adapters import hf_kernel as hf_adapter  # noqa: E402
 from hf_models import CASES  # noqa: E402
-from restore import assert_same, snapshot  # noqa: E402
+from restore import assert_same, raising_after, snapshot  # noqa: E402
 
 F64 = torch.float64
 OPERATION_PRESETS = [pytest.param(rules, id=rules.name) for rules in (RuleSet.CHEFER, RuleSet.LRP, RuleSet.ATTN_LRP)]
@@ -273,16 +273,10 @@ def test_exact_restore_normal_exit_and_exception(case):
     references = [m(model).attribute(x, target=1, return_tokens=True, forward_kwargs=kwargs) for m in methods]
     assert_same(before, snapshot(model))
 
-    def explode(module, args, output):
-        raise RuntimeError("boom in the last attention block")
-
-    handle = get_adapter(model).blocks(model)[-1].module.register_forward_hook(explode)
-    try:
+    with raising_after(get_adapter(model).blocks(model)[-1].module, RuntimeError("boom in the last attention block")):
         for method in methods:
             with pytest.raises(RuntimeError, match="boom"):
                 method(model).attribute(x, target=1, return_tokens=True, forward_kwargs=kwargs)
-    finally:
-        handle.remove()
     assert_same(before, snapshot(model))
     assert hf_adapter._RULES.get() is None and hf_adapter._ACTIVE.get() is None
     assert torch._C._len_torch_function_stack() == 0  # no OperationRules mode left behind

@@ -30,7 +30,7 @@ from captum_transformers import ConservativeLRP, InputError, RuleSet, get_adapte
 from captum_transformers.adapters import hf_kernel as hf_adapter  # noqa: E402
 from captum_transformers.rules import find_norms  # noqa: E402
 from hf_models import CASES  # noqa: E402
-from restore import assert_same, snapshot  # noqa: E402
+from restore import assert_same, raising_after, snapshot  # noqa: E402
 from lrp_models import *  # noqa: F401,F403,E402  (tiny models, cases and helpers)
 from lrp_models import (  # noqa: E402
     _case_bert,
@@ -319,16 +319,10 @@ def test_exact_restore_normal_exit_and_exception(case):
     reference = ConservativeLRP(model).attribute(x, target=TARGET, return_tokens=True, forward_kwargs=kwargs)
     assert_same(before, snapshot(model))
 
-    def explode(module, args, output):
-        raise RuntimeError("boom in the last attention block")
-
-    handle = get_adapter(model).blocks(model)[-1].module.register_forward_hook(explode)
-    try:
+    with raising_after(get_adapter(model).blocks(model)[-1].module, RuntimeError("boom in the last attention block")):
         for variant in ("AH+LN", "AH"):
             with pytest.raises(RuntimeError, match="boom"):
                 ConservativeLRP(model, variant).attribute(x, target=TARGET, return_tokens=True, forward_kwargs=kwargs)
-    finally:
-        handle.remove()
     assert_same(before, snapshot(model))
     assert torch.backends.mha.get_fastpath_enabled() == fastpath
     assert hf_adapter._RULES.get() is None and hf_adapter._ACTIVE.get() is None

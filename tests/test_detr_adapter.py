@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from detr_models import NUM_LABELS, NUM_QUERIES, STRIDE, detr, images, padded_mask
-from restore import assert_same, snapshot
+from restore import assert_same, raising_after, snapshot
 
 from captum_transformers import CaptureError, InputError, RuleSet, explain_detections, get_adapter
 from captum_transformers.adapters.detr import DetrAdapter, feature_grid
@@ -179,15 +179,10 @@ def test_exact_restore_and_unchanged_outputs(model):
     assert torch.equal(recorded.logits, before_output.logits)
     assert_same(before, snapshot(model))
 
-    def explode(*_):
-        raise KeyboardInterrupt  # not an Exception: restore must not depend on `except Exception`
-
-    handle = get_adapter(model).blocks(model)[3].module.register_forward_hook(explode)
-    try:
+    # KeyboardInterrupt is not an Exception: restore must not depend on `except Exception`.
+    with raising_after(get_adapter(model).blocks(model)[3].module, KeyboardInterrupt()):
         with pytest.raises(KeyboardInterrupt):
             trace(model, pixels, (1, 1))
-    finally:
-        handle.remove()
     assert_same(before, snapshot(model))
     with torch.no_grad():
         after_output = model(pixels)

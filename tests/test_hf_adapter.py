@@ -6,7 +6,7 @@ import torch
 
 from captum_transformers import ATTENTION_METHODS, AttentionRollout, CaptureError, GenericAttention, get_adapter
 from hf_models import CASES
-from restore import assert_same, snapshot
+from restore import assert_same, raising_after, snapshot
 
 CASE_NAMES = sorted(CASES)
 METHODS = [pytest.param(m, id=m.__name__) for m in ATTENTION_METHODS]
@@ -103,13 +103,9 @@ def test_exact_restore(case, method, mid_forward_error):
         before_out = model(inputs, **kwargs)
     before = snapshot(model)
     if mid_forward_error:
-        def explode(*_):
-            raise Boom("raised mid-forward")
-
-        handle = get_adapter(model).blocks(model)[-1].module.register_forward_hook(explode)
-        with pytest.raises(Boom):
-            method(model).attribute(inputs, target=0, forward_kwargs=kwargs)
-        handle.remove()
+        with raising_after(get_adapter(model).blocks(model)[-1].module, Boom("raised mid-forward")):
+            with pytest.raises(Boom):
+                method(model).attribute(inputs, target=0, forward_kwargs=kwargs)
     else:
         method(model).attribute(inputs, target=0, forward_kwargs=kwargs)
     assert_same(before, snapshot(model))

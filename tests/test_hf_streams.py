@@ -15,7 +15,7 @@ from captum_transformers import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEV
 from captum_transformers.adapters.hf_kernel import captum_attention
 from captum_transformers.trace import CaptureSpec
 from hf_models import CASES
-from restore import assert_same, snapshot
+from restore import assert_same, raising_after, snapshot
 
 transformers = pytest.importorskip("transformers")
 
@@ -388,13 +388,9 @@ def test_exact_restore(name, mid_forward_error):
     before_out = run()
     before = snapshot(model)
     if mid_forward_error:
-        def explode(*_):
-            raise Boom("raised mid-forward")
-
-        handle = get_adapter(model).blocks(model)[-1].module.register_forward_hook(explode)
-        with pytest.raises(Boom):
-            GenericAttention(model).attribute(inputs, target=target, forward_kwargs=kwargs)
-        handle.remove()
+        with raising_after(get_adapter(model).blocks(model)[-1].module, Boom("raised mid-forward")):
+            with pytest.raises(Boom):
+                GenericAttention(model).attribute(inputs, target=target, forward_kwargs=kwargs)
     else:
         GenericAttention(model).attribute(inputs, target=target, forward_kwargs=kwargs)
     assert_same(before, snapshot(model))

@@ -27,7 +27,7 @@ from captum_transformers import (CaptureError, CaptureSpec, ConservativeLRP, Gen
 from captum_transformers.adapters.inline_attention import InlineAttentionAdapter, _key_valid  # noqa: E402
 from inline_models import (B, CASES, I, KEEP, L_LAYERS, R_LAYERS, T, VIS, X_LAYERS,  # noqa: E402
                            lxmert, regions, text, visual_bert)
-from restore import assert_same, snapshot  # noqa: E402
+from restore import assert_same, raising_after, snapshot  # noqa: E402
 
 def lxmert_call_order():
     """The (query, key) stream pairs LxmertEncoder.forward calls, in order."""
@@ -255,17 +255,12 @@ def test_exact_restore_after_normal_exit_and_after_an_exception(case):
         model(*inputs, **kwargs)
     assert_same(before, snapshot(model))
 
-    last = get_adapter(model).blocks(model)[-1].module
-
-    def explode(*_):
-        raise KeyboardInterrupt  # not an Exception: restore must not rely on `except Exception`
-
-    handle = last.register_forward_hook(explode)
-    with pytest.raises(KeyboardInterrupt):
-        GenericAttention(model).attribute(inputs, target=0, forward_kwargs=kwargs)
-    with pytest.raises(KeyboardInterrupt):
-        ConservativeLRP(model).attribute(inputs, target=0, forward_kwargs=kwargs)
-    handle.remove()
+    # KeyboardInterrupt is not an Exception: restore must not rely on `except Exception`.
+    with raising_after(get_adapter(model).blocks(model)[-1].module, KeyboardInterrupt()):
+        with pytest.raises(KeyboardInterrupt):
+            GenericAttention(model).attribute(inputs, target=0, forward_kwargs=kwargs)
+        with pytest.raises(KeyboardInterrupt):
+            ConservativeLRP(model).attribute(inputs, target=0, forward_kwargs=kwargs)
     assert_same(before, snapshot(model))
 
 

@@ -16,6 +16,7 @@ from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 import captum_transformers  # noqa: E402
 from captum_transformers import (ATTENTION_METHODS, CaptureError, CaptureSpec, GenericAttention,  # noqa: E402
                                  RawAttention, get_adapter)
+from restore import raising_after  # noqa: E402
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
 
@@ -297,12 +298,9 @@ def test_exact_restore(case, method, fail):
     before = _snapshot(model)
     if fail:
         # Raised after block 0's attention ran and before block 1's: mid-capture.
-        handle = model.blocks[0].register_forward_hook(lambda *_: (_ for _ in ()).throw(_Boom("mid-forward")))
-        try:
+        with raising_after(model.blocks[0], _Boom("mid-forward")):
             with pytest.raises(_Boom):
                 method(model).attribute(x, target=1)
-        finally:
-            handle.remove()
     else:
         method(model).attribute(x, target=1)
     _assert_restored(before, _snapshot(model))

@@ -18,7 +18,7 @@ from captum_transformers import (ATTENTION_METHODS, AttentionGradCAM, CaptureSpe
 from captum_transformers.adapters.recorder import Recorder
 from captum_transformers.adapters.torch_mha import TorchMHAAdapter
 from captum_transformers.functional import gradient_weighted_heads
-from restore import assert_same, snapshot
+from restore import assert_same, raising_after, snapshot
 
 METHODS = [pytest.param(m, id=m.__name__) for m in ATTENTION_METHODS]
 VOCAB, DIM, HEADS, CLASSES, MAX_LEN = 23, 16, 2, 5, 8
@@ -417,15 +417,9 @@ def test_exact_restore_after_exception_mid_forward(method):
         before_output = model(ids, mask)
     before = snapshot(model)
 
-    def explode(module, args, output):
-        raise RuntimeError("boom in layer 1")
-
-    handle = model.encoder.layers[1].register_forward_hook(explode)
-    try:
+    with raising_after(model.encoder.layers[1], RuntimeError("boom in layer 1")):
         with pytest.raises(RuntimeError, match="boom in layer 1"):
             method(model).attribute(ids, target=1, additional_forward_args=(mask,))
-    finally:
-        handle.remove()
     assert_same(before, snapshot(model))
     assert not any("forward" in vars(m) for m in model.modules())
     assert torch.backends.mha.get_fastpath_enabled()
