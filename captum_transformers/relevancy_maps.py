@@ -36,14 +36,18 @@ import torch
 Pair = Tuple[str, str]
 
 
+def identity_maps(sizes: Mapping[str, int], batch: int, dtype: torch.dtype,
+                  device: torch.device) -> Dict[Pair, torch.Tensor]:
+    """Eq. 1: ``R^{ss} = I`` (B, N_s, N_s) for every stream ``s``."""
+    return {(s, s): torch.eye(n, dtype=dtype, device=device).expand(batch, n, n).clone() for s, n in sizes.items()}
+
+
 def initial_maps(sizes: Mapping[str, int], batch: int, dtype: torch.dtype, device: torch.device) -> Dict[Pair, torch.Tensor]:
     """Eq. 1-2: identity for every stream with itself, zeros between different streams."""
-    maps = {}
+    maps = identity_maps(sizes, batch, dtype, device)
     for s, n_s in sizes.items():
         for t, n_t in sizes.items():
-            if s == t:
-                maps[(s, t)] = torch.eye(n_s, dtype=dtype, device=device).expand(batch, n_s, n_s).clone()
-            else:
+            if s != t:
                 maps[(s, t)] = torch.zeros(batch, n_s, n_t, dtype=dtype, device=device)
     return maps
 

@@ -6,43 +6,28 @@ that family is explained.
 """
 from ..registry import register_adapter
 from .base import Adapter
+from .detr import DetrAdapter
+from .huggingface import HuggingFaceAdapter
+from .inline_attention import InlineAttentionAdapter
 from .recorder import Recorder
+from .timm import TimmAdapter
+from .torch_mha import TorchMHAAdapter
 
-__all__ = ["Adapter", "Recorder"]
+__all__ = ["Adapter", "Recorder", "HuggingFaceAdapter", "TimmAdapter", "TorchMHAAdapter", "InlineAttentionAdapter",
+           "DetrAdapter"]
 
-from .huggingface import HuggingFaceAdapter  # noqa: E402
-
-register_adapter("transformers.modeling_utils.PreTrainedModel", HuggingFaceAdapter())
-
-__all__ += ["HuggingFaceAdapter"]
-
-from .timm import TimmAdapter  # noqa: E402
-
-_TIMM = TimmAdapter()
-register_adapter("timm.models.vision_transformer.VisionTransformer", _TIMM)
-register_adapter("timm.models.eva.Eva", _TIMM)
-
-__all__ += ["TimmAdapter"]
-
-from .torch_mha import TorchMHAAdapter  # noqa: E402
-
-# User models are found through their nn.MultiheadAttention submodules.
-register_adapter("torch.nn.modules.activation.MultiheadAttention", TorchMHAAdapter())
-
-__all__ += ["TorchMHAAdapter"]
-
-from .inline_attention import InlineAttentionAdapter  # noqa: E402
-
-# Inline attention (softmax then self.dropout) is invisible to the AttentionInterface kernel.
-_INLINE = InlineAttentionAdapter()
-register_adapter("transformers.models.lxmert.modeling_lxmert.LxmertPreTrainedModel", _INLINE)
-register_adapter("transformers.models.visual_bert.modeling_visual_bert.VisualBertPreTrainedModel", _INLINE)
-
-__all__ += ["InlineAttentionAdapter"]
-
-from .detr import DetrAdapter  # noqa: E402
-
-# Before the generic PreTrainedModel entry in the MRO of every DETR class.
-register_adapter("transformers.models.detr.modeling_detr.DetrPreTrainedModel", DetrAdapter())
-
-__all__ += ["DetrAdapter"]
+# (adapter, dotted class names it serves). The registry walks a model's MRO, so the entries
+# for LXMERT, VisualBERT and DETR win over the generic PreTrainedModel one.
+_BUILT_IN = (
+    (HuggingFaceAdapter(), ("transformers.modeling_utils.PreTrainedModel",)),
+    (TimmAdapter(), ("timm.models.vision_transformer.VisionTransformer", "timm.models.eva.Eva")),
+    # User models are found through their nn.MultiheadAttention submodules.
+    (TorchMHAAdapter(), ("torch.nn.modules.activation.MultiheadAttention",)),
+    # Inline attention (softmax then self.dropout) is invisible to the AttentionInterface kernel.
+    (InlineAttentionAdapter(), ("transformers.models.lxmert.modeling_lxmert.LxmertPreTrainedModel",
+                                "transformers.models.visual_bert.modeling_visual_bert.VisualBertPreTrainedModel")),
+    (DetrAdapter(), ("transformers.models.detr.modeling_detr.DetrPreTrainedModel",)),
+)
+for _adapter, _keys in _BUILT_IN:
+    for _key in _keys:
+        register_adapter(_key, _adapter)

@@ -103,12 +103,7 @@ class Adapter(abc.ABC):
         batch = recorder.sites[0].batch_size
         device = inputs[0].device
         if recorder.causal:
-            if token_mask is None:
-                last = torch.full((batch,), num_tokens - 1, device=device)
-            else:
-                positions = torch.arange(num_tokens, device=token_mask.device)
-                last = torch.where(token_mask, positions, -1).amax(dim=1)
-            return last.to(torch.long).unsqueeze(1)
+            return last_real_rows(token_mask, num_tokens, batch, device)
         return torch.zeros(batch, 1, dtype=torch.long, device=device)
 
     def stream_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder) -> StreamLayouts:
@@ -345,6 +340,17 @@ class Adapter(abc.ABC):
                           for t in inputs)
         total = sum(r.reshape(r.shape[0], -1).sum(-1) for r in per_input)
         return RelevanceResult(None, per_input, layout, explained, index, total)
+
+
+def last_real_rows(token_mask: Optional[torch.Tensor], num_tokens: int, batch: int,
+                   device: torch.device) -> torch.Tensor:
+    """(B, 1) position of each example's last real token (the last one without a mask)."""
+    if token_mask is None:
+        last = torch.full((batch,), num_tokens - 1, device=device)
+    else:
+        positions = torch.arange(num_tokens, device=token_mask.device)
+        last = torch.where(token_mask, positions, -1).amax(dim=1)
+    return last.to(torch.long).unsqueeze(1)
 
 
 def _enclosing_layer(model: nn.Module, block: Block) -> nn.Module:

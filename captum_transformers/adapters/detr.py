@@ -107,8 +107,8 @@ class DetrAdapter(HuggingFaceAdapter):
                 f"DETR is explained from its pixel_values; got a first input of shape {tuple(pixels.shape)} and dtype "
                 f"{pixels.dtype}. Pass pixel_values (B, C, H, W) as the first input (pixel_mask may follow)."
             )
-        encoder_length = self._stream_length(recorder, ENCODER)
-        num_queries = self._stream_length(recorder, DECODER)
+        encoder_length = recorder.stream_length(ENCODER)
+        num_queries = recorder.stream_length(DECODER)
         grid = feature_grid(pixels.shape[-2], pixels.shape[-1], encoder_length)
         batch = pixels.shape[0]
         # Rows of the encoder stream are not read by the output; the decoder's rows are set
@@ -120,17 +120,6 @@ class DetrAdapter(HuggingFaceAdapter):
         }
         spans = (InputSpan(ENCODER, 0, None, grid),) + (None,) * (len(inputs) - 1)
         return StreamLayouts(layouts, (DECODER,), spans)
-
-    @staticmethod
-    def _stream_length(recorder: Recorder, stream: str) -> int:
-        lengths = {s.num_keys for s in recorder.sites if s.streams[1] == stream}
-        if len(lengths) != 1:
-            seen = sorted({(s.block.name, s.streams) for s in recorder.sites})
-            raise CaptureError(
-                f"Expected the DETR {stream} stream to be attended with one length, got lengths {sorted(lengths)} "
-                f"from the calls {seen}. Run the whole model (backbone, encoder and decoder) on pixel_values."
-            )
-        return lengths.pop()
 
     # -- targets ------------------------------------------------------------------------
     def resolve_target(self, model: nn.Module, logits: torch.Tensor, target: Any):
@@ -163,7 +152,5 @@ class DetrAdapter(HuggingFaceAdapter):
 
 def _mask(recorder: Recorder, stream: str) -> Optional[torch.Tensor]:
     """Non-padding tokens (B, N) of ``stream`` (from pixel_mask for the encoder), or None."""
-    valid = recorder.stream_valid.get(stream)
-    if valid is None or bool(valid.all()):
-        return None
-    return valid.to(torch.bool)
+    valid = recorder.stream_mask(stream)
+    return None if valid is None or bool(valid.all()) else valid

@@ -20,7 +20,7 @@ from ..errors import CaptureError, InputError
 from ..operation_rules import operation_rules
 from ..rules import RuleSet, norm_rules
 from ..trace import CONTEXT, Block, InputSpan, StreamLayouts, Streams, TokenLayout
-from .base import Adapter
+from .base import Adapter, last_real_rows
 from .hf_kernel import ATTENTION_KEY, active_recorder, active_rules, block_kind
 from .recorder import Recorder
 
@@ -75,22 +75,6 @@ def _takes_decoder_inputs(model: nn.Module) -> bool:
     except (TypeError, ValueError):
         return False
     return "decoder_input_ids" in parameters and "decoder_inputs_embeds" in parameters
-
-
-def _stream_tokens(recorder: Recorder, stream: str) -> int:
-    """The length of ``stream``: the keys of its self-attention, else the queries it sends."""
-    sizes = {s.num_keys for s in recorder.sites if s.streams == (stream, stream)}
-    sizes = sizes or {s.num_queries for s in recorder.sites if s.streams[0] == stream}
-    if len(sizes) != 1:
-        raise CaptureError(
-            f"The {stream!r} stream was seen with lengths {sorted(sizes)}; expected one sequence length per stream."
-        )
-    return sizes.pop()
-
-
-def _stream_mask(recorder: Recorder, stream: str) -> Optional[torch.Tensor]:
-    mask = recorder.stream_valid.get(stream)
-    return None if mask is None else mask.to(torch.bool)
 
 
 def _is_attention_module(module: nn.Module) -> bool:
@@ -241,10 +225,10 @@ class HuggingFaceAdapter(Adapter):
                 f"{[tuple(t.shape) for t in inputs]} and dtypes {[str(t.dtype) for t in inputs]}. Pass input_ids (and "
                 "pixel_values) as inputs and the text attention mask in forward_kwargs."
             )
-        num_text = _stream_tokens(recorder, "text")
-        num_image = _stream_tokens(recorder, "image")
+        num_text = recorder.stream_length("text")
+        num_image = recorder.stream_length("image")
         batch = recorder.sites[0].batch_size
-        text = TokenLayout(num_text, self._eos_rows(model, ids), _stream_mask(recorder, "text"))
+        text = TokenLayout(num_text, self._eos_rows(model, ids), recorder.stream_mask("text"))
         pixels = next((t for t in inputs if t.is_floating_point() and t.dim() == 4), None)
         vision = _sub_config(model, "vision_config")
         patch = getattr(vision, "patch_size", None)
@@ -269,20 +253,15 @@ class HuggingFaceAdapter(Adapter):
         placeholder, never read). Input 0 maps onto the encoder, input 1 onto the decoder."""
         batch = recorder.sites[0].batch_size
         device = inputs[0].device
-        encoder_mask = _stream_mask(recorder, "encoder")
-        decoder_mask = _stream_mask(recorder, "decoder")
-        num_decoder = _stream_tokens(recorder, "decoder")
-        if decoder_mask is None:
-            last = torch.full((batch,), num_decoder - 1, device=device)
-        else:
-            positions = torch.arange(num_decoder, device=decoder_mask.device)
-            last = torch.where(decoder_mask, positions, -1).amax(dim=1)
-        num_encoder = _stream_tokens(recorder, "encoder")
+        encoder_mask = recorder.stream_mask("encoder")
+        decoder_mask = recorder.stream_mask("decoder")
+        num_decoder = recorder.stream_length("decoder")
+        num_encoder = recorder.stream_length("encoder")
         grid, prefix = self._image_grid(model, inputs[0], num_encoder)
         layouts = {
             "encoder": TokenLayout(num_encoder, torch.zeros(batch, 1, dtype=torch.long, device=device), encoder_mask,
                                    prefix, grid),
-            "decoder": TokenLayout(num_decoder, last.to(torch.long).unsqueeze(1), decoder_mask),
+            "decoder": TokenLayout(num_decoder, last_real_rows(decoder_mask, num_decoder, batch, device), decoder_mask),
         }
         spans = (InputSpan("encoder", prefix, None, grid), InputSpan("decoder"))[: len(inputs)]
         spans += (None,) * (len(inputs) - len(spans))

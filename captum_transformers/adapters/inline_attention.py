@@ -297,14 +297,13 @@ class InlineAttentionAdapter(Adapter):
         for stream in family.streams:
             segments = entries.lengths.get(stream, {})
             num_tokens = sum(segments.values())
-            observed = {s.num_keys for s in recorder.sites if s.streams[1] == stream}
-            if observed and observed != {num_tokens}:
+            observed = recorder.stream_length(stream)
+            if observed != num_tokens:
                 raise CaptureError(
                     f"The {stream!r} stream entered with {num_tokens} tokens ({segments}) but its attention saw "
-                    f"{sorted(observed)} keys."
+                    f"{observed}."
                 )
-            mask = recorder.stream_valid.get(stream)
-            mask = None if mask is None else mask.to(torch.bool)
+            mask = recorder.stream_mask(stream)
             rows = torch.zeros(batch, 1, dtype=torch.long, device=device)
             if _ROWS.get(head) == "before_last_text" and stream in family.explained:
                 if mask is None:

@@ -14,6 +14,7 @@ from typing import Callable, Dict, Hashable, List, Optional
 
 import torch
 
+from ..errors import CaptureError
 from ..trace import Block, CaptureSpec, Streams
 
 
@@ -57,7 +58,6 @@ class Recorder:
         self.spec = spec
         self.sites: List[Site] = []
         self.anchors: Dict[torch.device, torch.Tensor] = {}
-        self.key_valid: Optional[torch.Tensor] = None
         # Non-padding tokens (B, N) per stream, from the first call that reports a key mask.
         self.stream_valid: Dict[str, torch.Tensor] = {}
         self.causal: bool = False
@@ -107,11 +107,32 @@ class Recorder:
             site.grad_view = grad_view
         if key_valid is not None:
             key_valid = key_valid.expand(probs.shape[0], -1) if key_valid.shape[0] == 1 else key_valid
-            if self.key_valid is None:
-                self.key_valid = key_valid
             self.stream_valid.setdefault(site.streams[1], key_valid)
         self.causal = self.causal or causal
         self.sites.append(site)
+
+    def stream_length(self, stream: str) -> int:
+        """The number of tokens of ``stream``, from every call that reads or queries it."""
+        lengths = {s.num_keys for s in self.sites if s.streams[1] == stream}
+        lengths |= {s.num_queries for s in self.sites if s.streams[0] == stream}
+        if len(lengths) != 1:
+            calls = sorted({(s.block.name, s.streams) for s in self.sites})
+            raise CaptureError(
+                f"The {stream!r} stream was seen with lengths {sorted(lengths)} in the calls {calls}; expected one "
+                "sequence length per stream. Run the whole model on one batch of inputs."
+            )
+        return lengths.pop()
+
+    def stream_mask(self, stream: str) -> Optional[torch.Tensor]:
+        """Non-padding tokens (B, N) of ``stream`` as booleans, if a call reported them."""
+        mask = self.stream_valid.get(stream)
+        return None if mask is None else mask.to(torch.bool)
+
+    @property
+    def key_valid(self) -> Optional[torch.Tensor]:
+        """Non-padding keys (B, K) of the first stream that reported a mask (one-stream models:
+        the sequence's)."""
+        return next(iter(self.stream_valid.values()), None)
 
     def valid_pairs(self, site: Site) -> Optional[torch.Tensor]:
         """(B, 1, Q, K) True where both the query and the key are real tokens, if known."""

@@ -20,7 +20,7 @@ from ..adapters.base import Adapter
 from ..errors import CaptureError, InputError
 from ..registry import get_adapter
 from ..relevancy_maps import explained_rows
-from ..trace import AttentionRecord, AttentionTrace, CaptureSpec, InputSpan, StreamLayouts, TokenLayout
+from ..trace import AttentionRecord, AttentionTrace, CaptureSpec, InputSpan, TokenLayout
 from .. import functional
 
 #: What :meth:`TraceAttribution.reduce` returns: token scores (B, N) of a one-stream model,
@@ -66,12 +66,6 @@ def _format_additional(additional_forward_args: Any) -> Tuple[Any, ...]:
     return additional_forward_args if isinstance(additional_forward_args, tuple) else (additional_forward_args,)
 
 
-def scores_to_input(scores: torch.Tensor, layout: TokenLayout, tensor: torch.Tensor) -> torch.Tensor:
-    """Map one stream's token scores (B, N) onto the shape of one input tensor (see
-    :func:`span_to_input`); the input covers the whole stream, or its patch grid."""
-    return span_to_input(scores, StreamLayouts.single(layout, 1).inputs[0], tensor)
-
-
 def span_to_input(scores: torch.Tensor, span: InputSpan, tensor: torch.Tensor) -> torch.Tensor:
     """Map the tokens ``span`` selects from a stream's scores (B, N) onto one input tensor.
 
@@ -95,6 +89,11 @@ def span_to_input(scores: torch.Tensor, span: InputSpan, tensor: torch.Tensor) -
         view = tokens.reshape(batch, tokens.shape[1], *([1] * (tensor.dim() - 2)))
         return view.expand(*tensor.shape).contiguous()
     return torch.zeros(tensor.shape, dtype=scores.dtype, device=scores.device)
+
+
+def _query_vectors(layout: TokenLayout, dtype: torch.dtype) -> torch.Tensor:
+    """One row vector (B, N) per example mixing the layout's explained rows."""
+    return functional.query_vectors(layout.query_rows, layout.num_tokens, dtype, layout.query_weights)
 
 
 class TraceAttribution(Attribution):
@@ -266,12 +265,7 @@ class TraceAttribution(Attribution):
 
     def explained_stream_rows(self, trace: AttentionTrace, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
         """Row vectors (B, N_q) selecting the explained token(s) of each explained stream."""
-        layouts = trace.streams.layouts
-        return {
-            name: functional.query_vectors(layouts[name].query_rows, layouts[name].num_tokens, dtype,
-                                           layouts[name].query_weights)
-            for name in trace.streams.explained
-        }
+        return {name: _query_vectors(trace.streams.layouts[name], dtype) for name in trace.streams.explained}
 
     def last_map_rows(self, trace: AttentionTrace, backward: bool) -> Dict[str, torch.Tensor]:
         """Baselines on the last attention map: per stream ``t``, the explained rows of the last
@@ -290,6 +284,5 @@ class TraceAttribution(Attribution):
 
     @staticmethod
     def start_rows(trace: AttentionTrace, dtype: torch.dtype) -> torch.Tensor:
-        """Row vectors selecting the explained token(s) of each example."""
-        layout = trace.layout
-        return functional.query_vectors(layout.query_rows, layout.num_tokens, dtype, layout.query_weights)
+        """Row vectors selecting the explained token(s) of each example (first explained stream)."""
+        return _query_vectors(trace.layout, dtype)

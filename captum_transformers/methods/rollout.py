@@ -74,8 +74,7 @@ class AttentionRollout(TraceAttribution):
         records = self.records_from(trace, self.start_layer)
         dtype = torch.promote_types(records[0].forward_value.dtype, torch.float32)
         batch, device = records[0].forward_value.shape[0], records[0].forward_value.device
-        maps = {pair: value for pair, value in relevancy_maps.initial_maps(sizes, batch, dtype, device).items()
-                if pair[0] == pair[1]}
+        maps = relevancy_maps.identity_maps(sizes, batch, dtype, device)
         last_cross = {}
         for record in records:
             layer_map = self.without_padding(trace, record, record.forward_value.to(dtype))
