@@ -99,27 +99,54 @@ class _LinearAlphaBeta(torch.autograd.Function):
         in_dtype = x.dtype
         dtype = torch.promote_types(x.dtype, torch.float32)
         x, weight, grad, output = x.to(dtype), weight.to(dtype), grad.to(dtype), output.to(dtype)
-        relevance = output * grad
-        if ctx.shared:
-            # In place where possible: each fresh (B, N, features) buffer costs page faults.
-            # 2 z+ = 2 (x+ W+ + x- W-) = x W + |x| |W|, with x W = output - bias already known.
-            magnitude = weight.abs()
-            twice_z_pos = F.linear(x.abs(), magnitude).add_(output)
-            if bias is not None:
-                twice_z_pos.sub_(bias.to(dtype))
-            # s / 2 (scaling by 2 is exact), so that g_x = where(x >= 0, s W+, s W-)
-            # = s/2 W + sign(x) s/2 |W| (sign(0) = 0 is harmless: x = 0 carries no relevance).
-            # Not torch.where: on CPU it is several times slower than sign and multiply-add.
-            # At most two (B, N, in) buffers at a time.
-            half_s = safe_divide(relevance, twice_z_pos, 2 * _TINY, in_place=True)
-            signed = (half_s @ magnitude).mul_(x.sign())
-            g_x = (half_s @ weight).add_(signed)
-        else:
-            w_pos, w_neg = weight.clamp(min=0), weight.clamp(max=0)
-            s_pos = safe_divide(relevance, F.linear(x.clamp(min=0), w_pos))
-            s_neg = safe_divide(relevance, F.linear(x.clamp(max=0), w_neg))
-            g_x = torch.where(x >= 0, s_pos @ w_pos, s_neg @ w_neg)
+        rule = _alpha_beta_shared if ctx.shared else _alpha_beta_separate
+        g_x = _row_chunks(rule, x, weight, None if bias is None else bias.to(dtype), output, grad)
         return g_x.to(in_dtype), None, None, None, None, None, None
+
+
+# Rows per chunk of a linear rule's backward: its temporaries (a few (rows, features)
+# buffers) stay near this many elements instead of growing with the batch.
+_CHUNK_ELEMENTS = 1 << 20
+
+
+def _row_chunks(rule: Callable, x, weight, bias, output, grad) -> torch.Tensor:
+    """``rule`` applied to chunks of rows (every leading dimension flattened) of a linear
+    layer's input, output and output gradient, written into one gradient buffer: the rules
+    act on each row alone, so chunking bounds their temporaries without changing them."""
+    features_in, features_out = weight.shape[1], weight.shape[0]
+    rows_x, rows_out, rows_grad = x.reshape(-1, features_in), output.reshape(-1, features_out), \
+        grad.reshape(-1, features_out)
+    g_x = torch.empty_like(rows_x)
+    step = max(1, _CHUNK_ELEMENTS // max(features_in, features_out))
+    for start in range(0, rows_x.shape[0], step):
+        rows = slice(start, start + step)
+        g_x[rows] = rule(rows_x[rows], weight, bias, rows_out[rows], rows_grad[rows])
+    return g_x.view(x.shape)
+
+
+def _alpha_beta_shared(x, weight, bias, output, grad) -> torch.Tensor:
+    """Eq. 5 of Chefer et al. in three matmuls (see :class:`_LinearAlphaBeta`)."""
+    relevance = output * grad
+    magnitude = weight.abs()
+    # 2 z+ = 2 (x+ W+ + x- W-) = x W + |x| |W|, with x W = output - bias already known.
+    twice_z_pos = F.linear(x.abs(), magnitude).add_(output)
+    if bias is not None:
+        twice_z_pos.sub_(bias)
+    # s / 2 (scaling by 2 is exact), so that g_x = where(x >= 0, s W+, s W-)
+    # = s/2 W + sign(x) s/2 |W| (sign(0) = 0 is harmless: x = 0 carries no relevance).
+    # Not torch.where: on CPU it is several times slower than sign and multiply-add.
+    half_s = safe_divide(relevance, twice_z_pos, 2 * _TINY, in_place=True)
+    signed = (half_s @ magnitude).mul_(x.sign())
+    return (half_s @ weight).add_(signed)
+
+
+def _alpha_beta_separate(x, weight, bias, output, grad) -> torch.Tensor:
+    """Eq. 4 applied to the (x+, W+) and (x-, W-) pairs separately (the authors' LRP baseline)."""
+    relevance = output * grad
+    w_pos, w_neg = weight.clamp(min=0), weight.clamp(max=0)
+    s_pos = safe_divide(relevance, F.linear(x.clamp(min=0), w_pos))
+    s_neg = safe_divide(relevance, F.linear(x.clamp(max=0), w_neg))
+    return torch.where(x >= 0, s_pos @ w_pos, s_neg @ w_neg)
 
 
 class _PixelBoundedConv(torch.autograd.Function):

@@ -14,6 +14,43 @@ from .backward_switch import _SWITCH
 from .operation_rules import _ACTIVE_RULES, OperationRules, identity_ratio
 
 
+def scores_gradient(probs: torch.Tensor, scores: torch.Tensor, grad: torch.Tensor, dim: int,
+                    identity: bool) -> torch.Tensor:
+    """The gradient at the scores ``S`` of ``probs = softmax(S, dim, dtype=probs.dtype)``
+    given the gradient ``grad`` at ``probs``: the plain softmax Jacobian, or with
+    ``identity=True`` the identity rule ``g_S = (A / S) g_A`` (Chefer et al. 2021).
+
+    The scores' values are not needed once their gradient is known (the operations that
+    make them, a product, a scaling and a mask, keep no output), so the buffer of ``scores``
+    (detached, owned by the caller) takes the gradient where dtypes allow: one (B, H, Q, K)
+    buffer less at the peak. Returned in ``grad``'s dtype or the scores'.
+    """
+    same_dtype = scores.dtype == probs.dtype == grad.dtype
+    if not identity:
+        # What autograd computes for softmax(S, dtype=...): the Jacobian in the output's
+        # dtype (the caller casts back to the scores' dtype).
+        g_scores = torch._softmax_backward_data(grad.to(probs.dtype), probs, dim, probs.dtype)
+        return scores.copy_(g_scores) if same_dtype else g_scores
+    if same_dtype:  # the identity rule, as _IdentityRule computes it, in place
+        return torch.div(probs, scores, out=scores).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(grad)
+    return identity_ratio(probs, scores).to(grad.dtype).mul_(grad)
+
+
+def recompute_under_rules(scores_fn: Callable[..., torch.Tensor], leaves, mode: Optional[OperationRules],
+                          switch) -> torch.Tensor:
+    """``scores_fn(*leaves)`` with gradients, under the rule mode and backward switch that
+    were active in the forward (``mode=None``: plainly, for the plain gradient)."""
+    with torch.enable_grad():
+        if mode is None:
+            return scores_fn(*leaves)
+        token = _SWITCH.set(switch)
+        try:
+            with OperationRules(mode.rules, mode.batch_size):
+                return scores_fn(*leaves)
+        finally:
+            _SWITCH.reset(token)
+
+
 class _SoftmaxOfRecomputedScores(torch.autograd.Function):
     """``softmax(scores(*tensors))`` keeping only ``tensors`` and the probabilities: the
     backward recomputes the scores (bit-identical: the same operations on the same inputs)
@@ -34,32 +71,9 @@ class _SoftmaxOfRecomputedScores(torch.autograd.Function):
         plain = ctx.switch is not None and ctx.switch.plain
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
-            if plain:  # the plain gradient needs no rules
-                scores = ctx.scores_fn(*leaves)
-            else:
-                token = _SWITCH.set(ctx.switch)
-                try:
-                    with OperationRules(ctx.mode.rules, ctx.mode.batch_size):
-                        scores = ctx.scores_fn(*leaves)
-                finally:
-                    _SWITCH.reset(token)
-            # The scores' values are not needed once their gradient is known (the operations
-            # that make them, a product, a scaling and a mask, keep no output), so their buffer
-            # takes the gradient: one (B, H, Q, K) buffer less at the peak.
-            buffer, probs = scores.detach(), probs.detach()
-            same_dtype = scores.dtype == probs.dtype == grad.dtype
-            if plain or ctx.mode.rules.softmax != "identity":
-                # What autograd computes for softmax(S, dtype=...): the Jacobian in the output's
-                # dtype, then the cast back to the scores' dtype.
-                g_scores = torch._softmax_backward_data(grad.to(probs.dtype), probs, ctx.dim, probs.dtype)
-                if same_dtype:
-                    g_scores = buffer.copy_(g_scores)
-            elif same_dtype:  # the identity rule, as _IdentityRule computes it, in place
-                g_scores = torch.div(probs, buffer, out=buffer).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-                g_scores.mul_(grad)
-            else:
-                g_scores = identity_ratio(probs, buffer).to(grad.dtype).mul_(grad)
-            del buffer
+            scores = recompute_under_rules(ctx.scores_fn, leaves, None if plain else ctx.mode, ctx.switch)
+            g_scores = scores_gradient(probs.detach(), scores.detach(), grad, ctx.dim,
+                                       identity=not plain and ctx.mode.rules.softmax == "identity")
             wanted = [leaf for leaf in leaves if leaf.requires_grad]
             grads = iter(torch.autograd.grad(scores, wanted, g_scores.to(scores.dtype), allow_unused=True))
         return (None, None, None, None, None, *[next(grads) if leaf.requires_grad else None for leaf in leaves])

@@ -5,8 +5,8 @@
    and before it the rules' own backward is unchanged by the switch.
 2. TransformerRelevance from one forward equals the two-forward computation (a relevance
    trace, then a separate plain-gradient trace) it replaces.
-3. The HF kernel's recomputed attention scores change no relevance and keep one
-   (B, H, Q, K) tensor per layer less for the backward pass.
+3. The HF kernel's recomputed attention (scores and map) changes no relevance and keeps
+   no (B, H, Q, K) tensor for the backward pass.
 """
 from __future__ import annotations
 
@@ -105,6 +105,23 @@ def _softmax_of_kept_scores(scores, *tensors, dim, dtype=None):
     return torch.softmax(scores(*tensors), dim=dim, dtype=dtype)
 
 
+def _attention_of_kept_maps(scores_fn, query, key, value, *extras, softmax_dtype=None, observer=None):
+    """The attention as separate operations (each under its own rule Function, keeping the
+    scores and the map), its map's gradient reported through a tensor hook."""
+    probs = torch.softmax(scores_fn(query, key, *extras), dim=-1, dtype=softmax_dtype).to(query.dtype)
+    if observer is not None and probs.requires_grad:
+        kept = probs.detach()
+        probs.register_hook(lambda grad: observer(kept, grad) if observer.wanted else None)
+    return torch.matmul(probs, value), probs
+
+
+def _keep_maps(monkeypatch, kernel_module):
+    if kernel_module is hf_kernel:
+        monkeypatch.setattr(hf_kernel, "softmax_attention", _attention_of_kept_maps)
+    else:
+        monkeypatch.setattr(kernel_module, "softmax_of_recomputed_scores", _softmax_of_kept_scores)
+
+
 @pytest.mark.parametrize("name", ["vit", "bert"])
 def test_one_forward_equals_two_forwards_in_float32(monkeypatch, name):
     """float32, where the recomputed scores' buffer takes their gradient in place; the
@@ -117,7 +134,7 @@ def test_one_forward_equals_two_forwards_in_float32(monkeypatch, name):
     inputs, kwargs = case.inputs()
     explainer = TransformerRelevance(model)
     one = explainer.attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
-    monkeypatch.setattr(hf_kernel, "softmax_of_recomputed_scores", _softmax_of_kept_scores)
+    _keep_maps(monkeypatch, hf_kernel)
     two = _two_forward_relevance(explainer, inputs, 1, kwargs)
     mask = explainer.trace(inputs, target=1, forward_kwargs=kwargs).layout.token_mask
     if mask is not None:
@@ -155,15 +172,15 @@ def test_recomputed_scores_change_nothing_and_keep_less(monkeypatch, case, kerne
         return explainer.attribute(inputs, target=TARGET, forward_kwargs=kwargs, return_tokens=True)
 
     recomputed_maps, recomputed_bytes = relevance(), _saved_bytes(forward)
-    monkeypatch.setattr(kernel_module, "softmax_of_recomputed_scores", _softmax_of_kept_scores)
+    _keep_maps(monkeypatch, kernel_module)
     kept_maps, kept_bytes = relevance(), _saved_bytes(forward)
     torch.testing.assert_close(recomputed_maps, kept_maps, rtol=1e-12, atol=1e-18)  # rounding only
     batch, tokens = recomputed_maps.shape
     scores = layers * batch * heads * tokens * tokens * 8
     if case == "hf_vit":
-        # No longer kept per layer: the float64 scores. (The kernel's softmax runs in float32;
-        # its output is kept either way, by the identity rule or for the recomputation.)
-        assert kept_bytes - recomputed_bytes == scores
+        # No longer kept per layer: the float64 scores, the float32 softmax output (the
+        # kernel's softmax runs in float32) and its float64 cast that A V kept.
+        assert kept_bytes - recomputed_bytes == scores * (8 + 4 + 8) // 8
     else:  # the scores, and the scaled queries the product would keep
         head_dim = 16 // heads
         assert kept_bytes - recomputed_bytes == scores + layers * batch * heads * tokens * head_dim * 8

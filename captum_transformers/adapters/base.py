@@ -261,7 +261,7 @@ class Adapter(abc.ABC):
     def _backward(self, recorder: Recorder, scores: torch.Tensor, retain_graph: bool = False) -> None:
         sites = recorder.sites if recorder.spec.backward_blocks == "all" else recorder.last_per_streams()
         for site in sites:
-            if not site.grad_tensor.requires_grad or not recorder.anchors:
+            if not site.requires_grad or not recorder.anchors:
                 raise CaptureError(
                     f"The attention of block {site.block.name!r} does not require grad, so its gradient cannot be "
                     "taken. Make the model's parameters or the inputs require grad, or use the adapter's capture."
@@ -280,7 +280,7 @@ class Adapter(abc.ABC):
             )
         for site in sites:
             if not site.received_gradient:
-                recorder.reduce_gradient(site, torch.zeros_like(site.probs))  # not connected: gradient is zero
+                recorder.zero_gradient(site)  # not connected: the gradient is zero
 
     # -- relevance: Gradient x Input under propagation rules ------------------------------
     def relevance(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],

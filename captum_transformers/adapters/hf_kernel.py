@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from ..errors import CaptureError
-from ..recomputed_softmax import softmax_of_recomputed_scores
+from ..attention_core import softmax_attention
 from ..rules import RuleSet, gate
 from ..trace import Block
-from .recorder import Recorder
+from .recorder import Recorder, SiteObserver
 
 ATTENTION_KEY = "captum_transformers"
 
@@ -83,36 +83,43 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     softcap = kwargs.get("softcap")
     position_bias = kwargs.get("position_bias")
 
-    def scores(query: torch.Tensor, key_states: torch.Tensor) -> torch.Tensor:
+    mask = attention_mask[:, :, :, : key_states.shape[-2]] if attention_mask is not None else None
+
+    def scores(query: torch.Tensor, key_states: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor:
+        extras = iter(extras)
         scores = torch.matmul(query, key_states.transpose(-1, -2)) * scaling
         if position_bias is not None:
-            scores = scores + position_bias
+            scores = scores + next(extras)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        if attention_mask is not None:
-            mask = attention_mask[:, :, :, : key_states.shape[-2]]
+        if mask is not None:
             if mask.dtype == torch.bool:
-                scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+                scores = scores.masked_fill(~next(extras), torch.finfo(scores.dtype).min)
             else:
-                scores = scores + mask
+                scores = scores + next(extras)
         return scores
 
+    extras = tuple(t for t in (position_bias, mask) if t is not None)
     rules = _RULES.get()
-    if rules is not None and rules.softmax == "identity":
-        # The identity rule on the softmax needs its input, the scores: recompute them from
-        # Q and K (kept anyway) in the backward pass instead of keeping a (B, H, Q, K) tensor.
-        probs = softmax_of_recomputed_scores(scores, query, key_states, dim=-1, dtype=torch.float32)
-    else:
-        probs = torch.softmax(scores(query, key_states), dim=-1, dtype=torch.float32)
-    probs = probs.to(query.dtype)
+    block = None
     if active is not None:
         recorder, blocks = active
         block = blocks.get(id(module)) or Block(type(module).__name__, module, block_kind(module))
+    if (rules is None or rules.attention_gate == "gradient") and (dropout == 0.0 or not module.training):
+        # One Function for softmax(S) V that recomputes S and A in its backward pass: no
+        # (B, H, Q, K) tensor is kept per layer (see attention_core).
+        observer = SiteObserver() if active is not None else None
+        output, probs = softmax_attention(scores, query, key_states, value_states, *extras,
+                                          softmax_dtype=torch.float32, observer=observer)
+    else:  # a constant gate or training-mode dropout between the map and the product
+        observer = None
+        probs = torch.softmax(scores(query, key_states, *extras), dim=-1, dtype=torch.float32).to(query.dtype)
+        dropped = nn.functional.dropout(gate(probs, rules), p=dropout, training=module.training)
+        output = torch.matmul(dropped, value_states)
+    if active is not None:
         recorder.record(block, probs, key_valid=_key_valid_from_mask(attention_mask),
-                        causal=bool(getattr(module, "is_causal", False)) and block.kind == "self")
-    dropped = nn.functional.dropout(gate(probs, _RULES.get()), p=dropout, training=module.training)
-    output = torch.matmul(dropped, value_states).transpose(1, 2).contiguous()
-    return output, probs
+                        causal=bool(getattr(module, "is_causal", False)) and block.kind == "self", observer=observer)
+    return output.transpose(1, 2).contiguous(), probs
 
 
 def block_kind(module: nn.Module, name: str = "") -> str:

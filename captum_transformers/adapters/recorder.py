@@ -49,6 +49,51 @@ class Site:
     hooked: bool = False
     streams: Optional[Streams] = None
     group: Optional[Hashable] = None
+    # Set when the kernel reports the gradient at the map itself (attention_core): the map
+    # is then not kept, only its shape, dtype and device (for a zero gradient).
+    observer: Optional["SiteObserver"] = None
+    map_like: Optional[tuple] = None
+    selected: bool = False
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.observer is not None or self.grad_tensor.requires_grad
+
+
+class SiteObserver:
+    """What a kernel that differentiates its own attention map (:mod:`..attention_core`)
+    calls in the backward pass instead of a tensor hook: it hands over the map, recomputed,
+    with the gradient at it. Made empty before the kernel runs, bound by
+    :meth:`Recorder.record`."""
+
+    def __init__(self) -> None:
+        self.recorder: Optional["Recorder"] = None
+        self.site: Optional[Site] = None
+
+    @property
+    def wanted(self) -> bool:
+        """Whether the running backward pass reduces this map (all maps, or the last ones)."""
+        return self.site is not None and self.site.selected
+
+    @property
+    def deferred(self) -> bool:
+        """Whether a later backward pass through the same graph reduces this pass's gradient
+        together with its own (:meth:`pair`), so the kernel may keep something smaller."""
+        return self.recorder is not None and self.recorder.keep_probs
+
+    def __call__(self, probs: torch.Tensor, grad: torch.Tensor) -> None:
+        self.recorder.reduce_gradient(self.site, grad, probs)
+
+    def defer(self) -> None:
+        self.site.received_gradient = True
+
+    def first(self, probs: torch.Tensor, grad: torch.Tensor) -> None:
+        """The deferred gradient of the previous pass, reduced by that pass's spec."""
+        self.recorder.reduce_first(self.site, probs, grad)
+
+    def second(self, probs: torch.Tensor, grad: torch.Tensor) -> None:
+        """This pass's gradient, after :meth:`first`."""
+        self.recorder.reduce_gradient(self.site, grad, probs)
 
 
 class Recorder:
@@ -63,6 +108,8 @@ class Recorder:
         self.causal: bool = False
         # True while a later backward pass through the same graph still needs the maps.
         self.keep_probs: bool = False
+        # The spec of the previous backward pass through the same graph (None in the first).
+        self.first_spec: Optional[CaptureSpec] = None
 
     def connect(self, tensor: torch.Tensor) -> torch.Tensor:
         """Tap a block's floating-point input so gradients reach this block's attention."""
@@ -85,6 +132,7 @@ class Recorder:
         causal: bool = False,
         streams: Optional[Streams] = None,
         group: Optional[Hashable] = None,
+        observer: Optional[SiteObserver] = None,
     ) -> None:
         """Store one call's attention ``probs`` (B, H, Q, K).
 
@@ -94,6 +142,8 @@ class Recorder:
         non-padding keys (of the first stream that reports any). ``streams`` names the
         (query stream, key stream) of this call when the block alone does not say it;
         ``group`` ties consecutive calls that read the same inputs (see AttentionRecord).
+        ``observer``: the kernel reports the gradient at the map through it (no hook, and
+        the map is not kept).
         """
         if probs.dim() != 4:
             raise ValueError(f"attention probabilities must be (B, H, Q, K), got shape {tuple(probs.shape)}")
@@ -101,7 +151,10 @@ class Recorder:
                     streams=tuple(streams) if streams is not None else block.default_streams, group=group)
         if self.spec.forward_reduce is not None:
             site.forward_value = self.spec.forward_reduce(probs.detach())
-        if self.spec.needs_gradient:
+        if self.spec.needs_gradient and observer is not None:
+            observer.recorder, observer.site = self, site
+            site.observer, site.map_like = observer, (probs.shape, probs.dtype, probs.device)
+        elif self.spec.needs_gradient:
             site.probs = probs.detach()
             site.grad_tensor = probs if grad_tensor is None else grad_tensor
             site.grad_view = grad_view
@@ -149,13 +202,37 @@ class Recorder:
         queries, keys = queries.to(torch.bool), keys.to(torch.bool)
         return (queries[:, :, None] & keys[:, None, :]).unsqueeze(1)
 
-    def reduce_gradient(self, site: Site, grad: torch.Tensor) -> None:
+    def reduce_gradient(self, site: Site, grad: torch.Tensor, probs: Optional[torch.Tensor] = None) -> None:
         """Fuse ``site``'s heads with its gradient (B, H, Q, K), then drop the raw map (unless
-        another backward pass through the same graph will need it)."""
-        extra = {"call_index": site.call_index} if self.spec.pass_call_index else {}
-        site.backward_value = self.spec.backward_reduce(site.probs, grad, self.valid_pairs(site), **extra)
+        another backward pass through the same graph will need it). ``probs``: the map, when
+        the site does not keep it."""
+        site.received_gradient = True
+        site.backward_value = self._reduce(self.spec, site, site.probs if probs is None else probs, grad)
         if not self.keep_probs:
             site.probs = None
+
+    def reduce_first(self, site: Site, probs: torch.Tensor, grad: torch.Tensor) -> None:
+        """The previous pass's reduction of a map whose kernel deferred it to this pass
+        (:meth:`reduce_gradient` with this pass's gradient follows)."""
+        self._reduce(self.first_spec, site, probs, grad)
+
+    def _reduce(self, spec: CaptureSpec, site: Site, probs: torch.Tensor, grad: torch.Tensor):
+        extra = {"call_index": site.call_index} if spec.pass_call_index else {}
+        return spec.backward_reduce(probs, grad, self.valid_pairs(site), **extra)
+
+    def zero_gradient(self, site: Site) -> None:
+        """Reduce a map the explained output does not depend on, with a zero gradient."""
+        if site.observer is None:
+            self.reduce_gradient(site, torch.zeros_like(site.probs))
+            return
+        shape, dtype, device = site.map_like
+        zeros = torch.zeros(shape, dtype=dtype, device=device)
+        if self.keep_probs:  # the first of two passes: both are reduced in the second
+            site.received_gradient = True
+        else:
+            if self.first_spec is not None:
+                self.reduce_first(site, zeros, zeros)
+            self.reduce_gradient(site, zeros, zeros)
 
     def last_per_streams(self) -> List[Site]:
         """The last call of each (query stream, key stream) pair, in call order."""
@@ -165,7 +242,7 @@ class Recorder:
     def next_pass(self, spec: CaptureSpec) -> None:
         """Reduce the next backward pass through the same graph with ``spec`` (the last pass:
         maps are dropped as they are reduced). The previous pass's values are overwritten."""
-        self.spec = spec
+        self.first_spec, self.spec = self.spec, spec
         self.keep_probs = False
         for site in self.sites:
             site.received_gradient = False
@@ -173,12 +250,12 @@ class Recorder:
     def hook(self, site: Site) -> None:
         """Fuse ``site``'s heads as soon as its gradient arrives (once per site; the hook
         serves every backward pass through the graph)."""
-        if site.hooked:
+        site.selected = True
+        if site.hooked or site.observer is not None:
             return
         site.hooked = True
 
         def on_gradient(grad: torch.Tensor) -> None:
-            site.received_gradient = True
             self.reduce_gradient(site, site.grad_view(grad) if site.grad_view is not None else grad)
 
         site.grad_tensor.register_hook(on_gradient)

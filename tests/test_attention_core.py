@@ -1,0 +1,183 @@
+"""The fused softmax attention of attention_core against the same attention written as
+separate operations (each under its own rule Function, keeping the scores and the map).
+
+1. Forward outputs are bit-identical, with or without rules.
+2. Every gradient (query, key, value, a position bias) equals the separate operations' in
+   float64: plainly, under each rule set, and with the map also used outside the product.
+3. The observer receives the map and the gradient a hook on the separate map receives;
+   across two backward passes through one graph (the relevance, then the plain gradient)
+   the deferred first gradient equals the one the first pass gave.
+4. Only Q, K, V (and the extras) are kept for the backward pass: no (B, H, Q, K) tensor.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from captum_transformers import RuleSet
+from captum_transformers.attention_core import softmax_attention
+from captum_transformers.backward_switch import switchable_backward
+from captum_transformers.operation_rules import OperationRules
+
+B, H, Q, K, D = 2, 3, 5, 6, 4
+RULES = [None, RuleSet.CHEFER, RuleSet.LRP, RuleSet.ATTN_LRP]
+
+
+def _tensors(dtype=torch.float64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=generator, dtype=dtype).requires_grad_()  # noqa: E731
+    query, key, value = make(B, H, Q, D), make(B, H, K, D), make(B, H, K, D)
+    bias = make(1, H, Q, K)
+    mask = torch.zeros(B, 1, 1, K, dtype=dtype)
+    mask[1, ..., -2:] = torch.finfo(dtype).min  # the second example's last two keys are padding
+    return query, key, value, bias, mask
+
+
+def _scores(query, key, bias, mask):
+    return torch.matmul(query, key.transpose(-1, -2)) * 0.5 + bias + mask
+
+
+def _separate(query, key, value, bias, mask, softmax_dtype):
+    probs = torch.softmax(_scores(query, key, bias, mask), dim=-1, dtype=softmax_dtype).to(query.dtype)
+    return torch.matmul(probs, value), probs
+
+
+def _fused(query, key, value, bias, mask, softmax_dtype, observer=None):
+    return softmax_attention(_scores, query, key, value, bias, mask, softmax_dtype=softmax_dtype, observer=observer)
+
+
+def _run(attention, rules, tensors, softmax_dtype=None, use_probs=False, observer=None):
+    """Output, probs and the gradients of a weighted sum of the output (and of the map)."""
+    query, key, value, bias, mask = tensors
+    kwargs = {"observer": observer} if observer is not None else {}
+    if rules is None:
+        output, probs = attention(query, key, value, bias, mask, softmax_dtype, **kwargs)
+    else:
+        with OperationRules(rules, B):
+            output, probs = attention(query, key, value, bias, mask, softmax_dtype, **kwargs)
+    weights = torch.linspace(-1, 2, output.numel(), dtype=output.dtype).reshape(output.shape)
+    score = (output * weights).sum()
+    if use_probs:
+        score = score + (probs * probs.detach()).sum()
+    grads = torch.autograd.grad(score, (query, key, value, bias))
+    return output.detach(), probs.detach(), grads
+
+
+@pytest.mark.parametrize("rules", RULES, ids=lambda r: "plain" if r is None else r.name)
+@pytest.mark.parametrize("softmax_dtype", [None, torch.float32], ids=["same-dtype", "float32-softmax"])
+@pytest.mark.parametrize("use_probs", [False, True], ids=["product-only", "map-used-outside"])
+def test_fused_attention_equals_separate_operations(rules, softmax_dtype, use_probs):
+    tensors = _tensors()
+    fused = _run(_fused, rules, tensors, softmax_dtype, use_probs)
+    separate = _run(_separate, rules, tensors, softmax_dtype, use_probs)
+    assert torch.equal(fused[0], separate[0]) and torch.equal(fused[1], separate[1])  # bit-identical forward
+    for got, expected in zip(fused[2], separate[2]):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    assert all(g.abs().max() > 1e-6 for g in fused[2])  # every operand, the bias too, gets a gradient
+    if rules is RuleSet.CHEFER:  # the rules change the gradients, so the comparison can fail
+        plain = _run(_fused, None, tensors, softmax_dtype, use_probs)
+        assert not torch.allclose(plain[2][0], fused[2][0], rtol=1e-3)
+
+
+class _Observer:
+    def __init__(self, deferred=False):
+        self.wanted, self.deferred = True, deferred
+        self.calls = []
+
+    def __call__(self, probs, grad):
+        self.calls.append(("now", probs.clone(), grad.clone()))
+
+    def defer(self):
+        self.calls.append(("defer",))
+
+    def first(self, probs, grad):
+        self.calls.append(("first", probs.clone(), grad.clone()))
+
+    def second(self, probs, grad):
+        self.calls.append(("second", probs.clone(), grad.clone()))
+
+
+def _hooked_map_gradient(rules, tensors):
+    """The gradient reaching the map of the separate operations (a tensor hook)."""
+    seen = []
+
+    def separate(query, key, value, bias, mask, softmax_dtype):
+        output, probs = _separate(query, key, value, bias, mask, softmax_dtype)
+        probs.register_hook(lambda grad: seen.append(grad.clone()))
+        return output, probs
+
+    _run(separate, rules, tensors)
+    return seen[0]
+
+
+@pytest.mark.parametrize("rules", [None, RuleSet.CHEFER], ids=["plain", "Chefer2021"])
+def test_observer_receives_the_map_and_its_gradient(rules):
+    tensors = _tensors()
+    observer = _Observer()
+    _, probs, _ = _run(_fused, rules, tensors, observer=observer)
+    (kind, seen_probs, seen_grad), = observer.calls
+    assert kind == "now"
+    assert torch.equal(seen_probs, probs)
+    torch.testing.assert_close(seen_grad, _hooked_map_gradient(rules, tensors), rtol=1e-12, atol=1e-14)
+
+
+def test_two_passes_defer_the_first_gradient_and_pair_it_with_the_second():
+    """Relevance pass (rules) then plain pass through one graph: the first pass only defers;
+    the second hands over the first pass's gradient at the map, then its own."""
+    query, key, value, bias, mask = tensors = _tensors()
+    observer = _Observer(deferred=True)
+    with switchable_backward() as switch, OperationRules(RuleSet.CHEFER, B):
+        output, _ = _fused(*tensors, None, observer=observer)
+    weights = torch.linspace(-1, 2, output.numel(), dtype=output.dtype).reshape(output.shape)
+    relevance_grads = torch.autograd.grad((output * weights).sum(), (query, key, value, bias), retain_graph=True)
+    assert [call[0] for call in observer.calls] == ["defer"]
+    observer.deferred = False
+    with switch.plain_gradient():
+        plain_grads = torch.autograd.grad((output * weights).sum(), (query, key, value, bias))
+    assert [call[0] for call in observer.calls] == ["defer", "first", "second"]
+    torch.testing.assert_close(observer.calls[1][2], _hooked_map_gradient(RuleSet.CHEFER, tensors),
+                               rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(observer.calls[2][2], _hooked_map_gradient(None, tensors), rtol=1e-12, atol=1e-14)
+    for got, expected in zip(relevance_grads, _run(_separate, RuleSet.CHEFER, tensors)[2]):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    for got, expected in zip(plain_grads, _run(_separate, None, tensors)[2]):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+
+
+def _saved_storages(function) -> dict:
+    storages = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.numel()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        function()
+    return storages
+
+
+@pytest.mark.parametrize("rules", [None, RuleSet.CHEFER], ids=["plain", "Chefer2021"])
+def test_keeps_no_attention_map_for_the_backward_pass(rules):
+    query, key, value, bias, mask = tensors = _tensors()
+
+    def forward(attention):
+        def run():
+            if rules is None:
+                attention(*tensors, None)
+            else:
+                with OperationRules(rules, B):
+                    attention(*tensors, None)
+        return run
+
+    fused = _saved_storages(forward(_fused))
+    assert set(fused) == {t.untyped_storage().data_ptr() for t in tensors}
+    assert B * H * Q * K in _saved_storages(forward(_separate)).values()  # the reference does keep a map
+    assert B * H * Q * K not in fused.values()
+
+
+def test_without_gradients_it_is_the_two_operations():
+    query, key, value, bias, mask = (t.detach() for t in _tensors())
+    output, probs = softmax_attention(_scores, query, key, value, bias, mask)
+    expected = _separate(query, key, value, bias, mask, None)
+    assert torch.equal(output, expected[0]) and torch.equal(probs, expected[1])
+    assert output.grad_fn is None
