@@ -1,16 +1,19 @@
 """timm Vision Transformers (ViT, DeiT, DeiT-distilled, EVA / EVA-02), through attention hooks.
 
 timm's attention modules (``Attention``, ``AttentionRope``, ``EvaAttention`` and the
-fused ``ParallelScalingBlock``) all share one explicit code path: when the instance flag
-``fused_attn`` is False they compute ``softmax(q k^T * scale)`` and pass it through
-``self.attn_drop`` before multiplying by ``v``. Inside :meth:`TimmAdapter.capture` we
+fused ``ParallelScalingBlock``) have two code paths chosen by the instance flag
+``fused_attn``: ``F.scaled_dot_product_attention``, or an explicit ``softmax(q * scale @ k^T)``
+passed through ``self.attn_drop`` before multiplying by ``v``. Inside
+:meth:`TimmAdapter.capture` we
 
-* set ``fused_attn = False`` on each attention *instance* (``timm.layers.set_fused_attn``
-  only affects modules created afterwards, so the instance flag is what counts),
+* set ``fused_attn = True`` on each attention *instance* (``timm.layers.set_fused_attn``
+  only affects modules created afterwards, so the instance flag is what counts) and run
+  its SDPA call as an explicit softmax attention that keeps no map for the backward pass
+  and reports it to the recorder (:mod:`.sdpa_kernel`; outputs equal the explicit path's),
 * tap each attention module's input with :meth:`Recorder.connect` (a forward pre-hook),
   so that gradients reach every attention map even when the parameters are frozen,
-* record the probabilities entering ``attn_drop`` (a forward pre-hook on it), i.e. the
-  attention before dropout, still inside the autograd graph.
+* also record the probabilities entering ``attn_drop`` (a forward pre-hook on it), for
+  when a rule set that detaches the attention gate (AH) switches the explicit path on.
 
 Every change goes through :mod:`captum_transformers.patching` on one
 :class:`contextlib.ExitStack`, so flags and hooks are restored however the forward ends.
@@ -31,6 +34,7 @@ from ..rules import RuleSet, norm_rules
 from ..trace import Block
 from .base import Adapter
 from .recorder import Recorder
+from .sdpa_kernel import explicit_sdpa
 
 # Pooling heads whose output is a mean/max over tokens: every pooled token explains it.
 _MEAN_POOLS = ("avg", "max", "avgmax")
@@ -137,18 +141,22 @@ class TimmAdapter(Adapter):
                 before = open_calls[key].pop()
                 if len(recorder.sites) == before:
                     raise CaptureError(
-                        f"Attention module {block.name!r} ({type(module).__name__}) ran with fused_attn=False but "
-                        "never passed its probabilities through attn_drop, so they could not be observed. Its "
-                        "forward differs from timm's explicit attention path; pass a custom adapter with adapter=."
+                        f"Attention module {block.name!r} ({type(module).__name__}) neither called "
+                        "F.scaled_dot_product_attention (fused_attn=True) nor passed its probabilities through "
+                        "attn_drop (fused_attn=False), so its attention could not be observed. Its forward differs "
+                        "from timm's attention paths; pass a custom adapter with adapter=."
                     )
                 return None
 
             def record(dropout, args):
-                # The probabilities before dropout: the model's attention, inside the graph.
+                # The explicit path: the probabilities before dropout, inside the graph.
                 recorder.record(block, args[0])
                 return None
 
-            return tap_input, check_recorded, record
+            def report(probs, observer):
+                recorder.record(block, probs, observer=observer)
+
+            return tap_input, check_recorded, record, report
 
         with contextlib.ExitStack() as stack:
             if getattr(backbone, "grad_checkpointing", False):
@@ -156,8 +164,9 @@ class TimmAdapter(Adapter):
                 # context; run them plainly so the observed maps are the ones differentiated.
                 stack.enter_context(patching.attributes(backbone, grad_checkpointing=False))
             for block in blocks:
-                tap_input, check_recorded, record = make_hooks(block)
-                stack.enter_context(patching.attributes(block.module, fused_attn=False))
+                tap_input, check_recorded, record, report = make_hooks(block)
+                stack.enter_context(patching.attributes(block.module, fused_attn=True))
+                stack.enter_context(explicit_sdpa(block.module, report))
                 stack.enter_context(patching.forward_hook(block.module, tap_input, pre=True, with_kwargs=True))
                 stack.enter_context(patching.forward_hook(block.module, check_recorded, with_kwargs=True))
                 stack.enter_context(patching.forward_hook(block.module.attn_drop, record, pre=True))
@@ -171,13 +180,16 @@ class TimmAdapter(Adapter):
             # The AH-rule: `attn @ v` sees the probabilities as a constant (same values).
             return output.detach()
 
-        explicit = rules.attention_gate != "gradient" or needs_operation_rules(rules)
         with contextlib.ExitStack() as stack:
-            for block in blocks if explicit else ():
-                # The explicit attention path, so the softmax and both matmuls are visible.
-                stack.enter_context(patching.attributes(block.module, fused_attn=False))
+            for block in blocks:
                 if rules.attention_gate != "gradient":
+                    # The explicit attention path, whose attn_drop output A V reads: detached there.
+                    stack.enter_context(patching.attributes(block.module, fused_attn=False))
                     stack.enter_context(patching.forward_hook(block.module.attn_drop, constant_gate))
+                elif needs_operation_rules(rules):
+                    # SDPA as an explicit softmax attention, so the rules reach its softmax and products.
+                    stack.enter_context(patching.attributes(block.module, fused_attn=True))
+                    stack.enter_context(explicit_sdpa(block.module))
             stack.enter_context(norm_rules(model, rules))
             stack.enter_context(operation_rules(model, rules))
             yield
