@@ -21,7 +21,7 @@ import torch
 
 from .backward_switch import _SWITCH
 from .operation_rules import _ACTIVE_RULES
-from .recomputed_softmax import recompute_under_rules, scores_gradient
+from .recomputed_softmax import owns_buffer, recompute_under_rules, scores_gradient
 
 
 class MapObserver(Protocol):
@@ -89,7 +89,7 @@ class _SoftmaxAttention(torch.autograd.Function):
         elif report == "now":
             ctx.observer(probs, g_probs)
         g_scores = scores_gradient(soft, scores.detach(), g_probs.to(soft.dtype), -1,
-                                   identity=not plain and rules.softmax == "identity")
+                                   identity=not plain and rules.softmax == "identity", owned=owns_buffer(scores))
         del soft, probs, g_probs
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
         grads = iter(torch.autograd.grad(scores, wanted, g_scores.to(scores.dtype), allow_unused=True)

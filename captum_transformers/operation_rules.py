@@ -98,9 +98,12 @@ class _LinearAlphaBeta(torch.autograd.Function):
             return grad @ weight.to(grad.dtype), None, None, None, None, None, None
         in_dtype = x.dtype
         dtype = torch.promote_types(x.dtype, torch.float32)
-        x, weight, grad, output = x.to(dtype), weight.to(dtype), grad.to(dtype), output.to(dtype)
-        rule = _alpha_beta_shared if ctx.shared else _alpha_beta_separate
-        g_x = _row_chunks(rule, x, weight, None if bias is None else bias.to(dtype), output, grad)
+        weight = weight.to(dtype)
+        if ctx.shared:
+            rule, weights = _alpha_beta_shared, (weight, weight.abs())
+        else:
+            rule, weights = _alpha_beta_separate, (weight.clamp(min=0), weight.clamp(max=0))
+        g_x = _row_chunks(rule, weights, x, None if bias is None else bias.to(dtype), output, grad, dtype)
         return g_x.to(in_dtype), None, None, None, None, None, None
 
 
@@ -109,25 +112,33 @@ class _LinearAlphaBeta(torch.autograd.Function):
 _CHUNK_ELEMENTS = 1 << 20
 
 
-def _row_chunks(rule: Callable, x, weight, bias, output, grad) -> torch.Tensor:
-    """``rule`` applied to chunks of rows (every leading dimension flattened) of a linear
-    layer's input, output and output gradient, written into one gradient buffer: the rules
-    act on each row alone, so chunking bounds their temporaries without changing them."""
-    features_in, features_out = weight.shape[1], weight.shape[0]
+def _row_chunks(rule: Callable, weights: tuple, x, bias, output, grad, dtype: torch.dtype) -> torch.Tensor:
+    """``rule(x, weights, bias, output, grad)`` applied to chunks of rows (every leading
+    dimension flattened) of a linear layer's input, output and output gradient, cast to
+    ``dtype`` chunk by chunk and written into one gradient buffer (in ``x``'s dtype): the
+    rules act on each row alone, so chunking bounds their temporaries without changing them.
+    ``weights`` (derived from the (out, in) weight once) are shared by every chunk; a bias
+    with one row per example (``addmm(M, x, W)``) is chunked with the rows."""
+    features_out, features_in = weights[0].shape
     rows_x, rows_out, rows_grad = x.reshape(-1, features_in), output.reshape(-1, features_out), \
         grad.reshape(-1, features_out)
+    if bias is not None and bias.dim() > 1:
+        bias = bias.expand(output.shape).reshape(-1, features_out)
     g_x = torch.empty_like(rows_x)
     step = max(1, _CHUNK_ELEMENTS // max(features_in, features_out))
     for start in range(0, rows_x.shape[0], step):
         rows = slice(start, start + step)
-        g_x[rows] = rule(rows_x[rows], weight, bias, rows_out[rows], rows_grad[rows])
+        chunk_bias = bias[rows] if bias is not None and bias.dim() > 1 else bias
+        g_x[rows] = rule(rows_x[rows].to(dtype), weights, chunk_bias, rows_out[rows].to(dtype),
+                         rows_grad[rows].to(dtype))
     return g_x.view(x.shape)
 
 
-def _alpha_beta_shared(x, weight, bias, output, grad) -> torch.Tensor:
-    """Eq. 5 of Chefer et al. in three matmuls (see :class:`_LinearAlphaBeta`)."""
+def _alpha_beta_shared(x, weights, bias, output, grad) -> torch.Tensor:
+    """Eq. 5 of Chefer et al. in three matmuls (see :class:`_LinearAlphaBeta`);
+    ``weights = (W, |W|)``."""
+    weight, magnitude = weights
     relevance = output * grad
-    magnitude = weight.abs()
     # 2 z+ = 2 (x+ W+ + x- W-) = x W + |x| |W|, with x W = output - bias already known.
     twice_z_pos = F.linear(x.abs(), magnitude).add_(output)
     if bias is not None:
@@ -140,10 +151,11 @@ def _alpha_beta_shared(x, weight, bias, output, grad) -> torch.Tensor:
     return (half_s @ weight).add_(signed)
 
 
-def _alpha_beta_separate(x, weight, bias, output, grad) -> torch.Tensor:
-    """Eq. 4 applied to the (x+, W+) and (x-, W-) pairs separately (the authors' LRP baseline)."""
+def _alpha_beta_separate(x, weights, bias, output, grad) -> torch.Tensor:
+    """Eq. 4 applied to the (x+, W+) and (x-, W-) pairs separately (the authors' LRP baseline);
+    ``weights = (W+, W-)``."""
+    w_pos, w_neg = weights
     relevance = output * grad
-    w_pos, w_neg = weight.clamp(min=0), weight.clamp(max=0)
     s_pos = safe_divide(relevance, F.linear(x.clamp(min=0), w_pos))
     s_neg = safe_divide(relevance, F.linear(x.clamp(max=0), w_neg))
     return torch.where(x >= 0, s_pos @ w_pos, s_neg @ w_neg)

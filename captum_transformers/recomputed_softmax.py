@@ -15,7 +15,7 @@ from .operation_rules import _ACTIVE_RULES, OperationRules, identity_ratio
 
 
 def scores_gradient(probs: torch.Tensor, scores: torch.Tensor, grad: torch.Tensor, dim: int,
-                    identity: bool) -> torch.Tensor:
+                    identity: bool, owned: bool = True) -> torch.Tensor:
     """The gradient at the scores ``S`` of ``probs = softmax(S, dim, dtype=probs.dtype)``
     given the gradient ``grad`` at ``probs``: the plain softmax Jacobian, or with
     ``identity=True`` the identity rule ``g_S = (A / S) g_A`` (Chefer et al. 2021).
@@ -23,9 +23,10 @@ def scores_gradient(probs: torch.Tensor, scores: torch.Tensor, grad: torch.Tenso
     The scores' values are not needed once their gradient is known (the operations that
     make them, a product, a scaling and a mask, keep no output), so the buffer of ``scores``
     (detached, owned by the caller) takes the gradient where dtypes allow: one (B, H, Q, K)
-    buffer less at the peak. Returned in ``grad``'s dtype or the scores'.
+    buffer less at the peak (``owned=False``: the buffer is somebody else's, left alone).
+    Returned in ``grad``'s dtype or the scores'.
     """
-    same_dtype = scores.dtype == probs.dtype == grad.dtype
+    same_dtype = owned and scores.dtype == probs.dtype == grad.dtype
     if not identity:
         # What autograd computes for softmax(S, dtype=...): the Jacobian in the output's
         # dtype (the caller casts back to the scores' dtype).
@@ -34,6 +35,12 @@ def scores_gradient(probs: torch.Tensor, scores: torch.Tensor, grad: torch.Tenso
     if same_dtype:  # the identity rule, as _IdentityRule computes it, in place
         return torch.div(probs, scores, out=scores).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(grad)
     return identity_ratio(probs, scores).to(grad.dtype).mul_(grad)
+
+
+def owns_buffer(scores: torch.Tensor) -> bool:
+    """Whether recomputed scores are a fresh result (may take their gradient in place), not
+    one of the leaves or a view of one (``scores_fn`` may return an input as it is)."""
+    return scores.grad_fn is not None and scores._base is None
 
 
 def recompute_under_rules(scores_fn: Callable[..., torch.Tensor], leaves, mode: Optional[OperationRules],
@@ -73,7 +80,8 @@ class _SoftmaxOfRecomputedScores(torch.autograd.Function):
             leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
             scores = recompute_under_rules(ctx.scores_fn, leaves, None if plain else ctx.mode, ctx.switch)
             g_scores = scores_gradient(probs.detach(), scores.detach(), grad, ctx.dim,
-                                       identity=not plain and ctx.mode.rules.softmax == "identity")
+                                       identity=not plain and ctx.mode.rules.softmax == "identity",
+                                       owned=owns_buffer(scores))
             wanted = [leaf for leaf in leaves if leaf.requires_grad]
             grads = iter(torch.autograd.grad(scores, wanted, g_scores.to(scores.dtype), allow_unused=True))
         return (None, None, None, None, None, *[next(grads) if leaf.requires_grad else None for leaf in leaves])

@@ -50,7 +50,9 @@ class CaptureSpec:
     kept. ``backward_reduce(probs, grad, valid)`` fuses the heads as soon as the gradient of
     the explained score with respect to ``probs`` arrives; ``valid`` (B, 1, Q, K) is False
     where the query or the key is padding (None when nothing is padded). ``backward_blocks`` chooses which
-    calls get a backward reduction: every call or only the last one.
+    calls get a backward reduction: every call or only the last one. A map the explained
+    score does not depend on is reduced with a zero gradient; where the adapter's kernel
+    keeps no map for the backward pass (HF and timm models), its ``probs`` are zeros too.
     """
 
     forward_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None

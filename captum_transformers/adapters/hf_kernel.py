@@ -19,6 +19,7 @@ from torch import nn
 
 from ..errors import CaptureError
 from ..attention_core import softmax_attention
+from ..recomputed_softmax import softmax_of_recomputed_scores
 from ..rules import RuleSet, gate
 from ..trace import Block
 from .recorder import Recorder, SiteObserver
@@ -113,12 +114,18 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                                           softmax_dtype=torch.float32, observer=observer)
     else:  # a constant gate or training-mode dropout between the map and the product
         observer = None
-        probs = torch.softmax(scores(query, key_states, *extras), dim=-1, dtype=torch.float32).to(query.dtype)
+        if rules is not None and rules.softmax == "identity":
+            # The identity rule needs the scores: recompute them in the backward pass.
+            probs = softmax_of_recomputed_scores(scores, query, key_states, *extras, dim=-1, dtype=torch.float32)
+        else:
+            probs = torch.softmax(scores(query, key_states, *extras), dim=-1, dtype=torch.float32)
+        probs = probs.to(query.dtype)
         dropped = nn.functional.dropout(gate(probs, rules), p=dropout, training=module.training)
         output = torch.matmul(dropped, value_states)
     if active is not None:
         recorder.record(block, probs, key_valid=_key_valid_from_mask(attention_mask),
-                        causal=bool(getattr(module, "is_causal", False)) and block.kind == "self", observer=observer)
+                        causal=bool(getattr(module, "is_causal", False)) and block.kind == "self",
+                        observer=observer if probs.requires_grad else None)
     return output.transpose(1, 2).contiguous(), probs
 
 
