@@ -39,26 +39,7 @@ from . import patching
 from .activation_discovery import is_activation
 from .backward_switch import _SWITCH, plain_gradient_of
 from .backward_switch import plain_requested as _plain
-
-_TINY = 1e-9
-
-
-def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor, tiny: float = _TINY,
-                in_place: bool = False) -> torch.Tensor:
-    """``a / (b + eps * sign(b))``, and 0 where ``b == 0`` (sign-aware stabiliser, ``eps = tiny``).
-
-    ``in_place=True`` overwrites ``numerator`` with the result and ``denominator`` with the
-    shifted denominator (both must be owned, same shape and dtype): it runs on every linear
-    layer's output in the backward pass, where fresh buffers are costly. Example:
-    ``safe_divide(torch.tensor([1., 1.]), torch.tensor([2., 0.]))`` is ``[0.5, 0.]``.
-    """
-    stabiliser = torch.tensor(tiny, dtype=denominator.dtype, device=denominator.device)
-    nonzero = denominator != 0
-    if in_place:
-        shifted = denominator.add_(torch.copysign(stabiliser, denominator))
-        return numerator.div_(shifted).mul_(nonzero)
-    return (numerator / (denominator + torch.copysign(stabiliser, denominator))).mul_(nonzero)
-
+from .linear_rule import _LinearAlphaBeta, safe_divide  # noqa: F401  (safe_divide is part of this API)
 
 def identity_ratio(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``y / x`` for the identity rule in gradient x input form, 0 where ``x == 0``.
@@ -71,94 +52,6 @@ def identity_ratio(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """
     dtype = torch.promote_types(torch.promote_types(x.dtype, output.dtype), torch.float32)
     return torch.div(output.to(dtype), x.to(dtype)).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-
-
-class _LinearAlphaBeta(torch.autograd.Function):
-    """alpha=1, beta=0 on a linear layer. ``shared=True``: Eq. 5, one denominator
-    ``z+ = W+ x+ + W- x-``; ``shared=False``: the authors' LRP baseline, Eq. 4 applied to the
-    (x+, W+) and (x-, W-) pairs separately (not conservative: each pair gets all of R).
-
-    Eq. 5 costs three matmuls, not four, through ``x+ W+ + x- W- = (x W + |x| |W|) / 2`` (with
-    ``x W`` = output - bias, already known) and ``where(x >= 0, s W+, s W-) =
-    (s W + sign(x) s |W|) / 2``.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, shared, func, args, kwargs):
-        output = func(*args, **kwargs)
-        ctx.save_for_backward(x, weight, bias, output)
-        ctx.shared = shared
-        ctx.switch = _SWITCH.get()
-        return output
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, bias, output = ctx.saved_tensors
-        if _plain(ctx):
-            return grad @ weight.to(grad.dtype), None, None, None, None, None, None
-        in_dtype = x.dtype
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        weight = weight.to(dtype)
-        if ctx.shared:
-            rule, weights = _alpha_beta_shared, (weight, weight.abs())
-        else:
-            rule, weights = _alpha_beta_separate, (weight.clamp(min=0), weight.clamp(max=0))
-        g_x = _row_chunks(rule, weights, x, None if bias is None else bias.to(dtype), output, grad, dtype)
-        return g_x.to(in_dtype), None, None, None, None, None, None
-
-
-# Rows per chunk of a linear rule's backward: its temporaries (a few (rows, features)
-# buffers) stay near this many elements instead of growing with the batch.
-_CHUNK_ELEMENTS = 1 << 20
-
-
-def _row_chunks(rule: Callable, weights: tuple, x, bias, output, grad, dtype: torch.dtype) -> torch.Tensor:
-    """``rule(x, weights, bias, output, grad)`` applied to chunks of rows (every leading
-    dimension flattened) of a linear layer's input, output and output gradient, cast to
-    ``dtype`` chunk by chunk and written into one gradient buffer (in ``x``'s dtype): the
-    rules act on each row alone, so chunking bounds their temporaries without changing them.
-    ``weights`` (derived from the (out, in) weight once) are shared by every chunk; a bias
-    with one row per example (``addmm(M, x, W)``) is chunked with the rows."""
-    features_out, features_in = weights[0].shape
-    rows_x, rows_out, rows_grad = x.reshape(-1, features_in), output.reshape(-1, features_out), \
-        grad.reshape(-1, features_out)
-    if bias is not None and bias.dim() > 1:
-        bias = bias.expand(output.shape).reshape(-1, features_out)
-    g_x = torch.empty_like(rows_x)
-    step = max(1, _CHUNK_ELEMENTS // max(features_in, features_out))
-    for start in range(0, rows_x.shape[0], step):
-        rows = slice(start, start + step)
-        chunk_bias = bias[rows] if bias is not None and bias.dim() > 1 else bias
-        g_x[rows] = rule(rows_x[rows].to(dtype), weights, chunk_bias, rows_out[rows].to(dtype),
-                         rows_grad[rows].to(dtype))
-    return g_x.view(x.shape)
-
-
-def _alpha_beta_shared(x, weights, bias, output, grad) -> torch.Tensor:
-    """Eq. 5 of Chefer et al. in three matmuls (see :class:`_LinearAlphaBeta`);
-    ``weights = (W, |W|)``."""
-    weight, magnitude = weights
-    relevance = output * grad
-    # 2 z+ = 2 (x+ W+ + x- W-) = x W + |x| |W|, with x W = output - bias already known.
-    twice_z_pos = F.linear(x.abs(), magnitude).add_(output)
-    if bias is not None:
-        twice_z_pos.sub_(bias)
-    # s / 2 (scaling by 2 is exact), so that g_x = where(x >= 0, s W+, s W-)
-    # = s/2 W + sign(x) s/2 |W| (sign(0) = 0 is harmless: x = 0 carries no relevance).
-    # Not torch.where: on CPU it is several times slower than sign and multiply-add.
-    half_s = safe_divide(relevance, twice_z_pos, 2 * _TINY, in_place=True)
-    signed = (half_s @ magnitude).mul_(x.sign())
-    return (half_s @ weight).add_(signed)
-
-
-def _alpha_beta_separate(x, weights, bias, output, grad) -> torch.Tensor:
-    """Eq. 4 applied to the (x+, W+) and (x-, W-) pairs separately (the authors' LRP baseline);
-    ``weights = (W+, W-)``."""
-    w_pos, w_neg = weights
-    relevance = output * grad
-    s_pos = safe_divide(relevance, F.linear(x.clamp(min=0), w_pos))
-    s_neg = safe_divide(relevance, F.linear(x.clamp(max=0), w_neg))
-    return torch.where(x >= 0, s_pos @ w_pos, s_neg @ w_neg)
 
 
 class _PixelBoundedConv(torch.autograd.Function):

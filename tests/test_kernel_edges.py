@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from captum_transformers import CaptureError, GenericAttention, RuleSet
-from captum_transformers import operation_rules as rules_module
+from captum_transformers import linear_rule
 from captum_transformers.attention_core import softmax_attention
 from captum_transformers.operation_rules import OperationRules
 from hf_models import CASES
@@ -38,7 +38,7 @@ def _linear_rule_gradients(rules, func):
 @pytest.mark.parametrize("func", ["linear", "addmm"])
 def test_linear_rule_in_row_chunks_equals_all_rows(monkeypatch, rules, func):
     whole = _linear_rule_gradients(rules, func)
-    monkeypatch.setattr(rules_module, "_CHUNK_ELEMENTS", 12)  # 2 rows per chunk: 9 chunks
+    monkeypatch.setattr(linear_rule, "_CHUNK_ELEMENTS", 12)  # 2 rows per chunk: 9 chunks
     chunked = _linear_rule_gradients(rules, func)
     torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-14)
     assert whole.abs().max() > 1e-3
