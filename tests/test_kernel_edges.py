@@ -19,42 +19,43 @@ from captum_transformers.operation_rules import OperationRules
 from hf_models import CASES
 
 
-def _linear_rule_gradients(rules, func):
+def _linear_layer(func):
+    """A linear layer's output (``F.linear``, or ``addmm(M, x, W^T)`` with M holding one bias
+    row per input row), its input and an output seed, in float64."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, 9, 6, generator=generator, dtype=torch.float64).requires_grad_()
     weight = torch.randn(5, 6, generator=generator, dtype=torch.float64)
     bias = torch.randn(5, generator=generator, dtype=torch.float64)
     row_bias = torch.randn(18, 5, generator=generator, dtype=torch.float64)
-    with OperationRules(rules, 2):
+
+    def output():
         if func == "linear":
-            output = torch.nn.functional.linear(x, weight, bias)
-        else:  # addmm(M, x, W^T) with M holding one bias row per input row
-            output = torch.addmm(row_bias, x.reshape(18, 6), weight.t())
-    seed = torch.linspace(-1, 1, output.numel(), dtype=output.dtype).reshape(output.shape)
-    return torch.autograd.grad(output, x, seed)[0]
+            return torch.nn.functional.linear(x, weight, bias)
+        return torch.addmm(row_bias, x.reshape(18, 6), weight.t())
+
+    return output, x
+
+
+def _gradient(func, rules=None):
+    output, x = _linear_layer(func)
+    if rules is None:
+        y = output()
+    else:
+        with OperationRules(rules, 2):
+            y = output()
+    seed = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape)
+    return torch.autograd.grad(y, x, seed)[0]
 
 
 @pytest.mark.parametrize("rules", [RuleSet.CHEFER, RuleSet.LRP], ids=lambda r: r.name)
 @pytest.mark.parametrize("func", ["linear", "addmm"])
 def test_linear_rule_in_row_chunks_equals_all_rows(monkeypatch, rules, func):
-    whole = _linear_rule_gradients(rules, func)
+    whole = _gradient(func, rules)
     monkeypatch.setattr(linear_rule, "_CHUNK_ELEMENTS", 12)  # 2 rows per chunk: 9 chunks
-    chunked = _linear_rule_gradients(rules, func)
+    chunked = _gradient(func, rules)
     torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-14)
     assert whole.abs().max() > 1e-3
-    plain = torch.autograd.grad(*_plain(func))[0]
-    assert not torch.allclose(plain, whole)  # the rule is not the gradient: the check can fail
-
-
-def _plain(func):
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 9, 6, generator=generator, dtype=torch.float64).requires_grad_()
-    weight = torch.randn(5, 6, generator=generator, dtype=torch.float64)
-    bias = torch.randn(5, generator=generator, dtype=torch.float64)
-    row_bias = torch.randn(18, 5, generator=generator, dtype=torch.float64)
-    output = torch.nn.functional.linear(x, weight, bias) if func == "linear" else \
-        torch.addmm(row_bias, x.reshape(18, 6), weight.t())
-    return output, x, torch.linspace(-1, 1, output.numel(), dtype=output.dtype).reshape(output.shape)
+    assert not torch.allclose(_gradient(func), whole)  # the rule is not the gradient: the check can fail
 
 
 def test_hf_attention_outside_the_graph_is_refused():
