@@ -101,10 +101,6 @@ def test_transformer_relevance_from_one_forward_equals_two_forwards(case):
     assert two.abs().max() > 1e-3
 
 
-def _softmax_of_kept_scores(scores, *tensors, dim, dtype=None):
-    return torch.softmax(scores(*tensors), dim=dim, dtype=dtype)
-
-
 def _attention_of_kept_maps(scores_fn, query, key, value, *extras, softmax_dtype=None, observer=None):
     """The attention as separate operations (each under its own rule Function, keeping the
     scores and the map), its map's gradient reported through a tensor hook."""
@@ -116,10 +112,7 @@ def _attention_of_kept_maps(scores_fn, query, key, value, *extras, softmax_dtype
 
 
 def _keep_maps(monkeypatch, kernel_module):
-    if kernel_module is hf_kernel:
-        monkeypatch.setattr(hf_kernel, "softmax_attention", _attention_of_kept_maps)
-    else:
-        monkeypatch.setattr(kernel_module, "softmax_of_recomputed_scores", _softmax_of_kept_scores)
+    monkeypatch.setattr(kernel_module, "softmax_attention", _attention_of_kept_maps)
 
 
 @pytest.mark.parametrize("name", ["vit", "bert"])
@@ -181,6 +174,6 @@ def test_recomputed_scores_change_nothing_and_keep_less(monkeypatch, case, kerne
         # No longer kept per layer: the float64 scores, the float32 softmax output (the
         # kernel's softmax runs in float32) and its float64 cast that A V kept.
         assert kept_bytes - recomputed_bytes == scores * (8 + 4 + 8) // 8
-    else:  # the scores, and the scaled queries the product would keep
+    else:  # the scores, the softmax output (A V's operand) and the scaled queries Q K^T kept
         head_dim = 16 // heads
-        assert kept_bytes - recomputed_bytes == scores + layers * batch * heads * tokens * head_dim * 8
+        assert kept_bytes - recomputed_bytes == 2 * scores + layers * batch * heads * tokens * head_dim * 8

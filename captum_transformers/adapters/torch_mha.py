@@ -41,11 +41,12 @@ from torch import nn
 from .. import patching
 from ..errors import CaptureError, InputError
 from ..operation_rules import active_rules, needs_operation_rules, operation_rules
+from ..attention_core import softmax_attention
 from ..recomputed_softmax import softmax_of_recomputed_scores
 from ..rules import RuleSet, norm_rules
 from ..trace import Block
 from .base import Adapter
-from .recorder import Recorder
+from .recorder import Recorder, SiteObserver
 
 QueryRows = Union[None, int, str]
 
@@ -261,9 +262,9 @@ def _recording_forward(original: Callable, block: Block, recorder: Optional[Reco
         arguments["average_attn_weights"] = False
         if _EXPLICIT.get() and not getattr(original, "_captum_mha_wrapper", False):
             # Only the innermost wrapper recomputes; outer ones (capture + propagation) pass through.
-            output, weights = _explicit_attention(module, arguments)
+            output, weights, observer = _explicit_attention(module, arguments)
         else:
-            output, weights = original(*bound.args, **bound.kwargs)
+            (output, weights), observer = original(*bound.args, **bound.kwargs), None
         if rules is not None and rules.attention_gate == "constant":
             _constant_gate(weights)
 
@@ -273,7 +274,7 @@ def _recording_forward(original: Callable, block: Block, recorder: Optional[Reco
         site = block if kind == block.kind else Block(block.name, block.module, kind)
         causal = kind == "self" and (is_causal or _is_causal_mask(attn_mask, num_queries, num_keys))
         if recorder is not None:
-            _record(recorder, site, weights, batched, num_keys, arguments["key_padding_mask"], causal)
+            _record(recorder, site, weights, batched, num_keys, arguments["key_padding_mask"], causal, observer)
 
         if not want_weights:
             return output, None
@@ -301,8 +302,12 @@ def _constant_gate(weights: torch.Tensor) -> None:
 
 
 def _record(recorder: Recorder, block: Block, weights: torch.Tensor, batched: bool, num_keys: int,
-            key_padding_mask: Optional[torch.Tensor], causal: bool) -> None:
+            key_padding_mask: Optional[torch.Tensor], causal: bool, observer: Optional[SiteObserver] = None) -> None:
     probs = weights if batched else weights.unsqueeze(0)
+    key_valid = _key_valid(key_padding_mask) if block.kind == "self" else None
+    if observer is not None:  # the explicit Function reports the map's gradient itself (all keys are real)
+        recorder.record(block, probs, key_valid=key_valid, causal=causal, observer=observer)
+        return
     shape = tuple(probs.shape)
     # The returned weights are a view that nothing downstream uses; the softmax (or
     # dropout) output it views is what the attention output was computed from.
@@ -311,8 +316,7 @@ def _record(recorder: Recorder, block: Block, weights: torch.Tensor, batched: bo
     # bias_k / add_zero_attn append keys that are no input token: keep the real ones.
     probs = probs[..., :num_keys]
     recorder.record(block, probs, grad_tensor=grad_tensor,
-                    grad_view=lambda grad: grad.reshape(shape)[..., :num_keys],
-                    key_valid=_key_valid(key_padding_mask) if block.kind == "self" else None, causal=causal)
+                    grad_view=lambda grad: grad.reshape(shape)[..., :num_keys], key_valid=key_valid, causal=causal)
 
 
 def _additive(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -327,8 +331,10 @@ def _additive(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torc
 def _explicit_attention(module: nn.MultiheadAttention, arguments: Dict[str, Any]):
     """``nn.MultiheadAttention`` written out with ``F.linear``, ``@`` and ``softmax``.
 
-    Returns ``(output, weights)`` like ``forward(..., need_weights=True,
-    average_attn_weights=False)``; the weights are the (B, H, L, S) softmax output itself.
+    Returns ``(output, weights, observer)``: the first two like ``forward(..., need_weights=True,
+    average_attn_weights=False)``, the weights being the (B, H, L, S) softmax output itself;
+    ``observer`` (None unless the attention gate carries the gradient and the weights require
+    grad) is what the fused attention reports the map's gradient through.
     """
     if module.bias_k is not None or module.add_zero_attn or (module.training and module.dropout > 0):
         raise CaptureError(
@@ -383,16 +389,25 @@ def _explicit_attention(module: nn.MultiheadAttention, arguments: Dict[str, Any]
         return scores
 
     rules = active_rules()
-    if rules is not None and rules.softmax == "identity":
-        # The softmax identity rule needs the scores: recompute them from q and k (kept
-        # anyway) in the backward pass rather than keep a (B, H, L, S) tensor per layer.
-        weights = softmax_of_recomputed_scores(scores, q, k, dim=-1)
+    observer = None
+    if rules is not None and rules.attention_gate == "gradient":
+        # One Function for softmax(S) V keeping only q, k, v; the map reaches the recorder
+        # through the observer (see attention_core).
+        observer = SiteObserver()
+        heads_out, weights = softmax_attention(scores, q, k, v, observer=observer)
     else:
-        weights = torch.softmax(scores(q, k), dim=-1)
-    attended = (weights @ v).permute(2, 0, 1, 3).reshape(length, batch, embed)
+        if rules is not None and rules.softmax == "identity":
+            # The softmax identity rule needs the scores: recompute them from q and k (kept
+            # anyway) in the backward pass rather than keep a (B, H, L, S) tensor per layer.
+            weights = softmax_of_recomputed_scores(scores, q, k, dim=-1)
+        else:
+            weights = torch.softmax(scores(q, k), dim=-1)
+        heads_out = weights @ v
+    attended = heads_out.permute(2, 0, 1, 3).reshape(length, batch, embed)
     output = torch.nn.functional.linear(attended, module.out_proj.weight, module.out_proj.bias)
+    observer = observer if weights.requires_grad else None
     if not batched:
-        return output.squeeze(1), weights.squeeze(0)
+        return output.squeeze(1), weights.squeeze(0), observer
     if module.batch_first:
         output = output.transpose(0, 1)
-    return output, weights
+    return output, weights, observer
