@@ -86,8 +86,10 @@ def _row_chunks(rule: Callable, weights: tuple, x, bias, output, grad, dtype: to
         grad.reshape(-1, features_out)
     if bias is not None and bias.dim() > 1:
         bias = bias.expand(output.shape).reshape(-1, features_out)
-    g_x = torch.empty_like(rows_x)
     step = max(1, _CHUNK_ELEMENTS // max(features_in, features_out))
+    if rows_x.shape[0] <= step:  # one chunk: no gradient buffer to copy it into
+        return rule(rows_x.to(dtype), weights, bias, rows_out.to(dtype), rows_grad.to(dtype)).view(x.shape)
+    g_x = torch.empty_like(rows_x)
     for start in range(0, rows_x.shape[0], step):
         rows = slice(start, start + step)
         chunk_bias = bias[rows] if bias is not None and bias.dim() > 1 else bias
