@@ -2,7 +2,9 @@
 
 For a 6-layer HF ViT (hidden 256, 4 heads, MLP 1024, 224x224 images, 16x16 patches) and a
 6-layer HF BERT (same widths, 128 tokens, odd examples padded), batch 16, eval mode,
-randomly initialised from configs (no hub access), this prints one row per measurement:
+randomly initialised from configs (no hub access), this prints one row per measurement.
+``--models timm_vit mha_encoder`` measures the same sizes as a timm ViT and as a pre-norm
+``nn.TransformerEncoder`` classifier (the timm and ``nn.MultiheadAttention`` adapters):
 
 * median wall time of one ``attribute`` call over ``--repeats`` runs, in ms, and as a ratio
   to the pass it should be compared with:
@@ -76,6 +78,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 MODELS = ("vit", "bert")
+# Also available with --models: the same sizes as a timm ViT and as a pre-norm nn.TransformerEncoder.
+EXTRA_MODELS = ("timm_vit", "mha_encoder")
+IMAGE_MODELS = ("vit", "timm_vit")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_report import (GRADIENT_METHODS, MEMORY_TARGET, METHOD_NAMES, REFERENCES, TIME_TARGETS,  # noqa: E402,F401
                               Row, format_table, reference_of, summarize)
@@ -106,14 +111,24 @@ QUICK = Sizes(layers=2, hidden=32, heads=2, intermediate=64, image=32, patch=8, 
 
 def build_model(name: str, sizes: Sizes, device: str = "cpu", attn_implementation: Optional[str] = None,
                 seed: int = 0) -> torch.nn.Module:
-    """A randomly initialised HF ``ViTForImageClassification`` or ``BertForSequenceClassification``."""
+    """A randomly initialised HF ``ViTForImageClassification`` or ``BertForSequenceClassification``
+    (or, for ``EXTRA_MODELS``, a timm ViT or an ``nn.TransformerEncoder`` classifier)."""
+    torch.manual_seed(seed)
+    if name == "timm_vit":
+        import timm
+
+        return timm.create_model("vit_base_patch16_224", pretrained=False, depth=sizes.layers, embed_dim=sizes.hidden,
+                                 num_heads=sizes.heads, mlp_ratio=sizes.intermediate / sizes.hidden,
+                                 img_size=sizes.image, patch_size=sizes.patch,
+                                 num_classes=sizes.vit_labels).to(device).eval()
+    if name == "mha_encoder":
+        return EncoderClassifier(sizes).to(device).eval()
     from transformers import BertConfig, BertForSequenceClassification, ViTConfig, ViTForImageClassification
 
     common = dict(hidden_size=sizes.hidden, num_hidden_layers=sizes.layers, num_attention_heads=sizes.heads,
                   intermediate_size=sizes.intermediate)
     if attn_implementation is not None:
         common["attn_implementation"] = attn_implementation
-    torch.manual_seed(seed)
     if name == "vit":
         model = ViTForImageClassification(ViTConfig(**common, image_size=sizes.image, patch_size=sizes.patch,
                                                     num_labels=sizes.vit_labels))
@@ -122,8 +137,24 @@ def build_model(name: str, sizes: Sizes, device: str = "cpu", attn_implementatio
                                                          max_position_embeddings=max(512, sizes.seq_len),
                                                          num_labels=sizes.bert_labels))
     else:
-        raise ValueError(f"unknown model {name!r}; use one of {MODELS}")
+        raise ValueError(f"unknown model {name!r}; use one of {MODELS + EXTRA_MODELS}")
     return model.to(device).eval()
+
+
+class EncoderClassifier(torch.nn.Module):
+    """Token embeddings, a pre-norm ``nn.TransformerEncoder`` (GELU, no dropout) and a head on
+    the first token: the ``nn.MultiheadAttention`` model of the benchmark."""
+
+    def __init__(self, sizes: Sizes):
+        super().__init__()
+        self.embed = torch.nn.Embedding(sizes.vocab, sizes.hidden)
+        layer = torch.nn.TransformerEncoderLayer(sizes.hidden, sizes.heads, sizes.intermediate, dropout=0.0,
+                                                 activation="gelu", batch_first=True, norm_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, sizes.layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(sizes.hidden, sizes.bert_labels)
+
+    def forward(self, input_ids, key_padding_mask=None):
+        return self.head(self.encoder(self.embed(input_ids), src_key_padding_mask=key_padding_mask)[:, 0])
 
 
 @dataclasses.dataclass
@@ -136,15 +167,21 @@ class Batch:
 def make_batch(name: str, sizes: Sizes, device: str = "cpu", seed: int = 1) -> Batch:
     """Random pixels, or random token ids with every odd example padded over its last quarter."""
     generator = torch.Generator().manual_seed(seed)
-    labels = sizes.vit_labels if name == "vit" else sizes.bert_labels
+    labels = sizes.vit_labels if name in IMAGE_MODELS else sizes.bert_labels
     target = (torch.arange(sizes.batch) % labels).to(device)
-    if name == "vit":
+    if name in IMAGE_MODELS:
         pixels = torch.randn(sizes.batch, 3, sizes.image, sizes.image, generator=generator)
         return Batch(pixels.to(device), {}, target)
     ids = torch.randint(5, sizes.vocab, (sizes.batch, sizes.seq_len), generator=generator)
     mask = torch.ones(sizes.batch, sizes.seq_len, dtype=torch.long)
     mask[1::2, sizes.seq_len - sizes.seq_len // 4:] = 0
+    if name == "mha_encoder":
+        return Batch(ids.to(device), {"key_padding_mask": (mask == 0).to(device)}, target)
     return Batch(ids.to(device), {"attention_mask": mask.to(device)}, target)
+
+
+def _logits(output) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output
 
 
 def make_ops(name: str, model: torch.nn.Module, batch: Batch,
@@ -161,10 +198,10 @@ def make_ops(name: str, model: torch.nn.Module, batch: Batch,
 
     def forward():
         with torch.no_grad():
-            return model(x, **kwargs).logits
+            return _logits(model(x, **kwargs))
 
     ops["forward"] = forward
-    if include is None or "forward_eager" in include:
+    if (include is None or "forward_eager" in include) and hasattr(model, "set_attn_implementation"):
         eager = copy.deepcopy(model)
         eager.set_attn_implementation("eager")
 
@@ -175,14 +212,19 @@ def make_ops(name: str, model: torch.nn.Module, batch: Batch,
         ops["forward_eager"] = forward_eager
 
     def train_step():
-        return torch.autograd.grad(target_score(model(x, **kwargs).logits), params)
+        return torch.autograd.grad(target_score(_logits(model(x, **kwargs))), params)
 
     ops["train_step"] = train_step
 
-    if name == "vit":
+    if name in IMAGE_MODELS:
         def fwd_bwd_inputs():
             pixels = x.detach().requires_grad_(True)
-            return torch.autograd.grad(target_score(model(pixels, **kwargs).logits), pixels)
+            return torch.autograd.grad(target_score(_logits(model(pixels, **kwargs))), pixels)
+    elif name == "mha_encoder":
+        def fwd_bwd_inputs():
+            embeds = model.embed(x).detach().requires_grad_(True)
+            hidden = model.encoder(embeds, src_key_padding_mask=kwargs["key_padding_mask"])
+            return torch.autograd.grad(target_score(model.head(hidden[:, 0])), embeds)
     else:
         embedding = model.get_input_embeddings()
 
@@ -363,7 +405,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="torch.set_num_threads (default: usable CPU cores; 1 with --quick). On a machine shared "
                              "with other busy processes use fewer threads: oversubscribed OpenMP threads make "
                              "wall times erratic")
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--models", nargs="+", choices=MODELS + EXTRA_MODELS, default=list(MODELS),
+                        help=f"default {' '.join(MODELS)}; also {' '.join(EXTRA_MODELS)} (timm ViT, nn.TransformerEncoder)")
     parser.add_argument("--memory", choices=("subprocess", "inprocess", "off"), default=None,
                         help="how to measure peak memory (default subprocess; inprocess with --quick)")
     parser.add_argument("--quick", action="store_true", help="tiny models, 1 repeat: a smoke test, not a benchmark")

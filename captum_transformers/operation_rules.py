@@ -261,9 +261,13 @@ class OperationRules(TorchFunctionMode):
             return func(*args, **kwargs)
         if rules.linear in ("alpha1beta0", "alpha1beta0_separate") and func in _LINEARS:
             shared = rules.linear == "alpha1beta0"
-            if func is F.linear and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            if func is F.linear:
+                # Positional or keyword (EVA and BEiT call F.linear(x, weight=..., bias=...)).
+                x = args[0] if args else kwargs.get("input")
+                weight = args[1] if len(args) > 1 else kwargs.get("weight")
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                return _LinearAlphaBeta.apply(args[0], args[1], bias, shared, func, args, kwargs)
+                if isinstance(x, torch.Tensor) and x.requires_grad:
+                    return _LinearAlphaBeta.apply(x, weight, bias, shared, func, args, kwargs)
             if func is torch.addmm and len(args) >= 3 and args[1].requires_grad and not kwargs:
                 # addmm(bias, x, W) with W laid out (in, out), as in GPT-2's Conv1D.
                 return _LinearAlphaBeta.apply(args[1], args[2].t(), args[0], shared, func, args, kwargs)

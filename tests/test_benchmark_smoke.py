@@ -61,6 +61,14 @@ def test_peak_bytes_sees_an_allocation(bench):
     assert 60 * 2 ** 20 <= peak <= 80 * 2 ** 20
 
 
+def test_quick_benchmark_of_the_timm_and_mha_models(bench):
+    rows = bench.main(["--quick", "--memory", "inprocess", "--models", *bench.EXTRA_MODELS])
+    names = {(row.model, row.name) for row in rows}
+    for model in bench.EXTRA_MODELS:
+        assert {(model, method) for method in bench.METHOD_NAMES} <= names
+    assert all(row.peak_mib is not None for row in rows if row.name in bench.METHOD_NAMES)
+
+
 def test_digit_patch_ceiling_oracles():
     """The oracle patch maps behind the README's ceiling claim: the local search only ever
     improves on its start, and the best oracle on the test canvases stays near 0.796 mIoU

@@ -88,3 +88,92 @@ def test_softmax_attention_leaves_the_callers_tensors_alone():
     output.sum().backward()
     assert torch.equal(given_scores.detach(), before)
     assert given_scores.grad is not None and given_scores.grad.abs().max() > 0
+
+
+# == review: a propagation entered by the caller around a method ==================================
+def _timm_vit():
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
+    return model.double().eval(), torch.randn(2, 3, 32, 32, dtype=torch.float64)
+
+
+def _mha_encoder():
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+            self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = torch.nn.Linear(16, 5)
+
+        def forward(self, x):
+            return self.head(self.encoder(x)[:, 0])
+
+    torch.manual_seed(0)
+    return Encoder().double().eval(), torch.randn(2, 6, 16, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("build", [_timm_vit, _mha_encoder], ids=["timm", "torch_mha"])
+def test_method_inside_a_callers_propagation_sees_the_rules(build):
+    """Propagation entered first, the capture inside it: one interception serves both, the
+    map is still recorded, and the rules change the map's gradient (hence the result)."""
+    from captum_transformers import get_adapter
+
+    pytest.importorskip("timm")
+    model, x = build()
+    rules = RuleSet(name="uniform-identity", matmul="uniform", softmax="identity")
+    plain = GenericAttention(model).attribute(x, target=[1, 3])
+    with get_adapter(model).propagation(model, rules):
+        inside = GenericAttention(model).attribute(x, target=[1, 3])
+    assert torch.isfinite(inside).all() and inside.abs().max() > 0
+    assert not torch.allclose(inside, plain)
+
+
+def test_timm_ah_propagation_around_a_capture_keeps_the_detached_gate():
+    from captum_transformers import get_adapter
+
+    pytest.importorskip("timm")
+    model, x = _timm_vit()
+    with get_adapter(model).propagation(model, RuleSet.AH):
+        with pytest.raises(CaptureError, match="No gradient reached"):  # A V sees a constant map
+            GenericAttention(model).attribute(x, target=[1, 3])
+
+
+def test_linear_rule_takes_keyword_weights():
+    """EVA and BEiT call F.linear(x, weight=..., bias=...)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, 6, generator=generator, dtype=torch.float64)
+    bias = torch.randn(5, generator=generator, dtype=torch.float64)
+    seed = torch.linspace(-1, 1, 20, dtype=torch.float64).reshape(4, 5)
+    grads = []
+    for call in (lambda: torch.nn.functional.linear(x, weight, bias),
+                 lambda: torch.nn.functional.linear(x, weight=weight, bias=bias)):
+        with OperationRules(RuleSet.CHEFER, 4):
+            grads.append(torch.autograd.grad(call(), x, seed)[0])
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    assert not torch.allclose(grads[0], torch.autograd.grad(torch.nn.functional.linear(x, weight, bias), x, seed)[0])
+
+
+def test_masked_timm_attention_keeps_no_per_layer_bias():
+    """A boolean mask is applied inside the recomputed scores: the layers share the caller's
+    mask instead of each keeping a float (B, 1, N, N) bias."""
+    from captum_transformers import get_adapter
+
+    pytest.importorskip("timm")
+    model, x = _timm_vit()
+    x.requires_grad_()
+    tokens = 17
+    mask = torch.ones(2, 1, tokens, tokens, dtype=torch.bool)
+    mask[1, ..., -3:] = False
+    sizes = []
+
+    def pack(tensor):
+        sizes.append((tensor.dtype, tensor.numel()))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+            get_adapter(model).propagation(model, RuleSet.CHEFER):
+        model(x, attn_mask=mask)
+    assert (torch.float64, mask.numel()) not in sizes

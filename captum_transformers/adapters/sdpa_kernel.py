@@ -16,7 +16,7 @@ backward pass; the map reaches the recorder through the callback.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,16 +31,17 @@ from .recorder import SiteObserver
 Report = Callable[[torch.Tensor, Optional[SiteObserver]], None]
 
 
-def _additive_bias(query: torch.Tensor, key: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                   is_causal: bool) -> Optional[torch.Tensor]:
-    """SDPA's mask as an additive bias in the query's dtype (as timm's explicit path builds it)."""
+def _with_mask(scores: torch.Tensor, mask: Optional[torch.Tensor], is_causal: bool) -> torch.Tensor:
+    """SDPA's mask applied to the scores as timm's explicit path applies its additive bias
+    (0 or -inf where a boolean mask is False; a float mask added; ``is_causal``: the upper
+    triangle), built from the caller's mask inside the scores, so no per-layer bias is kept."""
     if is_causal:
-        return query.new_full((query.shape[-2], key.shape[-2]), float("-inf")).triu_(1)
-    if attn_mask is None:
-        return None
-    if attn_mask.dtype == torch.bool:
-        return torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
-    return attn_mask
+        return scores + scores.new_full(scores.shape[-2:], float("-inf")).triu_(1)
+    if mask is None:
+        return scores
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, float("-inf"))
+    return scores + mask
 
 
 def sdpa_as_softmax_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -54,12 +55,10 @@ def sdpa_as_softmax_attention(query: torch.Tensor, key: torch.Tensor, value: tor
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         groups = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
-    bias = _additive_bias(query, key, attn_mask, is_causal)
-    extras = () if bias is None else (bias,)
+    extras = () if attn_mask is None or is_causal else (attn_mask,)
 
-    def scores(query: torch.Tensor, key: torch.Tensor, *bias: torch.Tensor) -> torch.Tensor:
-        scores = (query * scale) @ key.transpose(-2, -1)
-        return scores + bias[0] if bias else scores
+    def scores(query: torch.Tensor, key: torch.Tensor, *mask: torch.Tensor) -> torch.Tensor:
+        return _with_mask((query * scale) @ key.transpose(-2, -1), mask[0] if mask else None, is_causal)
 
     if dropout_p > 0.0:
         probs = torch.softmax(scores(query, key, *extras), dim=-1)
@@ -74,33 +73,57 @@ def sdpa_as_softmax_attention(query: torch.Tensor, key: torch.Tensor, value: tor
 
 
 class _ExplicitSdpa(TorchFunctionMode):
-    def __init__(self, report: Optional[Report]):
+    def __init__(self, reports: List[Optional[Report]]):
         super().__init__()
-        self.report = report
+        self.reports = reports
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            return sdpa_as_softmax_attention(*args, **kwargs, report=self.report)
+            return sdpa_as_softmax_attention(*args, **kwargs, report=self._report)
         return func(*args, **kwargs)
+
+    def _report(self, probs: torch.Tensor, observer: Optional[SiteObserver]) -> None:
+        for report in self.reports:
+            if report is not None:
+                report(probs, observer)
+
+
+# Modules whose forward runs SDPA explicitly now -> the reports of every context asking for it
+# (a capture and a propagation may both be entered, in either order: one interception serves both).
+_REPORTS: Dict[int, List[Optional[Report]]] = {}
 
 
 @contextlib.contextmanager
 def explicit_sdpa(module: nn.Module, report: Optional[Report] = None) -> Iterator[None]:
     """While inside, SDPA calls made by ``module``'s forward run as an explicit softmax
     attention (reversibly: an instance forward). ``report(probs, observer)`` receives each
-    call's map; under the LRP rules the products and softmax follow them.
+    call's map; under the LRP rules the products and softmax follow them. Nested contexts on
+    one module share one interception and every report is called.
 
     Example::
 
         >>> with explicit_sdpa(vit.blocks[0].attn, lambda probs, observer: maps.append(probs)):
         ...     vit(images)
     """
+    reports = _REPORTS.get(id(module))
+    if reports is not None:  # already intercepted by an enclosing context: add this report
+        reports.append(report)
+        try:
+            yield
+        finally:
+            reports.remove(report)
+        return
+    reports = _REPORTS[id(module)] = [report]
+
     def wrap(original):
         def forward(*args, **kwargs):
-            with _ExplicitSdpa(report):
+            with _ExplicitSdpa(reports):
                 return original(*args, **kwargs)
         return forward
 
-    with patching.instance_forward(module, wrap):
-        yield
+    try:
+        with patching.instance_forward(module, wrap):
+            yield
+    finally:
+        del _REPORTS[id(module)]

@@ -6,14 +6,15 @@ fused ``ParallelScalingBlock``) have two code paths chosen by the instance flag
 passed through ``self.attn_drop`` before multiplying by ``v``. Inside
 :meth:`TimmAdapter.capture` we
 
-* set ``fused_attn = True`` on each attention *instance* (``timm.layers.set_fused_attn``
-  only affects modules created afterwards, so the instance flag is what counts) and run
-  its SDPA call as an explicit softmax attention that keeps no map for the backward pass
-  and reports it to the recorder (:mod:`.sdpa_kernel`; outputs equal the explicit path's),
+* run each attention module's SDPA call (the fused path, timm's default) as an explicit
+  softmax attention that keeps no map for the backward pass and reports it to the recorder
+  (:mod:`.sdpa_kernel`; outputs equal the explicit path's),
+* record the probabilities entering ``attn_drop`` (a forward pre-hook on it) when the module
+  takes the explicit path instead (``fused_attn = False``: the user's choice, or a rule set
+  that detaches the attention gate (AH), which switches it on per *instance*:
+  ``timm.layers.set_fused_attn`` only affects modules created afterwards),
 * tap each attention module's input with :meth:`Recorder.connect` (a forward pre-hook),
-  so that gradients reach every attention map even when the parameters are frozen,
-* also record the probabilities entering ``attn_drop`` (a forward pre-hook on it), for
-  when a rule set that detaches the attention gate (AH) switches the explicit path on.
+  so that gradients reach every attention map even when the parameters are frozen.
 
 Every change goes through :mod:`captum_transformers.patching` on one
 :class:`contextlib.ExitStack`, so flags and hooks are restored however the forward ends.
@@ -165,7 +166,6 @@ class TimmAdapter(Adapter):
                 stack.enter_context(patching.attributes(backbone, grad_checkpointing=False))
             for block in blocks:
                 tap_input, check_recorded, record, report = make_hooks(block)
-                stack.enter_context(patching.attributes(block.module, fused_attn=True))
                 stack.enter_context(explicit_sdpa(block.module, report))
                 stack.enter_context(patching.forward_hook(block.module, tap_input, pre=True, with_kwargs=True))
                 stack.enter_context(patching.forward_hook(block.module, check_recorded, with_kwargs=True))

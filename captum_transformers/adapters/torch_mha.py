@@ -51,6 +51,7 @@ from .recorder import Recorder, SiteObserver
 QueryRows = Union[None, int, str]
 
 # True while per-operation rules are active: attention is then recomputed explicitly.
+_OBSERVER_ATTRIBUTE = "_captum_transformers_observer"
 _EXPLICIT: contextvars.ContextVar[bool] = contextvars.ContextVar("captum_transformers_mha_explicit", default=False)
 
 # Parameters of MultiheadAttention.forward the wrapper reads or overrides, by name.
@@ -264,7 +265,9 @@ def _recording_forward(original: Callable, block: Block, recorder: Optional[Reco
             # Only the innermost wrapper recomputes; outer ones (capture + propagation) pass through.
             output, weights, observer = _explicit_attention(module, arguments)
         else:
-            (output, weights), observer = original(*bound.args, **bound.kwargs), None
+            output, weights = original(*bound.args, **bound.kwargs)
+            # An inner wrapper's explicit Function reports the map's gradient through this.
+            observer = getattr(weights, _OBSERVER_ATTRIBUTE, None)
         if rules is not None and rules.attention_gate == "constant":
             _constant_gate(weights)
 
@@ -280,6 +283,8 @@ def _recording_forward(original: Callable, block: Block, recorder: Optional[Reco
             return output, None
         if want_average:
             return output, weights.mean(dim=1 if batched else 0)
+        if observer is not None:  # an outer wrapper (the other of capture and propagation) may record it
+            setattr(weights, _OBSERVER_ATTRIBUTE, observer)
         return output, weights
 
     forward._captum_mha_wrapper = True
