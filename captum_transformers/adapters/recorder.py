@@ -5,7 +5,9 @@ An adapter calls :meth:`Recorder.connect` on each attention block's input and
 tensor to a zero-valued *anchor* through an identity autograd Function, so that one
 ``torch.autograd.grad(score, anchor)`` reaches every attention map (even in a model whose
 parameters are frozen) while per-map tensor hooks fuse the heads the moment each gradient
-arrives. Nothing else keeps a per-head gradient alive: memory stays O(L B N^2).
+arrives. Kernels that differentiate their own map (:mod:`..attention_core`) report it through
+a :class:`SiteObserver` instead, and no map is kept from the forward pass at all. Nothing
+else keeps a per-head gradient alive: memory stays O(L B N^2) or less.
 """
 from __future__ import annotations
 
