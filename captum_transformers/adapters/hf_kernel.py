@@ -102,10 +102,6 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
     extras = tuple(t for t in (position_bias, mask) if t is not None)
     rules = _RULES.get()
-    block = None
-    if active is not None:
-        recorder, blocks = active
-        block = blocks.get(id(module)) or Block(type(module).__name__, module, block_kind(module))
     if (rules is None or rules.attention_gate == "gradient") and (dropout == 0.0 or not module.training):
         # One Function for softmax(S) V that recomputes S and A in its backward pass: no
         # (B, H, Q, K) tensor is kept per layer (see attention_core).
@@ -123,6 +119,8 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         dropped = nn.functional.dropout(gate(probs, rules), p=dropout, training=module.training)
         output = torch.matmul(dropped, value_states)
     if active is not None:
+        recorder, blocks = active
+        block = blocks.get(id(module)) or Block(type(module).__name__, module, block_kind(module))
         recorder.record(block, probs, key_valid=_key_valid_from_mask(attention_mask),
                         causal=bool(getattr(module, "is_causal", False)) and block.kind == "self",
                         observer=observer if probs.requires_grad else None)

@@ -80,7 +80,8 @@ class SiteObserver:
     @property
     def deferred(self) -> bool:
         """Whether a later backward pass through the same graph reduces this pass's gradient
-        together with its own (:meth:`pair`), so the kernel may keep something smaller."""
+        together with its own (:meth:`first`, then :meth:`second`), so the kernel may keep
+        something smaller than the gradient at the map until then."""
         return self.recorder is not None and self.recorder.keep_probs
 
     def __call__(self, probs: torch.Tensor, grad: torch.Tensor) -> None:
@@ -227,14 +228,14 @@ class Recorder:
         if site.observer is None:
             self.reduce_gradient(site, torch.zeros_like(site.probs))
             return
-        shape, dtype, device = site.map_like
-        zeros = torch.zeros(shape, dtype=dtype, device=device)
         if self.keep_probs:  # the first of two passes: both are reduced in the second
             site.received_gradient = True
-        else:
-            if self.first_spec is not None:
-                self.reduce_first(site, zeros, zeros)
-            self.reduce_gradient(site, zeros, zeros)
+            return
+        shape, dtype, device = site.map_like
+        zeros = torch.zeros(shape, dtype=dtype, device=device)
+        if self.first_spec is not None:
+            self.reduce_first(site, zeros, zeros)
+        self.reduce_gradient(site, zeros, zeros)
 
     def last_per_streams(self) -> List[Site]:
         """The last call of each (query stream, key stream) pair, in call order."""
