@@ -39,6 +39,12 @@ class MapObserver(Protocol):
     def second(self, probs: torch.Tensor, grad: torch.Tensor) -> None: ...
 
 
+def _attend(scores_fn, query, key, value, extras, softmax_dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The two operations, ``(A V, A)``, exactly as the explicit attention computes them."""
+    probs = torch.softmax(scores_fn(query, key, *extras), dim=-1, dtype=softmax_dtype).to(query.dtype)
+    return torch.matmul(probs, value), probs
+
+
 class _SoftmaxAttention(torch.autograd.Function):
     """Forward: exactly the operations of the explicit attention (bit-identical outputs).
     Backward: recompute ``S`` under the rules of the forward (or plainly), ``A`` from it, and
@@ -47,8 +53,7 @@ class _SoftmaxAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores_fn, softmax_dtype, mode, switch, observer, query, key, value, *extras):
-        probs = torch.softmax(scores_fn(query, key, *extras), dim=-1, dtype=softmax_dtype).to(query.dtype)
-        output = torch.matmul(probs, value)
+        output, probs = _attend(scores_fn, query, key, value, extras, softmax_dtype)
         ctx.scores_fn, ctx.softmax_dtype, ctx.mode, ctx.switch, ctx.observer = (scores_fn, softmax_dtype, mode,
                                                                                 switch, observer)
         ctx.first_pass = None
@@ -149,6 +154,5 @@ def softmax_attention(scores_fn: Callable[..., torch.Tensor], query: torch.Tenso
     """
     tensors = (query, key, value, *extras)
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
-        probs = torch.softmax(scores_fn(query, key, *extras), dim=-1, dtype=softmax_dtype).to(query.dtype)
-        return torch.matmul(probs, value), probs
+        return _attend(scores_fn, query, key, value, extras, softmax_dtype)
     return _SoftmaxAttention.apply(scores_fn, softmax_dtype, _ACTIVE_RULES.get(), _SWITCH.get(), observer, *tensors)

@@ -123,7 +123,7 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         block = blocks.get(id(module)) or Block(type(module).__name__, module, block_kind(module))
         recorder.record(block, probs, key_valid=_key_valid_from_mask(attention_mask),
                         causal=bool(getattr(module, "is_causal", False)) and block.kind == "self",
-                        observer=observer if probs.requires_grad else None)
+                        observer=observer)
     return output.transpose(1, 2).contiguous(), probs
 
 

@@ -146,7 +146,8 @@ class Recorder:
         (query stream, key stream) of this call when the block alone does not say it;
         ``group`` ties consecutive calls that read the same inputs (see AttentionRecord).
         ``observer``: the kernel reports the gradient at the map through it (no hook, and
-        the map is not kept).
+        the map is not kept); ignored for a map outside the autograd graph, which is then
+        refused like any other when a gradient is needed.
         """
         if probs.dim() != 4:
             raise ValueError(f"attention probabilities must be (B, H, Q, K), got shape {tuple(probs.shape)}")
@@ -154,7 +155,7 @@ class Recorder:
                     streams=tuple(streams) if streams is not None else block.default_streams, group=group)
         if self.spec.forward_reduce is not None:
             site.forward_value = self.spec.forward_reduce(probs.detach())
-        if self.spec.needs_gradient and observer is not None:
+        if self.spec.needs_gradient and observer is not None and probs.requires_grad:
             observer.recorder, observer.site = self, site
             site.observer, site.map_like = observer, (probs.shape, probs.dtype, probs.device)
         elif self.spec.needs_gradient:

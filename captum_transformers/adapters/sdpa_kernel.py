@@ -67,8 +67,8 @@ def sdpa_as_softmax_attention(query: torch.Tensor, key: torch.Tensor, value: tor
         return F.dropout(probs, p=dropout_p, training=True) @ value
     observer = SiteObserver() if report is not None else None
     output, probs = softmax_attention(scores, query, key, value, *extras, observer=observer)
-    if report is not None:  # a map outside the graph is recorded as such (and refused if a gradient is needed)
-        report(probs, observer if probs.requires_grad else None)
+    if report is not None:
+        report(probs, observer)
     return output
 
 

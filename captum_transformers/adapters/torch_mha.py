@@ -338,8 +338,8 @@ def _explicit_attention(module: nn.MultiheadAttention, arguments: Dict[str, Any]
 
     Returns ``(output, weights, observer)``: the first two like ``forward(..., need_weights=True,
     average_attn_weights=False)``, the weights being the (B, H, L, S) softmax output itself;
-    ``observer`` (None unless the attention gate carries the gradient and the weights require
-    grad) is what the fused attention reports the map's gradient through.
+    ``observer`` (None unless the attention gate carries the gradient) is what the fused
+    attention reports the map's gradient through.
     """
     if module.bias_k is not None or module.add_zero_attn or (module.training and module.dropout > 0):
         raise CaptureError(
@@ -410,7 +410,6 @@ def _explicit_attention(module: nn.MultiheadAttention, arguments: Dict[str, Any]
         heads_out = weights @ v
     attended = heads_out.permute(2, 0, 1, 3).reshape(length, batch, embed)
     output = torch.nn.functional.linear(attended, module.out_proj.weight, module.out_proj.bias)
-    observer = observer if weights.requires_grad else None
     if not batched:
         return output.squeeze(1), weights.squeeze(0), observer
     if module.batch_first:
