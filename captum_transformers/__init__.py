@@ -13,9 +13,9 @@ from .errors import CaptumTransformersError, CaptureError, InputError, Unsupport
 from .methods import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS, AttentionGradCAM, AttentionRollout,
                       AttnLRP, ConservativeLRP, GenericAttention, PartialLRP, RawAttention, RuleGradientXInput,
                       TraceAttribution, TransformerLRP, TransformerRelevance)
-from .rules import RuleSet
-from .registry import get_adapter, register_adapter, registered_adapters
-from .trace import AttentionRecord, AttentionTrace, Block, CaptureSpec, InputSpan, StreamLayouts, TokenLayout
+from .propagation.rules import RuleSet
+from .adapters.registry import get_adapter, register_adapter, registered_adapters
+from .capture.trace import AttentionRecord, AttentionTrace, Block, CaptureSpec, InputSpan, StreamLayouts, TokenLayout
 
 __version__ = "0.1.0"
 
@@ -27,6 +27,6 @@ __all__ = [
     "AttentionRecord", "AttentionTrace", "Block", "CaptureSpec", "InputSpan", "StreamLayouts", "TokenLayout", "__version__",
 ]
 
-from .detection import Detections, explain_detections  # noqa: E402
+from .methods.detection import Detections, explain_detections  # noqa: E402
 
 __all__ += ["Detections", "explain_detections"]

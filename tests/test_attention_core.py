@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from captum_transformers import RuleSet
-from captum_transformers.attention_core import softmax_attention
-from captum_transformers.backward_switch import switchable_backward
-from captum_transformers.operation_rules import OperationRules
+from captum_transformers.propagation.attention_core import softmax_attention
+from captum_transformers.propagation.backward_switch import switchable_backward
+from captum_transformers.propagation.operation_rules import OperationRules
 
 B, H, Q, K, D = 2, 3, 5, 6, 4
 RULES = [None, RuleSet.CHEFER, RuleSet.LRP, RuleSet.ATTN_LRP]

@@ -356,7 +356,7 @@ def test_start_layer():
 def test_pixel_zb_rule_conserves_and_matches_its_definition():
     # z^B on the convolution reading the pixels (RuleSet.LRP): with per-image bounds L, H,
     # R_x = x (W^T s) - L (W+^T s) - H (W-^T s), s = R_z / (W x - W+ L - W- H); sums are conserved.
-    from captum_transformers.operation_rules import OperationRules
+    from captum_transformers.propagation.operation_rules import OperationRules
 
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 4, kernel_size=4, stride=4).double()
@@ -383,7 +383,7 @@ def test_pixel_zb_rule_conserves_and_matches_its_definition():
 def test_activation_modules_are_found_by_behaviour():
     from transformers.activations import NewGELUActivation
 
-    from captum_transformers.activation_discovery import is_activation as _is_activation
+    from captum_transformers.propagation.activation_discovery import is_activation as _is_activation
 
     like = torch.zeros(1)
 

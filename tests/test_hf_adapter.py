@@ -163,7 +163,7 @@ class RawAttentionProbe(GenericAttention):
     """Keeps the raw per-head probabilities, to inspect shapes."""
 
     def capture_spec(self):
-        from captum_transformers.trace import CaptureSpec
+        from captum_transformers.capture.trace import CaptureSpec
         return CaptureSpec(forward_reduce=lambda probs: probs.clone())
 
 

@@ -237,7 +237,7 @@ def test_forward_output_unchanged_under_capture(case):
     adapter = get_adapter(model)
     with torch.no_grad():
         before = model(*inputs, **kwargs)
-    from captum_transformers.adapters.recorder import Recorder
+    from captum_transformers.capture.recorder import Recorder
 
     for spec in (KEEP, CaptureSpec(backward_reduce=lambda p, g, v: p * g)):
         with torch.enable_grad(), adapter.capture(model, Recorder(spec)):

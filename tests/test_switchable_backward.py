@@ -19,8 +19,8 @@ import torch
 from captum_transformers import RuleSet, TransformerRelevance, get_adapter
 from captum_transformers.adapters import base as adapter_base
 from captum_transformers.adapters import hf_kernel, torch_mha
-from captum_transformers.backward_switch import switchable_backward
-from captum_transformers.trace import CaptureSpec
+from captum_transformers.propagation.backward_switch import switchable_backward
+from captum_transformers.capture.trace import CaptureSpec
 from lrp_models import CONSERVATION_CASES, TARGET  # noqa: E402
 
 SWITCHABLE = [pytest.param(rules, id=rules.name) for rules in
@@ -75,7 +75,7 @@ def test_switched_graph_gives_the_plain_gradient(case, rules):
 def _two_forward_relevance(explainer, inputs, target, kwargs):
     """TransformerRelevance as it was computed before: a relevance trace under the rules,
     then a separate plain-gradient trace."""
-    from captum_transformers import functional
+    from captum_transformers.methods import functional
     from captum_transformers.methods.transformer_relevance import _relevance
 
     adapter, model = explainer.adapter, explainer.model

@@ -4,12 +4,12 @@ Importing this package registers the built-in adapters by dotted class name, so 
 optional dependency (transformers, timm, torch_geometric) is imported until a model of
 that family is explained.
 """
-from ..registry import register_adapter
+from .registry import register_adapter
 from .base import Adapter
 from .detr import DetrAdapter
 from .huggingface import HuggingFaceAdapter
 from .inline_attention import InlineAttentionAdapter
-from .recorder import Recorder
+from ..capture.recorder import Recorder
 from .timm import TimmAdapter
 from .torch_mha import TorchMHAAdapter
 

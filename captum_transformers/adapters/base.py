@@ -1,7 +1,7 @@
 """The adapter contract, and the capture loop every adapter shares.
 
 An adapter knows one family of models: where attention is computed (:meth:`blocks`), how
-to observe it reversibly (:meth:`capture`, built only from :mod:`captum_transformers.patching`),
+to observe it reversibly (:meth:`capture`, built only from :mod:`captum_transformers.capture.patching`),
 how to read logits from the model's output, and how tokens map back to the input
 (:meth:`layout`). :meth:`trace` runs one forward and at most one backward per batch.
 """
@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Seq
 import torch
 from torch import nn
 
-from .. import patching
+from ..capture import patching
 from ..errors import CaptureError, InputError
-from ..backward_switch import switchable_backward
-from ..targets import select_targets
-from ..trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
-from .recorder import Recorder
+from ..propagation.backward_switch import switchable_backward
+from ..capture.targets import select_targets
+from ..capture.trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
+from ..capture.recorder import Recorder
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..rules import RuleSet
+    from ..propagation.rules import RuleSet
 
 
 def find_patch_size(model: nn.Module) -> Optional[Tuple[int, int]]:
@@ -123,7 +123,7 @@ class Adapter(abc.ABC):
     def resolve_target(self, model: nn.Module, logits: torch.Tensor, target: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         """The explained score per example (B,) and its index (B, D) for a Captum ``target``.
 
-        Default: Captum's target forms (:func:`~captum_transformers.targets.select_targets`),
+        Default: Captum's target forms (:func:`~captum_transformers.capture.targets.select_targets`),
         ``None`` meaning the arg-max. Adapters whose outputs need another default override it
         (DETR: the most confident detection, not the arg-max over "no object" too).
         """

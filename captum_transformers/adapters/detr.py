@@ -26,11 +26,11 @@ import torch
 from torch import nn
 
 from ..errors import CaptureError, InputError
-from ..targets import select_targets
-from ..trace import Block, InputSpan, StreamLayouts, TokenLayout
+from ..capture.targets import select_targets
+from ..capture.trace import Block, InputSpan, StreamLayouts, TokenLayout
 from .hf_kernel import block_kind
 from .huggingface import HuggingFaceAdapter, _is_attention_module
-from .recorder import Recorder
+from ..capture.recorder import Recorder
 
 ENCODER = "encoder"
 DECODER = "decoder"

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from ..errors import CaptureError
-from ..attention_core import softmax_attention
-from ..recomputed_softmax import softmax_of_recomputed_scores
-from ..rules import RuleSet, gate
-from ..trace import Block
-from .recorder import Recorder, SiteObserver
+from ..propagation.attention_core import softmax_attention
+from ..propagation.recomputed_softmax import softmax_of_recomputed_scores
+from ..propagation.rules import RuleSet, gate
+from ..capture.trace import Block
+from ..capture.recorder import Recorder, SiteObserver
 
 ATTENTION_KEY = "captum_transformers"
 

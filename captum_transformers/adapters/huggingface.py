@@ -15,14 +15,14 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from .. import patching
+from ..capture import patching
 from ..errors import CaptureError, InputError
-from ..operation_rules import operation_rules
-from ..rules import RuleSet, norm_rules
-from ..trace import CONTEXT, Block, InputSpan, StreamLayouts, Streams, TokenLayout
+from ..propagation.operation_rules import operation_rules
+from ..propagation.rules import RuleSet, norm_rules
+from ..capture.trace import CONTEXT, Block, InputSpan, StreamLayouts, Streams, TokenLayout
 from .base import Adapter, last_real_rows
 from .hf_kernel import ATTENTION_KEY, active_recorder, active_rules, block_kind
-from .recorder import Recorder
+from ..capture.recorder import Recorder
 
 # Per-architecture quirks are rows of data. prefix: tokens before the patch grid;
 # rows: classifier token positions; "eos": CLIP text pools at the end-of-text token.

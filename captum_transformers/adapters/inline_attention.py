@@ -6,7 +6,7 @@ These models never go through ``AttentionInterface``: each attention module comp
 very tensor autograd differentiates (in eval mode the dropout is the identity), and a
 forward hook on that child observes every attention map without changing one operation.
 
-Mechanism, inside :meth:`InlineAttentionAdapter.capture` (only :mod:`~captum_transformers.patching`
+Mechanism, inside :meth:`InlineAttentionAdapter.capture` (only :mod:`~captum_transformers.capture.patching`
 hooks, removed on exit or on an exception):
 
 1. a forward pre-hook on each attention module taps its query input through
@@ -14,7 +14,7 @@ hooks, removed on exit or on an exception):
    additive mask it received (padding keys: ``-inf``, ``-10000`` or ``finfo.min``);
 2. a forward hook on its dropout child records ``A`` with the call's (query, key) streams;
 3. pre-hooks on the embedding modules note which tensors enter which stream, so every
-   user input maps back onto its tokens (:class:`~captum_transformers.trace.InputSpan`).
+   user input maps back onto its tokens (:class:`~captum_transformers.capture.trace.InputSpan`).
 
 Streams (Chefer et al., ICCV 2021, Sec. 3-4: bi-modal self- and co-attention):
 
@@ -57,13 +57,13 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .. import patching
+from ..capture import patching
 from ..errors import CaptureError, InputError
-from ..operation_rules import operation_rules
-from ..rules import RuleSet, gate, norm_rules
-from ..trace import Block, InputSpan, StreamLayouts, Streams, TokenLayout
+from ..propagation.operation_rules import operation_rules
+from ..propagation.rules import RuleSet, gate, norm_rules
+from ..capture.trace import Block, InputSpan, StreamLayouts, Streams, TokenLayout
 from .base import Adapter
-from .recorder import Recorder
+from ..capture.recorder import Recorder
 
 TEXT, IMAGE, TOKENS = "text", "image", "tokens"
 # Additive masks below this block the key: -inf, -10000 (older BERT code) and finfo.min all do.

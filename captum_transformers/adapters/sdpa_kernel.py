@@ -3,7 +3,7 @@
 A module that calls SDPA (timm's attention with ``fused_attn=True``) computes its map inside
 one fused kernel: no map to record, no softmax or product for the LRP rules to act on.
 Inside :func:`explicit_sdpa` the module's forward runs under a ``TorchFunctionMode`` that
-replaces each SDPA call by :func:`~captum_transformers.attention_core.softmax_attention`:
+replaces each SDPA call by :func:`~captum_transformers.propagation.attention_core.softmax_attention`:
 
 .. math:: O = \\mathrm{softmax}\\big((Q \\cdot s) K^\\top + \\mathrm{bias}\\big) V
 
@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .. import patching
-from ..attention_core import softmax_attention
-from .recorder import SiteObserver
+from ..capture import patching
+from ..propagation.attention_core import softmax_attention
+from ..capture.recorder import SiteObserver
 
 # Called with the map (B, H, Q, K) and the observer that will report its gradient.
 Report = Callable[[torch.Tensor, Optional[SiteObserver]], None]

@@ -16,7 +16,7 @@ passed through ``self.attn_drop`` before multiplying by ``v``. Inside
 * tap each attention module's input with :meth:`Recorder.connect` (a forward pre-hook),
   so that gradients reach every attention map even when the parameters are frozen.
 
-Every change goes through :mod:`captum_transformers.patching` on one
+Every change goes through :mod:`captum_transformers.capture.patching` on one
 :class:`contextlib.ExitStack`, so flags and hooks are restored however the forward ends.
 timm is imported lazily: importing :mod:`captum_transformers` never imports it.
 """
@@ -28,13 +28,13 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .. import patching
+from ..capture import patching
 from ..errors import CaptureError
-from ..operation_rules import needs_operation_rules, operation_rules
-from ..rules import RuleSet, norm_rules
-from ..trace import Block
+from ..propagation.operation_rules import needs_operation_rules, operation_rules
+from ..propagation.rules import RuleSet, norm_rules
+from ..capture.trace import Block
 from .base import Adapter
-from .recorder import Recorder
+from ..capture.recorder import Recorder
 from .sdpa_kernel import explicit_sdpa
 
 # Pooling heads whose output is a mean/max over tokens: every pooled token explains it.

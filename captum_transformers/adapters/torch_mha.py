@@ -2,12 +2,12 @@
 
 Mechanism. Inside :meth:`TorchMHAAdapter.capture`:
 
-1. :func:`~captum_transformers.patching.mha_fastpath_disabled` turns off PyTorch's fused
+1. :func:`~captum_transformers.capture.patching.mha_fastpath_disabled` turns off PyTorch's fused
    paths. ``MultiheadAttention``, ``TransformerEncoderLayer`` and ``TransformerEncoder``
    (its nested-tensor conversion included) each check
    ``torch.backends.mha.get_fastpath_enabled()`` first, and with the flag off every call
    goes through ``MultiheadAttention.forward`` and ``F.multi_head_attention_forward``.
-2. :func:`~captum_transformers.patching.instance_forward` wraps each attention instance's
+2. :func:`~captum_transformers.capture.patching.instance_forward` wraps each attention instance's
    ``forward``: the query is tapped through :meth:`Recorder.connect` (so gradients reach the
    attention even when every parameter is frozen), the original forward runs with
    ``need_weights=True, average_attn_weights=False``, and the per-head weights are
@@ -38,15 +38,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from .. import patching
+from ..capture import patching
 from ..errors import CaptureError, InputError
-from ..operation_rules import active_rules, needs_operation_rules, operation_rules
-from ..attention_core import softmax_attention
-from ..recomputed_softmax import softmax_of_recomputed_scores
-from ..rules import RuleSet, norm_rules
-from ..trace import Block
+from ..propagation.operation_rules import active_rules, needs_operation_rules, operation_rules
+from ..propagation.attention_core import softmax_attention
+from ..propagation.recomputed_softmax import softmax_of_recomputed_scores
+from ..propagation.rules import RuleSet, norm_rules
+from ..capture.trace import Block
 from .base import Adapter
-from .recorder import Recorder, SiteObserver
+from ..capture.recorder import Recorder, SiteObserver
 
 QueryRows = Union[None, int, str]
 

@@ -18,10 +18,10 @@ from torch import nn
 
 from ..adapters.base import Adapter
 from ..errors import CaptureError, InputError
-from ..registry import get_adapter
-from ..relevancy_maps import explained_rows
-from ..trace import AttentionRecord, AttentionTrace, CaptureSpec, InputSpan, TokenLayout
-from .. import functional
+from ..adapters.registry import get_adapter
+from .relevancy_maps import explained_rows
+from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec, InputSpan, TokenLayout
+from . import functional
 
 #: What :meth:`TraceAttribution.reduce` returns: token scores (B, N) of a one-stream model,
 #: or scores per stream name.

@@ -1,8 +1,8 @@
 """Generic attention explainability, self-attention rule (Chefer et al., ICCV 2021)."""
 from __future__ import annotations
 
-from .. import functional, relevancy_maps
-from ..trace import AttentionTrace, CaptureSpec
+from . import functional, relevancy_maps
+from ..capture.trace import AttentionTrace, CaptureSpec
 from .base import StartLayer, TraceAttribution
 
 
@@ -19,7 +19,7 @@ class GenericAttention(TraceAttribution):
     backward pass per batch; heads are fused as each gradient arrives.
 
     Models with several token streams get every rule of the paper (Sec. 3, Eq. 1-11, see
-    :mod:`captum_transformers.relevancy_maps`): one map per pair of streams, self-attention
+    :mod:`captum_transformers.methods.relevancy_maps`): one map per pair of streams, self-attention
     updating ``R^{qt}`` (Eq. 6-7), co-attention updating ``R^{qk}`` and ``R^{qq}`` with the row
     normalisation of Eq. 8-9 (Eq. 10-11), and encoder-decoder models keeping no ``R^{ed}``. A
     stream's scores are the explained rows of ``R^{qt}`` for each explained stream ``q``

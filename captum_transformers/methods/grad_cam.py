@@ -1,8 +1,8 @@
 """Grad-CAM on the last attention layer (the baseline of Chefer et al., CVPR 2021)."""
 from __future__ import annotations
 
-from .. import functional
-from ..trace import AttentionTrace, CaptureSpec
+from . import functional
+from ..capture.trace import AttentionTrace, CaptureSpec
 from .base import TraceAttribution
 
 

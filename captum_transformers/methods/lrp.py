@@ -10,8 +10,8 @@ from torch import nn
 
 from ..adapters.base import Adapter
 from ..errors import CaptureError, InputError
-from ..registry import get_adapter
-from ..rules import RuleSet
+from ..adapters.registry import get_adapter
+from ..propagation.rules import RuleSet
 from .base import TensorOrTuple, _check_forward_kwargs, _format_additional, _format_inputs, span_to_input
 
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import functional
-from ..trace import AttentionTrace, CaptureSpec
+from . import functional
+from ..capture.trace import AttentionTrace, CaptureSpec
 from .base import TraceAttribution
 
 

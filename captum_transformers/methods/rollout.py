@@ -5,8 +5,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .. import functional, relevancy_maps
-from ..trace import AttentionTrace, CaptureSpec
+from . import functional, relevancy_maps
+from ..capture.trace import AttentionTrace, CaptureSpec
 from .base import StartLayer, TraceAttribution
 
 

@@ -5,10 +5,10 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .. import functional, relevancy_maps
+from . import functional, relevancy_maps
 from ..errors import InputError
-from ..rules import RuleSet
-from ..trace import AttentionTrace, CaptureSpec
+from ..propagation.rules import RuleSet
+from ..capture.trace import AttentionTrace, CaptureSpec
 from .base import StartLayer, TraceAttribution
 
 

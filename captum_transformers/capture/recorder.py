@@ -17,7 +17,7 @@ from typing import Callable, Dict, Hashable, List, Optional
 import torch
 
 from ..errors import CaptureError
-from ..trace import Block, CaptureSpec, Streams
+from .trace import Block, CaptureSpec, Streams
 
 
 class _AnchorTap(torch.autograd.Function):

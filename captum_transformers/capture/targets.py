@@ -11,7 +11,7 @@ from typing import Any, Tuple
 
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 
 def _check_index(index: Tuple[int, ...], shape: Tuple[int, ...], what: str) -> None:

@@ -140,7 +140,7 @@ def softmax_attention(scores_fn: Callable[..., torch.Tensor], query: torch.Tenso
 
     .. math:: O = \mathrm{softmax}(S(Q, K))\,V
 
-    Under :func:`~captum_transformers.operation_rules.operation_rules` the backward follows
+    Under :func:`~captum_transformers.propagation.operation_rules.operation_rules` the backward follows
     the active rules (the softmax identity rule, the uniform product rule of Chefer et al.,
     CVPR 2021) and the backward switch; without, it is the plain gradient. Either way only
     ``query``, ``key``, ``value`` and ``extras`` (a position bias, a mask) are kept: the

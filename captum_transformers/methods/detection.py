@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 TensorOrTuple = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Union
 
 from torch import nn
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .adapters.base import Adapter
+    from .base import Adapter
 
 _BY_KEY: Dict[str, "Adapter"] = {}
 _BY_NAME: Dict[str, "Adapter"] = {}
@@ -53,7 +53,7 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
 
     ``adapter`` may be an adapter instance or the name of a registered one.
     """
-    from .adapters import base  # registers the built-in adapters on first use
+    from . import base  # registers the built-in adapters on first use
 
     if isinstance(adapter, base.Adapter):
         return adapter

@@ -25,7 +25,7 @@ from typing import Iterator, List, Literal, Optional
 import torch
 from torch import nn
 
-from . import patching
+from ..capture import patching
 
 GateRule = Literal["gradient", "constant"]
 NormRule = Literal["gradient", "scale_constant", "scale_and_mean_constant", "identity"]
@@ -45,7 +45,7 @@ class RuleSet:
     name: str = "gradient"
     attention_gate: GateRule = "gradient"
     norm: NormRule = "gradient"
-    # Per-operation rules installed by captum_transformers.operation_rules:
+    # Per-operation rules installed by captum_transformers.propagation.operation_rules:
     linear: Literal["gradient", "alpha1beta0", "alpha1beta0_separate"] = "gradient"
     activation: Literal["gradient", "identity"] = "gradient"
     softmax: Literal["gradient", "identity"] = "gradient"
