@@ -163,7 +163,7 @@ class TimmAdapter(Adapter):
             if getattr(backbone, "grad_checkpointing", False):
                 # Checkpointed blocks re-run their forward in the backward pass, outside this
                 # context; run them plainly so the observed maps are the ones differentiated.
-                stack.enter_context(patching.attributes(backbone, grad_checkpointing=False))
+                stack.enter_context(patching.flag(backbone, "grad_checkpointing", False))
             for block in blocks:
                 tap_input, check_recorded, record, report = make_hooks(block)
                 stack.enter_context(explicit_sdpa(block.module, report))
@@ -184,11 +184,11 @@ class TimmAdapter(Adapter):
             for block in blocks:
                 if rules.attention_gate != "gradient":
                     # The explicit attention path, whose attn_drop output A V reads: detached there.
-                    stack.enter_context(patching.attributes(block.module, fused_attn=False))
+                    stack.enter_context(patching.flag(block.module, "fused_attn", False))
                     stack.enter_context(patching.forward_hook(block.module.attn_drop, constant_gate))
                 elif needs_operation_rules(rules):
                     # SDPA as an explicit softmax attention, so the rules reach its softmax and products.
-                    stack.enter_context(patching.attributes(block.module, fused_attn=True))
+                    stack.enter_context(patching.flag(block.module, "fused_attn", True))
                     stack.enter_context(explicit_sdpa(block.module))
             stack.enter_context(norm_rules(model, rules))
             stack.enter_context(operation_rules(model, rules))
