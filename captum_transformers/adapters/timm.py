@@ -92,7 +92,7 @@ class TimmAdapter(Adapter):
         backbone = _backbone(model)
         names = {id(m): name for name, m in model.named_modules()}
         blocks: List[Block] = []
-        for index, layer in enumerate(backbone.blocks.children()):
+        for index, layer in enumerate(patching.original_module(backbone.blocks).children()):
             found = [m for m in layer.modules() if _is_attention(m)]
             if len(found) != 1:
                 # Parallel attention branches (ParallelThingsBlock) are summed, not chained;

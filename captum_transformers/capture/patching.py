@@ -281,11 +281,21 @@ def mha_fastpath_disabled() -> Iterator[None]:
 _WARNED_COMPILED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
+def _is_optimized(module: nn.Module) -> bool:
+    return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module)
+
+
+def original_module(module: nn.Module) -> nn.Module:
+    """The module ``torch.compile(module)`` wrapped (``module`` itself if not compiled so)."""
+    while _is_optimized(module):
+        module = module._orig_mod
+    return module
+
+
 def _compiled_parts(model: nn.Module) -> List[nn.Module]:
     from_compile = []
     for module in model.modules():
-        optimized = type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
-        if optimized or getattr(module, "_compiled_call_impl", None) is not None:
+        if _is_optimized(module) or getattr(module, "_compiled_call_impl", None) is not None:
             from_compile.append(module)
     return from_compile
 
@@ -310,12 +320,12 @@ def uncompiled(model: nn.Module) -> Iterator[None]:
         _WARNED_COMPILED.add(model)
         names = sorted({name or "the model" for name, m in model.named_modules() if any(m is p for p in parts)})
         warnings.warn(
-            f"{type(model).__name__} has torch.compile-d parts ({', '.join(names)}); they are explained as the "
+            f"{type(original_module(model)).__name__} has torch.compile-d parts ({', '.join(names)}); they are explained as the "
             "original (uncompiled) modules, run eagerly while explaining: compiled code cannot be observed. "
             "Outputs equal the compiled ones up to float rounding.", UserWarning, stacklevel=4)
     with contextlib.ExitStack() as stack:
         for module in parts:
-            if hasattr(module, "_orig_mod") and type(module).__name__ == "OptimizedModule":
+            if _is_optimized(module):
                 inner = module._orig_mod
                 stack.enter_context(instance_forward(module, lambda original, inner=inner: inner.__call__))
             if getattr(module, "_compiled_call_impl", None) is not None:
