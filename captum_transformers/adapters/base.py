@@ -21,6 +21,7 @@ from ..propagation.backward_switch import switchable_backward
 from ..capture.targets import select_targets
 from ..capture.trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
 from ..capture.recorder import Recorder
+from .foreign_patches import check_library_classes
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..propagation.rules import RuleSet
@@ -197,6 +198,7 @@ class Adapter(abc.ABC):
         with contextlib.ExitStack() as stack:
             # One explanation of a module at a time; compiled parts run as their originals.
             stack.enter_context(patching.exclusive(model))
+            check_library_classes(model)
             stack.enter_context(patching.uncompiled(model))
             stack.enter_context(self.capture(model, recorder))
             for context in contexts:
