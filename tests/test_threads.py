@@ -205,3 +205,40 @@ def test_two_threads_explaining_two_encoders_leave_a_third_model_and_the_fast_pa
     _run_together(explain(0, first), explain(1, second), bystander)
     assert fast_path_seen == {True}
     assert _process_flags() == flags
+
+
+class SharedEncoderClassifier(nn.Module):
+    """Another classifier around the *same* encoder instance as a given EncoderClassifier."""
+
+    def __init__(self, encoder: nn.TransformerEncoder, seed: int = 5):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(20, 16)
+        self.encoder = encoder
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, ids, key_padding_mask=None):
+        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=key_padding_mask)[:, 0])
+
+
+@pytest.mark.parametrize("method", ["generic-attention", "attn-lrp", "transformer-relevance"])
+def test_two_models_sharing_an_encoder_explained_from_two_threads(method):
+    first, inputs, kwargs = _torch_mha()
+    second = SharedEncoderClassifier(first.encoder).eval()
+    explainers = [METHOD_FACTORIES[method](model) for model in (first, second)]
+    expected = [_attribute(explainer, inputs, kwargs) for explainer in explainers]
+    before = [snapshot(first), snapshot(second)]
+    results: Dict[int, list] = {0: [], 1: []}
+
+    def explain(slot):
+        def job():
+            for _ in range(ROUNDS):
+                results[slot].append(_attribute(explainers[slot], inputs, kwargs))
+        return job
+
+    _run_together(explain(0), explain(1))
+    for slot in (0, 1):
+        for maps in results[slot]:
+            torch.testing.assert_close(maps, expected[slot], rtol=0, atol=0)
+    assert_same(before[0], snapshot(first))
+    assert_same(before[1], snapshot(second))

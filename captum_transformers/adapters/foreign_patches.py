@@ -44,24 +44,25 @@ def _function(value) -> Optional[object]:
     return None
 
 
-def _foreign_methods(cls: type) -> Iterator[Tuple[type, str, object]]:
-    for owner in cls.__mro__:
-        if _library(owner.__module__) is None:
+def _foreign_methods(owner: type) -> Iterator[Tuple[str, object]]:
+    """(name, replacement) for each method defined on the library class ``owner`` that is
+    a function from outside the libraries."""
+    for name, value in vars(owner).items():
+        function = _function(value)
+        if function is None:
             continue
-        for name, value in vars(owner).items():
-            function = _function(value)
-            if function is None:
-                continue
-            origin = function.func if isinstance(function, (functools.partial, functools.partialmethod)) else function
-            if _library(getattr(origin, "__module__", None)) is None:
-                yield owner, name, origin
+        origin = function.func if isinstance(function, (functools.partial, functools.partialmethod)) else function
+        if _library(getattr(origin, "__module__", None)) is None:
+            yield name, origin
 
 
 def check_library_classes(model: nn.Module) -> None:
     """Raise :class:`CaptureError` if a method of a transformers / torch / timm class used by
     ``model`` is a function from elsewhere (replaced in this process by another library)."""
-    for cls in {type(module) for module in model.modules()}:
-        for owner, name, origin in _foreign_methods(cls):
+    owners = {owner for cls in {type(module) for module in model.modules()} for owner in cls.__mro__
+              if _library(owner.__module__) is not None}
+    for owner in owners:
+        for name, origin in _foreign_methods(owner):
             where = f"{owner.__module__}.{owner.__qualname__}.{name}"
             by = f"{getattr(origin, '__module__', '?')}.{getattr(origin, '__qualname__', repr(origin))}"
             raise CaptureError(

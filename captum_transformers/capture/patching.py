@@ -52,16 +52,9 @@ def _is_entered(token: object) -> bool:
 
 
 # -- one explanation of a module at a time ------------------------------------------------
-_LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
-_LOCKS_GUARD = threading.Lock()
-
-
-def _lock_of(module: nn.Module) -> threading.RLock:
-    with _LOCKS_GUARD:
-        lock = _LOCKS.get(module)
-        if lock is None:
-            lock = _LOCKS[module] = threading.RLock()
-        return lock
+# id(module) -> [thread holding it, how many nested exclusive() contexts of that thread].
+_HOLDERS: Dict[int, List[int]] = {}
+_HOLDERS_CHANGED = threading.Condition()
 
 
 @contextlib.contextmanager
@@ -69,14 +62,26 @@ def exclusive(model: nn.Module) -> Iterator[None]:
     """Hold every module of ``model`` for this thread: another thread explaining ``model``,
     or any model sharing a module with it, waits until this context exits.
 
-    One re-entrant lock per module, taken in a fixed (id) order, so two explanations of
-    overlapping models cannot deadlock, and the package may nest its own contexts.
+    All modules are taken at once (or none), so two explanations of overlapping models
+    cannot deadlock; the holding thread may re-enter (the package nests its own contexts).
     """
-    modules = sorted({id(m): m for m in model.modules()}.items())
-    with contextlib.ExitStack() as stack:
-        for _, module in modules:
-            stack.enter_context(_lock_of(module))
+    ids = [id(module) for module in model.modules()]
+    me = threading.get_ident()
+    with _HOLDERS_CHANGED:
+        _HOLDERS_CHANGED.wait_for(lambda: all(_HOLDERS.get(i, (me,))[0] == me for i in ids))
+        for i in ids:
+            holder = _HOLDERS.setdefault(i, [me, 0])
+            holder[1] += 1
+    try:
         yield
+    finally:
+        with _HOLDERS_CHANGED:
+            for i in ids:
+                holder = _HOLDERS[i]
+                holder[1] -= 1
+                if holder[1] == 0:
+                    del _HOLDERS[i]
+            _HOLDERS_CHANGED.notify_all()
 
 
 @contextlib.contextmanager
