@@ -61,7 +61,21 @@ def _torch_mha(seed=0):
     return EncoderClassifier(seed).eval(), ids, {"key_padding_mask": padding}
 
 
-MODELS = {"huggingface": _hf, "timm": _timm, "torch_mha": _torch_mha}
+def _inline_attention(seed=0):
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.VisualBertForVisualReasoning(transformers.VisualBertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, visual_embedding_dim=8,
+        vocab_size=50, num_labels=3))
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 50, (3, 6), generator=generator)
+    mask = torch.ones(3, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    return model.eval(), ids, {"attention_mask": mask, "visual_embeds": torch.randn(3, 4, 8, generator=generator)}
+
+
+MODELS = {"huggingface": _hf, "timm": _timm, "torch_mha": _torch_mha, "inline_attention": _inline_attention}
 TARGETS = [0, 1, 2]
 
 
