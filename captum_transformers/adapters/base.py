@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from ..capture import patching
+from ..capture.compiled import uncompiled
+from ..capture.exclusive import exclusive
 from ..errors import CaptureError, InputError
 from ..propagation.backward_switch import switchable_backward
 from ..capture.targets import select_targets
@@ -197,9 +199,9 @@ class Adapter(abc.ABC):
         logits, the explained score per example and its target index."""
         with contextlib.ExitStack() as stack:
             # One explanation of a module at a time; compiled parts run as their originals.
-            stack.enter_context(patching.exclusive(model))
+            stack.enter_context(exclusive(model))
             check_library_classes(model)
-            stack.enter_context(patching.uncompiled(model))
+            stack.enter_context(uncompiled(model))
             stack.enter_context(self.capture(model, recorder))
             for context in contexts:
                 stack.enter_context(context)

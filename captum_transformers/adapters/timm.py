@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..capture import patching
+from ..capture.compiled import original_module
 from ..errors import CaptureError
 from ..propagation.operation_rules import needs_operation_rules, operation_rules
 from ..propagation.rules import RuleSet, norm_rules
@@ -92,7 +93,7 @@ class TimmAdapter(Adapter):
         backbone = _backbone(model)
         names = {id(m): name for name, m in model.named_modules()}
         blocks: List[Block] = []
-        for index, layer in enumerate(patching.original_module(backbone.blocks).children()):
+        for index, layer in enumerate(original_module(backbone.blocks).children()):
             found = [m for m in layer.modules() if _is_attention(m)]
             if len(found) != 1:
                 # Parallel attention branches (ParallelThingsBlock) are summed, not chained;

@@ -8,26 +8,23 @@ are untouched. Adapters compose these helpers with :class:`contextlib.ExitStack`
 A change acts only where it was made: every replaced forward, hook, flag and attention
 implementation is *gated* by a context variable that the helper sets while it is entered,
 so the thread (or ``contextvars`` context) that entered it sees the change and every other
-one sees the model's original behaviour, bit for bit. Explanations of one model are
-serialised by :func:`exclusive` (re-entrant, so the package may nest its own contexts).
-No process-wide flag is changed.
+one sees the model's original behaviour, bit for bit (explanations of one model are
+serialised by :mod:`.exclusive`). No process-wide flag is changed.
 
 Example::
 
-    >>> with exclusive(model), instance_forward(model.layer, lambda original: my_forward):
+    >>> with instance_forward(model.layer, lambda original: my_forward):
     ...     model(x)        # runs my_forward in this thread; other threads run the original
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import functools
 import threading
-import warnings
-import weakref
 from typing import Any, Callable, Dict, FrozenSet, Iterator, List
 
-import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -49,39 +46,6 @@ def _entered(token: object) -> Iterator[None]:
 
 def _is_entered(token: object) -> bool:
     return token in _ENTERED.get()
-
-
-# -- one explanation of a module at a time ------------------------------------------------
-# id(module) -> [thread holding it, how many nested exclusive() contexts of that thread].
-_HOLDERS: Dict[int, List[int]] = {}
-_HOLDERS_CHANGED = threading.Condition()
-
-
-@contextlib.contextmanager
-def exclusive(model: nn.Module) -> Iterator[None]:
-    """Hold every module of ``model`` for this thread: another thread explaining ``model``,
-    or any model sharing a module with it, waits until this context exits.
-
-    All modules are taken at once (or none), so two explanations of overlapping models
-    cannot deadlock; the holding thread may re-enter (the package nests its own contexts).
-    """
-    ids = [id(module) for module in model.modules()]
-    me = threading.get_ident()
-    with _HOLDERS_CHANGED:
-        _HOLDERS_CHANGED.wait_for(lambda: all(_HOLDERS.get(i, (me,))[0] == me for i in ids))
-        for i in ids:
-            holder = _HOLDERS.setdefault(i, [me, 0])
-            holder[1] += 1
-    try:
-        yield
-    finally:
-        with _HOLDERS_CHANGED:
-            for i in ids:
-                holder = _HOLDERS[i]
-                holder[1] -= 1
-                if holder[1] == 0:
-                    del _HOLDERS[i]
-            _HOLDERS_CHANGED.notify_all()
 
 
 @contextlib.contextmanager
@@ -182,8 +146,6 @@ def flag(obj: Any, name: str, value: bool) -> Iterator[None]:
 def eval_view(module: nn.Module) -> nn.Module:
     """A shallow copy of ``module`` in eval mode (parameters and children shared), for probes
     that must not draw dropout or update statistics without touching the module itself."""
-    import copy
-
     view = copy.copy(module)
     view.training = False
     return view
@@ -282,66 +244,17 @@ def mha_fastpath_disabled() -> Iterator[None]:
         yield
 
 
-# -- compiled modules -------------------------------------------------------------------
-_WARNED_COMPILED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-
-
-def _is_optimized(module: nn.Module) -> bool:
-    return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module)
-
-
-def original_module(module: nn.Module) -> nn.Module:
-    """The module ``torch.compile(module)`` wrapped (``module`` itself if not compiled so)."""
-    while _is_optimized(module):
-        module = module._orig_mod
-    return module
-
-
-def _compiled_parts(model: nn.Module) -> List[nn.Module]:
-    from_compile = []
-    for module in model.modules():
-        if _is_optimized(module) or getattr(module, "_compiled_call_impl", None) is not None:
-            from_compile.append(module)
-    return from_compile
-
-
 @contextlib.contextmanager
-def uncompiled(model: nn.Module) -> Iterator[None]:
-    """Run ``model``'s ``torch.compile``-d parts as their original modules, in this context.
+def eager_call(module: nn.Module) -> Iterator[None]:
+    """In the current context, a module compiled in place (``module.compile()``) runs its
+    eager ``_call_impl`` instead of the compiled one; elsewhere the compiled code runs."""
+    compiled = module._compiled_call_impl
+    token = object()
 
-    A compiled graph cannot see the hooks, wrapped forwards and torch-function modes an
-    explanation relies on (captured before they existed or traced through), so its maps
-    would be wrong (all zeros for a compiled timm ViT). Inside, an ``OptimizedModule``
-    (``torch.compile(module)``) calls its ``_orig_mod`` eagerly and a module compiled in
-    place (``module.compile()``) runs its eager ``_call_impl``; other threads keep the
-    compiled code. A one-time warning per model says so: the explanation is that of the
-    original module, whose outputs equal the compiled ones up to float rounding.
-    """
-    parts = _compiled_parts(model)
-    if not parts:
-        yield
-        return
-    if model not in _WARNED_COMPILED:
-        _WARNED_COMPILED.add(model)
-        names = sorted({name or "the model" for name, m in model.named_modules() if any(m is p for p in parts)})
-        warnings.warn(
-            f"{type(original_module(model)).__name__} has torch.compile-d parts ({', '.join(names)}); they are explained as the "
-            "original (uncompiled) modules, run eagerly while explaining: compiled code cannot be observed. "
-            "Outputs equal the compiled ones up to float rounding.", UserWarning, stacklevel=4)
-    with contextlib.ExitStack() as stack:
-        for module in parts:
-            if _is_optimized(module):
-                inner = module._orig_mod
-                stack.enter_context(instance_forward(module, lambda original, inner=inner: inner.__call__))
-            if getattr(module, "_compiled_call_impl", None) is not None:
-                token = object()
-                compiled = module._compiled_call_impl
+    def call(*args: Any, **kwargs: Any):
+        if _is_entered(token):
+            return module._call_impl(*args, **kwargs)
+        return compiled(*args, **kwargs)
 
-                def call(*args: Any, module=module, token=token, compiled=compiled, **kwargs: Any):
-                    if _is_entered(token):
-                        return module._call_impl(*args, **kwargs)
-                    return compiled(*args, **kwargs)
-
-                stack.enter_context(attributes(module, _compiled_call_impl=call))
-                stack.enter_context(_entered(token))
+    with attributes(module, _compiled_call_impl=call), _entered(token):
         yield
