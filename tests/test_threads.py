@@ -256,3 +256,28 @@ def test_two_models_sharing_an_encoder_explained_from_two_threads(method):
             torch.testing.assert_close(maps, expected[slot], rtol=0, atol=0)
     assert_same(before[0], snapshot(first))
     assert_same(before[1], snapshot(second))
+
+
+def test_a_captured_hf_config_answers_per_thread_and_pickles_as_its_own_class():
+    import copy
+    import pickle
+
+    from captum_transformers.capture import patching
+
+    model, _, _ = _hf()
+    config = model.config
+    original_class, stored = type(config), config._attn_implementation
+    seen = {}
+
+    def other_thread():
+        seen["implementation"] = config._attn_implementation
+
+    with patching.hf_attention_implementation(model, "captum_transformers"):
+        assert config._attn_implementation == "captum_transformers"
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join(timeout=60)
+        assert type(pickle.loads(pickle.dumps(config))) is original_class
+        assert type(copy.deepcopy(config)) is original_class
+    assert seen["implementation"] == stored
+    assert type(config) is original_class and config._attn_implementation == stored

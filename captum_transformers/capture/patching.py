@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import copyreg
 import functools
 import threading
 from typing import Any, Callable, Dict, FrozenSet, Iterator, List
@@ -186,7 +187,15 @@ def _contextual_config_class(cls: type) -> type:
             chosen = _IMPLEMENTATIONS.get().get(id(config))
             return inherited.fget(config) if chosen is None else chosen
 
+        def reduce_ex(config, protocol):
+            # Pickled (and copied) as the original class: another thread may save the config now.
+            constructor, arguments, *rest = cls.__reduce_ex__(config, protocol)
+            if arguments and arguments[0] is found:
+                constructor, arguments = copyreg._reconstructor, (cls, object, None)
+            return (constructor, arguments, *rest)
+
         found = type(cls.__name__, (cls,), {"_attn_implementation": property(read, inherited.fset),
+                                            "__reduce_ex__": reduce_ex,
                                             "__module__": cls.__module__, "__qualname__": cls.__qualname__})
         _CONTEXTUAL_CONFIG_CLASSES[cls] = found
     return found
