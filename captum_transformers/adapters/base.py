@@ -16,11 +16,14 @@ import torch
 from torch import nn
 
 from ..capture import patching
+from ..capture.compiled import uncompiled
+from ..capture.exclusive import exclusive
 from ..errors import CaptureError, InputError
 from ..propagation.backward_switch import switchable_backward
 from ..capture.targets import select_targets
 from ..capture.trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
 from ..capture.recorder import Recorder
+from .foreign_patches import check_library_classes
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..propagation.rules import RuleSet
@@ -195,6 +198,10 @@ class Adapter(abc.ABC):
         """Run the model once under the capture (and ``contexts``); return the layout, the
         logits, the explained score per example and its target index."""
         with contextlib.ExitStack() as stack:
+            # One explanation of a module at a time; compiled parts run as their originals.
+            stack.enter_context(exclusive(model))
+            check_library_classes(model)
+            stack.enter_context(uncompiled(model))
             stack.enter_context(self.capture(model, recorder))
             for context in contexts:
                 stack.enter_context(context)
@@ -385,25 +392,30 @@ def seeded(scores: torch.Tensor, rules: Optional["RuleSet"]) -> torch.Tensor:
 @contextlib.contextmanager
 def _read_layer_input(layer: nn.Module, store: List[torch.Tensor]):
     """Replace the hidden states entering ``layer`` (first call only) by a leaf that requires
-    grad, with the same values, so ``d score / d hidden`` can be read there."""
+    grad, with the same values, so ``d score / d hidden`` can be read there.
 
-    def pre_hook(module, args, kwargs):
-        if store:
-            return None
-        if args and isinstance(args[0], torch.Tensor):
-            original = args[0]
-        elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
-            original = kwargs["hidden_states"]
-        else:
-            return None
-        leaf = original.detach().requires_grad_()
-        store.append(leaf)
-        # Every argument that is the same tensor (query is key is value) gets the leaf.
-        args = tuple(leaf if a is original else a for a in args)
-        kwargs = {k: (leaf if v is original else v) for k, v in kwargs.items()}
-        return args, kwargs
+    A wrapped forward, not a pre-hook: a registered hook is seen by every thread (PyTorch's
+    TransformerEncoderLayer leaves its fast path when any module has one)."""
 
-    with patching.forward_hook(layer, pre_hook, pre=True, with_kwargs=True):
+    def make(original):
+        def forward(*args, **kwargs):
+            if store:
+                return original(*args, **kwargs)
+            if args and isinstance(args[0], torch.Tensor):
+                source = args[0]
+            elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                source = kwargs["hidden_states"]
+            else:
+                return original(*args, **kwargs)
+            leaf = source.detach().requires_grad_()
+            store.append(leaf)
+            # Every argument that is the same tensor (query is key is value) gets the leaf.
+            args = tuple(leaf if a is source else a for a in args)
+            kwargs = {k: (leaf if v is source else v) for k, v in kwargs.items()}
+            return original(*args, **kwargs)
+        return forward
+
+    with patching.instance_forward(layer, make):
         yield
 
 

@@ -6,12 +6,15 @@ private key (:data:`ATTENTION_KEY`), together with the eager mask function under
 key (without it, padding masks would be silently dropped). The adapter points a model's
 configs at the key only inside its contexts; the kernel reads the active recorder and rule
 set from context variables (:func:`active_recorder`, :func:`active_rules`) and is inert
-outside them.
+outside them. Entering either checks the registries: a foreign function under our key is
+refused (:class:`CaptureError`); a replaced entry under another key ("eager", "sdpa"), which
+captured models do not run, is reported once by a warning.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -139,17 +142,70 @@ def _register_kernel() -> None:
     if _REGISTERED:
         return
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     AttentionInterface.register(ATTENTION_KEY, captum_attention)
-    AttentionMaskInterface.register(ATTENTION_KEY, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    # The shipped eager mask by name: the "eager" entry may have been replaced already.
+    AttentionMaskInterface.register(ATTENTION_KEY, eager_mask)
     _REGISTERED = True
+
+
+# (registry name, key, id of the function) already warned about.
+_WARNED_FOREIGN: set = set()
+
+
+def _shipped(function: Any) -> bool:
+    return (getattr(function, "__module__", None) or "").split(".")[0] == "transformers"
+
+
+def _describe(function: Any) -> str:
+    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
+
+
+def _check_registry() -> None:
+    """Refuse a kernel or mask entry under :data:`ATTENTION_KEY` that is not ours; warn once
+    about other entries of transformers' attention registries that another library replaced.
+
+    The kernel key decides what every captured attention computes, so a foreign function
+    there is a :class:`CaptureError`. Other keys ("eager", "sdpa", ...) are not run while a
+    model is captured, so the maps are unaffected; the model's own forward outside an
+    explanation runs them, which the warning says.
+    """
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    registries = (("ALL_ATTENTION_FUNCTIONS", "AttentionInterface", ALL_ATTENTION_FUNCTIONS),
+                  ("ALL_MASK_ATTENTION_FUNCTIONS", "AttentionMaskInterface", ALL_MASK_ATTENTION_FUNCTIONS))
+    for registry, interface, functions in registries:
+        ours = functions[ATTENTION_KEY]
+        expected_ours = (ours is captum_attention if registry == "ALL_ATTENTION_FUNCTIONS"
+                         else _shipped(ours) and getattr(ours, "__qualname__", "") == "eager_mask")
+        if not expected_ours:
+            raise CaptureError(
+                f"{registry}[{ATTENTION_KEY!r}] is {_describe(ours)}, not captum_transformers' own entry: another "
+                "library replaced it, so captured attention would be computed by that code. Undo it with "
+                f"`del {registry}[{ATTENTION_KEY!r}]` (a per-instance override) or do not re-register the key."
+            )
+        for key in list(functions):
+            function = functions[key]
+            if key == ATTENTION_KEY or _shipped(function) or (registry, key, id(function)) in _WARNED_FOREIGN:
+                continue
+            _WARNED_FOREIGN.add((registry, key, id(function)))
+            local = key in getattr(functions, "_local_mapping", {})
+            undo = (f"`del {registry}[{key!r}]`" if local else
+                    f"`{interface}.register({key!r}, <the function transformers ships>)`")
+            warnings.warn(
+                f"transformers' {registry}[{key!r}] was replaced by {_describe(function)} (another library patched it "
+                "in this process). Explanations are unaffected: captured models run captum_transformers' own "
+                f"kernel. The models' own forward passes outside explanations run the replacement; undo it with "
+                f"{undo}.", UserWarning, stacklevel=4)
 
 
 @contextlib.contextmanager
 def active_recorder(recorder: Recorder, blocks: Dict[int, Block]) -> Iterator[None]:
     """Inside: every kernel call reports to ``recorder`` (``blocks`` keyed by module id)."""
     _register_kernel()
+    _check_registry()
     token = _ACTIVE.set((recorder, blocks))
     try:
         yield
@@ -161,6 +217,7 @@ def active_recorder(recorder: Recorder, blocks: Dict[int, Block]) -> Iterator[No
 def active_rules(rules: RuleSet) -> Iterator[None]:
     """Inside: every kernel call applies ``rules`` to its softmax and attention gate."""
     _register_kernel()
+    _check_registry()
     token = _RULES.set(rules)
     try:
         yield

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Union
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from .graph_refusal import graph_model_reason
 
 if TYPE_CHECKING:  # pragma: no cover
     from .base import Adapter
@@ -48,6 +49,23 @@ def _lookup_class(cls: type) -> Optional["Adapter"]:
     return None
 
 
+def _is_user_adapter(adapter: Union["Adapter", str, None]) -> bool:
+    """An adapter instance written outside this package (a user's own, e.g. for graphs)."""
+    return adapter is not None and not isinstance(adapter, str) and \
+        not type(adapter).__module__.startswith("captum_transformers.")
+
+
+def _refuse_graph_models(model: nn.Module) -> None:
+    reason = graph_model_reason(model)
+    if reason is not None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} contains the graph attention layer {reason}. Graph models are not supported "
+            "yet: the built-in adapters would read the nodes of a graph batch as a token sequence (node 0 as a CLS "
+            "token) and return a wrong map. Explain graph models with a graph method (e.g. torch_geometric.explain), "
+            "or pass adapter=YourGraphAdapter() (a captum_transformers.adapters.Adapter subclass of your own)."
+        )
+
+
 def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -> "Adapter":
     """The adapter for ``model``: ``adapter`` if given, else an MRO lookup.
 
@@ -55,6 +73,8 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
     """
     from . import base  # registers the built-in adapters on first use
 
+    if isinstance(model, nn.Module) and not _is_user_adapter(adapter):
+        _refuse_graph_models(model)
     if isinstance(adapter, base.Adapter):
         return adapter
     if isinstance(adapter, str):

@@ -2,11 +2,12 @@
 
 Mechanism. Inside :meth:`TorchMHAAdapter.capture`:
 
-1. :func:`~captum_transformers.capture.patching.mha_fastpath_disabled` turns off PyTorch's fused
-   paths. ``MultiheadAttention``, ``TransformerEncoderLayer`` and ``TransformerEncoder``
-   (its nested-tensor conversion included) each check
-   ``torch.backends.mha.get_fastpath_enabled()`` first, and with the flag off every call
-   goes through ``MultiheadAttention.forward`` and ``F.multi_head_attention_forward``.
+1. :func:`~captum_transformers.capture.patching.mha_fastpath_disabled` keeps PyTorch's fused
+   paths off in the explaining thread. ``MultiheadAttention``, ``TransformerEncoderLayer`` and
+   ``TransformerEncoder`` (its nested-tensor conversion included) leave their fast path while
+   a torch-function mode is active, so every call goes through ``MultiheadAttention.forward``
+   and ``F.multi_head_attention_forward``; other threads, and the process-wide
+   ``torch.backends.mha`` flag, are untouched.
 2. :func:`~captum_transformers.capture.patching.instance_forward` wraps each attention instance's
    ``forward``: the query is tapped through :meth:`Recorder.connect` (so gradients reach the
    attention even when every parameter is frozen), the original forward runs with
@@ -105,7 +106,7 @@ class TorchMHAAdapter(Adapter):
 
     Covers ``nn.MultiheadAttention`` used directly, ``nn.TransformerEncoderLayer`` and
     ``nn.TransformerEncoder`` (fast path and nested tensors included: they are turned off
-    while capturing and restored afterwards), with ``batch_first`` True or False, key
+    in the explaining thread while capturing), with ``batch_first`` True or False, key
     padding masks (padding keys get zero attribution), attention masks and causal masks
     (``is_causal=True`` or a mask that blocks the upper triangle).
 
