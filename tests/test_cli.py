@@ -65,6 +65,7 @@ def test_explain_text_with_a_local_huggingface_directory(tmp_path, capsys):
     (["explain", "--image", "/nonexistent.png"], "no such file"),
     (["explain", "--model", "./no_such_dir"], "no such file or directory"),
     (["benchmark", "--task", "digits", "--limit", "0"], "--limit 0"),
+    (["benchmark", "--task", "digits-two", "--pixel-steps", "cvpr21"], "applies to the digits task only"),
 ])
 def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
     assert main([*argv, "--out", str(tmp_path)]) == 2
@@ -88,7 +89,27 @@ def test_benchmark_digits_small_writes_table_json_csv_and_plots(tmp_path, capsys
     rows = json.loads((tmp_path / "results.json").read_text())
     assert {row["name"] for row in rows} == {"perturbation_positive", "perturbation_negative", "segmentation"}
     assert all(row["count"] == 12 for row in rows)
+    assert len(rows[0]["x"]) == 19  # the fine default: 1 % steps to 10 %, then 10 % steps to 90 %
     assert (tmp_path / "perturbation_positive.png").exists() and (tmp_path / "results.csv").exists()
+
+
+def test_benchmark_digits_cvpr21_steps_reproduce_the_numbers_recorded_before_the_fine_default(tmp_path, capsys):
+    # Recorded with the package when 0.0, 0.1, ..., 0.9 were the only steps (8 canvases, batches of 4).
+    assert main(["benchmark", "--task", "digits", "--methods", "rollout", "grad-cam", "--limit", "8",
+                 "--batch-size", "4", "--pixel-steps", "cvpr21", "--no-progress", "--out", str(tmp_path)]) == 0
+    assert "pixel steps: cvpr21" in capsys.readouterr().out
+    rows = {(row["method"], row["name"]): row for row in json.loads((tmp_path / "results.json").read_text())}
+    recorded = {
+        ("rollout", "perturbation_positive"): ((1.0, 0.0, 0.0, 0.0, 0.0, 0.125, 0.125, 0.125, 0.125, 0.125), 10.625),
+        ("rollout", "perturbation_negative"): ((1.0,) * 9 + (0.875,), 89.375),
+        ("grad-cam", "perturbation_positive"): ((1.0, 0.0, 0.0, 0.125, 0.125, 0.25, 0.25, 0.25, 0.125, 0.0), 16.25),
+        ("grad-cam", "perturbation_negative"):
+            ((1.0, 0.875, 0.75, 0.875, 0.875, 0.875, 0.75, 0.75, 0.625, 0.375), 70.625),
+    }
+    for key, (curve, auc) in recorded.items():
+        assert tuple(rows[key]["y"]) == curve and rows[key]["auc"] == auc
+        assert tuple(rows[key]["x"]) == tuple(i / 10 for i in range(10))
+    assert json.loads((tmp_path / "run.json").read_text())["pixel_steps"] == "cvpr21"
 
 
 def test_benchmark_digits_two_class_specificity(tmp_path, capsys):

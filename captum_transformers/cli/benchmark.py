@@ -11,6 +11,7 @@ import sys
 import torch
 
 from ..errors import InputError
+from ..evaluation.pixel_perturbation import PIXEL_PROTOCOLS
 from ..methods.catalog import METHOD_NAMES
 
 
@@ -26,6 +27,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--explain", choices=("predicted", "label"),
                         help="class to explain (default: predicted for digits, label for movies)")
+    parser.add_argument("--pixel-steps", choices=tuple(PIXEL_PROTOCOLS), default="fine",
+                        help="digits: removed-pixel fractions, 'fine' (0-10%% in 1%% steps, then 10%% steps to "
+                             "90%%; default) or 'cvpr21' (the authors' 0, 10, ..., 90%%)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
     parser.add_argument("--out", default="captum_transformers_benchmark", help="output folder")
     parser.add_argument("--cache-dir", help="movies: where the data and fine-tuned model are cached "
@@ -60,7 +64,7 @@ def run(args) -> int:
     try:
         report = run_benchmark(args.task, args.methods, args.limit, args.batch_size,
                                progress=not args.no_progress and rank == 0, device=device, explain=args.explain,
-                               cache_dir=args.cache_dir)
+                               cache_dir=args.cache_dir, pixel_steps=args.pixel_steps)
         if rank == 0:
             print(summary(report))
             print(table(report))
