@@ -50,6 +50,7 @@ from captum.attr import (Attribution, IntegratedGradients, LayerGradientXActivat
                          Saliency)
 from torch import nn
 
+from ..capture.compiled import uncompiled
 from ..errors import InputError
 
 TensorOrTuple = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
@@ -108,6 +109,11 @@ class _CaptumGradientBaseline(Attribution):
         ids (``return_tokens`` is then implied; for float inputs it is refused, there are no
         tokens to read).
         """
+        # Captum's layer hooks never fire inside compiled code: explain the original modules.
+        with uncompiled(self.model):
+            return self._attribute(inputs, target, additional_forward_args, return_tokens, forward_kwargs)
+
+    def _attribute(self, inputs, target, additional_forward_args, return_tokens, forward_kwargs):
         formatted = inputs if isinstance(inputs, tuple) else (inputs,)
         if not formatted or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in formatted):
             raise InputError(f"inputs must be a tensor or a tuple of tensors with a batch dimension, got "
