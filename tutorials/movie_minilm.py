@@ -16,11 +16,11 @@
 # `AutoModelForSequenceClassification.from_pretrained` exactly as from a model hub; its
 # classifier reads the CLS token. The data are the human-rated Rotten Tomatoes sentences of
 # Hutto & Gilbert (2014), which ship inside the vaderSentiment source distribution: the first
-# `load_movie_snippets` pip-downloads it (about 1 MB) and caches two files.
+# `load_movie_snippets` pip-downloads it and caches two files.
 #
 # The fully fine-tuned model takes about 13 CPU minutes (`python -m
 # captum_transformers.tasks.movie_model`, 0.87 test accuracy). This tutorial fine-tunes for
-# **96 steps of 8 sentences** instead (about 21 CPU seconds), which reaches about 0.80 on
+# **96 steps of 8 sentences** instead (20-25 CPU seconds), which reaches about 0.80 on
 # held-out sentences; if the full model is in the cache (`movie_model_dir()`), it is used.
 #
 # We then explain sentences with signed relevance (ConservativeLRP, AttnLRP), the
@@ -55,9 +55,9 @@ print("writing outputs to", OUT)
 # cuts it short. Measured on one thread, accuracy on 256 random validation sentences for about
 # the same 20 CPU seconds: 24 steps of 32 at learning rate 1e-4: 0.73, at 4e-4: 0.79; 48 steps
 # of 16 at 2e-4: 0.79; 96 steps of 8 at 1e-4: 0.80 (many small steps beat a few large ones).
-# The word-embedding matrix is frozen *during* training only (half the
-# parameters, so half the optimizer's work); `fine_tune` makes it trainable again, and we
-# check that no parameter stays frozen.
+# The word-embedding matrix is frozen *during* training only (half the parameters, so half
+# the optimizer's work); `fine_tune` makes it trainable again, and we check that no
+# parameter stays frozen.
 
 # %%
 SHORT_FINE_TUNE = FineTuneConfig(max_steps=96, batch_size=8, learning_rate=1e-4, epochs=1, seed=0)
