@@ -3,7 +3,8 @@
 Keys are classes or dotted strings (``"transformers.modeling_utils.PreTrainedModel"``),
 so registering an adapter never imports an optional dependency. A model whose own class
 is unknown is searched for a registered submodule, so user wrappers around a HF or timm
-model work unchanged.
+model work unchanged. Families no built-in adapter fits (Swin and other windowed or
+hierarchical models, :mod:`.unsupported`) are refused unless a user adapter is given.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Union
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from .unsupported import refuse_unsupported
 
 if TYPE_CHECKING:  # pragma: no cover
     from .base import Adapter
@@ -56,6 +58,7 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
     from . import base  # registers the built-in adapters on first use
 
     if isinstance(adapter, base.Adapter):
+        refuse_unsupported(model, adapter)
         return adapter
     if isinstance(adapter, str):
         if adapter not in _BY_NAME:
@@ -63,6 +66,7 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
                 f"Unknown adapter name {adapter!r}; registered adapters are {sorted(_BY_NAME)}. "
                 "Pass one of these names or an Adapter instance."
             )
+        refuse_unsupported(model, _BY_NAME[adapter])
         return _BY_NAME[adapter]
     if adapter is not None:
         raise UnsupportedModelError(
@@ -78,6 +82,7 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
             found = _lookup_class(type(sub))
             if found is not None:
                 break
+    refuse_unsupported(model, found)  # windowed, hierarchical models: say so, not "no adapter"
     if found is None:
         families = "; ".join(f"{a.name}: {a.families}" for a in registered_adapters())
         raise UnsupportedModelError(
