@@ -11,6 +11,7 @@ import torch
 
 from ..errors import InputError
 from ..methods.catalog import METHOD_NAMES
+from .output_folder import output_folder
 
 
 def add_parser(subparsers) -> None:
@@ -26,7 +27,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--explain", choices=("predicted", "label"),
                         help="class to explain (default: predicted for digits, label for movies)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
-    parser.add_argument("--out", default="captum_transformers_benchmark", help="output folder")
+    parser.add_argument("--out", default="captum_transformers_benchmark",
+                        help="output folder (default: %(default)s), checked before the run; one that holds an "
+                             "earlier results.json is never overwritten: the run goes to OUT-2, OUT-3, ... and says so")
     parser.add_argument("--cache-dir", help="movies: where the data and fine-tuned model are cached "
                                             "(default $CAPTUM_TRANSFORMERS_CACHE or ~/.cache/captum_transformers)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -48,12 +51,27 @@ def _start_distributed(device: str) -> str:
     return device
 
 
+def _check_device(device: str) -> None:
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise InputError(f"--device {device!r} is not a device this command runs on; use --device cpu, cuda or cuda:N.")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {device} but no CUDA device is available; use --device cpu.")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise InputError(f"--device {device} but there are {torch.cuda.device_count()} CUDA device(s); use cuda:0 "
+                         f"to cuda:{torch.cuda.device_count() - 1}.")
+
+
 def run(args) -> int:
     from ..tasks.report import summary, table, write_report
     from ..tasks.runner import run_benchmark
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError(f"--device {args.device} but no CUDA device is available; use --device cpu.")
+    _check_device(args.device)
+    # Settled before the run (minutes) and before joining a process group; only rank 0 writes.
+    out = output_folder(args.out, "results.json", "benchmark") if int(os.environ.get("RANK", "0")) == 0 else None
     device = _start_distributed(args.device)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     try:
@@ -63,7 +81,7 @@ def run(args) -> int:
         if rank == 0:
             print(summary(report))
             print(table(report))
-            for path in write_report(report, args.out):
+            for path in write_report(report, out):
                 print(f"wrote {path}")
     finally:
         if torch.distributed.is_initialized():
