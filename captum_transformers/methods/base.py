@@ -81,9 +81,10 @@ def span_to_input(scores: torch.Tensor, span: InputSpan, tensor: torch.Tensor) -
     """Map the tokens ``span`` selects from a stream's scores (B, N) onto one input tensor.
 
     Images (B, C, H, W) with a ``grid``: the tokens as a (gh, gw) map, bilinearly upsampled
-    to H x W and expanded over channels (an image without a ``grid`` is refused). Token inputs (B, n) get the scores; embeddings
-    (B, n, D) get them repeated over D. An input with no token correspondence (for example a
-    per-example scalar feature) gets zeros: it is not a token the attention mixes.
+    to H x W and expanded over channels (an image without a ``grid`` is refused). Token
+    inputs (B, n) get the scores; embeddings (B, n, D) get them repeated over D. An input
+    with no token correspondence (for example a per-example scalar feature) gets zeros: it
+    is not a token the attention mixes.
     """
     batch = scores.shape[0]
     tokens = scores[:, span.start:span.stop]
@@ -91,7 +92,7 @@ def span_to_input(scores: torch.Tensor, span: InputSpan, tensor: torch.Tensor) -
         raise CaptureError(
             f"The {tokens.shape[1]} token scores cannot be mapped onto the image input of shape {tuple(tensor.shape)}: "
             "the adapter knows no patch grid (no patch-embedding convolution with kernel == stride was found). "
-            "Pass return_tokens=True for the (B, N) token scores, or give a custom adapter a patch_size()."
+            "Pass return_tokens=True for the (B, N) token scores, or override patch_size() in a custom adapter."
         )
     if span.grid is not None and tensor.dim() == 4:
         if tokens.shape[1] != span.grid[0] * span.grid[1]:
