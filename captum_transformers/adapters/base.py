@@ -20,7 +20,7 @@ from ..capture.compiled import uncompiled
 from ..capture.exclusive import exclusive
 from ..errors import CaptureError, InputError
 from ..propagation.backward_switch import switchable_backward
-from ..capture.targets import select_targets
+from ..capture.targets import output_scores, select_targets
 from ..capture.trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
 from ..capture.recorder import Recorder
 from .foreign_patches import check_library_classes
@@ -152,13 +152,10 @@ class Adapter(abc.ABC):
         grid = None
         num_prefix = 0
         primary = inputs[0]
-        if primary.dim() == 4 and primary.is_floating_point():
-            patch = self.patch_size(model)
-            if patch is None:
-                raise CaptureError(
-                    f"Got an image batch of shape {tuple(primary.shape)} but found no patch-embedding "
-                    "convolution (kernel == stride) in the model; pass return_tokens=True for token scores."
-                )
+        # An image with no patch convolution gets no grid: its token scores are still well
+        # defined (return_tokens=True); mapping them onto pixels is refused in span_to_input.
+        patch = self.patch_size(model) if primary.dim() == 4 and primary.is_floating_point() else None
+        if patch is not None:
             height, width = primary.shape[-2:]
             grid = (height // patch[0], width // patch[1])
             num_prefix = num_tokens - grid[0] * grid[1]
@@ -177,7 +174,9 @@ class Adapter(abc.ABC):
 
     # -- output ---------------------------------------------------------------------
     def logits(self, model: nn.Module, output: Any, layout: TokenLayout, causal: bool) -> torch.Tensor:
-        """The (B, ...) score tensor that targets index into."""
+        """The (B, ...) score tensor that targets index into: the output itself, its first
+        tensor (tuple), or its ``"logits"`` entry (a dict or ``ModelOutput``)."""
+        output = output_scores(output)
         if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
             output = output[0]
         if not isinstance(output, torch.Tensor):

@@ -323,7 +323,7 @@ class HuggingFaceAdapter(Adapter):
     def logits(self, model, output, layout, causal):
         if not isinstance(output, (torch.Tensor, tuple, list)):
             for field in _OUTPUT_FIELDS:
-                value = getattr(output, field, None)
+                value = output.get(field) if isinstance(output, Mapping) else getattr(output, field, None)
                 if isinstance(value, torch.Tensor):
                     output = value
                     break

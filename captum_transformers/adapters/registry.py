@@ -3,7 +3,8 @@
 Keys are classes or dotted strings (``"transformers.modeling_utils.PreTrainedModel"``),
 so registering an adapter never imports an optional dependency. A model whose own class
 is unknown is searched for a registered submodule, so user wrappers around a HF or timm
-model work unchanged.
+model work unchanged. Families no built-in adapter fits (Swin and other windowed or
+hierarchical models, :mod:`.unsupported`) are refused unless a user adapter is given.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from .graph_refusal import graph_model_reason
+from .unsupported import refuse_unsupported
 
 if TYPE_CHECKING:  # pragma: no cover
     from .base import Adapter
@@ -76,6 +78,7 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
     if isinstance(model, nn.Module) and not _is_user_adapter(adapter):
         _refuse_graph_models(model)
     if isinstance(adapter, base.Adapter):
+        refuse_unsupported(model, adapter)
         return adapter
     if isinstance(adapter, str):
         if adapter not in _BY_NAME:
@@ -83,6 +86,7 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
                 f"Unknown adapter name {adapter!r}; registered adapters are {sorted(_BY_NAME)}. "
                 "Pass one of these names or an Adapter instance."
             )
+        refuse_unsupported(model, _BY_NAME[adapter])
         return _BY_NAME[adapter]
     if adapter is not None:
         raise UnsupportedModelError(
@@ -98,6 +102,7 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
             found = _lookup_class(type(sub))
             if found is not None:
                 break
+    refuse_unsupported(model, found)  # windowed, hierarchical models: say so, not "no adapter"
     if found is None:
         families = "; ".join(f"{a.name}: {a.families}" for a in registered_adapters())
         raise UnsupportedModelError(
