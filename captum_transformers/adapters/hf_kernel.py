@@ -39,13 +39,18 @@ _CROSS_COMPONENTS = frozenset({"encoder_attn", "EncDecAttention", "crossattentio
 # Eager-kernel arguments that change the attention and that the kernel below does not implement.
 _UNSUPPORTED_KERNEL_ARGS = ("sinks", "s_aux")
 def _key_valid_from_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Non-padding keys (B, K) from a 4D additive or boolean mask, read at the last query row."""
+    """Non-padding keys (B, K) from a 4D additive or boolean mask: the keys some query may attend to.
+
+    Padding keys are blocked for every query; a sliding window (Mistral, Qwen2, Gemma 2/3) or
+    a chunk blocks a real key only for distant queries, while the key's own query (the
+    diagonal) always sees it. So the union over query rows is exactly the padding mask; one
+    row (the last) would take the keys outside its window for padding.
+    """
     if mask is None or mask.dim() != 4:
         return None
-    row = mask[:, 0, -1, :]
-    if row.dtype == torch.bool:
-        return row
-    return row > torch.finfo(row.dtype).min / 2
+    rows = mask[:, 0]
+    allowed = rows if rows.dtype == torch.bool else rows > torch.finfo(rows.dtype).min / 2
+    return allowed.any(dim=1)
 
 
 def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
