@@ -67,6 +67,18 @@ def _sub_config(model: nn.Module, name: str) -> Any:
     return config if sub is None else sub
 
 
+@contextlib.contextmanager
+def _gradient_checkpointing_off(model: nn.Module) -> Iterator[None]:
+    """Layers with gradient checkpointing run plainly while captured: a checkpointed layer re-runs
+    its forward in the backward pass, outside the capture, with another attention kernel
+    (torch raises CheckpointError). Each module's own flag is restored on exit."""
+    with contextlib.ExitStack() as stack:
+        for module in model.modules():
+            if getattr(module, "gradient_checkpointing", False) is True:
+                stack.enter_context(patching.attributes(module, gradient_checkpointing=False))
+        yield
+
+
 def _takes_decoder_inputs(model: nn.Module) -> bool:
     """True for a seq2seq model called directly (its forward names ``decoder_input_ids``);
     DETR (also ``is_encoder_decoder``) and user wrappers are called positionally."""
@@ -152,13 +164,14 @@ class HuggingFaceAdapter(Adapter):
     @contextlib.contextmanager
     def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
         blocks = {id(b.module): b for b in self.blocks(model)}
-        with active_recorder(recorder, blocks), patching.hf_attention_implementation(model, ATTENTION_KEY):
+        with active_recorder(recorder, blocks), patching.hf_attention_implementation(model, ATTENTION_KEY), \
+                _gradient_checkpointing_off(model):
             yield
 
     @contextlib.contextmanager
     def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
         with active_rules(rules), patching.hf_attention_implementation(model, ATTENTION_KEY), \
-                norm_rules(model, rules), operation_rules(model, rules):
+                _gradient_checkpointing_off(model), norm_rules(model, rules), operation_rules(model, rules):
             yield
 
     def _quirks(self, model: nn.Module) -> Dict[str, Any]:
