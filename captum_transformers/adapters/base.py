@@ -21,6 +21,7 @@ from ..propagation.backward_switch import switchable_backward
 from ..capture.targets import select_targets
 from ..capture.trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
 from ..capture.recorder import Recorder
+from .query_rows import refuse_examples_without_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..propagation.rules import RuleSet
@@ -166,6 +167,7 @@ class Adapter(abc.ABC):
                     f"size {patch} gives a {grid[0]}x{grid[1]} grid plus {expected} prefix tokens. Check that the "
                     "input size matches the model (or that the model interpolates position embeddings)."
                 )
+        refuse_examples_without_tokens(token_mask)
         rows = self.query_rows(model, inputs, recorder, num_tokens, num_prefix, token_mask)
         weights = None
         if isinstance(rows, tuple):
@@ -173,6 +175,13 @@ class Adapter(abc.ABC):
         return TokenLayout(num_tokens, rows, token_mask, num_prefix, grid, weights)
 
     # -- output ---------------------------------------------------------------------
+    def check_output(self, model: nn.Module, output: Any, target: Any) -> None:
+        """Refuse an output that ``target`` cannot explain (default: accept every output).
+
+        Adapters override it for outputs that hold no class scores, such as a bare encoder's
+        hidden features, where the arg-max (``target=None``) would pick a meaningless feature.
+        """
+
     def logits(self, model: nn.Module, output: Any, layout: TokenLayout, causal: bool) -> torch.Tensor:
         """The (B, ...) score tensor that targets index into."""
         if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
@@ -184,6 +193,13 @@ class Adapter(abc.ABC):
             )
         if causal and output.dim() == 3:
             # Next-token logits at the explained (last real) position.
+            if layout.query_weights is not None or layout.query_rows.shape[1] != 1:
+                raise InputError(
+                    f"The model returns one score vector per position {tuple(output.shape)}, which a target explains "
+                    f"at one position, but the adapter was asked to explain {layout.query_rows.shape[1]} rows (e.g. "
+                    "query_rows='mean'). Use query_rows='last' or a token position for per-position outputs, or wrap "
+                    "the model so that it returns the pooled score to explain."
+                )
             position = layout.query_rows[:, -1]
             output = output[torch.arange(output.shape[0], device=output.device), position.to(output.device)]
         return output
@@ -206,6 +222,9 @@ class Adapter(abc.ABC):
                 "intercept; register a custom adapter or pass adapter=."
             )
         streams = self.stream_layouts(model, inputs, recorder)
+        for name, layout in streams.layouts.items():
+            refuse_examples_without_tokens(layout.token_mask, name)
+        self.check_output(model, output, target)
         logits = self.logits(model, output, streams.layouts[streams.explained[0]], recorder.causal)
         scores, index = self.resolve_target(model, logits, target)
         return self.rows_for_target(model, streams, index), logits, scores, index
@@ -232,6 +251,7 @@ class Adapter(abc.ABC):
         values. Only for rules whose forward graph is the plain one (no detached attention gate).
         """
         _refuse_inference_mode()
+        _refuse_empty_batch(inputs)
         if plain_spec is not None and (rules is None or rules.attention_gate != "gradient"):
             raise InputError(
                 f"A plain-gradient second pass needs rules whose graph keeps the attention gate (got {rules!r}); "
@@ -293,6 +313,7 @@ class Adapter(abc.ABC):
         ``at="inputs"``: ``x * dy/dx`` for every floating-point input.
         """
         _refuse_inference_mode()
+        _refuse_empty_batch(inputs)
         if at not in ("tokens", "inputs"):
             raise InputError(f"relevance must be read at 'tokens' or 'inputs', got {at!r}.")
         layers = self.first_layers(model) if at == "tokens" else {}
@@ -367,6 +388,16 @@ def _refuse_inference_mode() -> None:
         raise InputError(
             "attribute() was called under torch.inference_mode(), where no gradient can ever be taken. "
             "Call it under torch.no_grad() or with no context instead."
+        )
+
+
+def _refuse_empty_batch(inputs: Tuple[torch.Tensor, ...]) -> None:
+    # Refused rather than answered with an empty result: without a forward pass the number
+    # of tokens (the width of return_tokens=True) is unknown, and most models fail on B = 0.
+    if inputs and inputs[0].dim() > 0 and inputs[0].shape[0] == 0:
+        raise InputError(
+            f"The batch is empty: inputs of shapes {[tuple(t.shape) for t in inputs]} hold no example. Call attribute() "
+            "only on batches with at least one example (skip empty batches in the calling loop)."
         )
 
 
