@@ -49,8 +49,10 @@ def _key_valid_from_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]
     if mask is None or mask.dim() != 4:
         return None
     rows = mask[:, 0]
-    allowed = rows if rows.dtype == torch.bool else rows > torch.finfo(rows.dtype).min / 2
-    return allowed.any(dim=1)
+    if rows.dtype == torch.bool:
+        return rows.any(dim=1)
+    # The largest additive value over the queries: no (B, Q, K) temporary.
+    return rows.amax(dim=1) > torch.finfo(rows.dtype).min / 2
 
 
 def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
