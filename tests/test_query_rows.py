@@ -50,7 +50,8 @@ def _bert_inputs(lengths=(7, 5, 3)):
 
 
 def _layout(model, option, kwargs, ids, target=0):
-    return GenericAttention(model, adapter=HuggingFaceAdapter(query_rows=option)).trace(
+    # RawAttention takes no gradient: the default row of the pooling head is not checked.
+    return RawAttention(model, adapter=HuggingFaceAdapter(query_rows=option)).trace(
         ids, target=target, forward_kwargs=kwargs).layout
 
 
@@ -104,14 +105,33 @@ def test_mean_rows_batch_equals_single_with_padding(method):
         torch.testing.assert_close(batched[i:i + 1, :length], single, rtol=1e-4, atol=1e-6)
 
 
-def test_default_row_of_a_mean_pooling_head_is_the_cls_row():
-    """Documented limit: a user's pooling head is invisible, so the default stays the CLS row;
-    query_rows='mean' changes the explanation (it is not the same map)."""
+@pytest.mark.parametrize("method", ROW_METHODS)
+def test_a_hidden_pooling_head_is_refused_where_the_gradient_shows_it(method):
+    """The gradient at the last attention output shows which rows the score reads: methods that
+    take it refuse the default CLS row of a mean-pooling head and name query_rows. Forward-only
+    methods cannot know (documented limit): they explain the default row."""
     model, (ids, kwargs) = _pooled(), _bert_inputs()
-    default = GenericAttention(model).attribute(ids, target=1, forward_kwargs=kwargs, return_tokens=True)
-    mean = GenericAttention(model, adapter=HuggingFaceAdapter(query_rows="mean")).attribute(
-        ids, target=1, forward_kwargs=kwargs, return_tokens=True)
-    assert not torch.allclose(default, mean)
+    explainer = method(model)
+    if not explainer.capture_spec().needs_gradient:
+        scores = explainer.attribute(ids, target=1, forward_kwargs=kwargs, return_tokens=True)
+        assert torch.isfinite(scores).all()
+        return
+    with pytest.raises(InputError, match=r"depends on the last layer's tokens \[0, 1, 2, 3, 4, 5, 6\], but the "
+                                         r"explanation reads the row\(s\) \[0\] only") as error:
+        explainer.attribute(ids, target=1, forward_kwargs=kwargs, return_tokens=True)
+    assert "HuggingFaceAdapter(query_rows='mean')" in str(error.value)
+
+
+def test_a_token_level_target_read_at_another_row_is_refused():
+    """A masked-LM score at position 3 reads row 3, not the CLS row the adapter assumes."""
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(transformers.BertConfig(**SMALL, vocab_size=99)).eval()
+    ids, kwargs = _bert_inputs(lengths=(7, 5, 4))
+    with pytest.raises(InputError, match=r"depends on the last layer's tokens \[3\]"):
+        GenericAttention(model).attribute(ids, target=(3, 5), forward_kwargs=kwargs)
+    scores = GenericAttention(model, adapter=HuggingFaceAdapter(query_rows=3)).attribute(
+        ids, target=(3, 5), forward_kwargs=kwargs, return_tokens=True)
+    assert torch.isfinite(scores).all() and (scores[:, 3] != 0).all()
 
 
 @pytest.mark.parametrize("case", ["bert_model", "clip_vision", "clip_text"])
@@ -153,3 +173,43 @@ def test_mean_rows_of_a_per_position_output_are_refused():
         ids, target=3, forward_kwargs=kwargs, return_tokens=True)
     torch.testing.assert_close(last, GenericAttention(model).attribute(ids, target=3, forward_kwargs=kwargs,
                                                                          return_tokens=True))
+
+
+class _MeanPoolingEncoder(nn.Module):
+    """nn.TransformerEncoder + a mean over the real tokens + a linear head."""
+
+    def __init__(self, batch_first):
+        super().__init__()
+        self.batch_first = batch_first
+        self.embed = nn.Embedding(20, 16)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0,
+                                                                        batch_first=batch_first), 2)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, ids, key_padding_mask):
+        x = self.embed(ids) if self.batch_first else self.embed(ids).transpose(0, 1)
+        hidden = self.encoder(x, src_key_padding_mask=key_padding_mask)
+        hidden = hidden if self.batch_first else hidden.transpose(0, 1)
+        real = (~key_padding_mask)[:, :, None].to(hidden.dtype)
+        return self.head((hidden * real).sum(1) / real.sum(1))
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "sequence_first"])
+def test_a_hidden_pooling_head_of_an_mha_model_is_refused(batch_first):
+    torch.manual_seed(0)
+    model = _MeanPoolingEncoder(batch_first).eval()
+    ids = torch.randint(0, 20, (3, 3))  # B == N: the orientation must come from the module
+    padding = torch.tensor([[False, False, False], [False, False, True], [False, False, False]])
+    with pytest.raises(InputError, match=r"TorchMHAAdapter\(query_rows='mean'\)"):
+        GenericAttention(model).attribute(ids, target=1, additional_forward_args=(padding,))
+    scores = GenericAttention(model, adapter=TorchMHAAdapter("mean")).attribute(
+        ids, target=1, additional_forward_args=(padding,), return_tokens=True)
+    assert torch.isfinite(scores).all() and scores[1, 2] == 0
+
+
+def test_detr_takes_no_query_rows():
+    """DETR's explained row is the target's object query: the option would be ignored, so it is absent."""
+    from captum_transformers.adapters.detr import DetrAdapter
+
+    with pytest.raises(TypeError):
+        DetrAdapter(query_rows="mean")

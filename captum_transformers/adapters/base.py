@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import inspect
 from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -21,7 +22,7 @@ from ..propagation.backward_switch import switchable_backward
 from ..capture.targets import select_targets
 from ..capture.trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
 from ..capture.recorder import Recorder
-from .query_rows import refuse_examples_without_tokens
+from .query_rows import QueryRows, ReadRows, refuse_examples_without_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..propagation.rules import RuleSet
@@ -41,6 +42,8 @@ class Adapter(abc.ABC):
 
     name: str = "adapter"
     families: str = ""
+    #: The explained rows the user chose (adapters taking ``query_rows``); None: the adapter's default.
+    query_rows_choice: QueryRows = None
 
     @abc.abstractmethod
     def blocks(self, model: nn.Module) -> List[Block]:
@@ -106,6 +109,14 @@ class Adapter(abc.ABC):
         if recorder.causal:
             return last_real_rows(token_mask, num_tokens, batch, device)
         return torch.zeros(batch, 1, dtype=torch.long, device=device)
+
+    def query_rows_hint(self) -> str:
+        """How a user tells this adapter which rows explain the output (for error messages)."""
+        if "query_rows" in inspect.signature(type(self).__init__).parameters:
+            return (f"Pass adapter={type(self).__name__}(query_rows='mean') for a mean-pooling head, or "
+                    "query_rows='last' / a token position for a head that reads one token.")
+        return (f"The {self.name} adapter takes no query_rows; explain a model whose head reads the adapter's rows, "
+                "or subclass the adapter and override query_rows().")
 
     def stream_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder) -> StreamLayouts:
         """The model's token streams. Default: one stream (:meth:`layout`) that every input
@@ -263,14 +274,24 @@ class Adapter(abc.ABC):
             stack.enter_context(torch.enable_grad() if spec.needs_gradient else torch.no_grad())
             switch = stack.enter_context(switchable_backward()) if plain_spec is not None else None
             contexts = [self.propagation(model, rules)] if rules is not None else []
+            # The rows the score reads are checked where a gradient is taken anyway.
+            read_rows = ReadRows() if spec.needs_gradient and self.query_rows_choice is None else None
+            if read_rows is not None:
+                contexts.append(read_rows.watch(b.module for b in self.blocks(model) if b.kind == "self"))
             streams, logits, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
                                                            target, recorder, contexts)
             if spec.needs_gradient:
+                if read_rows is not None:
+                    read_rows.listen()
                 self._backward(recorder, seeded(scores, rules), retain_graph=switch is not None)
             if switch is not None:
                 recorder.next_pass(plain_spec)
                 with switch.plain_gradient():
                     self._backward(recorder, scores)
+        if read_rows is not None and streams.is_single:
+            explained = streams.layouts[streams.explained[0]]
+            read_rows.refuse_unexplained(explained.num_tokens, explained.query_rows, explained.query_weights,
+                                         explained.token_mask, self.query_rows_hint())
         records = tuple(
             AttentionRecord(s.block, s.call_index, s.forward_value, s.backward_value, s.streams, s.group)
             for s in recorder.sites

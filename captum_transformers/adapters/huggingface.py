@@ -131,7 +131,10 @@ class HuggingFaceAdapter(Adapter):
     tokens, CLIP text's end-of-text token, a causal model's last real token. A head the adapter
     cannot see, e.g. a user's ``nn.Module`` that mean-pools ``BertModel``'s hidden states (the
     usual sentence-encoder use of MiniLM), still gets the CLS row by default: nothing in the
-    forward pass tells which rows the user's code reads. Say it with ``query_rows``.
+    forward pass tells which rows the user's code reads. Say it with ``query_rows``. Methods
+    that take the gradient at the last attention output (Grad-CAM, GenericAttention,
+    TransformerRelevance, PartialLRP) see which rows the score reads and refuse a default
+    that leaves some out; forward-only methods cannot (see ``docs/explained-tokens.md``).
 
     Args:
         query_rows: which token(s) explain the output of a one-sequence model. ``None``
@@ -164,7 +167,7 @@ class HuggingFaceAdapter(Adapter):
     }
 
     def __init__(self, query_rows: QueryRows = None) -> None:
-        self._query_rows = checked_query_rows(query_rows)
+        self.query_rows_choice = checked_query_rows(query_rows)
 
     def blocks(self, model: nn.Module) -> List[Block]:
         found = [(name, m, block_kind(m, name)) for name, m in model.named_modules() if _is_attention_module(m)]
@@ -215,8 +218,8 @@ class HuggingFaceAdapter(Adapter):
     def query_rows(self, model, inputs, recorder, num_tokens, num_prefix, token_mask):
         batch = recorder.sites[0].batch_size
         device = inputs[0].device
-        if self._query_rows is not None:
-            return chosen_rows(self._query_rows, num_tokens, token_mask, batch, device)
+        if self.query_rows_choice is not None:
+            return chosen_rows(self.query_rows_choice, num_tokens, token_mask, batch, device)
         for module in model.modules():
             rows = _CLASS_ROWS.get(type(module).__name__)
             if rows is not None:
@@ -244,9 +247,9 @@ class HuggingFaceAdapter(Adapter):
         names = frozenset(site.streams[0] for site in recorder.sites)
         if len(names) < 2:
             return super().stream_layouts(model, inputs, recorder)
-        if self._query_rows is not None:
+        if self.query_rows_choice is not None:
             raise InputError(
-                f"query_rows={self._query_rows!r} chooses the explained rows of one token sequence, but "
+                f"query_rows={self.query_rows_choice!r} chooses the explained rows of one token sequence, but "
                 f"{type(model).__name__} has the streams {sorted(names)}, whose explained rows the adapter sets "
                 "(CLIP: end-of-text and CLS tokens; encoder-decoders: the last real decoder token). Use "
                 "HuggingFaceAdapter() without query_rows, or explain one tower of the model."

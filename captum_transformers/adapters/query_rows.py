@@ -10,6 +10,9 @@ other module from outside. Adapters that take this option (:class:`TorchMHAAdapt
 * ``"last"``: the last real token;
 * an int: that position (negative counts from the end of the sequence).
 
+Where a method takes the gradient anyway, :class:`ReadRows` sees which rows the score reads
+and refuses a default that leaves some out (see ``docs/explained-tokens.md``).
+
 Example::
 
     >>> rows, weights = chosen_rows("mean", 4, torch.tensor([[True, True, False, False]]))
@@ -18,10 +21,13 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+import contextlib
+from typing import Iterable, Iterator, Optional, Tuple, Union
 
 import torch
+from torch import nn
 
+from ..capture import patching
 from ..errors import InputError
 
 QueryRows = Union[None, int, str]
@@ -104,3 +110,69 @@ def chosen_rows(choice: QueryRows, num_tokens: int, token_mask: Optional[torch.T
             f"use a position in [{-num_tokens}, {num_tokens})."
         )
     return torch.full((batch, 1), position, dtype=torch.long, device=mask.device)
+
+
+class ReadRows:
+    """Which token rows of the last attention call's output the explained score depends on.
+
+    A head the adapter cannot see (mean pooling around a HF encoder, a token-classification
+    target at another position) reads other rows than the adapter's default. After the
+    backward pass, the rows whose gradient at the last attention output is non-zero are the
+    rows the score reads (every later operation acts per token): exact, and free for the
+    methods that take that gradient anyway. Forward-only methods (raw attention, rollout)
+    take none, so for them the rows cannot be known.
+    """
+
+    def __init__(self) -> None:
+        self.output: Optional[torch.Tensor] = None
+        self.sequence_first = False
+        self.read: Optional[torch.Tensor] = None
+
+    @contextlib.contextmanager
+    def watch(self, modules: Iterable[nn.Module]) -> Iterator[None]:
+        """Forward hooks keeping the output of the last call of any of ``modules``."""
+        def keep(module, args, output):
+            tensor = output[0] if isinstance(output, (tuple, list)) and output else output
+            if isinstance(tensor, torch.Tensor) and tensor.dim() == 3 and tensor.requires_grad:
+                self.output = tensor
+                # nn.MultiheadAttention(batch_first=False) returns (N, B, D).
+                self.sequence_first = getattr(module, "batch_first", True) is False
+            return None
+
+        with contextlib.ExitStack() as stack:
+            for module in modules:
+                stack.enter_context(patching.forward_hook(module, keep))
+            yield
+
+    def listen(self) -> None:
+        """Before the backward pass: note the rows its gradient reaches."""
+        if self.output is not None:
+            self.output.register_hook(self._note)
+
+    def _note(self, grad: torch.Tensor) -> None:
+        read = grad.detach().ne(0).any(dim=-1)
+        read = read.transpose(0, 1) if self.sequence_first else read
+        self.read = read if self.read is None else self.read | read
+
+    def refuse_unexplained(self, num_tokens: int, query_rows: torch.Tensor, query_weights: Optional[torch.Tensor],
+                           token_mask: Optional[torch.Tensor], hint: str) -> None:
+        """:class:`InputError` when the score reads real rows that the explanation leaves out."""
+        if self.read is None or tuple(self.read.shape) != (query_rows.shape[0], num_tokens):
+            return  # not the explained sequence's last call (another stream or layout)
+        read = self.read.to(query_rows.device)
+        explained = torch.zeros_like(read)
+        weighted = torch.ones_like(query_rows, dtype=torch.bool) if query_weights is None else query_weights > 0
+        explained.scatter_(1, query_rows, weighted.to(query_rows.device))
+        if token_mask is not None:
+            read = read & token_mask.to(device=read.device, dtype=torch.bool)
+        unexplained = read & ~explained
+        examples = unexplained.any(dim=1).nonzero().flatten().tolist()
+        if examples:
+            first = examples[0]
+            raise InputError(
+                f"The explained score of example {first} depends on the last layer's tokens "
+                f"{read[first].nonzero().flatten().tolist()}, but the explanation reads the row(s) "
+                f"{query_rows[first][weighted[first].to(query_rows.device)].tolist()} only (the adapter's default); "
+                f"{len(examples)} example(s) differ so. The model's head pools or selects tokens the adapter cannot "
+                f"see (mean pooling, a token-level target). {hint}"
+            )

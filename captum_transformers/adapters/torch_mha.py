@@ -130,7 +130,7 @@ class TorchMHAAdapter(Adapter):
     families = "models built from torch.nn.MultiheadAttention / nn.TransformerEncoder(Layer)"
 
     def __init__(self, query_rows: QueryRows = None) -> None:
-        self._query_rows = checked_query_rows(query_rows)
+        self.query_rows_choice = checked_query_rows(query_rows)
 
     # -- sites ----------------------------------------------------------------------
     def blocks(self, model: nn.Module) -> List[Block]:
@@ -178,9 +178,9 @@ class TorchMHAAdapter(Adapter):
     # -- layout ---------------------------------------------------------------------
     def query_rows(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder,
                    num_tokens: int, num_prefix: int, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        if self._query_rows is None:
+        if self.query_rows_choice is None:
             return super().query_rows(model, inputs, recorder, num_tokens, num_prefix, token_mask)
-        return chosen_rows(self._query_rows, num_tokens, token_mask, recorder.sites[0].batch_size, inputs[0].device)
+        return chosen_rows(self.query_rows_choice, num_tokens, token_mask, recorder.sites[0].batch_size, inputs[0].device)
 
 
 def _recording_forward(original: Callable, block: Block, recorder: Optional[Recorder],
