@@ -128,7 +128,9 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if active is not None:
         recorder, blocks = active
         block = blocks.get(id(module)) or Block(type(module).__name__, module, block_kind(module))
-        recorder.record(block, probs, key_valid=_key_valid_from_mask(attention_mask),
+        # The recorder keeps the first mask per key stream: later calls need not derive theirs.
+        known = block.default_streams[1] in recorder.stream_valid
+        recorder.record(block, probs, key_valid=None if known else _key_valid_from_mask(attention_mask),
                         causal=bool(getattr(module, "is_causal", False)) and block.kind == "self",
                         observer=observer)
     return output.transpose(1, 2).contiguous(), probs
