@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import inspect
 from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -24,6 +25,7 @@ from ..capture.targets import output_scores, select_targets
 from ..capture.trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
 from ..capture.recorder import Recorder
 from .foreign_patches import check_library_classes
+from .query_rows import QueryRows, ReadRows, refuse_examples_without_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..propagation.rules import RuleSet
@@ -43,6 +45,8 @@ class Adapter(abc.ABC):
 
     name: str = "adapter"
     families: str = ""
+    #: The explained rows the user chose (adapters taking ``query_rows``); None: the adapter's default.
+    query_rows_choice: QueryRows = None
 
     @abc.abstractmethod
     def blocks(self, model: nn.Module) -> List[Block]:
@@ -109,6 +113,14 @@ class Adapter(abc.ABC):
             return last_real_rows(token_mask, num_tokens, batch, device)
         return torch.zeros(batch, 1, dtype=torch.long, device=device)
 
+    def query_rows_hint(self) -> str:
+        """How a user tells this adapter which rows explain the output (for error messages)."""
+        if "query_rows" in inspect.signature(type(self).__init__).parameters:
+            return (f"Pass adapter={type(self).__name__}(query_rows='mean') for a mean-pooling head, or "
+                    "query_rows='last' / a token position for a head that reads one token.")
+        return (f"The {self.name} adapter takes no query_rows; explain a model whose head reads the adapter's rows, "
+                "or subclass the adapter and override query_rows().")
+
     def stream_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder) -> StreamLayouts:
         """The model's token streams. Default: one stream (:meth:`layout`) that every input
         maps onto; adapters of bi-modal, dual-encoder and encoder-decoder models override it."""
@@ -166,6 +178,7 @@ class Adapter(abc.ABC):
                     f"size {patch} gives a {grid[0]}x{grid[1]} grid plus {expected} prefix tokens. Check that the "
                     "input size matches the model (or that the model interpolates position embeddings)."
                 )
+        refuse_examples_without_tokens(token_mask)
         rows = self.query_rows(model, inputs, recorder, num_tokens, num_prefix, token_mask)
         weights = None
         if isinstance(rows, tuple):
@@ -173,6 +186,13 @@ class Adapter(abc.ABC):
         return TokenLayout(num_tokens, rows, token_mask, num_prefix, grid, weights)
 
     # -- output ---------------------------------------------------------------------
+    def check_output(self, model: nn.Module, output: Any, target: Any) -> None:
+        """Refuse an output that ``target`` cannot explain (default: accept every output).
+
+        Adapters override it for outputs that hold no class scores, such as a bare encoder's
+        hidden features, where the arg-max (``target=None``) would pick a meaningless feature.
+        """
+
     def logits(self, model: nn.Module, output: Any, layout: TokenLayout, causal: bool) -> torch.Tensor:
         """The (B, ...) score tensor that targets index into: the output itself, its first
         tensor (tuple), or its ``"logits"`` entry (a dict or ``ModelOutput``)."""
@@ -186,6 +206,13 @@ class Adapter(abc.ABC):
             )
         if causal and output.dim() == 3:
             # Next-token logits at the explained (last real) position.
+            if layout.query_weights is not None or layout.query_rows.shape[1] != 1:
+                raise InputError(
+                    f"The model returns one score vector per position {tuple(output.shape)}, which a target explains "
+                    f"at one position, but the adapter was asked to explain {layout.query_rows.shape[1]} rows (e.g. "
+                    "query_rows='mean'). Use query_rows='last' or a token position for per-position outputs, or wrap "
+                    "the model so that it returns the pooled score to explain."
+                )
             position = layout.query_rows[:, -1]
             output = output[torch.arange(output.shape[0], device=output.device), position.to(output.device)]
         return output
@@ -212,6 +239,9 @@ class Adapter(abc.ABC):
                 "intercept; register a custom adapter or pass adapter=."
             )
         streams = self.stream_layouts(model, inputs, recorder)
+        for name, layout in streams.layouts.items():
+            refuse_examples_without_tokens(layout.token_mask, name)
+        self.check_output(model, output, target)
         logits = self.logits(model, output, streams.layouts[streams.explained[0]], recorder.causal)
         scores, index = self.resolve_target(model, logits, target)
         return self.rows_for_target(model, streams, index), logits, scores, index
@@ -238,6 +268,7 @@ class Adapter(abc.ABC):
         values. Only for rules whose forward graph is the plain one (no detached attention gate).
         """
         _refuse_inference_mode()
+        _refuse_empty_batch(inputs)
         if plain_spec is not None and (rules is None or rules.attention_gate != "gradient"):
             raise InputError(
                 f"A plain-gradient second pass needs rules whose graph keeps the attention gate (got {rules!r}); "
@@ -249,14 +280,24 @@ class Adapter(abc.ABC):
             stack.enter_context(torch.enable_grad() if spec.needs_gradient else torch.no_grad())
             switch = stack.enter_context(switchable_backward()) if plain_spec is not None else None
             contexts = [self.propagation(model, rules)] if rules is not None else []
+            # The rows the score reads are checked where a gradient is taken anyway.
+            read_rows = ReadRows() if spec.needs_gradient and self.query_rows_choice is None else None
+            if read_rows is not None:
+                contexts.append(read_rows.watch(b.module for b in self.blocks(model) if b.kind == "self"))
             streams, logits, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
                                                            target, recorder, contexts)
             if spec.needs_gradient:
+                if read_rows is not None:
+                    read_rows.listen()
                 self._backward(recorder, seeded(scores, rules), retain_graph=switch is not None)
             if switch is not None:
                 recorder.next_pass(plain_spec)
                 with switch.plain_gradient():
                     self._backward(recorder, scores)
+        if read_rows is not None and streams.is_single:
+            explained = streams.layouts[streams.explained[0]]
+            read_rows.refuse_unexplained(explained.num_tokens, explained.query_rows, explained.query_weights,
+                                         explained.token_mask, self.query_rows_hint())
         records = tuple(
             AttentionRecord(s.block, s.call_index, s.forward_value, s.backward_value, s.streams, s.group)
             for s in recorder.sites
@@ -299,6 +340,7 @@ class Adapter(abc.ABC):
         ``at="inputs"``: ``x * dy/dx`` for every floating-point input.
         """
         _refuse_inference_mode()
+        _refuse_empty_batch(inputs)
         if at not in ("tokens", "inputs"):
             raise InputError(f"relevance must be read at 'tokens' or 'inputs', got {at!r}.")
         layers = self.first_layers(model) if at == "tokens" else {}
@@ -373,6 +415,16 @@ def _refuse_inference_mode() -> None:
         raise InputError(
             "attribute() was called under torch.inference_mode(), where no gradient can ever be taken. "
             "Call it under torch.no_grad() or with no context instead."
+        )
+
+
+def _refuse_empty_batch(inputs: Tuple[torch.Tensor, ...]) -> None:
+    # Refused rather than answered with an empty result: without a forward pass the number
+    # of tokens (the width of return_tokens=True) is unknown, and most models fail on B = 0.
+    if inputs and inputs[0].dim() > 0 and inputs[0].shape[0] == 0:
+        raise InputError(
+            f"The batch is empty: inputs of shapes {[tuple(t.shape) for t in inputs]} hold no example. Call attribute() "
+            "only on batches with at least one example (skip empty batches in the calling loop)."
         )
 
 

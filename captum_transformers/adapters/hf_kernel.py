@@ -42,13 +42,20 @@ _CROSS_COMPONENTS = frozenset({"encoder_attn", "EncDecAttention", "crossattentio
 # Eager-kernel arguments that change the attention and that the kernel below does not implement.
 _UNSUPPORTED_KERNEL_ARGS = ("sinks", "s_aux")
 def _key_valid_from_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Non-padding keys (B, K) from a 4D additive or boolean mask, read at the last query row."""
+    """Non-padding keys (B, K) from a 4D additive or boolean mask: the keys some query may attend to.
+
+    Padding keys are blocked for every query; a sliding window (Mistral, Qwen2, Gemma 2/3) or
+    a chunk blocks a real key only for distant queries, while the key's own query (the
+    diagonal) always sees it. So the union over query rows is exactly the padding mask; one
+    row (the last) would take the keys outside its window for padding.
+    """
     if mask is None or mask.dim() != 4:
         return None
-    row = mask[:, 0, -1, :]
-    if row.dtype == torch.bool:
-        return row
-    return row > torch.finfo(row.dtype).min / 2
+    rows = mask[:, 0]
+    if rows.dtype == torch.bool:
+        return rows.any(dim=1)
+    # The largest additive value over the queries: no (B, Q, K) temporary.
+    return rows.amax(dim=1) > torch.finfo(rows.dtype).min / 2
 
 
 def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
@@ -124,7 +131,9 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if active is not None:
         recorder, blocks = active
         block = blocks.get(id(module)) or Block(type(module).__name__, module, block_kind(module))
-        recorder.record(block, probs, key_valid=_key_valid_from_mask(attention_mask),
+        # The recorder keeps the first mask per key stream: later calls need not derive theirs.
+        known = block.default_streams[1] in recorder.stream_valid
+        recorder.record(block, probs, key_valid=None if known else _key_valid_from_mask(attention_mask),
                         causal=bool(getattr(module, "is_causal", False)) and block.kind == "self",
                         observer=observer)
     return output.transpose(1, 2).contiguous(), probs

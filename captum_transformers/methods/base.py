@@ -18,6 +18,7 @@ from torch import nn
 
 from ..adapters.base import Adapter
 from ..errors import CaptureError, InputError
+from ..adapters.query_rows import refuse_masked_explained_rows
 from ..adapters.registry import get_adapter
 from .relevancy_maps import explained_rows
 from ..capture.inputs import passed_by_name, split_mapping
@@ -197,8 +198,11 @@ class TraceAttribution(Attribution):
         A stream the method gives no score (no attention call connects it to an explained
         stream, e.g. raw attention without a cross map) gets zeros.
         """
-        scores = self.reduce(trace)
         streams = trace.streams
+        for name in streams.explained:  # a padded explained row would zero the example's whole map
+            layout = streams.layouts[name]
+            refuse_masked_explained_rows(layout.query_rows, layout.query_weights, layout.token_mask, name)
+        scores = self.reduce(trace)
         if not isinstance(scores, dict):
             scores = {streams.explained[0]: scores}
         reference = next(iter(scores.values()))
