@@ -263,6 +263,11 @@ class _NoFastPath(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+# ids of the modules whose fast path a context of this thread holds off.
+_WITHOUT_FAST_PATH: contextvars.ContextVar[FrozenSet[int]] = contextvars.ContextVar(
+    "captum_transformers_without_fast_path", default=frozenset())
+
+
 def _without_fast_path(original: Callable) -> Callable:
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any):
@@ -282,15 +287,25 @@ def mha_fastpath_disabled(model: nn.Module) -> Iterator[None]:
     pass-through torch-function mode around each attention's forward. Other threads keep
     the fast path; ``torch.backends.mha``'s process-wide flag is never written.
     """
+    held = _WITHOUT_FAST_PATH.get()
+    modules = list(model.modules())
     with contextlib.ExitStack() as stack:
-        for module in model.modules():
+        for module in modules:
+            if id(module) in held:  # an enclosing context of this thread already holds it off
+                continue
             if isinstance(module, nn.TransformerEncoder) and hasattr(module, "use_nested_tensor"):
                 stack.enter_context(flag(module, "use_nested_tensor", False))
             elif isinstance(module, nn.TransformerEncoderLayer) and hasattr(module, "activation_relu_or_gelu"):
                 stack.enter_context(flag(module, "activation_relu_or_gelu", 0))
             elif isinstance(module, nn.MultiheadAttention):
+                # Innermost around the attention's own forward (an outer one would also route
+                # the explicit recomputation of the LRP rules through the mode).
                 stack.enter_context(instance_forward(module, _without_fast_path))
-        yield
+        reset = _WITHOUT_FAST_PATH.set(held | {id(m) for m in modules})
+        try:
+            yield
+        finally:
+            _WITHOUT_FAST_PATH.reset(reset)
 
 
 @contextlib.contextmanager
