@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Iterator, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 from torch import nn
 
@@ -56,12 +56,33 @@ def _foreign_methods(owner: type) -> Iterator[Tuple[str, object]]:
             yield name, origin
 
 
+# Library classes in a class's MRO, and per library class the (dict size, function entries)
+# last found to be the library's own: re-checked by identity, fully when the dict changed size.
+_LIBRARY_OWNERS: Dict[type, Tuple[type, ...]] = {}
+_VERIFIED: Dict[type, Tuple[int, Tuple[Tuple[str, object], ...]]] = {}
+
+
+def _library_owners(cls: type) -> Tuple[type, ...]:
+    owners = _LIBRARY_OWNERS.get(cls)
+    if owners is None:
+        owners = _LIBRARY_OWNERS[cls] = tuple(o for o in cls.__mro__ if _library(o.__module__) is not None)
+    return owners
+
+
+def _unchanged(owner: type) -> bool:
+    entries = vars(owner)
+    verified = _VERIFIED.get(owner)
+    return verified is not None and verified[0] == len(entries) and all(
+        entries.get(name) is value for name, value in verified[1])
+
+
 def check_library_classes(model: nn.Module) -> None:
     """Raise :class:`CaptureError` if a method of a transformers / torch / timm class used by
     ``model`` is a function from elsewhere (replaced in this process by another library)."""
-    owners = {owner for cls in {type(module) for module in model.modules()} for owner in cls.__mro__
-              if _library(owner.__module__) is not None}
+    owners = {owner for cls in {type(module) for module in model.modules()} for owner in _library_owners(cls)}
     for owner in owners:
+        if _unchanged(owner):
+            continue
         for name, origin in _foreign_methods(owner):
             where = f"{owner.__module__}.{owner.__qualname__}.{name}"
             by = f"{getattr(origin, '__module__', '?')}.{getattr(origin, '__qualname__', repr(origin))}"
@@ -72,3 +93,6 @@ def check_library_classes(model: nn.Module) -> None:
                 f"or assign the original function back to {owner.__qualname__}.{name}), or start a fresh Python "
                 "process that does not apply it; importlib.reload does not change models already built."
             )
+        entries = vars(owner)
+        _VERIFIED[owner] = (len(entries), tuple((name, value) for name, value in entries.items()
+                                                if _function(value) is not None))

@@ -3,11 +3,11 @@
 Mechanism. Inside :meth:`TorchMHAAdapter.capture`:
 
 1. :func:`~captum_transformers.capture.patching.mha_fastpath_disabled` keeps PyTorch's fused
-   paths off in the explaining thread. ``MultiheadAttention``, ``TransformerEncoderLayer`` and
-   ``TransformerEncoder`` (its nested-tensor conversion included) leave their fast path while
-   a torch-function mode is active, so every call goes through ``MultiheadAttention.forward``
-   and ``F.multi_head_attention_forward``; other threads, and the process-wide
-   ``torch.backends.mha`` flag, are untouched.
+   paths off in the explaining thread, per instance: ``TransformerEncoder`` (its nested-tensor
+   conversion included) and ``TransformerEncoderLayer`` through flags only their fast paths
+   read, ``MultiheadAttention`` through a torch-function mode around its forward. Every call
+   goes through ``MultiheadAttention.forward`` and ``F.multi_head_attention_forward``; other
+   threads, and the process-wide ``torch.backends.mha`` flag, are untouched.
 2. :func:`~captum_transformers.capture.patching.instance_forward` wraps each attention instance's
    ``forward``: the query is tapped through :meth:`Recorder.connect` (so gradients reach the
    attention even when every parameter is frozen), the original forward runs with
@@ -146,7 +146,7 @@ class TorchMHAAdapter(Adapter):
     def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
         blocks = self.blocks(model)
         with contextlib.ExitStack() as stack:
-            stack.enter_context(patching.mha_fastpath_disabled())
+            stack.enter_context(patching.mha_fastpath_disabled(model))
             for block in blocks:
                 stack.enter_context(patching.instance_forward(
                     block.module, lambda original, block=block: _recording_forward(original, block, recorder)
@@ -163,7 +163,7 @@ class TorchMHAAdapter(Adapter):
         token = _EXPLICIT.set(True) if explicit else None
         try:
             with contextlib.ExitStack() as stack:
-                stack.enter_context(patching.mha_fastpath_disabled())
+                stack.enter_context(patching.mha_fastpath_disabled(model))
                 if rules.attention_gate != "gradient" or explicit:
                     for block in self.blocks(model):
                         stack.enter_context(patching.instance_forward(

@@ -112,27 +112,46 @@ def forward_hook(module: nn.Module, hook: Callable, *, pre: bool = False, with_k
         handle.remove()
 
 
-class _ContextualFlag:
-    """A truth value that is ``value`` where its context is entered and ``original`` elsewhere.
+class _ContextualValue:
+    """A flag that is ``value`` where its context is entered and ``original`` elsewhere.
 
-    Stands in for a boolean instance flag read as ``if module.flag:`` (timm's ``fused_attn``
-    and ``grad_checkpointing``)."""
+    Stands in for an instance flag read as ``if module.flag:`` or compared (timm's
+    ``fused_attn`` and ``grad_checkpointing``; torch's ``use_nested_tensor`` and
+    ``activation_relu_or_gelu``, an int compared with ``== 2``)."""
 
     __slots__ = ("token", "value", "original")
 
-    def __init__(self, token: object, value: bool, original: Any):
+    def __init__(self, token: object, value: Any, original: Any):
         self.token, self.value, self.original = token, value, original
 
+    def current(self) -> Any:
+        return self.value if _is_entered(self.token) else self.original
+
     def __bool__(self) -> bool:
-        return bool(self.value if _is_entered(self.token) else self.original)
+        return bool(self.current())
+
+    def __eq__(self, other: Any) -> bool:
+        return self.current() == other
+
+    def __ne__(self, other: Any) -> bool:
+        return self.current() != other
+
+    def __hash__(self) -> int:
+        return hash(self.current())
+
+    def __int__(self) -> int:
+        return int(self.current())
+
+    def __index__(self) -> int:
+        return int(self.current())
 
     def __repr__(self) -> str:
-        return f"{bool(self)} (captum_transformers: {self.value} while explaining, else {self.original!r})"
+        return f"{self.current()!r} (captum_transformers: {self.value!r} while explaining, else {self.original!r})"
 
 
 @contextlib.contextmanager
-def flag(obj: Any, name: str, value: bool) -> Iterator[None]:
-    """Set the boolean flag ``obj.name`` to ``value`` in the current context only.
+def flag(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """Set the flag ``obj.name`` (a bool or small int) to ``value`` in the current context only.
 
     Example::
 
@@ -140,7 +159,7 @@ def flag(obj: Any, name: str, value: bool) -> Iterator[None]:
         ...     vit(images)   # explicit attention path here, timm's choice in other threads
     """
     token = object()
-    with attributes(obj, **{name: _ContextualFlag(token, value, getattr(obj, name))}), _entered(token):
+    with attributes(obj, **{name: _ContextualValue(token, value, getattr(obj, name))}), _entered(token):
         yield
 
 
@@ -235,22 +254,58 @@ def hf_attention_implementation(model: nn.Module, key: str) -> Iterator[None]:
 
 
 class _NoFastPath(TorchFunctionMode):
-    """A pass-through torch-function mode. PyTorch's fused MultiheadAttention /
-    TransformerEncoder(Layer) fast paths are not taken while any torch-function mode is
-    active (``has_torch_function`` is then true), and modes are per thread."""
+    """A pass-through torch-function mode. ``MultiheadAttention.forward`` does not take its
+    fused fast path while any torch-function mode is active (``has_torch_function`` is then
+    true); modes are per thread, and one handling a call is off inside it, so only the few
+    top-level calls of ``MultiheadAttention.forward`` pass through here."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
 
 
+# ids of the modules whose fast path a context of this thread holds off.
+_WITHOUT_FAST_PATH: contextvars.ContextVar[FrozenSet[int]] = contextvars.ContextVar(
+    "captum_transformers_without_fast_path", default=frozenset())
+
+
+def _without_fast_path(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any):
+        with _NoFastPath():
+            return original(*args, **kwargs)
+    return forward
+
+
 @contextlib.contextmanager
-def mha_fastpath_disabled() -> Iterator[None]:
-    """Keep PyTorch's fused MultiheadAttention / TransformerEncoder fast path off in this
-    thread (the fast path bypasses ``MultiheadAttention.forward``, so no weights would be
-    observed). ``torch.backends.mha``'s process-wide flag is left alone: other threads
-    keep the fast path."""
-    with _NoFastPath():
-        yield
+def mha_fastpath_disabled(model: nn.Module) -> Iterator[None]:
+    """Keep PyTorch's fused MultiheadAttention / TransformerEncoder(Layer) fast paths off for
+    ``model`` in the current context (the fast path bypasses ``MultiheadAttention.forward``,
+    so no weights would be observed).
+
+    Per instance, through the flags that only the fast paths read: an encoder's
+    ``use_nested_tensor`` and a layer's ``activation_relu_or_gelu`` (contextual values), and a
+    pass-through torch-function mode around each attention's forward. Other threads keep
+    the fast path; ``torch.backends.mha``'s process-wide flag is never written.
+    """
+    held = _WITHOUT_FAST_PATH.get()
+    modules = list(model.modules())
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            if id(module) in held:  # an enclosing context of this thread already holds it off
+                continue
+            if isinstance(module, nn.TransformerEncoder) and hasattr(module, "use_nested_tensor"):
+                stack.enter_context(flag(module, "use_nested_tensor", False))
+            elif isinstance(module, nn.TransformerEncoderLayer) and hasattr(module, "activation_relu_or_gelu"):
+                stack.enter_context(flag(module, "activation_relu_or_gelu", 0))
+            elif isinstance(module, nn.MultiheadAttention):
+                # Innermost around the attention's own forward (an outer one would also route
+                # the explicit recomputation of the LRP rules through the mode).
+                stack.enter_context(instance_forward(module, _without_fast_path))
+        reset = _WITHOUT_FAST_PATH.set(held | {id(m) for m in modules})
+        try:
+            yield
+        finally:
+            _WITHOUT_FAST_PATH.reset(reset)
 
 
 @contextlib.contextmanager
