@@ -237,10 +237,12 @@ class Adapter(abc.ABC):
                 f"A plain-gradient second pass needs rules whose graph keeps the attention gate (got {rules!r}); "
                 "run two traces instead."
             )
+        inputs = relevance_carrying(inputs)
         recorder = Recorder(spec)
         recorder.keep_probs = plain_spec is not None
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.enable_grad() if spec.needs_gradient else torch.no_grad())
+            stack.enter_context(patching.parameters_require_grad(model))  # the trainable model's graph
             switch = stack.enter_context(switchable_backward()) if plain_spec is not None else None
             contexts = [self.propagation(model, rules)] if rules is not None else []
             streams, logits, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
@@ -297,7 +299,7 @@ class Adapter(abc.ABC):
             raise InputError(f"relevance must be read at 'tokens' or 'inputs', got {at!r}.")
         layers = self.first_layers(model) if at == "tokens" else {}
         entering: Dict[Optional[str], List[torch.Tensor]] = {stream: [] for stream in layers}
-        with torch.enable_grad():
+        with torch.enable_grad(), patching.parameters_require_grad(model):  # the trainable model's graph
             contexts = [self.propagation(model, rules)]
             if at == "inputs":
                 if not any(t.is_floating_point() for t in inputs):
@@ -305,8 +307,8 @@ class Adapter(abc.ABC):
                         "relevance at 'inputs' needs floating-point inputs (pixels or embeddings); got dtypes "
                         f"{[str(t.dtype) for t in inputs]}. Use the token relevance (the default) for token ids."
                     )
-                inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
-            else:
+            inputs = relevance_carrying(inputs)
+            if at == "tokens":
                 contexts.extend(_read_layer_input(layer, entering[stream]) for stream, layer in layers.items())
             streams, _, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
                                                       target, Recorder(CaptureSpec()), contexts)
@@ -320,7 +322,11 @@ class Adapter(abc.ABC):
                 raise CaptureError("The explained output does not depend on the inputs (it does not require grad).")
             explained = seeded(scores, rules)
             grads = torch.autograd.grad(explained.sum(), leaves, allow_unused=True)
-        products = [leaf.detach() * (torch.zeros_like(leaf) if g is None else g) for leaf, g in zip(leaves, grads)]
+        # x * g and its sums in at least float32: a half-precision sum over the hidden size
+        # loses the small total of large terms of both signs.
+        accumulate = [torch.promote_types(leaf.dtype, torch.float32) for leaf in leaves]
+        products = [leaf.detach().to(dtype) * (torch.zeros((), dtype=dtype, device=leaf.device) if g is None else g.to(dtype))
+                    for leaf, g, dtype in zip(leaves, grads, accumulate)]
         explained = explained.detach()
         if at == "tokens":
             per_stream = {}
@@ -360,6 +366,16 @@ def _enclosing_layer(model: nn.Module, block: Block) -> nn.Module:
         if parts[end - 1].isdigit():
             return model.get_submodule(".".join(parts[:end]))
     return block.module
+
+
+def relevance_carrying(inputs: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor, ...]:
+    """The floating-point inputs as fresh leaves that require grad (others as they are).
+
+    Rule Functions treat an operand that requires grad as carrying relevance; an input is
+    what is explained, so it always does, whatever the caller's tensor says (a float input
+    entering the residual stream directly would otherwise change the first layer's rules).
+    """
+    return tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
 
 
 def _refuse_inference_mode() -> None:

@@ -91,6 +91,28 @@ def span_to_input(scores: torch.Tensor, span: InputSpan, tensor: torch.Tensor) -
     return torch.zeros(tensor.shape, dtype=scores.dtype, device=scores.device)
 
 
+def attribution_dtype(model: nn.Module, inputs: Tuple[torch.Tensor, ...]) -> torch.dtype:
+    """The dtype of every method's attributions: the model's floating-point dtype promoted
+    to at least float32 (float32 for bfloat16 and float16 models, float64 for float64 ones).
+
+    The model's dtype is that of its first floating-point parameter (or buffer, or input).
+    Half-precision models keep their own forward; their relevance is accumulated in float32
+    and returned so, since a half-precision map would round away what the accumulation kept.
+    Example: a bfloat16 ViT gives float32 maps; ``attribution_dtype(vit.double(), x)`` is
+    ``torch.float64``.
+    """
+    tensors = (*model.parameters(), *model.buffers(), *inputs)
+    dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
+    return torch.promote_types(dtype, torch.float32)
+
+
+def in_dtype(attributions: Any, dtype: torch.dtype) -> Any:
+    """A tensor, or a tuple of them, cast to ``dtype`` (see :func:`attribution_dtype`)."""
+    if isinstance(attributions, tuple):
+        return tuple(in_dtype(a, dtype) for a in attributions)
+    return attributions.to(dtype)
+
+
 def _query_vectors(layout: TokenLayout, dtype: torch.dtype) -> torch.Tensor:
     """One row vector (B, N) per example mixing the layout's explained rows."""
     return functional.query_vectors(layout.query_rows, layout.num_tokens, dtype, layout.query_weights)
@@ -100,6 +122,11 @@ class TraceAttribution(Attribution):
     """Base of the attention methods: Captum's ``Attribution`` over an adapter trace.
 
     Subclasses implement :meth:`capture_spec` and :meth:`reduce`.
+
+    Output dtype, one rule for every method (this base and
+    :class:`~captum_transformers.methods.lrp.RuleGradientXInput`): attributions are float32
+    for half-precision (bfloat16, float16) models, else in the model's dtype
+    (:func:`attribution_dtype`); the model's forward is its own, in its own dtype.
     """
 
     def __init__(self, model: nn.Module, adapter: Union[Adapter, str, None] = None) -> None:
@@ -147,12 +174,13 @@ class TraceAttribution(Attribution):
         formatted, is_tuple = _format_inputs(inputs)
         _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
         trace = self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
+        dtype = attribution_dtype(self.model, formatted)
         per_stream = self.stream_scores(trace)
         streams = trace.streams
         if return_tokens:
             if streams.is_single:
-                return per_stream[next(iter(streams.layouts))]
-            return tuple(per_stream[name] for name in streams.layouts)
+                return in_dtype(per_stream[next(iter(streams.layouts))], dtype)
+            return in_dtype(tuple(per_stream[name] for name in streams.layouts), dtype)
         if len(streams.inputs) != len(formatted):
             raise CaptureError(
                 f"The {self.adapter.name} adapter described {len(streams.inputs)} input(s) but {len(formatted)} were "
@@ -162,7 +190,7 @@ class TraceAttribution(Attribution):
             torch.zeros(t.shape, device=t.device) if span is None else span_to_input(per_stream[span.stream], span, t)
             for span, t in zip(streams.inputs, formatted)
         )
-        return mapped if is_tuple else mapped[0]
+        return in_dtype(mapped if is_tuple else mapped[0], dtype)
 
     def stream_scores(self, trace: AttentionTrace) -> Dict[str, torch.Tensor]:
         """:meth:`reduce` as scores for every stream of the trace, zero at padding.

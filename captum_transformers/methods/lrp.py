@@ -12,7 +12,8 @@ from ..adapters.base import Adapter
 from ..errors import CaptureError, InputError
 from ..adapters.registry import get_adapter
 from ..propagation.rules import RuleSet
-from .base import TensorOrTuple, _check_forward_kwargs, _format_additional, _format_inputs, span_to_input
+from .base import (TensorOrTuple, _check_forward_kwargs, _format_additional, _format_inputs, attribution_dtype,
+                   in_dtype, span_to_input)
 
 
 class RuleGradientXInput(GradientAttribution):
@@ -25,6 +26,8 @@ class RuleGradientXInput(GradientAttribution):
     and whenever ``return_tokens=True``.
     ``return_convergence_delta=True`` also returns ``sum(R) - R_output`` per example, where
     ``R_output`` is the explained logit (or 1 for rule sets seeded with one).
+    Relevance is accumulated and returned in float32 for half-precision models, else in
+    the model's dtype (the rule of :class:`~captum_transformers.methods.base.TraceAttribution`).
 
     Example::
 
@@ -77,8 +80,10 @@ class RuleGradientXInput(GradientAttribution):
                 attributions = mapped if is_tuple else mapped[0]
         else:
             attributions = result.per_input if is_tuple else result.per_input[0]
+        dtype = attribution_dtype(self.model, formatted)
+        attributions = in_dtype(attributions, dtype)
         if return_convergence_delta:
-            return attributions, result.total - result.scores.to(result.total.dtype)
+            return attributions, result.total.to(dtype) - result.scores.to(dtype)
         return attributions
 
 

@@ -125,10 +125,14 @@ def _normalise(x: torch.Tensor, centered: bool, eps: float) -> torch.Tensor:
 @torch.no_grad()
 def _probe(module: nn.Module, size: int, eps: float, like: torch.Tensor) -> Optional[tuple]:
     """Fit ``y = a * normalise(x) + b`` on random rows (dtype and device of ``like``);
-    return ``(centered, a)`` if it fits."""
+    return ``(centered, a)`` if it fits, ``a`` in at least float32.
+
+    A half-precision output is exact only to its rounding (``finfo(dtype).eps``, 2^-7 for
+    bfloat16): the fit must tolerate that much, and more rows average the fitted ``a``."""
     dtype, device = like.dtype, like.device
+    half = torch.finfo(dtype).bits <= 16
     generator = torch.Generator(device="cpu").manual_seed(0)
-    x = (torch.randn(6, size, generator=generator) * 3 + 1.5).to(dtype=dtype, device=device)
+    x = (torch.randn(64 if half else 6, size, generator=generator) * 3 + 1.5).to(dtype=dtype, device=device)
     try:
         # Not __call__: the user's hooks must not see the probe. Eval mode: the probe must not
         # update running statistics (a BatchNorm1d in training mode would) or draw dropout.
@@ -146,9 +150,9 @@ def _probe(module: nn.Module, size: int, eps: float, like: torch.Tensor) -> Opti
         a = ((n - n_mean) * (y64 - y_mean)).sum(0) / variance.clamp(min=1e-12)
         b = y_mean - a * n_mean
         error = (a * n + b - y64).abs().max()
-        tolerance = 1e-3 if dtype in (torch.float16, torch.bfloat16) else 1e-5
+        tolerance = 4 * torch.finfo(dtype).eps if half else 1e-5
         if error <= tolerance * max(1.0, float(y64.abs().max())):
-            return centered, a.to(dtype)
+            return centered, a.to(torch.promote_types(dtype, torch.float32))
     return None
 
 
