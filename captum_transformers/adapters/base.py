@@ -232,6 +232,7 @@ class Adapter(abc.ABC):
         values. Only for rules whose forward graph is the plain one (no detached attention gate).
         """
         _refuse_inference_mode()
+        _refuse_integer_pixels(inputs)
         if plain_spec is not None and (rules is None or rules.attention_gate != "gradient"):
             raise InputError(
                 f"A plain-gradient second pass needs rules whose graph keeps the attention gate (got {rules!r}); "
@@ -295,6 +296,7 @@ class Adapter(abc.ABC):
         ``at="inputs"``: ``x * dy/dx`` for every floating-point input.
         """
         _refuse_inference_mode()
+        _refuse_integer_pixels(inputs)
         if at not in ("tokens", "inputs"):
             raise InputError(f"relevance must be read at 'tokens' or 'inputs', got {at!r}.")
         layers = self.first_layers(model) if at == "tokens" else {}
@@ -376,6 +378,20 @@ def relevance_carrying(inputs: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor, 
     entering the residual stream directly would otherwise change the first layer's rules).
     """
     return tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
+
+
+def _refuse_integer_pixels(inputs: Tuple[torch.Tensor, ...]) -> None:
+    """Refuse image batches (B, C, H, W) of integers (uint8 pixels): no gradient or
+    relevance can be taken at integers, and the patch grid is read from float images, so
+    such a batch would get an all-zero map."""
+    for position, tensor in enumerate(inputs):
+        if tensor.dim() == 4 and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise InputError(
+                f"Input {position} is an image batch of shape {tuple(tensor.shape)} with dtype {tensor.dtype}; "
+                "explanations need floating-point pixel values (relevance is read at float pixels, and an integer "
+                "image would get an all-zero map). Pass the pixel values the model's image processor returns, "
+                "or e.g. images.float() / 255 normalised as the model was trained."
+            )
 
 
 def _refuse_inference_mode() -> None:
