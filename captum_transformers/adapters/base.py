@@ -18,6 +18,7 @@ from torch import nn
 from ..capture import patching
 from ..errors import CaptureError, InputError
 from ..propagation.backward_switch import switchable_backward
+from ..propagation.rules import refuse_rounding_sensitive
 from ..capture.targets import select_targets
 from ..capture.trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
 from ..capture.recorder import Recorder
@@ -233,6 +234,7 @@ class Adapter(abc.ABC):
         """
         _refuse_inference_mode()
         _refuse_integer_pixels(inputs)
+        refuse_rounding_sensitive(rules, model_dtype(model))
         if plain_spec is not None and (rules is None or rules.attention_gate != "gradient"):
             raise InputError(
                 f"A plain-gradient second pass needs rules whose graph keeps the attention gate (got {rules!r}); "
@@ -297,6 +299,7 @@ class Adapter(abc.ABC):
         """
         _refuse_inference_mode()
         _refuse_integer_pixels(inputs)
+        refuse_rounding_sensitive(rules, model_dtype(model))
         if at not in ("tokens", "inputs"):
             raise InputError(f"relevance must be read at 'tokens' or 'inputs', got {at!r}.")
         layers = self.first_layers(model) if at == "tokens" else {}
@@ -378,6 +381,11 @@ def relevance_carrying(inputs: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor, 
     entering the residual stream directly would otherwise change the first layer's rules).
     """
     return tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter or buffer (float32 if none)."""
+    return next((t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), torch.float32)
 
 
 def _refuse_integer_pixels(inputs: Tuple[torch.Tensor, ...]) -> None:

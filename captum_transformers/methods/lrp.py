@@ -13,7 +13,7 @@ from ..errors import CaptureError, InputError
 from ..adapters.registry import get_adapter
 from ..propagation.rules import RuleSet
 from .base import (TensorOrTuple, _check_forward_kwargs, _format_additional, _format_inputs, attribution_dtype,
-                   in_dtype, span_to_input)
+                   finished, span_to_input)
 
 
 class RuleGradientXInput(GradientAttribution):
@@ -80,9 +80,9 @@ class RuleGradientXInput(GradientAttribution):
                 attributions = mapped if is_tuple else mapped[0]
         else:
             attributions = result.per_input if is_tuple else result.per_input[0]
-        dtype = attribution_dtype(self.model, formatted)
-        attributions = in_dtype(attributions, dtype)
+        attributions = finished(attributions, self.model)
         if return_convergence_delta:
+            dtype = attribution_dtype(self.model)
             return attributions, result.total.to(dtype) - result.scores.to(dtype)
         return attributions
 

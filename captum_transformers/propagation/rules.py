@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..capture import patching
+from ..errors import InputError
 
 GateRule = Literal["gradient", "constant"]
 NormRule = Literal["gradient", "scale_constant", "scale_and_mean_constant", "identity"]
@@ -79,6 +80,28 @@ RuleSet.LRP = dataclasses.replace(RuleSet.CHEFER, name="LRP", add="gradient", li
 # AttnLRP (Achtibat et al., ICML 2024): uniform matmuls, LayerNorm scale held constant,
 # identity activations, plain gradient through softmax and linear layers, logit seed.
 RuleSet.ATTN_LRP = RuleSet("AttnLRP", norm="scale_constant", activation="identity", matmul="uniform")
+
+
+def refuse_rounding_sensitive(rules: Optional[RuleSet], dtype: torch.dtype) -> None:
+    """Refuse a bfloat16 model under the identity rules of softmax or norms.
+
+    Those rules pass relevance through ``y / x``, unbounded where the operation's input nearly
+    cancels (a score ``q . k`` or a residual entry near 0), and Chefer et al.'s normalised add
+    flips a branch's sign with its relevance sum. bfloat16's 8-bit mantissa moves the forward
+    enough to move those entries: over four random tiny ViTs, TransformerRelevance and
+    PartialLRP maps of a bfloat16 model correlated 0.41 to 0.9999 with the float32 maps of
+    the same weights, TransformerLRP -0.30 to 0.71, and rounding a float32 forward to bfloat16
+    with a float32 backward did as badly: the forward, not the backward's precision, moves
+    them. float16 (>= 0.994) and the AH, AH+LN and AttnLRP rules (>= 0.99) hold.
+    """
+    if rules is None or dtype != torch.bfloat16 or "identity" not in (rules.softmax, rules.norm):
+        return
+    raise InputError(
+        f"The {rules.name!r} rules (identity rule on softmax or norms) amplify bfloat16 rounding until the map no "
+        "longer follows the model's weights (correlation with the float32 map of the same weights as low as -0.3), "
+        "so a bfloat16 model is not explained with them. Explain a float32 or float16 copy (model.float()), "
+        "or use AttnLRP or ConservativeLRP, which hold in bfloat16."
+    )
 
 
 # -- attention gate ------------------------------------------------------------------------
