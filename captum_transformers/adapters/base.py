@@ -329,9 +329,11 @@ class Adapter(abc.ABC):
             grads = torch.autograd.grad(explained.sum(), leaves, allow_unused=True)
         # x * g and its sums in at least float32: a half-precision sum over the hidden size
         # loses the small total of large terms of both signs.
-        accumulate = [torch.promote_types(leaf.dtype, torch.float32) for leaf in leaves]
-        products = [leaf.detach().to(dtype) * (torch.zeros((), dtype=dtype, device=leaf.device) if g is None else g.to(dtype))
-                    for leaf, g, dtype in zip(leaves, grads, accumulate)]
+        products = []
+        for leaf, g in zip(leaves, grads):
+            dtype = torch.promote_types(leaf.dtype, torch.float32)
+            g = torch.zeros((), dtype=dtype, device=leaf.device) if g is None else g.to(dtype)
+            products.append(leaf.detach().to(dtype) * g)
         explained = explained.detach()
         if at == "tokens":
             per_stream = {}
