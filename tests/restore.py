@@ -22,7 +22,8 @@ def snapshot(model: nn.Module) -> dict:
     for name, m in model.named_modules():
         config = getattr(m, "config", None)
         if config is not None and hasattr(config, "_attn_implementation_internal"):
-            impls[name] = config._attn_implementation_internal
+            # The class too: the HF adapter gives a config a per-context subclass while explaining.
+            impls[name] = (type(config), config._attn_implementation_internal)
     grads = {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()}
     requires_grad = {k: p.requires_grad for k, p in model.named_parameters()}
     return dict(state=state, hooks=hooks, instance_attrs=instance_attrs, flags=flags, impls=impls, grads=grads,

@@ -65,11 +65,76 @@ def test_explain_text_with_a_local_huggingface_directory(tmp_path, capsys):
     (["explain", "--image", "/nonexistent.png"], "no such file"),
     (["explain", "--model", "./no_such_dir"], "no such file or directory"),
     (["benchmark", "--task", "digits", "--limit", "0"], "--limit 0"),
+    (["benchmark", "--task", "digits-two", "--pixel-steps", "cvpr21"], "applies to the digits task only"),
 ])
 def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
     assert main([*argv, "--out", str(tmp_path)]) == 2
     error = capsys.readouterr().err.strip()
     assert message in error and len(error.splitlines()) == 1 and "Traceback" not in error
+
+
+def _config_only(folder):
+    transformers = pytest.importorskip("transformers")
+    transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=64).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("argv, message", [
+    (lambda tmp: ["explain", "--model", str(tmp), "--text", "hi"], "has no config.json"),
+    (lambda tmp: ["explain", "--model", str(_config_only(tmp / "m")), "--text", "hi"], "could not load it"),
+    (lambda tmp: ["benchmark", "--task", "digits", "--device", "foo"], "--device 'foo' is not a device"),
+])
+def test_bad_model_folders_and_devices_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    assert main([*argv(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert message in error and len(error.splitlines()) == 1 and "Traceback" not in error
+
+
+@pytest.mark.parametrize("command", [["explain"], ["benchmark", "--task", "digits", "--no-progress"]])
+@pytest.mark.parametrize("out, message", [("a_file", "is a file, not a folder"),
+                                          ("a_file/below", "cannot be written")])
+def test_an_out_that_cannot_be_written_is_refused_before_the_work(tmp_path, capsys, monkeypatch, command, out,
+                                                                   message):
+    def no_work(*args, **kwargs):
+        raise AssertionError("the work ran before --out was checked")
+
+    monkeypatch.setattr("captum_transformers.tasks.runner.run_benchmark", no_work)
+    monkeypatch.setattr("captum_transformers.cli.explain.load_model", no_work)
+    (tmp_path / "a_file").write_text("not a folder")
+    assert main([*command, "--out", str(tmp_path / out)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert message in error and len(error.splitlines()) == 1 and "Traceback" not in error
+
+
+def test_explain_twice_to_one_folder_numbers_the_second_and_keeps_the_first(tmp_path, capsys):
+    argv = ["explain", "--samples", "1", "--method", "rollout", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    first = (tmp_path / "out" / "explanations.png").read_bytes()
+    capsys.readouterr()
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert f"writing to {tmp_path / 'out-2'} instead" in printed.err and len(printed.err.strip().splitlines()) == 1
+    assert f"wrote {tmp_path / 'out-2' / 'explanations.png'}" in printed.out
+    assert (tmp_path / "out" / "explanations.png").read_bytes() == first
+    assert main(argv) == 0 and (tmp_path / "out-3" / "explanations.png").exists()
+
+
+def test_benchmark_into_a_folder_with_earlier_results_writes_beside_it(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "results.json").write_text("[]")
+    assert main(["benchmark", "--task", "digits", "--methods", "rollout", "--limit", "2", "--no-progress",
+                 "--out", str(tmp_path / "out")]) == 0
+    assert "writing to" in capsys.readouterr().err
+    assert (tmp_path / "out" / "results.json").read_text() == "[]"
+    assert json.loads((tmp_path / "out-2" / "results.json").read_text())
+
+
+def test_help_says_what_happens_to_an_existing_out(capsys):
+    for command in ("explain", "benchmark"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "never overwritten" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("argv", [["explain", "--method", "nope"], ["benchmark", "--task", "imagenet"]])
@@ -88,7 +153,27 @@ def test_benchmark_digits_small_writes_table_json_csv_and_plots(tmp_path, capsys
     rows = json.loads((tmp_path / "results.json").read_text())
     assert {row["name"] for row in rows} == {"perturbation_positive", "perturbation_negative", "segmentation"}
     assert all(row["count"] == 12 for row in rows)
+    assert len(rows[0]["x"]) == 19  # the fine default: 1 % steps to 10 %, then 10 % steps to 90 %
     assert (tmp_path / "perturbation_positive.png").exists() and (tmp_path / "results.csv").exists()
+
+
+def test_benchmark_digits_cvpr21_steps_reproduce_the_numbers_recorded_before_the_fine_default(tmp_path, capsys):
+    # Recorded with the package when 0.0, 0.1, ..., 0.9 were the only steps (8 canvases, batches of 4).
+    assert main(["benchmark", "--task", "digits", "--methods", "rollout", "grad-cam", "--limit", "8",
+                 "--batch-size", "4", "--pixel-steps", "cvpr21", "--no-progress", "--out", str(tmp_path)]) == 0
+    assert "pixel steps: cvpr21" in capsys.readouterr().out
+    rows = {(row["method"], row["name"]): row for row in json.loads((tmp_path / "results.json").read_text())}
+    recorded = {
+        ("rollout", "perturbation_positive"): ((1.0, 0.0, 0.0, 0.0, 0.0, 0.125, 0.125, 0.125, 0.125, 0.125), 10.625),
+        ("rollout", "perturbation_negative"): ((1.0,) * 9 + (0.875,), 89.375),
+        ("grad-cam", "perturbation_positive"): ((1.0, 0.0, 0.0, 0.125, 0.125, 0.25, 0.25, 0.25, 0.125, 0.0), 16.25),
+        ("grad-cam", "perturbation_negative"):
+            ((1.0, 0.875, 0.75, 0.875, 0.875, 0.875, 0.75, 0.75, 0.625, 0.375), 70.625),
+    }
+    for key, (curve, auc) in recorded.items():
+        assert tuple(rows[key]["y"]) == curve and rows[key]["auc"] == auc
+        assert tuple(rows[key]["x"]) == tuple(i / 10 for i in range(10))
+    assert json.loads((tmp_path / "run.json").read_text())["pixel_steps"] == "cvpr21"
 
 
 def test_benchmark_digits_two_class_specificity(tmp_path, capsys):
@@ -119,6 +204,32 @@ def test_torchrun_two_processes_give_the_single_process_numbers(tmp_path):
     two = json.loads((tmp_path / "two" / "results.json").read_text())
     assert one == two
     assert json.loads((tmp_path / "two" / "run.json").read_text())["world_size"] == 2
+
+
+GLOO_THREADS_AFTER_DESTROY = """
+import os, sys, torch
+from captum_transformers.cli.benchmark import _join_process_group
+_join_process_group("gloo")
+import timm  # imports torch._dynamo, which used to keep the group alive
+torch.distributed.destroy_process_group()
+names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+print(sorted(name for name in names if "gloo" in name))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc")
+def test_a_destroyed_process_group_leaves_no_gloo_thread_to_abort_at_exit():
+    """Why a torchrun rank aborted at exit ("terminate called without an active exception"): the
+    group's gloo threads outlived destroy_process_group() and met interpreter shutdown."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+    done = _run([sys.executable, "-c", GLOO_THREADS_AFTER_DESTROY], env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_benchmark_movies_end_to_end_on_a_tiny_cache(tmp_path, capsys):

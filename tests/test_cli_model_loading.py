@@ -82,6 +82,21 @@ def test_bad_model_arguments_say_what_to_do(tmp_path, monkeypatch, spec, arch, m
         load_model(spec, arch=arch)
 
 
+def test_huggingface_directories_that_cannot_be_loaded_say_what_is_missing(tmp_path):
+    """transformers 5 raises ValueError (not OSError) for a folder without config.json."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="has no config.json.*save_pretrained"):
+        load_model(str(tmp_path / "empty"))
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    with pytest.raises(InputError, match="config.json that transformers cannot read"):
+        load_model(str(tmp_path / "garbled"))
+    transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=64).save_pretrained(tmp_path / "no_weights")
+    with pytest.raises(InputError, match="could not load it.*model.safetensors"):
+        load_model(str(tmp_path / "no_weights"))
+
+
 def test_unreachable_hub_says_to_give_a_local_directory(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(InputError, match="local directory"):

@@ -147,3 +147,80 @@ def test_cross_attention_to_an_undescribed_stream_is_a_clear_error(method):
     with pytest.raises(CaptureError, match="one token sequence"):
         method(model).attribute(torch.randint(0, 23, (2, 6)), target=1,
                                 additional_forward_args=(torch.randn(2, 7, 16),))
+
+
+def _windowed_models():
+    """Tiny windowed / hierarchical vision models (constructed only: the refusal runs nothing)."""
+    transformers = pytest.importorskip("transformers")
+    timm = pytest.importorskip("timm")
+    swin = dict(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4)
+    return {
+        "Swin": lambda: transformers.SwinForImageClassification(transformers.SwinConfig(**swin, num_labels=3)),
+        "Swinv2": lambda: transformers.Swinv2ForImageClassification(transformers.Swinv2Config(**swin, num_labels=3)),
+        "Donut-Swin": lambda: transformers.DonutSwinModel(transformers.DonutSwinConfig(**swin)),
+        "PVT": lambda: transformers.PvtForImageClassification(transformers.PvtConfig(
+            image_size=32, num_encoder_blocks=2, depths=[1, 1], sequence_reduction_ratios=[2, 1], hidden_sizes=[16, 32],
+            patch_sizes=[4, 2], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2], num_labels=3)),
+        "Swin (timm)": lambda: timm.models.swin_transformer.SwinTransformer(
+            img_size=32, patch_size=4, embed_dim=16, depths=(1, 1), num_heads=(1, 2), window_size=4, num_classes=3),
+    }
+
+
+@pytest.mark.parametrize("family", ["Swin", "Swinv2", "Donut-Swin", "PVT", "Swin (timm)"])
+@pytest.mark.parametrize("method", [GenericAttention, ct.AttnLRP], ids=lambda m: m.__name__)
+def test_windowed_hierarchical_models_are_refused_by_name(family, method):
+    """Not a grid-mismatch CaptureError at attribute time: refused when the method is built."""
+    model = _windowed_models()[family]()
+    with pytest.raises(UnsupportedModelError) as info:
+        method(model)
+    message = str(info.value)
+    assert f"a {family} model" in message and "not supported yet" in message
+    if "Swin" in family:
+        assert "windowed attention with cyclic shift and patch merging" in message
+
+
+def test_windowed_model_inside_a_wrapper_or_with_a_named_built_in_adapter_is_refused():
+    swin = _windowed_models()["Swin"]()
+    with pytest.raises(UnsupportedModelError, match="contains\\) a Swin model"):
+        GenericAttention(nn.Sequential(swin))
+    with pytest.raises(UnsupportedModelError, match="Swin"):
+        GenericAttention(swin, adapter="huggingface")
+
+
+def test_a_user_adapter_may_take_on_a_windowed_model():
+    from captum_transformers.adapters.huggingface import HuggingFaceAdapter
+
+    class MySwinAdapter(HuggingFaceAdapter):
+        name = "my-swin"
+
+    swin = _windowed_models()["Swin"]()
+    assert GenericAttention(swin, adapter=MySwinAdapter()).adapter.name == "my-swin"
+
+
+class _LinearPatchViT(nn.Module):
+    """Patches embedded by a Linear layer (no kernel == stride convolution): no patch grid known."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(48, 16)
+        self.cls = nn.Parameter(torch.randn(1, 1, 16))
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2,
+                                             enable_nested_tensor=False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, images):
+        patches = nn.functional.unfold(images, 4, stride=4).transpose(1, 2)
+        tokens = torch.cat([self.cls.expand(images.shape[0], -1, -1), self.embed(patches)], dim=1)
+        return self.head(self.encoder(tokens)[:, 0])
+
+
+@pytest.mark.parametrize("method", [GenericAttention, ct.AttentionRollout, ct.TransformerRelevance],
+                         ids=lambda m: m.__name__)
+def test_image_without_a_patch_grid_gives_token_scores_as_the_error_advises(method):
+    torch.manual_seed(0)
+    model = _LinearPatchViT().eval()
+    images = torch.randn(2, 3, 16, 16)
+    with pytest.raises(CaptureError, match="no patch grid.*return_tokens=True"):
+        method(model).attribute(images, target=1)
+    tokens = method(model).attribute(images, target=1, return_tokens=True)
+    assert tokens.shape == (2, 17) and bool(torch.isfinite(tokens).all())

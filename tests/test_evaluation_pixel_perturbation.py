@@ -51,10 +51,10 @@ def test_positive_and_negative_orderings():
 
 def test_known_curves():
     _, _, maps = make_batch()
-    perfect = run(maps["perfect"], "positive")
+    perfect = run(maps["perfect"], "positive", fractions="cvpr21")
     # int(64 * 0.3) = 19 >= 16: the whole object is black from f = 0.3 on.
     assert perfect.y[0] == 1.0 and perfect.y[3:] == (0.0,) * 7
-    reversed_ = run(maps["reversed"], "positive")
+    reversed_ = run(maps["reversed"], "positive", fractions="cvpr21")
     # Up to f = 0.7 (44 pixels) only background goes: the object is intact.
     assert reversed_.y[:8] == (1.0,) * 8
     assert perfect.x == tuple(i / 10 for i in range(10)) and perfect.count == 12
@@ -62,15 +62,57 @@ def test_known_curves():
     assert perfect.auc == pytest.approx(expected_auc, abs=1e-9)
 
 
+def test_cvpr21_protocol_reproduces_the_authors_steps_exactly():
+    # Recorded with the package before the fine default existed (0.0, 0.1, ..., 0.9 were then
+    # the only steps): the same counts and the same float AUC, bit for bit.
+    images, labels, maps = make_batch()
+    recorded = {"positive": ([12, 12, 12, 11, 5, 0, 0, 0, 0, 0], 38.33333333333333),
+                "negative": ([12, 12, 12, 12, 10, 6, 1, 1, 0, 0], 50.0)}
+    for mode, (correct, auc) in recorded.items():
+        metric = PixelPerturbation(ObjectModel(), mode=mode, fractions="cvpr21")
+        metric.update(images, labels, maps["random"])
+        assert metric.state()["correct"].tolist() == correct
+        assert metric.compute().auc == auc
+        assert metric.compute().x == tuple(i / 10 for i in range(10))
+
+
+def test_fine_default_resolves_the_first_tenth_and_integrates_over_uneven_steps():
+    _, _, maps = make_batch()
+    perfect = run(maps["perfect"], "positive")
+    expected_x = (0.0, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+    assert perfect.x == expected_x
+    # int(64 * f) pixels go: 0 at f = 0.01, 1 at 0.02, ..., 5 at 0.09, 6 at 0.1, 12 at 0.2.
+    # The perfect map blackens object pixels first; with 6 of 16 black the object mean is
+    # still above 0.4 (pixels in [0.5, 1]), with 12 it is below.
+    assert perfect.y[:11] == (1.0,) * 11 and perfect.y[11:] == (0.0,) * 8
+    hand = 0.0
+    for i in range(len(expected_x) - 1):
+        hand += (expected_x[i + 1] - expected_x[i]) * (perfect.y[i] + perfect.y[i + 1]) / 2
+    assert perfect.auc == pytest.approx(100 * hand, abs=1e-12)
+    coarse = run(maps["perfect"], "positive", fractions="cvpr21")
+    assert perfect.y[10] == coarse.y[1] and perfect.y[11] == coarse.y[2]  # shared steps agree
+
+
+def test_auc_over_explicit_uneven_fractions_is_the_hand_trapezoid():
+    _, _, maps = make_batch()
+    fractions = (0.0, 0.05, 0.15, 0.4, 0.9)
+    result = run(maps["random"], "positive", fractions=fractions)
+    widths = (0.05, 0.1, 0.25, 0.5)
+    hand = sum(w * (a + b) / 2 for w, a, b in zip(widths, result.y, result.y[1:]))
+    assert result.x == fractions and result.auc == pytest.approx(100 * hand, abs=1e-12)
+    even = sum((a + b) / 2 for a, b in zip(result.y, result.y[1:])) * 0.9 / 4  # equal widths would be wrong
+    assert abs(result.auc - 100 * even) > 1.0
+
+
 def test_normalize_is_applied_after_removal_and_calls_are_stacked():
     images, labels, maps = make_batch()
     model = ObjectModel()
-    metric = PixelPerturbation(model, normalize=lambda x: 2 * x - 1)
+    metric = PixelPerturbation(model, fractions="cvpr21", normalize=lambda x: 2 * x - 1)
     metric.update(images, labels, maps["random"])
     assert model.min_seen == -1.0  # removed pixels are 0 in [0, 1] space, then normalised
     assert model.calls == 1 and model.rows == 10 * len(images)
     bounded_model = ObjectModel()
-    bounded = PixelPerturbation(bounded_model, normalize=lambda x: 2 * x - 1, max_batch_size=25)
+    bounded = PixelPerturbation(bounded_model, fractions="cvpr21", normalize=lambda x: 2 * x - 1, max_batch_size=25)
     bounded.update(images, labels, maps["random"])
     assert bounded_model.calls == 5 and bounded_model.rows == 10 * len(images)
     assert torch.equal(bounded.state()["correct"], metric.state()["correct"])
@@ -113,6 +155,8 @@ def test_bad_options_raise_input_error():
         PixelPerturbation(ObjectModel(), mode="both")
     with pytest.raises(InputError, match="fractions"):
         PixelPerturbation(ObjectModel(), fractions=(0.5, 0.1))
+    with pytest.raises(InputError, match="names no pixel perturbation protocol"):
+        PixelPerturbation(ObjectModel(), fractions="cvpr2021")
     with pytest.raises(InputError, match="max_batch_size"):
         PixelPerturbation(ObjectModel(), max_batch_size=0)
 

@@ -21,7 +21,7 @@ SAME_DTYPE_EAGER = ["bert", "roberta", "distilbert", "gpt2"]
 
 def _captured(model, inputs, kwargs):
     adapter = get_adapter(model)
-    return adapter.trace(model, (inputs,), (), None, RAW, kwargs)
+    return adapter.trace(model, (inputs,), (), 0, RAW, kwargs)  # target 0: bare encoders need one
 
 
 @pytest.mark.parametrize("name", SAME_DTYPE_EAGER)

@@ -116,3 +116,14 @@ def test_output_dtype_is_one_rule(method):
         maps = method(model).attribute(pixels.to(dtype), target=0)
         tokens = method(model).attribute(pixels.to(dtype), target=0, return_tokens=True)
         assert maps.dtype == tokens.dtype == expected, dtype
+
+
+@pytest.mark.parametrize("name", ["CaptumIntegratedGradients", "CaptumSaliency"])
+def test_captum_baselines_follow_the_output_dtype_rule(name):
+    import captum_transformers.methods.captum_baselines as baselines
+
+    spec = CASES["vit"]
+    pixels = spec.inputs(batch=2)[0]
+    for dtype, expected in ((torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+        maps = getattr(baselines, name)(spec.model(dtype=dtype)).attribute(pixels.to(dtype), target=0)
+        assert maps.dtype == expected, dtype

@@ -230,3 +230,18 @@ def test_real_sdist_end_to_end(tmp_path_factory):
     assert train[2]["text"] == "Effective but too tepid biopic" and train[2]["label"] == 0
     assert abs(train[2]["rating"] + 0.6) < 1e-12
     assert int(test.labels.sum()) == 502 and int(train.labels.sum()) == 3978
+    # The file lists positives first (its first 100 test rows are 96 % positive); a limit
+    # samples the split instead, so the benchmark's --limit 100 sees both classes.
+    assert float(test.labels[:100].float().mean()) > 0.9
+    sample = load_movie_snippets("test", cache_dir=cache, limit=100)
+    assert set(sample.ids) <= set(test.ids) and len(set(sample.ids)) == 100
+    assert 0.3 < float(sample.labels.float().mean()) < 0.7
+
+
+def test_limit_samples_both_classes_of_a_file_sorted_by_class():
+    rows = [(i, 2.0, f"good {i}") for i in range(100)] + [(100 + i, -2.0, f"bad {i}") for i in range(100)]
+    every = build_movie_snippets(snippets_text(rows), lexicon_text(), "train")
+    limited = build_movie_snippets(snippets_text(rows), lexicon_text(), "train", limit=40)
+    assert len(limited) == 40 and set(limited.ids) <= set(every.ids)
+    assert limited.ids == sorted(limited.ids)  # kept in file order
+    assert 10 <= int(limited.labels.sum()) <= 30  # a prefix would be 40 positives

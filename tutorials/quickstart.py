@@ -11,6 +11,13 @@
 # %% [markdown]
 # # captum_transformers quickstart
 #
+# **Looking for maps of trained models?** This quickstart shows the API on models with random
+# weights. Two tutorials explain real trained models, offline, each in under a CPU minute:
+# `tutorials/digit_canvas_vit.py` (the built-in DigitCanvas ViT: every method side by side,
+# an evaluation loop next to Captum's Integrated Gradients, class specificity on two-digit
+# canvases) and `tutorials/movie_minilm.py` (the pretrained MiniLM briefly fine-tuned on movie
+# reviews: signed token heat maps, and one sentence explained for each class).
+#
 # `captum_transformers` puts Transformer explanation methods behind Captum's
 # `Attribution` interface:
 #

@@ -10,18 +10,23 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import inspect
 from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..capture import patching
+from ..capture.compiled import uncompiled
+from ..capture.exclusive import exclusive
 from ..errors import CaptureError, InputError
 from ..propagation.backward_switch import switchable_backward
 from ..propagation.rules import refuse_rounding_sensitive
-from ..capture.targets import select_targets
+from ..capture.targets import output_scores, select_targets
 from ..capture.trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
 from ..capture.recorder import Recorder
+from .foreign_patches import check_library_classes
+from .query_rows import QueryRows, ReadRows, refuse_examples_without_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..propagation.rules import RuleSet
@@ -41,6 +46,8 @@ class Adapter(abc.ABC):
 
     name: str = "adapter"
     families: str = ""
+    #: The explained rows the user chose (adapters taking ``query_rows``); None: the adapter's default.
+    query_rows_choice: QueryRows = None
 
     @abc.abstractmethod
     def blocks(self, model: nn.Module) -> List[Block]:
@@ -107,6 +114,14 @@ class Adapter(abc.ABC):
             return last_real_rows(token_mask, num_tokens, batch, device)
         return torch.zeros(batch, 1, dtype=torch.long, device=device)
 
+    def query_rows_hint(self) -> str:
+        """How a user tells this adapter which rows explain the output (for error messages)."""
+        if "query_rows" in inspect.signature(type(self).__init__).parameters:
+            return (f"Pass adapter={type(self).__name__}(query_rows='mean') for a mean-pooling head, or "
+                    "query_rows='last' / a token position for a head that reads one token.")
+        return (f"The {self.name} adapter takes no query_rows; explain a model whose head reads the adapter's rows, "
+                "or subclass the adapter and override query_rows().")
+
     def stream_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder) -> StreamLayouts:
         """The model's token streams. Default: one stream (:meth:`layout`) that every input
         maps onto; adapters of bi-modal, dual-encoder and encoder-decoder models override it."""
@@ -150,13 +165,10 @@ class Adapter(abc.ABC):
         grid = None
         num_prefix = 0
         primary = inputs[0]
-        if primary.dim() == 4 and primary.is_floating_point():
-            patch = self.patch_size(model)
-            if patch is None:
-                raise CaptureError(
-                    f"Got an image batch of shape {tuple(primary.shape)} but found no patch-embedding "
-                    "convolution (kernel == stride) in the model; pass return_tokens=True for token scores."
-                )
+        # An image with no patch convolution gets no grid: its token scores are still well
+        # defined (return_tokens=True); mapping them onto pixels is refused in span_to_input.
+        patch = self.patch_size(model) if primary.dim() == 4 and primary.is_floating_point() else None
+        if patch is not None:
             height, width = primary.shape[-2:]
             grid = (height // patch[0], width // patch[1])
             num_prefix = num_tokens - grid[0] * grid[1]
@@ -167,6 +179,7 @@ class Adapter(abc.ABC):
                     f"size {patch} gives a {grid[0]}x{grid[1]} grid plus {expected} prefix tokens. Check that the "
                     "input size matches the model (or that the model interpolates position embeddings)."
                 )
+        refuse_examples_without_tokens(token_mask)
         rows = self.query_rows(model, inputs, recorder, num_tokens, num_prefix, token_mask)
         weights = None
         if isinstance(rows, tuple):
@@ -174,8 +187,17 @@ class Adapter(abc.ABC):
         return TokenLayout(num_tokens, rows, token_mask, num_prefix, grid, weights)
 
     # -- output ---------------------------------------------------------------------
+    def check_output(self, model: nn.Module, output: Any, target: Any) -> None:
+        """Refuse an output that ``target`` cannot explain (default: accept every output).
+
+        Adapters override it for outputs that hold no class scores, such as a bare encoder's
+        hidden features, where the arg-max (``target=None``) would pick a meaningless feature.
+        """
+
     def logits(self, model: nn.Module, output: Any, layout: TokenLayout, causal: bool) -> torch.Tensor:
-        """The (B, ...) score tensor that targets index into."""
+        """The (B, ...) score tensor that targets index into: the output itself, its first
+        tensor (tuple), or its ``"logits"`` entry (a dict or ``ModelOutput``)."""
+        output = output_scores(output)
         if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
             output = output[0]
         if not isinstance(output, torch.Tensor):
@@ -185,6 +207,13 @@ class Adapter(abc.ABC):
             )
         if causal and output.dim() == 3:
             # Next-token logits at the explained (last real) position.
+            if layout.query_weights is not None or layout.query_rows.shape[1] != 1:
+                raise InputError(
+                    f"The model returns one score vector per position {tuple(output.shape)}, which a target explains "
+                    f"at one position, but the adapter was asked to explain {layout.query_rows.shape[1]} rows (e.g. "
+                    "query_rows='mean'). Use query_rows='last' or a token position for per-position outputs, or wrap "
+                    "the model so that it returns the pooled score to explain."
+                )
             position = layout.query_rows[:, -1]
             output = output[torch.arange(output.shape[0], device=output.device), position.to(output.device)]
         return output
@@ -196,6 +225,10 @@ class Adapter(abc.ABC):
         """Run the model once under the capture (and ``contexts``); return the layout, the
         logits, the explained score per example and its target index."""
         with contextlib.ExitStack() as stack:
+            # One explanation of a module at a time; compiled parts run as their originals.
+            stack.enter_context(exclusive(model))
+            check_library_classes(model)
+            stack.enter_context(uncompiled(model))
             stack.enter_context(self.capture(model, recorder))
             for context in contexts:
                 stack.enter_context(context)
@@ -207,6 +240,9 @@ class Adapter(abc.ABC):
                 "intercept; register a custom adapter or pass adapter=."
             )
         streams = self.stream_layouts(model, inputs, recorder)
+        for name, layout in streams.layouts.items():
+            refuse_examples_without_tokens(layout.token_mask, name)
+        self.check_output(model, output, target)
         logits = self.logits(model, output, streams.layouts[streams.explained[0]], recorder.causal)
         scores, index = self.resolve_target(model, logits, target)
         return self.rows_for_target(model, streams, index), logits, scores, index
@@ -233,6 +269,7 @@ class Adapter(abc.ABC):
         values. Only for rules whose forward graph is the plain one (no detached attention gate).
         """
         _refuse_inference_mode()
+        _refuse_empty_batch(inputs)
         _refuse_integer_pixels(inputs)
         refuse_rounding_sensitive(rules, model_dtype(model))
         if plain_spec is not None and (rules is None or rules.attention_gate != "gradient"):
@@ -248,14 +285,24 @@ class Adapter(abc.ABC):
             stack.enter_context(patching.parameters_require_grad(model))  # the trainable model's graph
             switch = stack.enter_context(switchable_backward()) if plain_spec is not None else None
             contexts = [self.propagation(model, rules)] if rules is not None else []
+            # The rows the score reads are checked where a gradient is taken anyway.
+            read_rows = ReadRows() if spec.needs_gradient and self.query_rows_choice is None else None
+            if read_rows is not None:
+                contexts.append(read_rows.watch(b.module for b in self.blocks(model) if b.kind == "self"))
             streams, logits, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
                                                            target, recorder, contexts)
             if spec.needs_gradient:
+                if read_rows is not None:
+                    read_rows.listen()
                 self._backward(recorder, seeded(scores, rules), retain_graph=switch is not None)
             if switch is not None:
                 recorder.next_pass(plain_spec)
                 with switch.plain_gradient():
                     self._backward(recorder, scores)
+        if read_rows is not None and streams.is_single:
+            explained = streams.layouts[streams.explained[0]]
+            read_rows.refuse_unexplained(explained.num_tokens, explained.query_rows, explained.query_weights,
+                                         explained.token_mask, self.query_rows_hint())
         records = tuple(
             AttentionRecord(s.block, s.call_index, s.forward_value, s.backward_value, s.streams, s.group)
             for s in recorder.sites
@@ -298,6 +345,7 @@ class Adapter(abc.ABC):
         ``at="inputs"``: ``x * dy/dx`` for every floating-point input.
         """
         _refuse_inference_mode()
+        _refuse_empty_batch(inputs)
         _refuse_integer_pixels(inputs)
         refuse_rounding_sensitive(rules, model_dtype(model))
         if at not in ("tokens", "inputs"):
@@ -412,6 +460,16 @@ def _refuse_inference_mode() -> None:
         )
 
 
+def _refuse_empty_batch(inputs: Tuple[torch.Tensor, ...]) -> None:
+    # Refused rather than answered with an empty result: without a forward pass the number
+    # of tokens (the width of return_tokens=True) is unknown, and most models fail on B = 0.
+    if inputs and inputs[0].dim() > 0 and inputs[0].shape[0] == 0:
+        raise InputError(
+            f"The batch is empty: inputs of shapes {[tuple(t.shape) for t in inputs]} hold no example. Call attribute() "
+            "only on batches with at least one example (skip empty batches in the calling loop)."
+        )
+
+
 def seeded(scores: torch.Tensor, rules: Optional["RuleSet"]) -> torch.Tensor:
     """The explained scores, rescaled so their relevance is 1 under a one-hot seed.
 
@@ -427,25 +485,30 @@ def seeded(scores: torch.Tensor, rules: Optional["RuleSet"]) -> torch.Tensor:
 @contextlib.contextmanager
 def _read_layer_input(layer: nn.Module, store: List[torch.Tensor]):
     """Replace the hidden states entering ``layer`` (first call only) by a leaf that requires
-    grad, with the same values, so ``d score / d hidden`` can be read there."""
+    grad, with the same values, so ``d score / d hidden`` can be read there.
 
-    def pre_hook(module, args, kwargs):
-        if store:
-            return None
-        if args and isinstance(args[0], torch.Tensor):
-            original = args[0]
-        elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
-            original = kwargs["hidden_states"]
-        else:
-            return None
-        leaf = original.detach().requires_grad_()
-        store.append(leaf)
-        # Every argument that is the same tensor (query is key is value) gets the leaf.
-        args = tuple(leaf if a is original else a for a in args)
-        kwargs = {k: (leaf if v is original else v) for k, v in kwargs.items()}
-        return args, kwargs
+    A wrapped forward, not a pre-hook: a registered hook is seen by every thread (PyTorch's
+    TransformerEncoderLayer leaves its fast path when any module has one)."""
 
-    with patching.forward_hook(layer, pre_hook, pre=True, with_kwargs=True):
+    def make(original):
+        def forward(*args, **kwargs):
+            if store:
+                return original(*args, **kwargs)
+            if args and isinstance(args[0], torch.Tensor):
+                source = args[0]
+            elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                source = kwargs["hidden_states"]
+            else:
+                return original(*args, **kwargs)
+            leaf = source.detach().requires_grad_()
+            store.append(leaf)
+            # Every argument that is the same tensor (query is key is value) gets the leaf.
+            args = tuple(leaf if a is source else a for a in args)
+            kwargs = {k: (leaf if v is source else v) for k, v in kwargs.items()}
+            return original(*args, **kwargs)
+        return forward
+
+    with patching.instance_forward(layer, make):
         yield
 
 

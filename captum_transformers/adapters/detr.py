@@ -86,6 +86,9 @@ class DetrAdapter(HuggingFaceAdapter):
     name = "detr"
     families = "HuggingFace DETR object detection (DetrForObjectDetection)"
 
+    def __init__(self) -> None:
+        super().__init__()  # no query_rows: the explained row is the target's object query
+
     def blocks(self, model: nn.Module) -> List[Block]:
         blocks = []
         for side_name, side in model.named_modules():

@@ -6,12 +6,15 @@ private key (:data:`ATTENTION_KEY`), together with the eager mask function under
 key (without it, padding masks would be silently dropped). The adapter points a model's
 configs at the key only inside its contexts; the kernel reads the active recorder and rule
 set from context variables (:func:`active_recorder`, :func:`active_rules`) and is inert
-outside them.
+outside them. Entering either checks the registries: a foreign function under our key is
+refused (:class:`CaptureError`); a replaced entry under another key ("eager", "sdpa"), which
+captured models do not run, is reported once by a warning.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -39,13 +42,20 @@ _CROSS_COMPONENTS = frozenset({"encoder_attn", "EncDecAttention", "crossattentio
 # Eager-kernel arguments that change the attention and that the kernel below does not implement.
 _UNSUPPORTED_KERNEL_ARGS = ("sinks", "s_aux")
 def _key_valid_from_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Non-padding keys (B, K) from a 4D additive or boolean mask, read at the last query row."""
+    """Non-padding keys (B, K) from a 4D additive or boolean mask: the keys some query may attend to.
+
+    Padding keys are blocked for every query; a sliding window (Mistral, Qwen2, Gemma 2/3) or
+    a chunk blocks a real key only for distant queries, while the key's own query (the
+    diagonal) always sees it. So the union over query rows is exactly the padding mask; one
+    row (the last) would take the keys outside its window for padding.
+    """
     if mask is None or mask.dim() != 4:
         return None
-    row = mask[:, 0, -1, :]
-    if row.dtype == torch.bool:
-        return row
-    return row > torch.finfo(row.dtype).min / 2
+    rows = mask[:, 0]
+    if rows.dtype == torch.bool:
+        return rows.any(dim=1)
+    # The largest additive value over the queries: no (B, Q, K) temporary.
+    return rows.amax(dim=1) > torch.finfo(rows.dtype).min / 2
 
 
 def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
@@ -124,7 +134,9 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if active is not None:
         recorder, blocks = active
         block = blocks.get(id(module)) or Block(type(module).__name__, module, block_kind(module))
-        recorder.record(block, probs, key_valid=_key_valid_from_mask(attention_mask),
+        # The recorder keeps the first mask per key stream: later calls need not derive theirs.
+        known = block.default_streams[1] in recorder.stream_valid
+        recorder.record(block, probs, key_valid=None if known else _key_valid_from_mask(attention_mask),
                         causal=bool(getattr(module, "is_causal", False)) and block.kind == "self",
                         observer=observer)
     return output.transpose(1, 2).contiguous(), probs
@@ -142,17 +154,70 @@ def _register_kernel() -> None:
     if _REGISTERED:
         return
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     AttentionInterface.register(ATTENTION_KEY, captum_attention)
-    AttentionMaskInterface.register(ATTENTION_KEY, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    # The shipped eager mask by name: the "eager" entry may have been replaced already.
+    AttentionMaskInterface.register(ATTENTION_KEY, eager_mask)
     _REGISTERED = True
+
+
+# (registry name, key, id of the function) already warned about.
+_WARNED_FOREIGN: set = set()
+
+
+def _shipped(function: Any) -> bool:
+    return (getattr(function, "__module__", None) or "").split(".")[0] == "transformers"
+
+
+def _describe(function: Any) -> str:
+    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
+
+
+def _check_registry() -> None:
+    """Refuse a kernel or mask entry under :data:`ATTENTION_KEY` that is not ours; warn once
+    about other entries of transformers' attention registries that another library replaced.
+
+    The kernel key decides what every captured attention computes, so a foreign function
+    there is a :class:`CaptureError`. Other keys ("eager", "sdpa", ...) are not run while a
+    model is captured, so the maps are unaffected; the model's own forward outside an
+    explanation runs them, which the warning says.
+    """
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    registries = (("ALL_ATTENTION_FUNCTIONS", "AttentionInterface", ALL_ATTENTION_FUNCTIONS),
+                  ("ALL_MASK_ATTENTION_FUNCTIONS", "AttentionMaskInterface", ALL_MASK_ATTENTION_FUNCTIONS))
+    for registry, interface, functions in registries:
+        ours = functions[ATTENTION_KEY]
+        expected_ours = (ours is captum_attention if registry == "ALL_ATTENTION_FUNCTIONS"
+                         else _shipped(ours) and getattr(ours, "__qualname__", "") == "eager_mask")
+        if not expected_ours:
+            raise CaptureError(
+                f"{registry}[{ATTENTION_KEY!r}] is {_describe(ours)}, not captum_transformers' own entry: another "
+                "library replaced it, so captured attention would be computed by that code. Undo it with "
+                f"`del {registry}[{ATTENTION_KEY!r}]` (a per-instance override) or do not re-register the key."
+            )
+        for key in list(functions):
+            function = functions[key]
+            if key == ATTENTION_KEY or _shipped(function) or (registry, key, id(function)) in _WARNED_FOREIGN:
+                continue
+            _WARNED_FOREIGN.add((registry, key, id(function)))
+            local = key in getattr(functions, "_local_mapping", {})
+            undo = (f"`del {registry}[{key!r}]`" if local else
+                    f"`{interface}.register({key!r}, <the function transformers ships>)`")
+            warnings.warn(
+                f"transformers' {registry}[{key!r}] was replaced by {_describe(function)} (another library patched it "
+                "in this process). Explanations are unaffected: captured models run captum_transformers' own "
+                f"kernel. The models' own forward passes outside explanations run the replacement; undo it with "
+                f"{undo}.", UserWarning, stacklevel=4)
 
 
 @contextlib.contextmanager
 def active_recorder(recorder: Recorder, blocks: Dict[int, Block]) -> Iterator[None]:
     """Inside: every kernel call reports to ``recorder`` (``blocks`` keyed by module id)."""
     _register_kernel()
+    _check_registry()
     token = _ACTIVE.set((recorder, blocks))
     try:
         yield
@@ -164,6 +229,7 @@ def active_recorder(recorder: Recorder, blocks: Dict[int, Block]) -> Iterator[No
 def active_rules(rules: RuleSet) -> Iterator[None]:
     """Inside: every kernel call applies ``rules`` to its softmax and attention gate."""
     _register_kernel()
+    _check_registry()
     token = _RULES.set(rules)
     try:
         yield

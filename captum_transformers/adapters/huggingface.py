@@ -22,6 +22,7 @@ from ..propagation.rules import RuleSet, norm_rules
 from ..capture.trace import CONTEXT, Block, InputSpan, StreamLayouts, Streams, TokenLayout
 from .base import Adapter, last_real_rows
 from .hf_kernel import ATTENTION_KEY, active_recorder, active_rules, block_kind
+from .query_rows import QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen_rows
 from ..capture.recorder import Recorder
 
 # Per-architecture quirks are rows of data. prefix: tokens before the patch grid;
@@ -49,6 +50,8 @@ _STREAM_COMPONENTS: Dict[str, str] = {
 }
 _CROSS_KEY_STREAMS: Dict[str, str] = {"decoder": "encoder"}
 _OUTPUT_FIELDS = ("logits", "logits_per_image", "image_embeds", "text_embeds", "pooler_output")
+# Output fields that hold scores a target indexes; the other fields hold features.
+_SCORE_FIELDS = ("logits", "logits_per_image")
 
 
 def _pretrained(model: nn.Module) -> nn.Module:
@@ -65,6 +68,18 @@ def _sub_config(model: nn.Module, name: str) -> Any:
     config = _pretrained(model).config
     sub = getattr(config, name, None)
     return config if sub is None else sub
+
+
+@contextlib.contextmanager
+def _gradient_checkpointing_off(model: nn.Module) -> Iterator[None]:
+    """Layers with gradient checkpointing run plainly while captured: a checkpointed layer re-runs
+    its forward in the backward pass, outside the capture, with another attention kernel
+    (torch raises CheckpointError). Each module's own flag is restored on exit."""
+    with contextlib.ExitStack() as stack:
+        for module in model.modules():
+            if getattr(module, "gradient_checkpointing", False) is True:
+                stack.enter_context(patching.attributes(module, gradient_checkpointing=False))
+        yield
 
 
 def _takes_decoder_inputs(model: nn.Module) -> bool:
@@ -111,10 +126,32 @@ class HuggingFaceAdapter(Adapter):
       relevance, decoder-prefix relevance). A ViT encoder's pixel input
       (``VisionEncoderDecoderModel``) is mapped through its patch grid.
 
+    The explained rows follow the model's head where the model says it: the CLS token of
+    ``*ForSequenceClassification`` / ``*ForImageClassification``, DeiT's CLS and distillation
+    tokens, CLIP text's end-of-text token, a causal model's last real token. A head the adapter
+    cannot see, e.g. a user's ``nn.Module`` that mean-pools ``BertModel``'s hidden states (the
+    usual sentence-encoder use of MiniLM), still gets the CLS row by default: nothing in the
+    forward pass tells which rows the user's code reads. Say it with ``query_rows``. Methods
+    that take the gradient at the last attention output (Grad-CAM, GenericAttention,
+    TransformerRelevance, PartialLRP) see which rows the score reads and refuse a default
+    that leaves some out; forward-only methods cannot (see ``docs/explained-tokens.md``).
+
+    Args:
+        query_rows: which token(s) explain the output of a one-sequence model. ``None``
+            (default): as described above; ``"mean"``: all real tokens, equally weighted
+            (mean pooling); ``"last"``: the last real token; an int: that position (negative
+            counts from the end).
+
+    A bare encoder (``BertModel``, a CLIP tower with projection) returns features, not class
+    scores: with ``target=None`` it raises :class:`InputError` instead of explaining the
+    arg-max feature. Wrap it with the head whose score you explain, or pass a target.
+
     Example::
 
         >>> GenericAttention(bart).attribute((source_ids, prefix_ids), target=next_id,
         ...                                  forward_kwargs={"attention_mask": source_mask})
+        >>> pooled = MeanPoolingClassifier(BertModel(config))           # the user's head
+        >>> GenericAttention(pooled, adapter=HuggingFaceAdapter(query_rows="mean")).attribute(ids, target=1)
     """
 
     name = "huggingface"
@@ -128,6 +165,9 @@ class HuggingFaceAdapter(Adapter):
         frozenset({"text", "image"}): "dual_encoder_layouts",
         frozenset({"encoder", "decoder"}): "encoder_decoder_layouts",
     }
+
+    def __init__(self, query_rows: QueryRows = None) -> None:
+        self.query_rows_choice = checked_query_rows(query_rows)
 
     def blocks(self, model: nn.Module) -> List[Block]:
         found = [(name, m, block_kind(m, name)) for name, m in model.named_modules() if _is_attention_module(m)]
@@ -152,13 +192,14 @@ class HuggingFaceAdapter(Adapter):
     @contextlib.contextmanager
     def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
         blocks = {id(b.module): b for b in self.blocks(model)}
-        with active_recorder(recorder, blocks), patching.hf_attention_implementation(model, ATTENTION_KEY):
+        with active_recorder(recorder, blocks), patching.hf_attention_implementation(model, ATTENTION_KEY), \
+                _gradient_checkpointing_off(model):
             yield
 
     @contextlib.contextmanager
     def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
         with active_rules(rules), patching.hf_attention_implementation(model, ATTENTION_KEY), \
-                norm_rules(model, rules), operation_rules(model, rules):
+                _gradient_checkpointing_off(model), norm_rules(model, rules), operation_rules(model, rules):
             yield
 
     def _quirks(self, model: nn.Module) -> Dict[str, Any]:
@@ -177,6 +218,8 @@ class HuggingFaceAdapter(Adapter):
     def query_rows(self, model, inputs, recorder, num_tokens, num_prefix, token_mask):
         batch = recorder.sites[0].batch_size
         device = inputs[0].device
+        if self.query_rows_choice is not None:
+            return chosen_rows(self.query_rows_choice, num_tokens, token_mask, batch, device)
         for module in model.modules():
             rows = _CLASS_ROWS.get(type(module).__name__)
             if rows is not None:
@@ -204,6 +247,13 @@ class HuggingFaceAdapter(Adapter):
         names = frozenset(site.streams[0] for site in recorder.sites)
         if len(names) < 2:
             return super().stream_layouts(model, inputs, recorder)
+        if self.query_rows_choice is not None:
+            raise InputError(
+                f"query_rows={self.query_rows_choice!r} chooses the explained rows of one token sequence, but "
+                f"{type(model).__name__} has the streams {sorted(names)}, whose explained rows the adapter sets "
+                "(CLIP: end-of-text and CLS tokens; encoder-decoders: the last real decoder token). Use "
+                "HuggingFaceAdapter() without query_rows, or explain one tower of the model."
+            )
         builder = self.layout_builders.get(names)
         if builder is None:
             raise CaptureError(
@@ -320,16 +370,34 @@ class HuggingFaceAdapter(Adapter):
             )
         return scores, index
 
+    def check_output(self, model, output, target):
+        """A ModelOutput with no score field (a bare encoder: ``pooler_output``, ``image_embeds``,
+        ``last_hidden_state``) holds features: refused with ``target=None``, whose arg-max
+        would explain whichever feature happens to be largest."""
+        if target is not None or isinstance(output, (torch.Tensor, tuple, list)):
+            return
+        if not hasattr(output, "items") or any(isinstance(getattr(output, field, None), torch.Tensor)
+                                               for field in _SCORE_FIELDS):
+            return
+        fields = [name for name, value in output.items() if isinstance(value, torch.Tensor)]
+        raise InputError(
+            f"{type(model).__name__} returned {type(output).__name__} with the fields {fields}: hidden features, not "
+            "class scores, and no target was given, so there is no score to explain (the arg-max of a feature vector "
+            "is not a prediction). Wrap the encoder in an nn.Module with the head whose score you explain (e.g. "
+            "mean pooling + linear) and explain that; or pass target=<feature index> to explain one feature. "
+            + QUERY_ROWS_HINT
+        )
+
     def logits(self, model, output, layout, causal):
         if not isinstance(output, (torch.Tensor, tuple, list)):
             for field in _OUTPUT_FIELDS:
-                value = getattr(output, field, None)
+                value = output.get(field) if isinstance(output, Mapping) else getattr(output, field, None)
                 if isinstance(value, torch.Tensor):
                     output = value
                     break
             else:
                 raise InputError(
                     f"{type(output).__name__} has none of the fields {_OUTPUT_FIELDS}; wrap the model so that its "
-                    "forward returns the score tensor to explain."
+                    "forward returns the score tensor to explain. " + QUERY_ROWS_HINT
                 )
         return super().logits(model, output, layout, causal)

@@ -3,7 +3,8 @@
 Keys are classes or dotted strings (``"transformers.modeling_utils.PreTrainedModel"``),
 so registering an adapter never imports an optional dependency. A model whose own class
 is unknown is searched for a registered submodule, so user wrappers around a HF or timm
-model work unchanged.
+model work unchanged. Families no built-in adapter fits (Swin and other windowed or
+hierarchical models, :mod:`.unsupported`) are refused unless a user adapter is given.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Union
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from .graph_refusal import graph_model_reason
+from .unsupported import refuse_unsupported
 
 if TYPE_CHECKING:  # pragma: no cover
     from .base import Adapter
@@ -48,6 +51,23 @@ def _lookup_class(cls: type) -> Optional["Adapter"]:
     return None
 
 
+def _is_user_adapter(adapter: Union["Adapter", str, None]) -> bool:
+    """An adapter instance written outside this package (a user's own, e.g. for graphs)."""
+    return adapter is not None and not isinstance(adapter, str) and \
+        not type(adapter).__module__.startswith("captum_transformers.")
+
+
+def _refuse_graph_models(model: nn.Module) -> None:
+    reason = graph_model_reason(model)
+    if reason is not None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} contains the graph attention layer {reason}. Graph models are not supported "
+            "yet: the built-in adapters would read the nodes of a graph batch as a token sequence (node 0 as a CLS "
+            "token) and return a wrong map. Explain graph models with a graph method (e.g. torch_geometric.explain), "
+            "or pass adapter=YourGraphAdapter() (a captum_transformers.adapters.Adapter subclass of your own)."
+        )
+
+
 def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -> "Adapter":
     """The adapter for ``model``: ``adapter`` if given, else an MRO lookup.
 
@@ -55,7 +75,10 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
     """
     from . import base  # registers the built-in adapters on first use
 
+    if isinstance(model, nn.Module) and not _is_user_adapter(adapter):
+        _refuse_graph_models(model)
     if isinstance(adapter, base.Adapter):
+        refuse_unsupported(model, adapter)
         return adapter
     if isinstance(adapter, str):
         if adapter not in _BY_NAME:
@@ -63,6 +86,7 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
                 f"Unknown adapter name {adapter!r}; registered adapters are {sorted(_BY_NAME)}. "
                 "Pass one of these names or an Adapter instance."
             )
+        refuse_unsupported(model, _BY_NAME[adapter])
         return _BY_NAME[adapter]
     if adapter is not None:
         raise UnsupportedModelError(
@@ -78,6 +102,7 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
             found = _lookup_class(type(sub))
             if found is not None:
                 break
+    refuse_unsupported(model, found)  # windowed, hierarchical models: say so, not "no adapter"
     if found is None:
         families = "; ".join(f"{a.name}: {a.families}" for a in registered_adapters())
         raise UnsupportedModelError(

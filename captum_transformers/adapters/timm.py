@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..capture import patching
+from ..capture.compiled import original_module
 from ..errors import CaptureError
 from ..propagation.operation_rules import needs_operation_rules, operation_rules
 from ..propagation.rules import RuleSet, norm_rules
@@ -92,7 +93,7 @@ class TimmAdapter(Adapter):
         backbone = _backbone(model)
         names = {id(m): name for name, m in model.named_modules()}
         blocks: List[Block] = []
-        for index, layer in enumerate(backbone.blocks.children()):
+        for index, layer in enumerate(original_module(backbone.blocks).children()):
             found = [m for m in layer.modules() if _is_attention(m)]
             if len(found) != 1:
                 # Parallel attention branches (ParallelThingsBlock) are summed, not chained;
@@ -163,7 +164,7 @@ class TimmAdapter(Adapter):
             if getattr(backbone, "grad_checkpointing", False):
                 # Checkpointed blocks re-run their forward in the backward pass, outside this
                 # context; run them plainly so the observed maps are the ones differentiated.
-                stack.enter_context(patching.attributes(backbone, grad_checkpointing=False))
+                stack.enter_context(patching.flag(backbone, "grad_checkpointing", False))
             for block in blocks:
                 tap_input, check_recorded, record, report = make_hooks(block)
                 stack.enter_context(explicit_sdpa(block.module, report))
@@ -184,11 +185,11 @@ class TimmAdapter(Adapter):
             for block in blocks:
                 if rules.attention_gate != "gradient":
                     # The explicit attention path, whose attn_drop output A V reads: detached there.
-                    stack.enter_context(patching.attributes(block.module, fused_attn=False))
+                    stack.enter_context(patching.flag(block.module, "fused_attn", False))
                     stack.enter_context(patching.forward_hook(block.module.attn_drop, constant_gate))
                 elif needs_operation_rules(rules):
                     # SDPA as an explicit softmax attention, so the rules reach its softmax and products.
-                    stack.enter_context(patching.attributes(block.module, fused_attn=True))
+                    stack.enter_context(patching.flag(block.module, "fused_attn", True))
                     stack.enter_context(explicit_sdpa(block.module))
             stack.enter_context(norm_rules(model, rules))
             stack.enter_context(operation_rules(model, rules))

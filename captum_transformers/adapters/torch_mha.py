@@ -2,11 +2,12 @@
 
 Mechanism. Inside :meth:`TorchMHAAdapter.capture`:
 
-1. :func:`~captum_transformers.capture.patching.mha_fastpath_disabled` turns off PyTorch's fused
-   paths. ``MultiheadAttention``, ``TransformerEncoderLayer`` and ``TransformerEncoder``
-   (its nested-tensor conversion included) each check
-   ``torch.backends.mha.get_fastpath_enabled()`` first, and with the flag off every call
-   goes through ``MultiheadAttention.forward`` and ``F.multi_head_attention_forward``.
+1. :func:`~captum_transformers.capture.patching.mha_fastpath_disabled` keeps PyTorch's fused
+   paths off in the explaining thread. ``MultiheadAttention``, ``TransformerEncoderLayer`` and
+   ``TransformerEncoder`` (its nested-tensor conversion included) leave their fast path while
+   a torch-function mode is active, so every call goes through ``MultiheadAttention.forward``
+   and ``F.multi_head_attention_forward``; other threads, and the process-wide
+   ``torch.backends.mha`` flag, are untouched.
 2. :func:`~captum_transformers.capture.patching.instance_forward` wraps each attention instance's
    ``forward``: the query is tapped through :meth:`Recorder.connect` (so gradients reach the
    attention even when every parameter is frozen), the original forward runs with
@@ -33,22 +34,21 @@ import contextlib
 import contextvars
 import functools
 import inspect
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ..capture import patching
-from ..errors import CaptureError, InputError
+from ..errors import CaptureError
 from ..propagation.operation_rules import active_rules, needs_operation_rules, operation_rules
 from ..propagation.attention_core import softmax_attention
 from ..propagation.recomputed_softmax import softmax_of_recomputed_scores
 from ..propagation.rules import RuleSet, norm_rules
 from ..capture.trace import Block
 from .base import Adapter
+from .query_rows import QueryRows, checked_query_rows, chosen_rows
 from ..capture.recorder import Recorder, SiteObserver
-
-QueryRows = Union[None, int, str]
 
 # True while per-operation rules are active: attention is then recomputed explicitly.
 _OBSERVER_ATTRIBUTE = "_captum_transformers_observer"
@@ -105,7 +105,7 @@ class TorchMHAAdapter(Adapter):
 
     Covers ``nn.MultiheadAttention`` used directly, ``nn.TransformerEncoderLayer`` and
     ``nn.TransformerEncoder`` (fast path and nested tensors included: they are turned off
-    while capturing and restored afterwards), with ``batch_first`` True or False, key
+    in the explaining thread while capturing), with ``batch_first`` True or False, key
     padding masks (padding keys get zero attribution), attention masks and causal masks
     (``is_causal=True`` or a mask that blocks the upper triangle).
 
@@ -131,13 +131,7 @@ class TorchMHAAdapter(Adapter):
     families = "models built from torch.nn.MultiheadAttention / nn.TransformerEncoder(Layer)"
 
     def __init__(self, query_rows: QueryRows = None) -> None:
-        valid = (query_rows is None or (isinstance(query_rows, str) and query_rows in ("mean", "last"))
-                 or (isinstance(query_rows, int) and not isinstance(query_rows, bool)))
-        if not valid:
-            raise InputError(
-                f"query_rows must be None, 'mean', 'last' or an int token position, got {query_rows!r}."
-            )
-        self._query_rows = query_rows
+        self.query_rows_choice = checked_query_rows(query_rows)
 
     # -- sites ----------------------------------------------------------------------
     def blocks(self, model: nn.Module) -> List[Block]:
@@ -185,34 +179,9 @@ class TorchMHAAdapter(Adapter):
     # -- layout ---------------------------------------------------------------------
     def query_rows(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder,
                    num_tokens: int, num_prefix: int, token_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        choice = self._query_rows
-        if choice is None:
+        if self.query_rows_choice is None:
             return super().query_rows(model, inputs, recorder, num_tokens, num_prefix, token_mask)
-        batch = recorder.sites[0].batch_size
-        device = inputs[0].device
-        mask = (torch.ones(batch, num_tokens, dtype=torch.bool, device=device) if token_mask is None
-                else token_mask.to(device=device, dtype=torch.bool))
-        if not bool(mask.any(dim=1).all()):
-            raise InputError("An example of the batch has no real token: its key_padding_mask masks every position.")
-        positions = torch.arange(num_tokens, device=device)
-        if choice == "last":
-            return torch.where(mask, positions, -1).amax(dim=1).unsqueeze(1)
-        if choice == "mean":
-            return self._mean_rows(mask, positions)
-        position = choice + num_tokens if choice < 0 else choice
-        if not 0 <= position < num_tokens:
-            raise InputError(
-                f"query_rows={choice} is outside the {num_tokens} tokens the model attends over; "
-                f"use a position in [{-num_tokens}, {num_tokens})."
-            )
-        return torch.full((batch, 1), position, dtype=torch.long, device=device)
-
-    @staticmethod
-    def _mean_rows(mask: torch.Tensor, positions: torch.Tensor):
-        """Every position, weighted 1/length at real tokens and 0 at padding."""
-        weights = mask.to(torch.float32)
-        weights = weights / weights.sum(dim=1, keepdim=True)
-        return positions.expand(mask.shape[0], -1), weights
+        return chosen_rows(self.query_rows_choice, num_tokens, token_mask, recorder.sites[0].batch_size, inputs[0].device)
 
 
 def _recording_forward(original: Callable, block: Block, recorder: Optional[Recorder],

@@ -4,19 +4,51 @@ Every helper is a context manager that records the exact prior state and restore
 exit, whether the body returned normally or raised. Changes are made on *instances*
 (instance attributes, hooks, configs), never on classes, so other models of the same class
 are untouched. Adapters compose these helpers with :class:`contextlib.ExitStack`.
+
+A change acts only where it was made: every replaced forward, hook, flag and attention
+implementation is *gated* by a context variable that the helper sets while it is entered,
+so the thread (or ``contextvars`` context) that entered it sees the change and every other
+one sees the model's original behaviour, bit for bit (explanations of one model are
+serialised by :mod:`.exclusive`). No process-wide flag is changed.
+
+Example::
+
+    >>> with instance_forward(model.layer, lambda original: my_forward):
+    ...     model(x)        # runs my_forward in this thread; other threads run the original
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import copy
+import copyreg
+import functools
 import threading
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List
 
-import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..errors import InputError
 
 _MISSING = object()
+
+# The changes entered in the current context (one opaque token per helper call).
+_ENTERED: contextvars.ContextVar[FrozenSet[object]] = contextvars.ContextVar(
+    "captum_transformers_entered_patches", default=frozenset())
+
+
+@contextlib.contextmanager
+def _entered(token: object) -> Iterator[None]:
+    reset = _ENTERED.set(_ENTERED.get() | {token})
+    try:
+        yield
+    finally:
+        _ENTERED.reset(reset)
+
+
+def _is_entered(token: object) -> bool:
+    return token in _ENTERED.get()
 
 
 @contextlib.contextmanager
@@ -45,23 +77,81 @@ def attributes(obj: Any, **values: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def instance_forward(module: nn.Module, make_forward: Callable[[Callable], Callable]) -> Iterator[None]:
-    """Replace ``module.forward`` on this instance by ``make_forward(original_forward)``."""
+    """Replace ``module.forward`` on this instance by ``make_forward(original_forward)``,
+    in the current context only: elsewhere the instance runs ``original_forward``."""
     original = module.forward
-    with attributes(module, forward=make_forward(original)):
+    replacement = make_forward(original)
+    token = object()
+
+    # wraps: the replacement's markers and signature (through __wrapped__) stay visible.
+    @functools.wraps(replacement)
+    def forward(*args: Any, **kwargs: Any):
+        if _is_entered(token):
+            return replacement(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    with attributes(module, forward=forward), _entered(token):
         yield
 
 
 @contextlib.contextmanager
 def forward_hook(module: nn.Module, hook: Callable, *, pre: bool = False, with_kwargs: bool = False) -> Iterator[None]:
-    """Register a forward (pre-)hook for the duration of the context."""
+    """Register a forward (pre-)hook for the duration of the context, called only in the
+    current context (elsewhere it returns None: no change)."""
+    token = object()
+
+    def gated(*args: Any):
+        return hook(*args) if _is_entered(token) else None
+
     if pre:
-        handle = module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
+        handle = module.register_forward_pre_hook(gated, with_kwargs=with_kwargs)
     else:
-        handle = module.register_forward_hook(hook, with_kwargs=with_kwargs)
+        handle = module.register_forward_hook(gated, with_kwargs=with_kwargs)
     try:
-        yield
+        with _entered(token):
+            yield
     finally:
         handle.remove()
+
+
+class _ContextualFlag:
+    """A truth value that is ``value`` where its context is entered and ``original`` elsewhere.
+
+    Stands in for a boolean instance flag read as ``if module.flag:`` (timm's ``fused_attn``
+    and ``grad_checkpointing``)."""
+
+    __slots__ = ("token", "value", "original")
+
+    def __init__(self, token: object, value: bool, original: Any):
+        self.token, self.value, self.original = token, value, original
+
+    def __bool__(self) -> bool:
+        return bool(self.value if _is_entered(self.token) else self.original)
+
+    def __repr__(self) -> str:
+        return f"{bool(self)} (captum_transformers: {self.value} while explaining, else {self.original!r})"
+
+
+@contextlib.contextmanager
+def flag(obj: Any, name: str, value: bool) -> Iterator[None]:
+    """Set the boolean flag ``obj.name`` to ``value`` in the current context only.
+
+    Example::
+
+        >>> with flag(vit.blocks[0].attn, "fused_attn", False):
+        ...     vit(images)   # explicit attention path here, timm's choice in other threads
+    """
+    token = object()
+    with attributes(obj, **{name: _ContextualFlag(token, value, getattr(obj, name))}), _entered(token):
+        yield
+
+
+def eval_view(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` in eval mode (parameters and children shared), for probes
+    that must not draw dropout or update statistics without touching the module itself."""
+    view = copy.copy(module)
+    view.training = False
+    return view
 
 
 def _reachable_configs(model: nn.Module) -> List[Any]:
@@ -80,38 +170,105 @@ def _reachable_configs(model: nn.Module) -> List[Any]:
     return list(seen.values())
 
 
+# Per context: id(config) -> the attention implementation it reports there.
+_IMPLEMENTATIONS: contextvars.ContextVar[Dict[int, str]] = contextvars.ContextVar(
+    "captum_transformers_attn_implementations", default={})
+_CONTEXTUAL_CONFIG_CLASSES: Dict[type, type] = {}
+# id(config) -> [original class, number of contexts using the contextual class].
+_SWAPPED_CONFIGS: Dict[int, list] = {}
+_CONFIG_GUARD = threading.Lock()
+
+
+def _contextual_config_class(cls: type) -> type:
+    """``cls`` with an ``_attn_implementation`` that reads this context's choice first."""
+    found = _CONTEXTUAL_CONFIG_CLASSES.get(cls)
+    if found is None:
+        inherited = cls._attn_implementation
+
+        def read(config):
+            chosen = _IMPLEMENTATIONS.get().get(id(config))
+            return inherited.fget(config) if chosen is None else chosen
+
+        def reduce_ex(config, protocol):
+            # Pickled (and copied) as the original class: another thread may save the config now.
+            constructor, arguments, *rest = cls.__reduce_ex__(config, protocol)
+            if arguments and arguments[0] is found:
+                constructor, arguments = copyreg._reconstructor, (cls, object, None)
+            return (constructor, arguments, *rest)
+
+        found = type(cls.__name__, (cls,), {"_attn_implementation": property(read, inherited.fset),
+                                            "__reduce_ex__": reduce_ex,
+                                            "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        _CONTEXTUAL_CONFIG_CLASSES[cls] = found
+    return found
+
+
 @contextlib.contextmanager
 def hf_attention_implementation(model: nn.Module, key: str) -> Iterator[None]:
-    """Point every HF config of ``model`` at attention implementation ``key``.
+    """Point every HF config of ``model`` at attention implementation ``key``, in the
+    current context only.
 
-    Writes the config's internal field directly (no validation round trip, no warnings)
-    and restores each config's own previous value, so mixed per-tower settings survive.
+    transformers reads ``config._attn_implementation`` (a property) wherever it dispatches
+    attention or builds masks. For the duration, each config's class is a subclass whose
+    property answers ``key`` in this context and the stored value elsewhere; nothing stored
+    changes. Configs shared by several models (or threads) are swapped once and restored by
+    the last context that leaves.
     """
     configs = _reachable_configs(model)
-    previous = [config._attn_implementation_internal for config in configs]
-    try:
+    with _CONFIG_GUARD:
         for config in configs:
-            config._attn_implementation_internal = key
+            entry = _SWAPPED_CONFIGS.get(id(config))
+            if entry is None:
+                entry = _SWAPPED_CONFIGS[id(config)] = [type(config), 0]
+                config.__class__ = _contextual_config_class(type(config))
+            entry[1] += 1
+    reset = _IMPLEMENTATIONS.set({**_IMPLEMENTATIONS.get(), **{id(config): key for config in configs}})
+    try:
         yield
     finally:
-        for config, value in zip(configs, previous):
-            config._attn_implementation_internal = value
+        _IMPLEMENTATIONS.reset(reset)
+        with _CONFIG_GUARD:
+            for config in configs:
+                entry = _SWAPPED_CONFIGS[id(config)]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    config.__class__ = entry[0]
+                    del _SWAPPED_CONFIGS[id(config)]
+
+
+class _NoFastPath(TorchFunctionMode):
+    """A pass-through torch-function mode. PyTorch's fused MultiheadAttention /
+    TransformerEncoder(Layer) fast paths are not taken while any torch-function mode is
+    active (``has_torch_function`` is then true), and modes are per thread."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
 def mha_fastpath_disabled() -> Iterator[None]:
-    """Turn off PyTorch's fused MultiheadAttention / TransformerEncoder fast path.
-
-    The fast path bypasses ``MultiheadAttention.forward`` entirely, so no weights would be
-    observed. The flag is process-global; its previous value is restored on exit.
-    """
-    previous = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
+    """Keep PyTorch's fused MultiheadAttention / TransformerEncoder fast path off in this
+    thread (the fast path bypasses ``MultiheadAttention.forward``, so no weights would be
+    observed). ``torch.backends.mha``'s process-wide flag is left alone: other threads
+    keep the fast path."""
+    with _NoFastPath():
         yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(previous)
 
+
+@contextlib.contextmanager
+def eager_call(module: nn.Module) -> Iterator[None]:
+    """In the current context, a module compiled in place (``module.compile()``) runs its
+    eager ``_call_impl`` instead of the compiled one; elsewhere the compiled code runs."""
+    compiled = module._compiled_call_impl
+    token = object()
+
+    def call(*args: Any, **kwargs: Any):
+        if _is_entered(token):
+            return module._call_impl(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    with attributes(module, _compiled_call_impl=call), _entered(token):
+        yield
 
 # Parameters made to require grad by live parameters_require_grad contexts, by id:
 # [parameter, its own flag, number of contexts holding it]. Shared by threads explaining
@@ -132,9 +289,12 @@ def parameters_require_grad(model: nn.Module) -> Iterator[None]:
     trainable model's, so every method gives one map whatever ``requires_grad`` says.
     Nothing accumulates into ``.grad``: the package differentiates with ``autograd.grad``.
     Safe when several threads explain one model: a flag is restored by the last context out.
+    Unlike the other helpers the flag is not per context: a thread training the same model
+    meanwhile would see its frozen parameters require grad (explanations are serialised per
+    module by :mod:`..capture.exclusive`, training is not).
     """
     parameters = [p for p in model.parameters() if p.is_floating_point()]
-    entered: List[torch.Tensor] = []
+    entered: List[nn.Parameter] = []
     try:
         with _FORCED_GRAD_LOCK:
             for parameter in parameters:

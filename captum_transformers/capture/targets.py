@@ -3,11 +3,15 @@
 Accepted, as in Captum: ``None``, an int, a tuple of ints (an index into the non-batch
 dims), a 0-d or per-example tensor, or a per-example list of ints or tuples. ``None``
 explains the predicted class (the arg-max per example) unless the output already is one
-score per example.
+score per example. Booleans are refused: Python counts ``True`` as ``1``, so ``target=True``
+would silently explain class 1.
+
+A model's output is read as scores by :func:`output_scores`: a tensor, the first tensor of
+a tuple, or the ``"logits"`` entry of a mapping (a dict, or a HuggingFace ``ModelOutput``).
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Mapping, Tuple
 
 import torch
 
@@ -28,11 +32,53 @@ def _check_index(index: Tuple[int, ...], shape: Tuple[int, ...], what: str) -> N
             )
 
 
+def output_scores(output: Any) -> Any:
+    """The score tensor of a model output that is a mapping: its ``"logits"`` entry.
+
+    ``{"logits": s, ...}`` and a HuggingFace ``ModelOutput`` give ``s``; a mapping without
+    ``"logits"`` is refused (picking another entry could explain the wrong quantity); any
+    other output is returned as is.
+
+    Example: ``output_scores({"logits": scores, "hidden": h}) is scores``.
+    """
+    if not isinstance(output, Mapping):
+        return output
+    scores = output.get("logits")
+    if not isinstance(scores, torch.Tensor):
+        found = {key: type(value).__name__ for key, value in output.items()}
+        raise InputError(
+            f"The model returned a {type(output).__name__} with entries {found} but no 'logits' tensor; expected a "
+            "tensor of scores, or a mapping whose 'logits' entry holds them. Return {'logits': scores, ...} or wrap "
+            "the model in an nn.Module whose forward returns the score tensor to explain."
+        )
+    return scores
+
+
+def _is_boolean(value: Any) -> bool:
+    """Python and numpy booleans, and bool tensors or arrays (numpy is not imported)."""
+    if isinstance(value, bool):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return dtype is torch.bool or str(dtype) == "bool"
+
+
+def _refuse_booleans(target: Any) -> None:
+    entries = target if isinstance(target, (list, tuple)) else [target]
+    nested = [v for entry in entries for v in (entry if isinstance(entry, (list, tuple)) else [entry])]
+    if any(_is_boolean(value) for value in nested):
+        raise InputError(
+            f"target={target!r} holds booleans; a target is a class index (an int, a tuple of ints, an integer "
+            "tensor or a list of them), and True would silently count as class 1. Pass the class as an int "
+            "(e.g. target=1), or None for the predicted class."
+        )
+
+
 def select_targets(output: torch.Tensor, target: Any) -> Tuple[torch.Tensor, torch.Tensor]:
     """Return ``(scores, index)``: the explained score per example (B,) and its index (B, D)."""
     batch = output.shape[0]
     inner = tuple(output.shape[1:])
     flat = output.reshape(batch, -1)
+    _refuse_booleans(target)
     if target is None:
         if not inner:
             return output, torch.zeros(batch, 0, dtype=torch.long, device=output.device)

@@ -1,8 +1,10 @@
 """The ``captum-transformers`` command line: ``explain`` and ``benchmark``.
 
 ``python -m captum_transformers`` with no arguments runs ``explain`` on the built-in model.
-Errors a user can fix (unknown model or method, unreachable hub, unreadable image, target
-out of range) print one line saying what to do and exit with status 2, never a traceback.
+Errors a user can fix (unknown model or method, a model folder without config.json or
+weights, unreachable hub, unreadable image, target out of range, an unknown --device, an
+--out that is a file or cannot be written) print one line saying what to do and exit with
+status 2, never a traceback; --out is checked before any work runs.
 """
 from __future__ import annotations
 

@@ -7,15 +7,16 @@ checkpoint (see ``model_loading``); ``--image`` / ``--text`` give the inputs.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Dict, List
 
 import torch
 
+from ..capture.targets import output_scores
 from ..errors import InputError
 from ..methods.catalog import METHOD_NAMES, build_method, resolve_method_names
 from . import figures
 from .model_loading import LoadedModel, load_model, read_image
+from .output_folder import output_folder
 
 
 def add_parser(subparsers) -> None:
@@ -31,7 +32,9 @@ def add_parser(subparsers) -> None:
                         help="method to run (repeatable; default: all)")
     parser.add_argument("--target", type=int, help="class to explain (default: the predicted class)")
     parser.add_argument("--samples", type=int, default=4, help="built-in model: number of sample canvases")
-    parser.add_argument("--out", default="captum_transformers_explain", help="output folder")
+    parser.add_argument("--out", default="captum_transformers_explain",
+                        help="output folder (default: %(default)s); one that holds an earlier explanations.png is "
+                             "never overwritten: the run goes to OUT-2, OUT-3, ... and says so")
     parser.set_defaults(run=run)
 
 
@@ -59,12 +62,13 @@ def _raw_inputs(loaded: LoadedModel, args) -> tuple:
 
 def _logits(model, inputs, forward_kwargs) -> torch.Tensor:
     with torch.no_grad():
-        output = model(*inputs, **forward_kwargs)
-    return getattr(output, "logits", output[0] if isinstance(output, (tuple, list)) else output)
+        output = output_scores(model(*inputs, **forward_kwargs))  # a dict or ModelOutput: its "logits"
+    return output[0] if isinstance(output, (tuple, list)) else output
 
 
 def run(args) -> int:
     methods = resolve_method_names(args.method)
+    out = output_folder(args.out, "explanations.png", "explain")
     loaded = load_model(args.model, args.arch, args.random_init)
     inputs, forward_kwargs, displays, labels = _raw_inputs(loaded, args)
     logits = _logits(loaded.model, inputs, forward_kwargs)
@@ -95,8 +99,6 @@ def run(args) -> int:
             return_tokens=loaded.modality == "text")
         scores[name] = _display_scores(loaded, attribution, displays, forward_kwargs.get("attention_mask"))
         print(f"  {name:>22}: {(time.perf_counter() - start) * 1000:7.0f} ms")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if loaded.modality == "image":
         path = figures.image_grid(displays, scores, titles, out / "explanations.png")
     else:

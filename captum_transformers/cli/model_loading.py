@@ -155,16 +155,18 @@ def _huggingface(source: str, local: bool) -> LoadedModel:
         raise InputError("HuggingFace models need transformers: pip install 'captum_transformers[hf]'.") from None
     try:
         config = transformers.AutoConfig.from_pretrained(source)
-    except OSError:
+    except (OSError, ValueError) as error:  # transformers 5: a folder with no config.json is a ValueError
         if local:
-            raise InputError(f"{source!r} is a directory without a readable config.json; expected a model saved "
-                             "with save_pretrained.") from None
+            found = "has no config.json" if not (Path(source) / "config.json").exists() else \
+                f"has a config.json that transformers cannot read ({_first_line(error)})"
+            raise InputError(f"--model {source!r} is a directory that {found}; expected a model folder written by "
+                             "model.save_pretrained(folder) (config.json and the weights).") from None
         raise InputError(f"unknown model {source!r}: not a directory, not a checkpoint file, not a timm model name, "
                          "and the HuggingFace hub could not provide it (unreachable, or no such model). Give the "
                          "model as a local directory saved with save_pretrained (--model path/to/dir).") from None
     names = _class_names(config)
     if getattr(config, "image_size", None) is not None and config.model_type not in _TEXT_TYPES:
-        model = transformers.AutoModelForImageClassification.from_pretrained(source).eval()
+        model = _from_pretrained(transformers.AutoModelForImageClassification, source)
         try:
             processor = transformers.AutoImageProcessor.from_pretrained(source)
         except (OSError, ValueError):
@@ -179,7 +181,7 @@ def _huggingface(source: str, local: bool) -> LoadedModel:
             return (pixels,), {}, [_image_tensor(raw, tuple(pixels.shape[-2:])) for raw in raws]
 
         return LoadedModel(model, "image", source, prepare, names)
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(source).eval()
+    model = _from_pretrained(transformers.AutoModelForSequenceClassification, source)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as error:
@@ -196,6 +198,23 @@ def _huggingface(source: str, local: bool) -> LoadedModel:
 
 
 _TEXT_TYPES = frozenset({"clip_text_model"})
+
+
+def _from_pretrained(auto_class, source: str) -> nn.Module:
+    """``auto_class.from_pretrained(source)`` in eval mode; missing weights or a config with no
+    classification head of that kind are an ``InputError``."""
+    try:
+        return auto_class.from_pretrained(source).eval()
+    except (OSError, ValueError) as error:
+        raise InputError(f"--model {source!r}: {auto_class.__name__} could not load it ({_first_line(error)}); "
+                         "expected a classification model saved with save_pretrained (config.json and "
+                         "model.safetensors).") from None
+
+
+def _first_line(error: Exception, limit: int = 160) -> str:
+    """An exception as one short line (transformers' messages span several)."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _class_names(config) -> Optional[List[str]]:

@@ -1,8 +1,8 @@
 """Positive / negative pixel perturbation curves (Chefer et al., CVPR 2021, Sec. 4 and their
-evaluation code)."""
+evaluation code), under a named protocol of removed fractions."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -14,8 +14,35 @@ from .results import CurveResult
 from .saliency_maps import as_pixel_maps, minmax_normalize
 from .validation import require_choice, require_fractions, require_labels, require_tensor
 
-PIXEL_FRACTIONS = tuple(i / 10 for i in range(10))
+CVPR21_PIXEL_FRACTIONS: Tuple[float, ...] = tuple(i / 10 for i in range(10))
 """0.0, 0.1, ..., 0.9: the removed fractions of the authors' code (the clean image included)."""
+
+FINE_PIXEL_FRACTIONS: Tuple[float, ...] = (tuple(i / 100 for i in range(10))
+                                           + tuple(i / 10 for i in range(1, 10)))
+"""0.0, 0.01, ..., 0.09, then 0.1, 0.2, ..., 0.9 (19 steps): the default. On small images a
+faithful map takes the object out within the first 10 % of pixels, so the authors' first step
+already lands at the bottom and their AUC mostly measures that one step; the 1 % steps
+resolve where the curve falls. Same range as the CVPR'21 steps, so the AUCs share a scale."""
+
+PIXEL_PROTOCOLS: Dict[str, Tuple[float, ...]] = {"fine": FINE_PIXEL_FRACTIONS, "cvpr21": CVPR21_PIXEL_FRACTIONS}
+"""Named fraction protocols for ``PixelPerturbation(fractions=NAME)`` and the benchmark CLI."""
+
+PIXEL_FRACTIONS: Tuple[float, ...] = FINE_PIXEL_FRACTIONS
+"""The default fractions (the ``"fine"`` protocol)."""
+
+
+def pixel_fractions(fractions: Union[str, Sequence[float]]) -> Tuple[float, ...]:
+    """A protocol name of ``PIXEL_PROTOCOLS`` or explicit fractions, as checked fractions.
+
+    >>> pixel_fractions("cvpr21")[:3]
+    (0.0, 0.1, 0.2)
+    """
+    if isinstance(fractions, str):
+        if fractions not in PIXEL_PROTOCOLS:
+            raise InputError(f"fractions={fractions!r} names no pixel perturbation protocol; expected one of "
+                             f"{tuple(PIXEL_PROTOCOLS)} or a strictly increasing sequence of fractions in [0, 1].")
+        return PIXEL_PROTOCOLS[fractions]
+    return require_fractions(fractions, 0.0, 1.0)
 
 
 class PixelPerturbation(Accumulator):
@@ -29,6 +56,12 @@ class PixelPerturbation(Accumulator):
         curve(f) = mean over images of 1[argmax forward(normalize(x_f)) == label]
         AUC = 100 * trapezoid(curve, fractions)
 
+    ``fractions`` is a protocol name, ``"fine"`` (default, ``FINE_PIXEL_FRACTIONS``: 1 % steps
+    to 10 %, then 10 % steps to 90 %) or ``"cvpr21"`` (``CVPR21_PIXEL_FRACTIONS``: the
+    authors' 0, 0.1, ..., 0.9), or explicit increasing fractions. The trapezoid runs over the
+    actual fractions, so uneven steps weigh each segment by its width; both protocols span
+    [0, 0.9], so a curve that never leaves 1 has AUC 90 under either.
+
     Lower positive AUC and higher negative AUC mean a more faithful map. Ties among equal
     map values are broken as ``torch.topk`` breaks them (implementation-defined, in practice
     deterministic on one device); maps with many ties (e.g. constant regions) therefore depend
@@ -37,7 +70,7 @@ class PixelPerturbation(Accumulator):
 
     Example::
 
-        metric = PixelPerturbation(model, mode="positive", normalize=imagenet_normalize)
+        metric = PixelPerturbation(model, mode="positive", normalize=imagenet_normalize)  # or fractions="cvpr21"
         for images, labels in loader:
             metric.update(images, labels, explain(images))
         metric.compute().auc
@@ -47,7 +80,7 @@ class PixelPerturbation(Accumulator):
         self,
         forward: Forward,
         mode: str = "positive",
-        fractions: Sequence[float] = PIXEL_FRACTIONS,
+        fractions: Union[str, Sequence[float]] = "fine",
         normalize: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         max_batch_size: Optional[int] = None,
     ) -> None:
@@ -55,7 +88,7 @@ class PixelPerturbation(Accumulator):
         require_choice("mode", mode, ("positive", "negative"))
         self.forward = forward
         self.mode = mode
-        self.fractions = require_fractions(fractions, 0.0, 1.0)
+        self.fractions = pixel_fractions(fractions)
         self.normalize = normalize if normalize is not None else (lambda images: images)
         self.max_batch_size = check_max_batch_size(max_batch_size)
         self._add_state("correct", (len(self.fractions),))

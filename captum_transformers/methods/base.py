@@ -18,8 +18,10 @@ from torch import nn
 
 from ..adapters.base import Adapter, model_dtype
 from ..errors import CaptureError, InputError
+from ..adapters.query_rows import refuse_masked_explained_rows
 from ..adapters.registry import get_adapter
 from .relevancy_maps import explained_rows
+from ..capture.inputs import passed_by_name, split_mapping
 from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec, InputSpan, TokenLayout
 from . import functional
 
@@ -32,13 +34,23 @@ StartLayer = Union[int, Mapping[str, int]]
 TensorOrTuple = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 
 
+def _named_inputs(inputs: Any, additional_forward_args: Any,
+                  forward_kwargs: Optional[dict]) -> Tuple[Any, Any, Optional[dict], Optional[str]]:
+    """``(inputs, additional_forward_args, forward_kwargs, name)``: a mapping input split into
+    its explained tensor, passed by ``name``, and keyword arguments; other inputs as given."""
+    if not isinstance(inputs, Mapping):
+        return inputs, additional_forward_args, forward_kwargs, None
+    named = split_mapping(inputs, additional_forward_args, forward_kwargs)
+    return named.tensor, None, named.forward_kwargs, named.name
+
+
 def _format_inputs(inputs: Any) -> Tuple[Tuple[torch.Tensor, ...], bool]:
     is_tuple = isinstance(inputs, tuple)
     formatted = inputs if is_tuple else (inputs,)
     if not formatted or not all(isinstance(t, torch.Tensor) for t in formatted):
         raise InputError(
-            f"inputs must be a tensor or a tuple of tensors, got {type(inputs).__name__}"
-            + (f" of {[type(t).__name__ for t in formatted]}" if is_tuple else "") + "."
+            f"inputs must be a tensor, a tuple of tensors, or a mapping such as a tokenizer's BatchEncoding, got "
+            f"{type(inputs).__name__}" + (f" of {[type(t).__name__ for t in formatted]}" if is_tuple else "") + "."
         )
     batch = formatted[0].shape[0] if formatted[0].dim() else None
     if batch is None or any(t.dim() == 0 or t.shape[0] != batch for t in formatted):
@@ -70,12 +82,19 @@ def span_to_input(scores: torch.Tensor, span: InputSpan, tensor: torch.Tensor) -
     """Map the tokens ``span`` selects from a stream's scores (B, N) onto one input tensor.
 
     Images (B, C, H, W) with a ``grid``: the tokens as a (gh, gw) map, bilinearly upsampled
-    to H x W and expanded over channels. Token inputs (B, n) get the scores; embeddings
-    (B, n, D) get them repeated over D. An input with no token correspondence (for example a
-    per-example scalar feature) gets zeros: it is not a token the attention mixes.
+    to H x W and expanded over channels (an image without a ``grid`` is refused). Token
+    inputs (B, n) get the scores; embeddings (B, n, D) get them repeated over D. An input
+    with no token correspondence (for example a per-example scalar feature) gets zeros: it
+    is not a token the attention mixes.
     """
     batch = scores.shape[0]
     tokens = scores[:, span.start:span.stop]
+    if span.grid is None and tensor.dim() == 4 and tensor.is_floating_point():
+        raise CaptureError(
+            f"The {tokens.shape[1]} token scores cannot be mapped onto the image input of shape {tuple(tensor.shape)}: "
+            "the adapter knows no patch grid (no patch-embedding convolution with kernel == stride was found). "
+            "Pass return_tokens=True for the (B, N) token scores, or override patch_size() in a custom adapter."
+        )
     if span.grid is not None and tensor.dim() == 4:
         if tokens.shape[1] != span.grid[0] * span.grid[1]:
             raise CaptureError(
@@ -155,9 +174,12 @@ class TraceAttribution(Attribution):
     def trace(self, inputs: TensorOrTuple, target: Any = None, additional_forward_args: Any = None,
               forward_kwargs: Optional[dict] = None) -> AttentionTrace:
         """Run the capture alone and return the raw :class:`AttentionTrace`."""
+        inputs, additional_forward_args, forward_kwargs, name = _named_inputs(inputs, additional_forward_args,
+                                                                              forward_kwargs)
         formatted, _ = _format_inputs(inputs)
         _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
-        return self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
+        with passed_by_name(self.model, name):
+            return self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
 
     def _trace(self, inputs: Tuple[torch.Tensor, ...], target: Any, additional: Tuple[Any, ...],
                forward_kwargs: Optional[dict]) -> AttentionTrace:
@@ -171,7 +193,9 @@ class TraceAttribution(Attribution):
 
         Args:
             inputs: a tensor or a tuple of tensors, batch first (pixel values, token ids or
-                embeddings), passed positionally to the model.
+                embeddings), passed positionally to the model; or a mapping (a tokenizer's
+                ``BatchEncoding``) whose ``input_ids``, ``pixel_values`` or ``inputs_embeds`` is
+                explained, every entry passed by name (see :mod:`~captum_transformers.capture.inputs`).
             target: any Captum target form; ``None`` explains the predicted class.
             additional_forward_args: extra positional model arguments (e.g. an attention mask).
             return_tokens: return the raw (B, N) token scores instead of input-shaped maps.
@@ -179,11 +203,15 @@ class TraceAttribution(Attribution):
                 for a HF model whose second positional argument is something else).
 
         Returns:
-            Attributions with the structure and shapes of ``inputs`` (or (B, N) token scores).
+            Attributions with the structure and shapes of ``inputs`` (of the explained tensor
+            for a mapping), or (B, N) token scores.
         """
+        inputs, additional_forward_args, forward_kwargs, name = _named_inputs(inputs, additional_forward_args,
+                                                                              forward_kwargs)
         formatted, is_tuple = _format_inputs(inputs)
         _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
-        trace = self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
+        with passed_by_name(self.model, name):
+            trace = self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
         per_stream = self.stream_scores(trace)
         streams = trace.streams
         if return_tokens:
@@ -207,8 +235,11 @@ class TraceAttribution(Attribution):
         A stream the method gives no score (no attention call connects it to an explained
         stream, e.g. raw attention without a cross map) gets zeros.
         """
-        scores = self.reduce(trace)
         streams = trace.streams
+        for name in streams.explained:  # a padded explained row would zero the example's whole map
+            layout = streams.layouts[name]
+            refuse_masked_explained_rows(layout.query_rows, layout.query_weights, layout.token_mask, name)
+        scores = self.reduce(trace)
         if not isinstance(scores, dict):
             scores = {streams.explained[0]: scores}
         reference = next(iter(scores.values()))

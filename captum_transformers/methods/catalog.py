@@ -2,7 +2,9 @@
 
 Names are lower-case and hyphenated; each maps to a factory ``model -> Attribution``.
 Gradient x Input is ``ConservativeLRP(variant="GI")`` (Gradient x Input at the same place
-the LRP methods read their relevance, so the comparison is like for like).
+the LRP methods read their relevance, so the comparison is like for like). The last two rows
+are Captum's own Integrated Gradients and Saliency (``captum_baselines``), the baselines
+users compare against: at the pixels, or at the input embeddings for token ids.
 
 Example::
 
@@ -18,6 +20,7 @@ from typing import Callable, Dict, Iterable, List, Tuple
 from torch import nn
 
 from ..errors import InputError
+from .captum_baselines import CaptumIntegratedGradients, CaptumSaliency
 from .conservative_lrp import ConservativeLRP
 from .generic_attention import GenericAttention
 from .grad_cam import AttentionGradCAM
@@ -38,11 +41,13 @@ METHOD_FACTORIES: Dict[str, Callable[[nn.Module], object]] = {
     "conservative-lrp": partial(ConservativeLRP, variant="AH+LN"),
     "generic-attention": GenericAttention,
     "transformer-relevance": TransformerRelevance,
+    "integrated-gradients": CaptumIntegratedGradients,
+    "saliency": CaptumSaliency,
 }
 METHOD_NAMES: Tuple[str, ...] = tuple(METHOD_FACTORIES)
 
-# Methods whose score is a map over tokens/pixels from attention (needs an attention trace),
-# versus relevance read at the input. Both kinds run on every adapter in the support matrix.
+# Methods whose map does not depend on the explained class (the rest, Captum's gradient
+# baselines included, differentiate the target score).
 CLASS_AGNOSTIC = frozenset({"raw-attention", "rollout"})
 
 

@@ -12,8 +12,9 @@ from ..adapters.base import Adapter
 from ..errors import CaptureError, InputError
 from ..adapters.registry import get_adapter
 from ..propagation.rules import RuleSet
-from .base import (TensorOrTuple, _check_forward_kwargs, _format_additional, _format_inputs, attribution_dtype,
-                   finished, span_to_input)
+from ..capture.inputs import passed_by_name
+from .base import (TensorOrTuple, _check_forward_kwargs, _format_additional, _format_inputs, _named_inputs,
+                   attribution_dtype, finished, span_to_input)
 
 
 class RuleGradientXInput(GradientAttribution):
@@ -58,8 +59,11 @@ class RuleGradientXInput(GradientAttribution):
 
         Returns attributions shaped like ``inputs`` (or (B, N) token relevance with
         ``return_tokens=True``), and with ``return_convergence_delta=True`` also the
-        per-example ``sum(relevance) - relevance of the output``.
+        per-example ``sum(relevance) - relevance of the output``. ``inputs`` may be a mapping
+        (a tokenizer's ``BatchEncoding``), as for :meth:`TraceAttribution.attribute`.
         """
+        inputs, additional_forward_args, forward_kwargs, name = _named_inputs(inputs, additional_forward_args,
+                                                                              forward_kwargs)
         formatted, is_tuple = _format_inputs(inputs)
         _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
         at = self.relevance_at
@@ -69,8 +73,9 @@ class RuleGradientXInput(GradientAttribution):
         elif at == "inputs" and return_tokens:
             raise InputError("return_tokens=True reads token relevance; it cannot be combined with "
                              "relevance_at='inputs'. Use relevance_at='tokens' or 'auto'.")
-        result = self.adapter.relevance(self.model, formatted, _format_additional(additional_forward_args), target,
-                                        self.rules, at, forward_kwargs)
+        with passed_by_name(self.model, name):
+            result = self.adapter.relevance(self.model, formatted, _format_additional(additional_forward_args),
+                                            target, self.rules, at, forward_kwargs)
         if result.tokens is not None:
             per_stream = result.stream_tokens
             if return_tokens:

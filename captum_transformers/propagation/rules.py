@@ -158,9 +158,10 @@ def _probe(module: nn.Module, size: int, eps: float, like: torch.Tensor) -> Opti
     x = (torch.randn(64 if half else 6, size, generator=generator) * 3 + 1.5).to(dtype=dtype, device=device)
     try:
         # Not __call__: the user's hooks must not see the probe. Eval mode: the probe must not
-        # update running statistics (a BatchNorm1d in training mode would) or draw dropout.
-        with patching.attributes(module, training=False):
-            y = module.forward(x)
+        # update running statistics (a BatchNorm1d in training mode would) or draw dropout; on
+        # an eval-mode copy, so another thread running the module never sees its mode change.
+        view = patching.eval_view(module)
+        y = type(view).forward(view, x)
     except Exception:  # not a per-token module: it is simply not a norm
         return None
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:

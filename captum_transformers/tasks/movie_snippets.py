@@ -243,6 +243,10 @@ def silver_rationale(words: list[str], lexicon: dict[str, float],
     return [abs(lexicon.get(word.lower(), 0.0)) >= threshold for word in words]
 
 
+def _hashed_rank(snippet_id: int, salt: str = SPLIT_SALT) -> bytes:
+    return hashlib.blake2b(f"{salt}:{snippet_id}".encode(), digest_size=16).digest()
+
+
 def split_of_ids(ids: list[int], salt: str = SPLIT_SALT) -> dict[int, str]:
     """Assign each id to ``train``/``val``/``test`` (80/10/10 of ``len(ids)``).
 
@@ -254,7 +258,7 @@ def split_of_ids(ids: list[int], salt: str = SPLIT_SALT) -> dict[int, str]:
         >>> sorted(collections.Counter(split_of_ids(list(range(100))).values()).items())
         [('test', 10), ('train', 80), ('val', 10)]
     """
-    ordered = sorted(ids, key=lambda i: hashlib.blake2b(f"{salt}:{i}".encode(), digest_size=16).digest())
+    ordered = sorted(ids, key=lambda i: _hashed_rank(i, salt))
     n_train = round(SPLIT_FRACTIONS[0] * len(ordered))
     n_val = round(SPLIT_FRACTIONS[1] * len(ordered))
     bounds = {"train": (0, n_train), "val": (n_train, n_train + n_val), "test": (n_train + n_val, len(ordered))}
@@ -314,11 +318,17 @@ def build_movie_snippets(snippets_text: str, lexicon_text: str, split: str = "te
     if split not in SPLITS:
         raise InputError(f"split={split!r} is not a split of the movie snippets; expected one of {SPLITS}.")
     if limit is not None and (not isinstance(limit, int) or limit < 0):
-        raise InputError(f"limit={limit!r}; expected None or a non-negative int (the first `limit` "
-                         f"examples of the split).")
+        raise InputError(f"limit={limit!r}; expected None or a non-negative int (`limit` examples of the "
+                         f"split, a seeded sample of both classes).")
     rows = [row for row in parse_snippets(snippets_text) if abs(row[1]) >= MIN_ABS_RATING]
     split_of = split_of_ids([row[0] for row in rows])
-    rows = [row for row in rows if split_of[row[0]] == split][:limit]
+    rows = [row for row in rows if split_of[row[0]] == split]
+    if limit is not None and limit < len(rows):
+        # The data file lists the positive snippets first, so its first 100 test rows are 96 %
+        # positive: take the first `limit` rows of the split's hashed order instead (a seeded
+        # sample of both classes), kept in file order.
+        chosen = set(sorted((row[0] for row in rows), key=_hashed_rank)[:limit])
+        rows = [row for row in rows if row[0] in chosen]
     lexicon = parse_lexicon(lexicon_text)
     words = [split_words(text)[0] for _, _, text in rows]
     ratings = torch.tensor([rating for _, rating, _ in rows], dtype=torch.float64)
@@ -336,7 +346,8 @@ def load_movie_snippets(split: str = "test", cache_dir: str | os.PathLike | None
         cache_dir: where the extracted files live (default: :func:`cache_root`).
         sdist: path of a pre-downloaded ``vaderSentiment-3.3.2.tar.gz`` (for machines
             without a PyPI index); else pip downloads it when the cache is empty.
-        limit: keep only the first ``limit`` examples of the split.
+        limit: keep ``limit`` examples of the split: the first ``limit`` of its seeded hashed
+            order (the data file lists positive snippets first, so a prefix would be one class).
 
     Example::
 

@@ -39,8 +39,9 @@ def table(report: BenchmarkReport) -> str:
 
 
 def summary(report: BenchmarkReport) -> str:
+    steps = f", pixel steps: {report.pixel_steps}" if report.pixel_steps else ""
     return (f"task {report.task}: {report.examples} test examples, {len(report.methods)} methods, explained class: "
-            f"{report.explained}, {report.world_size} process(es), {report.seconds:.1f} s")
+            f"{report.explained}{steps}, {report.world_size} process(es), {report.seconds:.1f} s")
 
 
 def write_report(report: BenchmarkReport, out_dir) -> List[Path]:
@@ -54,7 +55,7 @@ def write_report(report: BenchmarkReport, out_dir) -> List[Path]:
     paths[2].write_text(f"{summary(report)}\n\n{table(report)}\n")
     paths[3].write_text(json.dumps({"task": report.task, "methods": list(report.methods), "examples": report.examples,
                                     "world_size": report.world_size, "seconds": report.seconds,
-                                    "explained": report.explained}, indent=2))
+                                    "explained": report.explained, "pixel_steps": report.pixel_steps}, indent=2))
     curves: Dict[str, Dict[str, CurveResult]] = {}
     for method, result in report.rows:
         if isinstance(result, CurveResult):

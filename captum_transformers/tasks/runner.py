@@ -4,7 +4,9 @@ Tasks (``TASKS``):
 
 * ``digits``: DigitCanvas test canvases, built-in ViT. Maps explain the predicted class (the
   "predicted" setting of Chefer et al., CVPR'21); positive and negative pixel perturbation
-  AUC, and segmentation pixAcc / mIoU / mAP against the digit masks.
+  AUC (``pixel_steps``: ``"fine"`` 1 % steps to 10 % then 10 % steps, or ``"cvpr21"`` the
+  authors' 10 % steps; see ``evaluation.pixel_perturbation``), and segmentation pixAcc /
+  mIoU / mAP against the digit masks.
 * ``digits-two``: two-digit canvases; each method explains both classes and the class
   specificity is the share of positive relevance on the explained digit (0.5 for a
   class-agnostic map).
@@ -34,6 +36,7 @@ from ..errors import InputError
 from ..evaluation import (ClassSpecificity, PixelPerturbation, RationaleF1, SegmentationScores, TokenActivation,
                           TokenPruning, all_reduce_metrics, shard_indices)
 from ..evaluation.accumulator import Accumulator
+from ..evaluation.pixel_perturbation import PIXEL_PROTOCOLS
 from ..evaluation.results import ResultRecord
 from ..methods.catalog import build_method, resolve_method_names
 
@@ -51,6 +54,7 @@ class BenchmarkReport:
     world_size: int
     seconds: float
     explained: str
+    pixel_steps: Optional[str] = None  # the digits task's perturbation protocol; None for other tasks
 
     def result(self, method: str, metric: str) -> ResultRecord:
         for row_method, result in self.rows:
@@ -91,7 +95,7 @@ def _image_scores(attribution) -> torch.Tensor:
     return attribution.detach().to(torch.float64).sum(1)
 
 
-def _run_digits(method_names, limit, batch_size, progress, device, explain, cache_dir):
+def _run_digits(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps):
     from .digit_canvas import digit_canvases, normalize
     from .digit_model import load_digit_model
 
@@ -99,8 +103,9 @@ def _run_digits(method_names, limit, batch_size, progress, device, explain, cach
     model = load_digit_model().to(device)
     forward = lambda images: model(images.to(device))  # noqa: E731 - the metrics' model callable
     metrics: Dict[str, List[Accumulator]] = {
-        name: [PixelPerturbation(forward, "positive", normalize=normalize),
-               PixelPerturbation(forward, "negative", normalize=normalize), SegmentationScores()]
+        name: [PixelPerturbation(forward, "positive", fractions=pixel_steps, normalize=normalize),
+               PixelPerturbation(forward, "negative", fractions=pixel_steps, normalize=normalize),
+               SegmentationScores()]
         for name in method_names}
     explainers = {name: build_method(name, model) for name in method_names}
     for chunk in _my_batches(len(data), batch_size, "digits", progress):
@@ -116,7 +121,7 @@ def _run_digits(method_names, limit, batch_size, progress, device, explain, cach
     return metrics, len(data)
 
 
-def _run_digits_two(method_names, limit, batch_size, progress, device, explain, cache_dir):
+def _run_digits_two(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps):
     from .digit_canvas import digit_canvases, normalize
     from .digit_model import load_digit_model
 
@@ -135,7 +140,7 @@ def _run_digits_two(method_names, limit, batch_size, progress, device, explain, 
     return metrics, len(data)
 
 
-def _run_movies(method_names, limit, batch_size, progress, device, explain, cache_dir):
+def _run_movies(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps):
     from .movie_model import load_movie_model
     from .movie_snippets import encode, load_movie_snippets
 
@@ -199,13 +204,16 @@ _RUNNERS: Dict[str, Tuple[Callable, str]] = {
 
 def run_benchmark(task: str, methods: Optional[Sequence[str]] = None, limit: Optional[int] = None,
                   batch_size: int = 32, progress: bool = False, device: str = "cpu",
-                  explain: Optional[str] = None, cache_dir: Optional[str] = None) -> BenchmarkReport:
+                  explain: Optional[str] = None, cache_dir: Optional[str] = None,
+                  pixel_steps: str = "fine") -> BenchmarkReport:
     """Evaluate ``methods`` (catalog names; default all) on ``task`` and return every metric result.
 
     ``limit`` takes the first N examples of the test split; ``explain`` is ``"predicted"`` or
     ``"label"`` (default per task, see the module docstring; ignored by ``digits-two``, which
     explains both labels). ``cache_dir`` holds the movie data and fine-tuned model (default
-    ``$CAPTUM_TRANSFORMERS_CACHE`` or ``~/.cache/captum_transformers``). Under ``torch.distributed`` each process evaluates its shard of
+    ``$CAPTUM_TRANSFORMERS_CACHE`` or ``~/.cache/captum_transformers``). ``pixel_steps`` names
+    the digits task's pixel perturbation protocol (``"fine"`` or ``"cvpr21"``; other tasks refuse
+    ``"cvpr21"``). Under ``torch.distributed`` each process evaluates its shard of
     batches and the results are reduced; every process returns the full report.
     """
     if task not in _RUNNERS:
@@ -218,14 +226,21 @@ def run_benchmark(task: str, methods: Optional[Sequence[str]] = None, limit: Opt
     explain = explain or default_explain
     if task != "digits-two" and explain not in ("predicted", "label"):
         raise InputError(f"explain={explain!r}: expected 'predicted' or 'label'.")
+    if pixel_steps not in PIXEL_PROTOCOLS:
+        raise InputError(f"pixel_steps={pixel_steps!r}: expected one of {', '.join(PIXEL_PROTOCOLS)}.")
+    if task != "digits" and pixel_steps != "fine":
+        raise InputError(f"pixel_steps={pixel_steps!r} applies to the digits task only (pixel perturbation); "
+                         f"task {task!r} has no pixel perturbation. Drop the option.")
     names = resolve_method_names(methods)
     start = time.perf_counter()
-    metrics, examples = runner(names, limit, batch_size, progress, torch.device(device), explain, cache_dir)
+    metrics, examples = runner(names, limit, batch_size, progress, torch.device(device), explain, cache_dir,
+                               pixel_steps)
     all_reduce_metrics([metric for name in names for metric in metrics[name]])
     rows = tuple((name, metric.compute()) for name in names for metric in metrics[name])
     _, world_size = _distributed()
     return BenchmarkReport(task, tuple(names), rows, examples, world_size, time.perf_counter() - start,
-                           explain if task != "digits-two" else default_explain)
+                           explain if task != "digits-two" else default_explain,
+                           pixel_steps if task == "digits" else None)
 
 
 __all__ = ["TASKS", "BenchmarkReport", "run_benchmark"]

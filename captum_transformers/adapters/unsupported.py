@@ -1,0 +1,92 @@
+"""Model families the built-in adapters are known not to fit, refused by name.
+
+The attention methods chain the maps of one token sequence through every layer, with the
+patch tokens of an image forming one fixed grid. Windowed and hierarchical vision models
+break both: an attention call sees one window (or a pooled copy) of the tokens, and stages
+merge patches into coarser grids. A built-in adapter would at best fail with a grid
+mismatch, at worst give maps that look plausible and are wrong, so such a model is refused
+before anything runs. A user adapter (``adapter=MyAdapter()``, or one registered for the
+model's class) is trusted to handle it.
+
+Example: ``GenericAttention(SwinForImageClassification(config))`` raises
+``UnsupportedModelError`` naming Swin and why.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+from torch import nn
+
+from ..errors import UnsupportedModelError
+
+_SWIN = "windowed attention with cyclic shift and patch merging (each call attends within one window of tokens, " \
+        "windows shift between layers, and stages merge patches into coarser grids)"
+_PYRAMID = "spatial-reduction attention (keys and values from a downsampled grid) in stages of decreasing resolution"
+
+
+class Family(NamedTuple):
+    name: str
+    module: str  # the class's module, or a prefix of it
+    class_prefix: str  # "" for every class of that module
+    why: str
+
+
+UNSUPPORTED: Tuple[Family, ...] = (
+    Family("Swin", "transformers.models.swin.", "", _SWIN),
+    Family("Swinv2", "transformers.models.swinv2.", "", _SWIN),
+    Family("Donut-Swin", "transformers.models.donut.modeling_donut_swin", "", _SWIN),
+    Family("MaskFormer-Swin", "transformers.models.maskformer.modeling_maskformer_swin", "", _SWIN),
+    Family("Swin2SR", "transformers.models.swin2sr.", "", _SWIN),
+    Family("CLAP audio (HTS-AT, Swin)", "transformers.models.clap.", "ClapAudio", _SWIN),
+    Family("Swin (timm)", "timm.models.swin_transformer", "", _SWIN),
+    Family("MaxViT", "timm.models.maxxvit", "",
+           "block and grid attention over partitions of the feature map, between downsampling MBConv stages"),
+    Family("PVT", "transformers.models.pvt.", "", _PYRAMID),
+    Family("PVTv2", "transformers.models.pvt_v2.", "", _PYRAMID),
+    Family("PVTv2 (timm)", "timm.models.pvt_v2", "", _PYRAMID),
+    Family("SegFormer", "transformers.models.segformer.", "", _PYRAMID),
+    Family("Twins", "timm.models.twins", "",
+           "locally grouped attention in windows alternating with attention to subsampled keys, in stages of "
+           "decreasing resolution"),
+    Family("CvT", "transformers.models.cvt.", "",
+           "convolutional token embeddings at each stage of decreasing resolution (the class token only in the "
+           "last) and strided convolutional key and value projections"),
+    Family("Hiera", "transformers.models.hiera.", "", "mask-unit (windowed) attention with pooling between stages"),
+    Family("Hiera (timm)", "timm.models.hiera", "", "mask-unit (windowed) attention with pooling between stages"),
+    Family("DiNAT", "transformers.models.dinat.", "", "neighborhood attention (each token attends to a local window)"),
+    Family("NesT", "timm.models.nest", "", "attention within image blocks, aggregated between hierarchy levels"),
+    Family("MViTv2", "timm.models.mvitv2", "", "pooling attention (queries, keys and values at other resolutions)"),
+    Family("TinyViT", "timm.models.tiny_vit", "", "windowed attention in stages of decreasing resolution"),
+    Family("DaViT", "timm.models.davit", "", "windowed spatial attention alternating with channel attention"),
+)
+
+
+def unsupported_family(model: nn.Module) -> Optional[Family]:
+    """The first family of :data:`UNSUPPORTED` that a module of ``model`` belongs to."""
+    seen = set()
+    for module in model.modules():
+        cls = type(module)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        for family in UNSUPPORTED:
+            if cls.__module__.startswith(family.module) and cls.__name__.startswith(family.class_prefix):
+                return family
+    return None
+
+
+def refuse_unsupported(model: nn.Module, adapter: object = None) -> None:
+    """Raise :class:`UnsupportedModelError` if ``model`` holds a family no built-in adapter fits
+    and ``adapter`` (None: none found) is a built-in one."""
+    if not isinstance(model, nn.Module) or (
+            adapter is not None and not type(adapter).__module__.startswith("captum_transformers.")):
+        return
+    family = unsupported_family(model)
+    if family is None:
+        return
+    raise UnsupportedModelError(
+        f"{type(model).__name__} is (or contains) a {family.name} model, which is not supported yet: "
+        f"{family.why}, so its attention maps do not chain over one token grid as these methods require. "
+        "Explain a model with global attention over one sequence (ViT, DeiT, BEiT, DINOv2, CLIP, timm "
+        "VisionTransformer), or pass adapter=YourAdapter() that maps the windows back onto one sequence."
+    )

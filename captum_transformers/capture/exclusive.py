@@ -1,0 +1,49 @@
+"""One explanation of a module at a time: the modules of an explained model are held by one thread.
+
+Patches act only in the thread that made them (:mod:`.patching`), but two explanations
+patching the *same* module would still restore it in the wrong order, and interleave their
+recordings. :func:`exclusive` makes a second thread explaining the model, or any model that
+shares a module with it, wait until the first is done. Nothing here touches a model.
+
+Example::
+
+    >>> with exclusive(model):      # another thread's exclusive(model) waits here
+    ...     explain_once(model)
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Dict, Iterator, List
+
+from torch import nn
+
+# id(module) -> [thread holding it, how many nested exclusive() contexts of that thread].
+_HOLDERS: Dict[int, List[int]] = {}
+_HOLDERS_CHANGED = threading.Condition()
+
+
+@contextlib.contextmanager
+def exclusive(model: nn.Module) -> Iterator[None]:
+    """Hold every module of ``model`` for this thread until the context exits.
+
+    All modules are taken at once (or none), so two explanations of overlapping models
+    cannot deadlock; the holding thread may re-enter (the package nests its own contexts).
+    """
+    ids = [id(module) for module in model.modules()]
+    me = threading.get_ident()
+    with _HOLDERS_CHANGED:
+        _HOLDERS_CHANGED.wait_for(lambda: all(_HOLDERS.get(i, (me,))[0] == me for i in ids))
+        for i in ids:
+            holder = _HOLDERS.setdefault(i, [me, 0])
+            holder[1] += 1
+    try:
+        yield
+    finally:
+        with _HOLDERS_CHANGED:
+            for i in ids:
+                holder = _HOLDERS[i]
+                holder[1] -= 1
+                if holder[1] == 0:
+                    del _HOLDERS[i]
+            _HOLDERS_CHANGED.notify_all()

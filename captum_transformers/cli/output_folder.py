@@ -1,0 +1,51 @@
+"""The ``--out`` folder of a command, settled before any work runs.
+
+A file in its place, or a folder that cannot be created or written, is an ``InputError``
+at once (not after a benchmark of many minutes). A folder holding an earlier run (its
+``marker`` file: ``explanations.png``, ``results.json``) is never overwritten: the run goes
+to the first of ``OUT-2``, ``OUT-3``, ... that holds none, and one line says so.
+
+Example: ``output_folder("captum_transformers_explain", "explanations.png")`` returns
+``captum_transformers_explain-2`` on the second run in the same directory.
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+from ..errors import InputError
+
+
+def output_folder(requested: str, marker: str, command: str) -> Path:
+    """Create (if needed) and return the folder to write to; see the module docstring."""
+    path = Path(requested).expanduser()
+    if path.name in ("", "..") or path.name == ".":  # "." or "..": number the folder by its real name
+        path = path.resolve()
+    chosen = path
+    number = 1
+    while _holds_earlier_run(chosen, marker):
+        number += 1
+        chosen = path.with_name(f"{path.name}-{number}")
+    if chosen != path:
+        print(f"captum-transformers {command}: {path} holds an earlier run ({marker}); writing to {chosen} instead "
+              "(give another --out to choose)", file=sys.stderr)
+    _check_writable(chosen)
+    return chosen
+
+
+def _holds_earlier_run(path: Path, marker: str) -> bool:
+    if path.exists() and not path.is_dir():
+        raise InputError(f"--out {str(path)!r} is a file, not a folder; give a folder path (e.g. --out "
+                         f"{str(path.with_suffix(''))}_out).")
+    return (path / marker).exists()
+
+
+def _check_writable(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise InputError(f"--out {str(path)!r} cannot be written ({error.strerror or type(error).__name__}); give a "
+                         "folder you can write to.") from None

@@ -1,0 +1,112 @@
+"""Graph models (torch_geometric attention layers) are refused, never explained as token sequences.
+
+Before the refusal a GPS model went to the torch_mha adapter (its GPSConv holds an
+nn.MultiheadAttention over the nodes) and came back with node 0 read as a CLS token.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from captum_transformers import UnsupportedModelError, get_adapter
+from captum_transformers.adapters.base import Adapter
+from captum_transformers.methods.catalog import METHOD_FACTORIES
+
+pyg = pytest.importorskip("torch_geometric.nn")
+
+CHANNELS = 8
+
+
+class GraphClassifier(nn.Module):
+    """Node encoder, one graph layer, mean pool per graph, linear head."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.encode = nn.Linear(3, CHANNELS)
+        self.layer = layer
+        self.head = nn.Linear(CHANNELS, 2)
+
+    def forward(self, x, edge_index, batch):
+        try:
+            hidden = self.layer(self.encode(x), edge_index, batch=batch)
+        except TypeError:  # convolutions without a batch argument
+            hidden = self.layer(self.encode(x), edge_index)
+        return self.head(pyg.global_mean_pool(hidden, batch))
+
+
+class AttentionMessagePassing(pyg.MessagePassing):
+    """A hand-written message-passing layer whose update is an nn.MultiheadAttention."""
+
+    def __init__(self):
+        super().__init__(aggr="mean")
+        self.attention = nn.MultiheadAttention(CHANNELS, 2, batch_first=True)
+
+    def forward(self, x, edge_index):
+        mixed, _ = self.attention(x[None], x[None], x[None])
+        return self.propagate(edge_index, x=mixed[0])
+
+
+def _gps():
+    gin = pyg.GINConv(nn.Sequential(nn.Linear(CHANNELS, CHANNELS), nn.ReLU(), nn.Linear(CHANNELS, CHANNELS)))
+    return GraphClassifier(pyg.GPSConv(CHANNELS, gin, heads=2, dropout=0.0)).eval()
+
+
+LAYERS = {
+    "GPSConv": _gps,
+    "TransformerConv": lambda: GraphClassifier(pyg.TransformerConv(CHANNELS, CHANNELS, heads=1)).eval(),
+    "GATConv": lambda: GraphClassifier(pyg.GATConv(CHANNELS, CHANNELS)).eval(),
+    "GATv2Conv": lambda: GraphClassifier(pyg.GATv2Conv(CHANNELS, CHANNELS)).eval(),
+    "MessagePassing+MHA": lambda: GraphClassifier(AttentionMessagePassing()).eval(),
+}
+
+
+def _graph_batch():
+    x = torch.randn(7, 3)
+    edge_index = torch.tensor([[0, 1, 1, 2, 3, 4, 5, 6], [1, 0, 2, 1, 4, 5, 6, 3]])
+    batch = torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    return x, edge_index, batch
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_a_real_graph_model_runs_and_is_refused_by_lookup(layer):
+    model = LAYERS[layer]()
+    x, edge_index, batch = _graph_batch()
+    assert model(x, edge_index, batch).shape == (2, 2)  # a working graph model
+    with pytest.raises(UnsupportedModelError) as error:
+        get_adapter(model)
+    message = str(error.value)
+    assert "graph attention layer" in message and "layer" in message and "adapter=" in message
+
+
+@pytest.mark.parametrize("method", sorted(METHOD_FACTORIES))
+def test_every_method_refuses_a_gps_model(method):
+    with pytest.raises(UnsupportedModelError, match="GPSConv"):
+        METHOD_FACTORIES[method](_gps())
+
+
+@pytest.mark.parametrize("name", ["torch_mha", "huggingface", "timm"])
+def test_naming_a_built_in_adapter_does_not_bypass_the_refusal(name):
+    with pytest.raises(UnsupportedModelError, match="GPSConv"):
+        get_adapter(_gps(), name)
+
+
+def test_a_users_own_adapter_may_take_a_graph_model():
+    class GraphAdapter(Adapter):
+        name = "my_graph"
+
+        def blocks(self, model):
+            return []
+
+        def capture(self, model, recorder):
+            raise NotImplementedError
+
+    adapter = GraphAdapter()
+    assert get_adapter(_gps(), adapter) is adapter
+
+
+def test_message_passing_without_attention_is_not_refused_as_a_graph_attention():
+    model = GraphClassifier(pyg.GCNConv(CHANNELS, CHANNELS))
+    with pytest.raises(UnsupportedModelError) as error:
+        get_adapter(model)
+    assert "No adapter knows" in str(error.value)  # the ordinary "unknown model" refusal
