@@ -25,7 +25,9 @@ def snapshot(model: nn.Module) -> dict:
             # The class too: the HF adapter gives a config a per-context subclass while explaining.
             impls[name] = (type(config), config._attn_implementation_internal)
     grads = {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()}
+    requires_grad = {k: p.requires_grad for k, p in model.named_parameters()}
     return dict(state=state, hooks=hooks, instance_attrs=instance_attrs, flags=flags, impls=impls, grads=grads,
+                requires_grad=requires_grad,
                 training=model.training, fastpath=torch.backends.mha.get_fastpath_enabled())
 
 
@@ -48,7 +50,7 @@ def assert_same(before: dict, after: dict) -> None:
     assert before["state"].keys() == after["state"].keys()
     for key in before["state"]:
         assert torch.equal(before["state"][key], after["state"][key]), key
-    for key in ("hooks", "instance_attrs", "flags", "impls", "training", "fastpath"):
+    for key in ("hooks", "instance_attrs", "flags", "impls", "training", "fastpath", "requires_grad"):
         assert before[key] == after[key], key
     for key, grad in before["grads"].items():
         other = after["grads"][key]

@@ -192,7 +192,7 @@ def test_transformer_relevance_is_class_specific_raw_attention_is_not():
 def test_attn_lrp_on_a_bias_free_model():
     # Set up before measuring: timm ViT in float64 with timm's own init (weights trunc-normal 0.02),
     # every bias zeroed (LayerNorm shifts too), GELU; 64 random images; target class 1. timm, not HF:
-    # HF's kernel runs softmax in float32 even for float64 models, which blurs the control below.
+    # (HF's kernel ran softmax in float32 even for float64 models, which blurred the control below.)
     torch.manual_seed(0)
     model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, mlp_ratio=2,
                               num_classes=5).to(F64).eval()

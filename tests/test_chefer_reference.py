@@ -18,6 +18,7 @@ from captum_transformers import (  # noqa: E402
     TransformerLRP,
     TransformerRelevance,
 )
+from captum_transformers.capture import patching  # noqa: E402
 from captum_transformers.propagation.operation_rules import operation_rules  # noqa: E402
 from captum_transformers.propagation.rules import norm_rules  # noqa: E402
 
@@ -88,8 +89,9 @@ def _explicit_forward(model, pixels: torch.Tensor):
         for head in range(heads):
             cols = slice(head * width, (head + 1) * width)
             scores = (c["q"][:, cols] @ c["k"][:, cols].T) * width ** -0.5
-            # softmax(Q K^T / sqrt(d)); like the HF eager kernel it runs in float32 (model in float64).
-            c["A"].append(torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype))
+            # softmax(Q K^T / sqrt(d)) in the model's float64, as the package's kernel and HF's sdpa
+            # compute it (HF ViT's eager kernel casts to float32).
+            c["A"].append(torch.softmax(scores, dim=-1))
             outputs.append(c["A"][-1] @ c["v"][:, cols])
         c["o"] = torch.cat(outputs, dim=1)
         c["a"] = F.linear(c["o"], attention.o_proj.weight, attention.o_proj.bias)
@@ -183,7 +185,9 @@ def reference_case():
 def test_reference_forward_is_the_model(reference_case):
     model, x, chefer, _ = reference_case
     expected = torch.stack([r["logits"] for r in chefer])
-    torch.testing.assert_close(model(x).logits.detach(), expected, rtol=1e-12, atol=1e-14)  # measured 1e-16
+    with patching.hf_attention_implementation(model, "sdpa"):  # float64 throughout (eager: a float32 softmax)
+        own = model(x).logits.detach()
+    torch.testing.assert_close(own, expected, rtol=1e-12, atol=1e-14)  # measured 1e-16
     # The relevance-weighted maps are far from trivial on this model (not just the identity).
     assert min(float(m.abs().max()) for r in chefer for m in _eq13(r)) > 1e-3
 
@@ -195,9 +199,8 @@ def test_transformer_relevance_equals_eq13_14(reference_case):
     trace = method.trace(x, target=REFERENCE_TARGETS)
     for layer, record in enumerate(trace.records):
         expected = torch.stack([_eq13(r)[layer] for r in chefer])
-        # Measured max |diff| / max: 1.6e-8 (layer 0), 1.4e-8 (layer 1). Not 1e-15: Eq. 5's stabiliser
-        # (z+ + 1e-9) and HF's float32 softmax (its backward rounds the relevance to float32 on the
-        # query/key path, also in a float64 model).
+        # Measured max |diff| / max: 1.6e-8 (layer 0), 1.4e-8 (layer 1), when the kernel's softmax ran in
+        # float32. Not 1e-15: Eq. 5's stabiliser (z+ + 1e-9).
         assert _relative(record.backward_value, expected) <= 1e-6, layer
     # ... and the CLS row of the product (Eq. 14).
     maps = method.attribute(x, target=REFERENCE_TARGETS, return_tokens=True)

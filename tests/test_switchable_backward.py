@@ -171,9 +171,9 @@ def test_recomputed_scores_change_nothing_and_keep_less(monkeypatch, case, kerne
     batch, tokens = recomputed_maps.shape
     scores = layers * batch * heads * tokens * tokens * 8
     if case == "hf_vit":
-        # No longer kept per layer: the float64 scores, the float32 softmax output (the
-        # kernel's softmax runs in float32) and its float64 cast that A V kept.
-        assert kept_bytes - recomputed_bytes == scores * (8 + 4 + 8) // 8
+        # No longer kept per layer: the float64 scores and the float64 softmax output that A V
+        # kept (the kernel's softmax runs in the model's float64: no float32 copy to cast).
+        assert kept_bytes - recomputed_bytes == scores * (8 + 8) // 8
     else:  # the scores, the softmax output (A V's operand) and the scaled queries Q K^T kept
         head_dim = 16 // heads
         assert kept_bytes - recomputed_bytes == 2 * scores + layers * batch * heads * tokens * head_dim * 8

@@ -21,6 +21,7 @@ from ..capture.compiled import uncompiled
 from ..capture.exclusive import exclusive
 from ..errors import CaptureError, InputError
 from ..propagation.backward_switch import switchable_backward
+from ..propagation.rules import refuse_rounding_sensitive
 from ..capture.targets import output_scores, select_targets
 from ..capture.trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
 from ..capture.recorder import Recorder
@@ -269,15 +270,19 @@ class Adapter(abc.ABC):
         """
         _refuse_inference_mode()
         _refuse_empty_batch(inputs)
+        _refuse_integer_pixels(inputs)
+        refuse_rounding_sensitive(rules, model_dtype(model))
         if plain_spec is not None and (rules is None or rules.attention_gate != "gradient"):
             raise InputError(
                 f"A plain-gradient second pass needs rules whose graph keeps the attention gate (got {rules!r}); "
                 "run two traces instead."
             )
+        inputs = relevance_carrying(inputs)
         recorder = Recorder(spec)
         recorder.keep_probs = plain_spec is not None
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.enable_grad() if spec.needs_gradient else torch.no_grad())
+            stack.enter_context(patching.parameters_require_grad(model))  # the trainable model's graph
             switch = stack.enter_context(switchable_backward()) if plain_spec is not None else None
             contexts = [self.propagation(model, rules)] if rules is not None else []
             # The rows the score reads are checked where a gradient is taken anyway.
@@ -341,11 +346,13 @@ class Adapter(abc.ABC):
         """
         _refuse_inference_mode()
         _refuse_empty_batch(inputs)
+        _refuse_integer_pixels(inputs)
+        refuse_rounding_sensitive(rules, model_dtype(model))
         if at not in ("tokens", "inputs"):
             raise InputError(f"relevance must be read at 'tokens' or 'inputs', got {at!r}.")
         layers = self.first_layers(model) if at == "tokens" else {}
         entering: Dict[Optional[str], List[torch.Tensor]] = {stream: [] for stream in layers}
-        with torch.enable_grad():
+        with torch.enable_grad(), patching.parameters_require_grad(model):  # the trainable model's graph
             contexts = [self.propagation(model, rules)]
             if at == "inputs":
                 if not any(t.is_floating_point() for t in inputs):
@@ -353,8 +360,8 @@ class Adapter(abc.ABC):
                         "relevance at 'inputs' needs floating-point inputs (pixels or embeddings); got dtypes "
                         f"{[str(t.dtype) for t in inputs]}. Use the token relevance (the default) for token ids."
                     )
-                inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
-            else:
+            inputs = relevance_carrying(inputs)
+            if at == "tokens":
                 contexts.extend(_read_layer_input(layer, entering[stream]) for stream, layer in layers.items())
             streams, _, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
                                                       target, Recorder(CaptureSpec()), contexts)
@@ -368,7 +375,13 @@ class Adapter(abc.ABC):
                 raise CaptureError("The explained output does not depend on the inputs (it does not require grad).")
             explained = seeded(scores, rules)
             grads = torch.autograd.grad(explained.sum(), leaves, allow_unused=True)
-        products = [leaf.detach() * (torch.zeros_like(leaf) if g is None else g) for leaf, g in zip(leaves, grads)]
+        # x * g and its sums in at least float32: a half-precision sum over the hidden size
+        # loses the small total of large terms of both signs.
+        products = []
+        for leaf, g in zip(leaves, grads):
+            dtype = torch.promote_types(leaf.dtype, torch.float32)
+            g = torch.zeros((), dtype=dtype, device=leaf.device) if g is None else g.to(dtype)
+            products.append(leaf.detach().to(dtype) * g)
         explained = explained.detach()
         if at == "tokens":
             per_stream = {}
@@ -408,6 +421,35 @@ def _enclosing_layer(model: nn.Module, block: Block) -> nn.Module:
         if parts[end - 1].isdigit():
             return model.get_submodule(".".join(parts[:end]))
     return block.module
+
+
+def relevance_carrying(inputs: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor, ...]:
+    """The floating-point inputs as fresh leaves that require grad (others as they are).
+
+    Rule Functions treat an operand that requires grad as carrying relevance; an input is
+    what is explained, so it always does, whatever the caller's tensor says (a float input
+    entering the residual stream directly would otherwise change the first layer's rules).
+    """
+    return tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter or buffer (float32 if none)."""
+    return next((t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), torch.float32)
+
+
+def _refuse_integer_pixels(inputs: Tuple[torch.Tensor, ...]) -> None:
+    """Refuse image batches (B, C, H, W) of integers (uint8 pixels): no gradient or
+    relevance can be taken at integers, and the patch grid is read from float images, so
+    such a batch would get an all-zero map."""
+    for position, tensor in enumerate(inputs):
+        if tensor.dim() == 4 and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise InputError(
+                f"Input {position} is an image batch of shape {tuple(tensor.shape)} with dtype {tensor.dtype}; "
+                "explanations need floating-point pixel values (relevance is read at float pixels, and an integer "
+                "image would get an all-zero map). Pass the pixel values the model's image processor returns, "
+                "or e.g. images.float() / 255 normalised as the model was trained."
+            )
 
 
 def _refuse_inference_mode() -> None:

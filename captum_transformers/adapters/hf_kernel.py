@@ -112,19 +112,22 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
     extras = tuple(t for t in (position_bias, mask) if t is not None)
     rules = _RULES.get()
+    # float32 at least (half-precision scores), float64 for float64 models: the model's own
+    # precision, so float64 maps equal its eager attention's, not a float32 rounding of them.
+    softmax_dtype = torch.promote_types(query.dtype, torch.float32)
     if (rules is None or rules.attention_gate == "gradient") and (dropout == 0.0 or not module.training):
         # One Function for softmax(S) V that recomputes S and A in its backward pass: no
         # (B, H, Q, K) tensor is kept per layer (see attention_core).
         observer = SiteObserver() if active is not None else None
         output, probs = softmax_attention(scores, query, key_states, value_states, *extras,
-                                          softmax_dtype=torch.float32, observer=observer)
+                                          softmax_dtype=softmax_dtype, observer=observer)
     else:  # a constant gate or training-mode dropout between the map and the product
         observer = None
         if rules is not None and rules.softmax == "identity":
             # The identity rule needs the scores: recompute them in the backward pass.
-            probs = softmax_of_recomputed_scores(scores, query, key_states, *extras, dim=-1, dtype=torch.float32)
+            probs = softmax_of_recomputed_scores(scores, query, key_states, *extras, dim=-1, dtype=softmax_dtype)
         else:
-            probs = torch.softmax(scores(query, key_states, *extras), dim=-1, dtype=torch.float32)
+            probs = torch.softmax(scores(query, key_states, *extras), dim=-1, dtype=softmax_dtype)
         probs = probs.to(query.dtype)
         dropped = nn.functional.dropout(gate(probs, rules), p=dropout, training=module.training)
         output = torch.matmul(dropped, value_states)

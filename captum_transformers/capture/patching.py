@@ -29,6 +29,8 @@ from typing import Any, Callable, Dict, FrozenSet, Iterator, List
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..errors import InputError
+
 _MISSING = object()
 
 # The changes entered in the current context (one opaque token per helper call).
@@ -322,3 +324,55 @@ def eager_call(module: nn.Module) -> Iterator[None]:
 
     with attributes(module, _compiled_call_impl=call), _entered(token):
         yield
+
+# Parameters made to require grad by live parameters_require_grad contexts, by id:
+# [parameter, its own flag, number of contexts holding it]. Shared by threads explaining
+# one model at once, so the last context out restores the flag the first one found.
+_FORCED_GRAD: Dict[int, list] = {}
+_FORCED_GRAD_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def parameters_require_grad(model: nn.Module) -> Iterator[None]:
+    """Every floating-point parameter of ``model`` requires grad inside; each gets its own
+    flag back on exit.
+
+    Why: rule Functions apply where their operands require grad, and a graph that starts
+    at the first tapped attention (a frozen model) skips the rules of everything below it
+    (the residual add and the ``A V`` product of the first layer, Chefer et al.'s
+    normalisation). Inside this context the graph of a frozen or partly frozen model is the
+    trainable model's, so every method gives one map whatever ``requires_grad`` says.
+    Nothing accumulates into ``.grad``: the package differentiates with ``autograd.grad``.
+    Safe when several threads explain one model: a flag is restored by the last context out.
+    Unlike the other helpers the flag is not per context: a thread training the same model
+    meanwhile would see its frozen parameters require grad (explanations are serialised per
+    module by :mod:`..capture.exclusive`, training is not).
+    """
+    parameters = [p for p in model.parameters() if p.is_floating_point()]
+    entered: List[nn.Parameter] = []
+    try:
+        with _FORCED_GRAD_LOCK:
+            for parameter in parameters:
+                entry = _FORCED_GRAD.get(id(parameter))
+                if entry is None:
+                    own = parameter.requires_grad
+                    try:
+                        parameter.requires_grad_(True)
+                    except RuntimeError as error:  # an inference tensor
+                        raise InputError(
+                            f"A parameter of {type(model).__name__} cannot be made to require grad ({error}). "
+                            "Parameters created under torch.inference_mode() can never be differentiated; "
+                            "create or load the model outside inference_mode."
+                        ) from error
+                    entry = _FORCED_GRAD[id(parameter)] = [parameter, own, 0]
+                entry[2] += 1
+                entered.append(parameter)
+        yield
+    finally:
+        with _FORCED_GRAD_LOCK:
+            for parameter in entered:
+                entry = _FORCED_GRAD[id(parameter)]
+                entry[2] -= 1
+                if entry[2] == 0:
+                    del _FORCED_GRAD[id(parameter)]
+                    parameter.requires_grad_(entry[1])

@@ -16,7 +16,7 @@ from captum.attr import Attribution
 from captum.log import log_usage
 from torch import nn
 
-from ..adapters.base import Adapter
+from ..adapters.base import Adapter, model_dtype
 from ..errors import CaptureError, InputError
 from ..adapters.query_rows import refuse_masked_explained_rows
 from ..adapters.registry import get_adapter
@@ -110,6 +110,35 @@ def span_to_input(scores: torch.Tensor, span: InputSpan, tensor: torch.Tensor) -
     return torch.zeros(tensor.shape, dtype=scores.dtype, device=scores.device)
 
 
+def attribution_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of every method's attributions: the model's (its first floating-point
+    parameter's or buffer's, :func:`~captum_transformers.adapters.base.model_dtype`) promoted
+    to at least float32 (float32 for bfloat16 and float16 models, float64 for float64 ones).
+
+    Half-precision models keep their own forward; their relevance is accumulated in float32
+    and returned so, since a half-precision map would round away what the accumulation kept.
+    Example: a bfloat16 ViT gives float32 maps; ``attribution_dtype(vit.double())`` is
+    ``torch.float64``.
+    """
+    return torch.promote_types(model_dtype(model), torch.float32)
+
+
+def finished(attributions: Any, model: nn.Module) -> Any:
+    """Attributions (a tensor or a tuple of them) in :func:`attribution_dtype`, refused if
+    any value is not finite: a half-precision backward pass can overflow (float16 tops out
+    at 65504), and an ``inf`` or ``nan`` in a map is never an explanation."""
+    dtype = attribution_dtype(model)
+    cast = tuple(a.to(dtype) for a in attributions) if isinstance(attributions, tuple) else attributions.to(dtype)
+    for tensor in cast if isinstance(cast, tuple) else (cast,):
+        if not torch.isfinite(tensor).all():
+            raise CaptureError(
+                f"The attributions of this {model_dtype(model)} model contain "
+                f"{int((~torch.isfinite(tensor)).sum())} non-finite values (inf or nan): a gradient or relevance "
+                "overflowed in the backward pass. Explain a float32 copy of the model (model.float()) instead."
+            )
+    return cast
+
+
 def _query_vectors(layout: TokenLayout, dtype: torch.dtype) -> torch.Tensor:
     """One row vector (B, N) per example mixing the layout's explained rows."""
     return functional.query_vectors(layout.query_rows, layout.num_tokens, dtype, layout.query_weights)
@@ -119,6 +148,14 @@ class TraceAttribution(Attribution):
     """Base of the attention methods: Captum's ``Attribution`` over an adapter trace.
 
     Subclasses implement :meth:`capture_spec` and :meth:`reduce`.
+
+    Output dtype, one rule for every method (this base and
+    :class:`~captum_transformers.methods.lrp.RuleGradientXInput`): attributions are float32
+    for half-precision (bfloat16, float16) models, else in the model's dtype
+    (:func:`attribution_dtype`); the model's forward is its own, in its own dtype. A map with a
+    non-finite value (a half-precision backward pass that overflowed) is refused, never returned,
+    and so are bfloat16 models under the identity softmax or norm rules (TransformerRelevance,
+    PartialLRP, TransformerLRP; :func:`~captum_transformers.propagation.rules.refuse_rounding_sensitive`).
     """
 
     def __init__(self, model: nn.Module, adapter: Union[Adapter, str, None] = None) -> None:
@@ -179,8 +216,8 @@ class TraceAttribution(Attribution):
         streams = trace.streams
         if return_tokens:
             if streams.is_single:
-                return per_stream[next(iter(streams.layouts))]
-            return tuple(per_stream[name] for name in streams.layouts)
+                return finished(per_stream[next(iter(streams.layouts))], self.model)
+            return finished(tuple(per_stream[name] for name in streams.layouts), self.model)
         if len(streams.inputs) != len(formatted):
             raise CaptureError(
                 f"The {self.adapter.name} adapter described {len(streams.inputs)} input(s) but {len(formatted)} were "
@@ -190,7 +227,7 @@ class TraceAttribution(Attribution):
             torch.zeros(t.shape, device=t.device) if span is None else span_to_input(per_stream[span.stream], span, t)
             for span, t in zip(streams.inputs, formatted)
         )
-        return mapped if is_tuple else mapped[0]
+        return finished(mapped if is_tuple else mapped[0], self.model)
 
     def stream_scores(self, trace: AttentionTrace) -> Dict[str, torch.Tensor]:
         """:meth:`reduce` as scores for every stream of the trace, zero at padding.

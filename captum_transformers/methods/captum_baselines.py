@@ -52,6 +52,7 @@ from torch import nn
 
 from ..capture.compiled import uncompiled
 from ..errors import InputError
+from .base import attribution_dtype, finished
 
 TensorOrTuple = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 
@@ -132,18 +133,20 @@ class _CaptumGradientBaseline(Attribution):
                                  "return_tokens=True needs token-id inputs (B, S). Sum the attributions over "
                                  "the dimensions you want instead.")
             attribution = self._input_attribution(forward, inputs, target, additional)
-            return tuple(a.detach() for a in attribution) if isinstance(attribution, tuple) else attribution.detach()
+            detached = tuple(a.detach() for a in attribution) if isinstance(attribution, tuple) else None
+            attribution = attribution.detach() if detached is None else detached
+            return finished(attribution, self.model)
         if len(formatted) != 1 or formatted[0].dim() != 2:
             raise InputError(f"integer inputs of shapes {[tuple(t.shape) for t in formatted]}: token ids must be one "
                              "(batch, sequence) tensor, other model inputs go in additional_forward_args or "
                              "forward_kwargs; images must be float tensors.")
         embeddings = _input_embeddings(self.model)
         per_dimension = self._embedding_attribution(forward, embeddings, formatted[0], target, additional)
-        scores = per_dimension.detach().sum(-1)
+        scores = per_dimension.detach().to(attribution_dtype(self.model)).sum(-1)  # summed in >= float32
         mask = (forward_kwargs or {}).get("attention_mask")
         if isinstance(mask, torch.Tensor) and tuple(mask.shape) == tuple(scores.shape):
             scores = scores * mask.to(scores.dtype)
-        return scores
+        return finished(scores, self.model)
 
 
 class CaptumIntegratedGradients(_CaptumGradientBaseline):

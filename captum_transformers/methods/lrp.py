@@ -14,7 +14,7 @@ from ..adapters.registry import get_adapter
 from ..propagation.rules import RuleSet
 from ..capture.inputs import passed_by_name
 from .base import (TensorOrTuple, _check_forward_kwargs, _format_additional, _format_inputs, _named_inputs,
-                   span_to_input)
+                   attribution_dtype, finished, span_to_input)
 
 
 class RuleGradientXInput(GradientAttribution):
@@ -27,6 +27,8 @@ class RuleGradientXInput(GradientAttribution):
     and whenever ``return_tokens=True``.
     ``return_convergence_delta=True`` also returns ``sum(R) - R_output`` per example, where
     ``R_output`` is the explained logit (or 1 for rule sets seeded with one).
+    Relevance is accumulated and returned in float32 for half-precision models, else in
+    the model's dtype (the rule of :class:`~captum_transformers.methods.base.TraceAttribution`).
 
     Example::
 
@@ -83,8 +85,10 @@ class RuleGradientXInput(GradientAttribution):
                 attributions = mapped if is_tuple else mapped[0]
         else:
             attributions = result.per_input if is_tuple else result.per_input[0]
+        attributions = finished(attributions, self.model)
         if return_convergence_delta:
-            return attributions, result.total - result.scores.to(result.total.dtype)
+            dtype = attribution_dtype(self.model)
+            return attributions, result.total.to(dtype) - result.scores.to(dtype)
         return attributions
 
 
