@@ -93,7 +93,8 @@ def test_refusals_say_what_was_received_and_how_to_fix_it():
         CaptumSaliency(vit).attribute(torch.zeros(3, 5, dtype=torch.long), target=TARGETS)
     model, ids, kwargs = _bert()
     with pytest.raises(InputError, match="has batch size 2 but the inputs have 3"):
-        CaptumSaliency(model).attribute(ids, target=TARGETS, forward_kwargs={"attention_mask": kwargs["attention_mask"][:2]})
+        CaptumSaliency(model).attribute(ids, target=TARGETS,
+                                        forward_kwargs={"attention_mask": kwargs["attention_mask"][:2]})
     with pytest.raises(InputError, match="token ids must be one"):
         CaptumSaliency(model).attribute(ids[:, :, None], target=TARGETS)
     gpt2 = CASES["gpt2"].model()

@@ -45,3 +45,17 @@ def test_plot_file_is_written(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(InputError):
         plot_curves({}, path)
+
+
+def test_plot_gives_every_method_its_own_colour_and_line_style(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    drawn = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (drawn.append(self), save(self, *a, **k))[1])
+    curve = CurveResult("auac", (0.0, 1.0), (0.2, 0.8), 0.5, 3)
+    plot_curves({f"method-{i}": curve for i in range(13)}, tmp_path / "many.png")
+    (axis,) = drawn[0].axes
+    styles = {(line.get_color(), line.get_linestyle()) for line in axis.get_lines()}
+    assert len(styles) == 13  # matplotlib's colour cycle alone repeats after 10

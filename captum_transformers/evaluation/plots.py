@@ -10,9 +10,13 @@ from typing import Mapping, Optional
 from ..errors import InputError
 from .results import CurveResult
 
+_LINE_STYLES = ("-", "--", ":", "-.")
+
 
 def plot_curves(curves: Mapping[str, CurveResult], path, title: Optional[str] = None, dpi: int = 120) -> None:
     """Draw ``{method_name: CurveResult}`` as lines on one axis (legend: name and AUC) and save to ``path``.
+
+    Every method gets its own (colour, line style) pair, up to 40 methods.
 
     The axis labels come from the first curve; the file format from ``path``'s suffix.
 
@@ -28,8 +32,10 @@ def plot_curves(curves: Mapping[str, CurveResult], path, title: Optional[str] = 
     figure = Figure(figsize=(6, 4.5))
     FigureCanvasAgg(figure)
     axis = figure.add_subplot(1, 1, 1)
-    for method, curve in curves.items():
-        axis.plot(curve.x, curve.y, marker="o", markersize=3, label=f"{method} (AUC {curve.auc:.3g})")
+    for index, (method, curve) in enumerate(curves.items()):
+        # matplotlib's 10 colours repeat from the 11th method on; the line style tells those apart.
+        axis.plot(curve.x, curve.y, marker="o", markersize=3, color=f"C{index % 10}",
+                  linestyle=_LINE_STYLES[index // 10 % len(_LINE_STYLES)], label=f"{method} (AUC {curve.auc:.3g})")
     first = next(iter(curves.values()))
     axis.set_xlabel(first.x_label)
     axis.set_ylabel(first.y_label)

@@ -120,32 +120,30 @@ class _CaptumGradientBaseline(Attribution):
             raise InputError(f"inputs must be a tensor or a tuple of tensors with a batch dimension, got "
                              f"{type(inputs).__name__}.")
         batch = formatted[0].shape[0]
-        additional = _as_tuple(additional_forward_args)
-        expanded, fixed = _split_kwargs(forward_kwargs, batch)
-        forward = _ScoresForward(self.model, tuple(expanded), fixed)
-        additional = additional + tuple(expanded.values())
-        if target is None:
-            target = _predicted(forward, formatted, additional)
-        integer = [t for t in formatted if not t.is_floating_point()]
-        if not integer:
-            if return_tokens:
-                raise InputError(f"{type(self).__name__} attributes float inputs element by element; "
-                                 "return_tokens=True needs token-id inputs (B, S). Sum the attributions over "
-                                 "the dimensions you want instead.")
-            attribution = self._input_attribution(forward, inputs, target, additional)
-            detached = tuple(a.detach() for a in attribution) if isinstance(attribution, tuple) else None
-            attribution = attribution.detach() if detached is None else detached
-            return finished(attribution, self.model)
-        if len(formatted) != 1 or formatted[0].dim() != 2:
+        token_ids = any(not t.is_floating_point() for t in formatted)
+        if token_ids and (len(formatted) != 1 or formatted[0].dim() != 2):
             raise InputError(f"integer inputs of shapes {[tuple(t.shape) for t in formatted]}: token ids must be one "
                              "(batch, sequence) tensor, other model inputs go in additional_forward_args or "
                              "forward_kwargs; images must be float tensors.")
-        embeddings = _input_embeddings(self.model)
+        if not token_ids and return_tokens:
+            raise InputError(f"{type(self).__name__} attributes float inputs element by element; "
+                             "return_tokens=True needs token-id inputs (B, S). Sum the attributions over "
+                             "the dimensions you want instead.")
+        embeddings = _input_embeddings(self.model) if token_ids else None
+        expanded, fixed = _split_kwargs(forward_kwargs, batch)
+        forward = _ScoresForward(self.model, tuple(expanded), fixed)
+        additional = _as_tuple(additional_forward_args) + tuple(expanded.values())
+        if target is None:
+            target = _predicted(forward, formatted, additional)
+        if embeddings is None:
+            attribution = self._input_attribution(forward, inputs, target, additional)
+            detached = tuple(a.detach() for a in attribution) if isinstance(attribution, tuple) else None
+            return finished(attribution.detach() if detached is None else detached, self.model)
         per_dimension = self._embedding_attribution(forward, embeddings, formatted[0], target, additional)
         scores = per_dimension.detach().to(attribution_dtype(self.model)).sum(-1)  # summed in >= float32
         mask = (forward_kwargs or {}).get("attention_mask")
-        if isinstance(mask, torch.Tensor) and tuple(mask.shape) == tuple(scores.shape):
-            scores = scores * mask.to(scores.dtype)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] == scores.shape[1]:
+            scores = scores * mask.to(scores.dtype)  # (B, S) or one (1, S) row for all
         return finished(scores, self.model)
 
 
