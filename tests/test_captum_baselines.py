@@ -103,3 +103,23 @@ def test_refusals_say_what_was_received_and_how_to_fix_it():
         CaptumIntegratedGradients(gpt2).attribute(ids, target=(6, 1))
     scores = CaptumIntegratedGradients(gpt2, baseline_token_id=0, n_steps=4).attribute(ids, target=(6, 1))
     assert scores.shape == ids.shape
+
+
+def test_token_ids_equal_captums_layer_integrated_gradients_without_its_process_wide_hook():
+    from captum.attr import LayerIntegratedGradients
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
+                                                     num_attention_heads=4, intermediate_size=64, num_labels=3)).eval()
+    ids = torch.randint(1, 50, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    target = torch.tensor([0, 1, 2])
+    ours = CaptumIntegratedGradients(model).attribute(ids, target=target,
+                                                      forward_kwargs={"attention_mask": mask})
+    reference = LayerIntegratedGradients(lambda i, a: model(i, attention_mask=a).logits,
+                                         model.get_input_embeddings()).attribute(
+        ids, baselines=torch.zeros_like(ids), target=target, additional_forward_args=(mask,), n_steps=50,
+        internal_batch_size=256).sum(-1) * mask  # pad_token_id is 0
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-7)

@@ -9,9 +9,10 @@ itself is Captum's.
 * Float inputs (pixels, or embeddings): Captum's ``IntegratedGradients`` / ``Saliency`` on the
   inputs; attributions have the shape of the inputs (images: per pixel and channel).
 * Token ids, (B, S) integers: the same at the output of ``model.get_input_embeddings()``
-  (Captum's ``LayerIntegratedGradients`` / ``LayerGradientXActivation`` without the
-  activation factor), summed over the hidden size: (B, S) token scores, zero where
-  ``forward_kwargs["attention_mask"]`` is 0.
+  (what Captum's ``LayerIntegratedGradients`` / ``LayerGradientXActivation`` without the
+  activation factor compute), summed over the hidden size: (B, S) token scores, zero where
+  ``forward_kwargs["attention_mask"]`` is 0. The embedding output is replaced through a hook
+  that acts in the explaining thread only (Captum's layer hooks would act in every thread).
 
 Integrated Gradients (Sundararajan, Taly and Yan, "Axiomatic Attribution for Deep Networks",
 ICML 2017), for a baseline :math:`x'`:
@@ -46,11 +47,13 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
-from captum.attr import (Attribution, IntegratedGradients, LayerGradientXActivation, LayerIntegratedGradients,
-                         Saliency)
+from captum.attr import Attribution, IntegratedGradients, Saliency
 from torch import nn
 
+from ..adapters.foreign_patches import check_library_classes
+from ..capture import patching
 from ..capture.compiled import uncompiled
+from ..capture.exclusive import exclusive
 from ..errors import InputError
 from .base import attribution_dtype, finished
 
@@ -86,6 +89,25 @@ class _ScoresForward:
         return model_logits(self.model(*args[:split], **kwargs))
 
 
+def _embed(embeddings: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return embeddings(ids).detach()
+
+
+class _EmbeddingsForward:
+    """Scores of ``forward(ids, *rest)`` with the input-embedding module's output replaced by
+    ``embedded``, so Captum differentiates at the embeddings (as its layer methods do) while
+    the replacement acts in this thread only: Captum's own layer hooks are process-wide and
+    would change a plain forward of the same model running in another thread."""
+
+    def __init__(self, forward: Callable, embeddings: nn.Module) -> None:
+        self.forward, self.embeddings = forward, embeddings
+
+    def __call__(self, embedded: torch.Tensor, ids: torch.Tensor, *rest: Any) -> torch.Tensor:
+        with patching.forward_hook(self.embeddings, lambda module, args, output: embedded):
+            return self.forward(ids, *rest)
+
+
 class _CaptumGradientBaseline(Attribution):
     """Shared call shape: inputs, target, extra arguments, then Captum on inputs or embeddings."""
 
@@ -110,9 +132,13 @@ class _CaptumGradientBaseline(Attribution):
         ids (``return_tokens`` is then implied; for float inputs it is refused, there are no
         tokens to read).
         """
-        # Captum's layer hooks never fire inside compiled code: explain the original modules.
-        with uncompiled(self.model):
-            return self._attribute(inputs, target, additional_forward_args, return_tokens, forward_kwargs)
+        # The package's guarantees hold here too: one explanation of a module at a time, another
+        # library's replaced class methods refused (they would change these gradients silently),
+        # and compiled parts run as their originals (Captum's layer hooks never fire in compiled code).
+        with exclusive(self.model):
+            check_library_classes(self.model)
+            with uncompiled(self.model):
+                return self._attribute(inputs, target, additional_forward_args, return_tokens, forward_kwargs)
 
     def _attribute(self, inputs, target, additional_forward_args, return_tokens, forward_kwargs):
         formatted = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -170,9 +196,9 @@ class CaptumIntegratedGradients(_CaptumGradientBaseline):
             internal_batch_size=self.internal_batch_size)
 
     def _embedding_attribution(self, forward, embeddings, ids, target, additional):
-        baseline = torch.full_like(ids, self._baseline_token())
-        return LayerIntegratedGradients(forward, embeddings).attribute(
-            ids, baselines=baseline, target=target, additional_forward_args=additional or None,
+        embedded, baseline = _embed(embeddings, ids), _embed(embeddings, torch.full_like(ids, self._baseline_token()))
+        return IntegratedGradients(_EmbeddingsForward(forward, embeddings)).attribute(
+            embedded, baselines=baseline, target=target, additional_forward_args=(ids, *additional),
             n_steps=self.n_steps, internal_batch_size=self.internal_batch_size)
 
     def _baseline_token(self) -> int:
@@ -204,9 +230,8 @@ class CaptumSaliency(_CaptumGradientBaseline):
         return Saliency(forward).attribute(leaves, target=target, abs=True, additional_forward_args=additional or None)
 
     def _embedding_attribution(self, forward, embeddings, ids, target, additional):
-        gradient = LayerGradientXActivation(forward, embeddings, multiply_by_inputs=False).attribute(
-            ids, target=target, additional_forward_args=additional or None)
-        return gradient.abs()
+        return Saliency(_EmbeddingsForward(forward, embeddings)).attribute(
+            _embed(embeddings, ids).requires_grad_(), target=target, abs=True, additional_forward_args=(ids, *additional))
 
 
 def _as_tuple(value: Any) -> Tuple[Any, ...]:

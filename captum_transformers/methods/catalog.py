@@ -46,6 +46,12 @@ METHOD_FACTORIES: Dict[str, Callable[[nn.Module], object]] = {
 }
 METHOD_NAMES: Tuple[str, ...] = tuple(METHOD_FACTORIES)
 
+# Captum's own methods: they need no adapter (no attention is captured), explain pixels
+# or, for token ids, the input embeddings, and have no token scores for float inputs.
+CAPTUM_BASELINES = frozenset({"integrated-gradients", "saliency"})
+# The package's methods, which read the model through an adapter.
+PACKAGE_METHOD_NAMES: Tuple[str, ...] = tuple(name for name in METHOD_NAMES if name not in CAPTUM_BASELINES)
+
 # Methods whose map does not depend on the explained class (the rest, Captum's gradient
 # baselines included, differentiate the target score).
 CLASS_AGNOSTIC = frozenset({"raw-attention", "rollout"})
