@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from captum_transformers import ATTENTION_METHODS, get_adapter, registered_adapters
+from tiny_models import EncoderClassifier
 from restore import assert_same, raising_after, snapshot
 
 
@@ -29,22 +30,13 @@ def _timm():
     return model.eval(), torch.randn(3, 3, 32, 32), {}
 
 
-class _EncoderClassifier(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(20, 16)
-        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2)
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, ids, key_padding_mask=None):
-        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=key_padding_mask)[:, 0])
 
 
 def _torch_mha():
     ids = torch.randint(0, 20, (3, 6))
     padding = torch.zeros(3, 6, dtype=torch.bool)
     padding[1, 4:] = True
-    return _EncoderClassifier().eval(), ids, {"key_padding_mask": padding}
+    return EncoderClassifier().eval(), ids, {"key_padding_mask": padding}
 
 
 def _inline_attention():

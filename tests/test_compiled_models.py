@@ -18,28 +18,16 @@ from torch import nn
 from captum_transformers import InputError
 from captum_transformers.methods.catalog import METHOD_FACTORIES, METHOD_NAMES
 from hf_models import CASES
+from tiny_models import EncoderClassifier, timm_vit_case
 
 timm = pytest.importorskip("timm")
-from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 
 TARGETS = [0, 1, 2]
 
 
-class EncoderClassifier(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(20, 16)
-        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2)
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, ids, key_padding_mask=None):
-        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=key_padding_mask)[:, 0])
 
 
-def _timm():
-    torch.manual_seed(0)
-    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
-    return model.eval(), torch.randn(3, 3, 32, 32), {}
+_timm = timm_vit_case
 
 
 def _torch_mha():

@@ -23,11 +23,11 @@ from captum_transformers.adapters import hf_kernel
 from captum_transformers.methods.catalog import (CAPTUM_BASELINES, METHOD_FACTORIES, METHOD_NAMES,
                                                  PACKAGE_METHOD_NAMES)
 from hf_models import CASES
+from tiny_models import EncoderClassifier, timm_vit_case
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
 from timm.layers import Mlp  # noqa: E402
-from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 from transformers.models.bert.modeling_bert import BertIntermediate  # noqa: E402
@@ -35,15 +35,6 @@ from transformers.models.bert.modeling_bert import BertIntermediate  # noqa: E40
 TARGETS = [0, 1, 2]
 
 
-class EncoderClassifier(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(20, 16)
-        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2)
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, ids, key_padding_mask=None):
-        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=key_padding_mask)[:, 0])
 
 
 def _hf():
@@ -51,10 +42,7 @@ def _hf():
     return CASES["bert"].model(), inputs, kwargs
 
 
-def _timm():
-    torch.manual_seed(0)
-    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
-    return model.eval(), torch.randn(3, 3, 32, 32), {}
+_timm = timm_vit_case
 
 
 def _torch_mha():

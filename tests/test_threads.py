@@ -18,6 +18,7 @@ from torch import nn
 
 from captum_transformers.methods.catalog import CAPTUM_BASELINES, METHOD_FACTORIES, METHOD_NAMES
 from hf_models import CASES
+from tiny_models import EncoderClassifier
 from restore import assert_same, snapshot
 
 timm = pytest.importorskip("timm")
@@ -27,19 +28,6 @@ ROUNDS = 2          # attribute calls per explaining thread and method
 BYSTANDER_CALLS = 400  # upper bound on a bystander's plain forwards
 
 
-class EncoderClassifier(nn.Module):
-    """nn.TransformerEncoder in the configuration that takes PyTorch's fused fast path
-    (batch first, even heads, eval, no grad) and converts padded batches to nested tensors."""
-
-    def __init__(self, seed: int = 0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.embed = nn.Embedding(20, 16)
-        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2)
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, ids, key_padding_mask=None):
-        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=key_padding_mask)[:, 0])
 
 
 def _hf(seed=0):
