@@ -176,6 +176,15 @@ def test_benchmark_digits_cvpr21_steps_reproduce_the_numbers_recorded_before_the
     assert json.loads((tmp_path / "run.json").read_text())["pixel_steps"] == "cvpr21"
 
 
+def test_benchmark_runs_captums_baselines_as_rows(tmp_path, capsys):
+    assert main(["benchmark", "--task", "digits", "--methods", "integrated-gradients", "saliency", "--limit", "3",
+                 "--no-progress", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "| integrated-gradients |" in printed and "| saliency |" in printed
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert {row["method"] for row in rows} == {"integrated-gradients", "saliency"} and len(rows) == 6
+
+
 def test_benchmark_digits_two_class_specificity(tmp_path, capsys):
     assert main(["benchmark", "--task", "digits-two", "--methods", "rollout", "grad-cam", "--limit", "6",
                  "--no-progress", "--out", str(tmp_path)]) == 0
