@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from captum_transformers import ATTENTION_METHODS, get_adapter, registered_adapters
 from tiny_models import EncoderClassifier

@@ -13,7 +13,6 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 from captum_transformers import InputError
 from captum_transformers.methods.catalog import METHOD_FACTORIES, METHOD_NAMES

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from captum_transformers import RuleSet, TransformerRelevance, get_adapter
-from captum_transformers.adapters import base as adapter_base
+from captum_transformers.adapters.relevance_reading import read_layer_input
 from captum_transformers.adapters import hf_kernel, torch_mha
 from captum_transformers.propagation.backward_switch import switchable_backward
 from captum_transformers.capture.trace import CaptureSpec
@@ -37,7 +37,7 @@ def _gradients(model, inputs, kwargs, rules):
 
     def run(contexts):
         entering = []
-        with torch.enable_grad(), adapter_base._read_layer_input(layer, entering):
+        with torch.enable_grad(), read_layer_input(layer, entering):
             with contextlib.ExitStack() as stack:
                 switch = stack.enter_context(switchable_backward())
                 for context in contexts:

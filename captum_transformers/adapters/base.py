@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import dataclasses
 import inspect
 from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Sequence, Tuple
 
@@ -26,7 +25,10 @@ from ..capture.targets import output_scores, select_targets
 from ..capture.trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
 from ..capture.recorder import Recorder
 from .foreign_patches import check_library_classes
+from .input_checks import (model_dtype, refuse_empty_batch, refuse_inference_mode, refuse_integer_pixels,
+                           relevance_carrying)
 from .query_rows import QueryRows, ReadRows, refuse_examples_without_tokens
+from .relevance_reading import RelevanceResult, read_layer_input, seeded
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..propagation.rules import RuleSet
@@ -268,9 +270,9 @@ class Adapter(abc.ABC):
         ``spec`` reduces the first, ``plain_spec`` the second; the trace holds the second's
         values. Only for rules whose forward graph is the plain one (no detached attention gate).
         """
-        _refuse_inference_mode()
-        _refuse_empty_batch(inputs)
-        _refuse_integer_pixels(inputs)
+        refuse_inference_mode()
+        refuse_empty_batch(inputs)
+        refuse_integer_pixels(inputs)
         refuse_rounding_sensitive(rules, model_dtype(model))
         if plain_spec is not None and (rules is None or rules.attention_gate != "gradient"):
             raise InputError(
@@ -344,9 +346,9 @@ class Adapter(abc.ABC):
         stream (:meth:`first_layers`), summed over the hidden size, (B, N) per stream.
         ``at="inputs"``: ``x * dy/dx`` for every floating-point input.
         """
-        _refuse_inference_mode()
-        _refuse_empty_batch(inputs)
-        _refuse_integer_pixels(inputs)
+        refuse_inference_mode()
+        refuse_empty_batch(inputs)
+        refuse_integer_pixels(inputs)
         refuse_rounding_sensitive(rules, model_dtype(model))
         if at not in ("tokens", "inputs"):
             raise InputError(f"relevance must be read at 'tokens' or 'inputs', got {at!r}.")
@@ -362,7 +364,7 @@ class Adapter(abc.ABC):
                     )
             inputs = relevance_carrying(inputs)
             if at == "tokens":
-                contexts.extend(_read_layer_input(layer, entering[stream]) for stream, layer in layers.items())
+                contexts.extend(read_layer_input(layer, entering[stream]) for stream, layer in layers.items())
             streams, _, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
                                                       target, Recorder(CaptureSpec()), contexts)
             layout = streams.layouts[streams.explained[0]]
@@ -421,109 +423,3 @@ def _enclosing_layer(model: nn.Module, block: Block) -> nn.Module:
         if parts[end - 1].isdigit():
             return model.get_submodule(".".join(parts[:end]))
     return block.module
-
-
-def relevance_carrying(inputs: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor, ...]:
-    """The floating-point inputs as fresh leaves that require grad (others as they are).
-
-    Rule Functions treat an operand that requires grad as carrying relevance; an input is
-    what is explained, so it always does, whatever the caller's tensor says (a float input
-    entering the residual stream directly would otherwise change the first layer's rules).
-    """
-    return tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
-
-
-def model_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype of the model's first floating-point parameter or buffer (float32 if none)."""
-    return next((t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), torch.float32)
-
-
-def _refuse_integer_pixels(inputs: Tuple[torch.Tensor, ...]) -> None:
-    """Refuse image batches (B, C, H, W) of integers (uint8 pixels): no gradient or
-    relevance can be taken at integers, and the patch grid is read from float images, so
-    such a batch would get an all-zero map."""
-    for position, tensor in enumerate(inputs):
-        if tensor.dim() == 4 and not (tensor.is_floating_point() or tensor.is_complex()):
-            raise InputError(
-                f"Input {position} is an image batch of shape {tuple(tensor.shape)} with dtype {tensor.dtype}; "
-                "explanations need floating-point pixel values (relevance is read at float pixels, and an integer "
-                "image would get an all-zero map). Pass the pixel values the model's image processor returns, "
-                "or e.g. images.float() / 255 normalised as the model was trained."
-            )
-
-
-def _refuse_inference_mode() -> None:
-    if torch.is_inference_mode_enabled():
-        raise InputError(
-            "attribute() was called under torch.inference_mode(), where no gradient can ever be taken. "
-            "Call it under torch.no_grad() or with no context instead."
-        )
-
-
-def _refuse_empty_batch(inputs: Tuple[torch.Tensor, ...]) -> None:
-    # Refused rather than answered with an empty result: without a forward pass the number
-    # of tokens (the width of return_tokens=True) is unknown, and most models fail on B = 0.
-    if inputs and inputs[0].dim() > 0 and inputs[0].shape[0] == 0:
-        raise InputError(
-            f"The batch is empty: inputs of shapes {[tuple(t.shape) for t in inputs]} hold no example. Call attribute() "
-            "only on batches with at least one example (skip empty batches in the calling loop)."
-        )
-
-
-def seeded(scores: torch.Tensor, rules: Optional["RuleSet"]) -> torch.Tensor:
-    """The explained scores, rescaled so their relevance is 1 under a one-hot seed.
-
-    Gradient x Input puts relevance ``y * dy/dy = y`` on the output; Chefer et al. seed the
-    relevance with 1 instead, i.e. backpropagate ``1 / y`` (0 where ``y == 0``).
-    """
-    if rules is None or rules.seed != "one":
-        return scores
-    scale = torch.where(scores == 0, torch.zeros_like(scores), 1.0 / scores.detach())
-    return scores * scale
-
-
-@contextlib.contextmanager
-def _read_layer_input(layer: nn.Module, store: List[torch.Tensor]):
-    """Replace the hidden states entering ``layer`` (first call only) by a leaf that requires
-    grad, with the same values, so ``d score / d hidden`` can be read there.
-
-    A wrapped forward, not a pre-hook: a registered hook is seen by every thread (PyTorch's
-    TransformerEncoderLayer leaves its fast path when any module has one)."""
-
-    def make(original):
-        def forward(*args, **kwargs):
-            if store:
-                return original(*args, **kwargs)
-            if args and isinstance(args[0], torch.Tensor):
-                source = args[0]
-            elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
-                source = kwargs["hidden_states"]
-            else:
-                return original(*args, **kwargs)
-            leaf = source.detach().requires_grad_()
-            store.append(leaf)
-            # Every argument that is the same tensor (query is key is value) gets the leaf.
-            args = tuple(leaf if a is source else a for a in args)
-            kwargs = {k: (leaf if v is source else v) for k, v in kwargs.items()}
-            return original(*args, **kwargs)
-        return forward
-
-    with patching.instance_forward(layer, make):
-        yield
-
-
-@dataclasses.dataclass(frozen=True)
-class RelevanceResult:
-    """What :meth:`Adapter.relevance` returns: token relevance (B, N) (of the first stream) or
-    per-input relevance, the layout, the relevance put on the output (B,) (the logit, or 1
-    under a one-hot seed), the target index, the relevance sums (B,) over every stream, the
-    token relevance of every stream read, and the streams."""
-
-    tokens: Optional[torch.Tensor]
-    per_input: Optional[Tuple[torch.Tensor, ...]]
-    layout: TokenLayout
-    scores: torch.Tensor
-    target: torch.Tensor
-    total: torch.Tensor
-    stream_tokens: Optional[Dict[str, torch.Tensor]] = None
-    streams: Optional[StreamLayouts] = None

@@ -16,7 +16,8 @@ from captum.attr import Attribution
 from captum.log import log_usage
 from torch import nn
 
-from ..adapters.base import Adapter, model_dtype
+from ..adapters.base import Adapter
+from ..adapters.input_checks import model_dtype
 from ..errors import CaptureError, InputError
 from ..adapters.query_rows import refuse_masked_explained_rows
 from ..adapters.registry import get_adapter
