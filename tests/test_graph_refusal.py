@@ -103,6 +103,18 @@ def test_a_users_own_adapter_may_take_a_graph_model():
 
     adapter = GraphAdapter()
     assert get_adapter(_gps(), adapter) is adapter
+    # Registered for the user's model class, it is found by the lookup too.
+    model = _gps()
+    from captum_transformers import register_adapter
+    from captum_transformers.adapters import registry
+
+    key = f"{type(model).__module__}.{type(model).__qualname__}"
+    register_adapter(key, adapter)
+    try:
+        assert get_adapter(model) is adapter
+    finally:
+        registry._BY_KEY.pop(key)
+        registry._BY_NAME.pop(adapter.name)
 
 
 def test_message_passing_without_attention_is_not_refused_as_a_graph_attention():

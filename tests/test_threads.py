@@ -278,3 +278,35 @@ def test_a_captured_hf_config_answers_per_thread_and_pickles_as_its_own_class():
         assert type(copy.deepcopy(config)) is original_class
     assert seen["implementation"] == stored
     assert type(config) is original_class and config._attn_implementation == stored
+
+
+@pytest.mark.parametrize("adapter", ["huggingface", "timm", "torch_mha"])
+def test_a_users_propagation_block_and_an_explanation_in_another_thread_do_not_interleave(adapter):
+    """Patches restore what they found, so contexts on one model must exit in reverse order: an
+    explanation waits while another thread is inside ``adapter.propagation(model, rules)``."""
+    from captum_transformers import RuleSet, get_adapter
+
+    model, inputs, kwargs = MODELS[adapter]()
+    explainer = METHOD_FACTORIES["conservative-lrp"](model)
+    expected = _attribute(explainer, inputs, kwargs)
+    before = snapshot(model)
+    inside, order, results = threading.Event(), [], []
+
+    def users_block():
+        with get_adapter(model).propagation(model, RuleSet.AH_LN):
+            inside.set()
+            for _ in range(50):  # stay inside long enough for the explanation to try to start
+                if order:
+                    break
+                threading.Event().wait(0.01)
+            order.append("user block left")
+
+    def explanation():
+        inside.wait(5)
+        results.append(_attribute(explainer, inputs, kwargs))
+        order.append("explanation done")
+
+    _run_together(users_block, explanation)
+    assert order == ["user block left", "explanation done"]
+    torch.testing.assert_close(results[0], expected, rtol=0, atol=0)
+    assert_same(before, snapshot(model))

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import inspect
-from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -42,9 +43,37 @@ def find_patch_size(model: nn.Module) -> Optional[Tuple[int, int]]:
     return None
 
 
+def _holding_the_model(method: Callable) -> Callable:
+    """``method(self, model, ...)``, a context manager, entered while this thread holds
+    ``model`` (:func:`~captum_transformers.capture.exclusive.exclusive`, re-entrant).
+
+    Patches restore what they found on exit, which is right only if contexts on one model exit
+    in reverse order: a user's ``adapter.propagation(model, rules)`` block in one thread and an
+    explanation in another would otherwise undo each other's patches."""
+
+    @functools.wraps(method)
+    @contextlib.contextmanager
+    def holding(self, model: nn.Module, *args: Any, **kwargs: Any) -> Iterator[None]:
+        with exclusive(model), method(self, model, *args, **kwargs):
+            yield
+
+    holding.holds_the_model = True
+    return holding
+
+
 class Adapter(abc.ABC):
     """Base class of model-family adapters. Subclasses implement :meth:`blocks` and
-    :meth:`capture`; the rest has defaults that fit most encoders and decoders."""
+    :meth:`capture`; the rest has defaults that fit most encoders and decoders.
+
+    Every subclass's :meth:`capture` and :meth:`propagation` are entered holding the model
+    (one thread at a time; the holding thread may nest them)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in ("capture", "propagation"):
+            method = cls.__dict__.get(name)
+            if callable(method) and not getattr(method, "holds_the_model", False):
+                setattr(cls, name, _holding_the_model(method))
 
     name: str = "adapter"
     families: str = ""
@@ -283,8 +312,10 @@ class Adapter(abc.ABC):
         recorder = Recorder(spec)
         recorder.keep_probs = plain_spec is not None
         with contextlib.ExitStack() as stack:
+            stack.enter_context(exclusive(model))  # before any flag below changes
             stack.enter_context(torch.enable_grad() if spec.needs_gradient else torch.no_grad())
-            stack.enter_context(patching.parameters_require_grad(model))  # the trainable model's graph
+            if spec.needs_gradient:
+                stack.enter_context(patching.parameters_require_grad(model))  # the trainable model's graph
             switch = stack.enter_context(switchable_backward()) if plain_spec is not None else None
             contexts = [self.propagation(model, rules)] if rules is not None else []
             # The rows the score reads are checked where a gradient is taken anyway.
@@ -354,7 +385,7 @@ class Adapter(abc.ABC):
             raise InputError(f"relevance must be read at 'tokens' or 'inputs', got {at!r}.")
         layers = self.first_layers(model) if at == "tokens" else {}
         entering: Dict[Optional[str], List[torch.Tensor]] = {stream: [] for stream in layers}
-        with torch.enable_grad(), patching.parameters_require_grad(model):  # the trainable model's graph
+        with exclusive(model), torch.enable_grad(), patching.parameters_require_grad(model):  # the trainable graph
             contexts = [self.propagation(model, rules)]
             if at == "inputs":
                 if not any(t.is_floating_point() for t in inputs):

@@ -78,7 +78,7 @@ def _gradient_checkpointing_off(model: nn.Module) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for module in model.modules():
             if getattr(module, "gradient_checkpointing", False) is True:
-                stack.enter_context(patching.attributes(module, gradient_checkpointing=False))
+                stack.enter_context(patching.flag(module, "gradient_checkpointing", False))  # this thread only
         yield
 
 

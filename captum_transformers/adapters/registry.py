@@ -75,7 +75,7 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
     """
     from . import base  # registers the built-in adapters on first use
 
-    if isinstance(model, nn.Module) and not _is_user_adapter(adapter):
+    if isinstance(model, nn.Module) and adapter is not None and not _is_user_adapter(adapter):
         _refuse_graph_models(model)
     if isinstance(adapter, base.Adapter):
         refuse_unsupported(model, adapter)
@@ -102,6 +102,8 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
             found = _lookup_class(type(sub))
             if found is not None:
                 break
+    if not _is_user_adapter(found):  # a user's registered adapter may take graph models
+        _refuse_graph_models(model)
     refuse_unsupported(model, found)  # windowed, hierarchical models: say so, not "no adapter"
     if found is None:
         families = "; ".join(f"{a.name}: {a.families}" for a in registered_adapters())

@@ -54,6 +54,7 @@ from ..adapters.foreign_patches import check_library_classes
 from ..capture import patching
 from ..capture.compiled import uncompiled
 from ..capture.exclusive import exclusive
+from ..capture.targets import output_scores
 from ..errors import InputError
 from .base import attribution_dtype, finished
 
@@ -64,16 +65,16 @@ IG_INTERNAL_BATCH = 256
 
 
 def model_logits(output: Any) -> torch.Tensor:
-    """The score tensor of a model output: a tensor, ``.logits`` (HF), or the first element of a tuple."""
+    """The score tensor of a model output: a tensor, the ``"logits"`` entry of a mapping or
+    ``ModelOutput`` (:func:`~captum_transformers.capture.targets.output_scores`), or the first
+    element of a tuple."""
+    output = output_scores(output)
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        output = output[0]
     if isinstance(output, torch.Tensor):
         return output
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
     raise InputError(f"the model returned {type(output).__name__}; Captum's gradient methods need a tensor of "
-                     "scores (or an output with .logits). Wrap the model to return its logits.")
+                     "scores (or an output with logits). Wrap the model to return its logits.")
 
 
 class _ScoresForward:
