@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import functools
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..capture import patching
 from ..capture.compiled import uncompiled
-from ..capture.exclusive import exclusive
+from ..capture.exclusive import exclusive, holding_the_model
 from ..errors import CaptureError, InputError
 from ..propagation.backward_switch import switchable_backward
 from ..propagation.rules import refuse_rounding_sensitive
@@ -43,24 +42,6 @@ def find_patch_size(model: nn.Module) -> Optional[Tuple[int, int]]:
     return None
 
 
-def _holding_the_model(method: Callable) -> Callable:
-    """``method(self, model, ...)``, a context manager, entered while this thread holds
-    ``model`` (:func:`~captum_transformers.capture.exclusive.exclusive`, re-entrant).
-
-    Patches restore what they found on exit, which is right only if contexts on one model exit
-    in reverse order: a user's ``adapter.propagation(model, rules)`` block in one thread and an
-    explanation in another would otherwise undo each other's patches."""
-
-    @functools.wraps(method)
-    @contextlib.contextmanager
-    def holding(self, model: nn.Module, *args: Any, **kwargs: Any) -> Iterator[None]:
-        with exclusive(model), method(self, model, *args, **kwargs):
-            yield
-
-    holding.holds_the_model = True
-    return holding
-
-
 class Adapter(abc.ABC):
     """Base class of model-family adapters. Subclasses implement :meth:`blocks` and
     :meth:`capture`; the rest has defaults that fit most encoders and decoders.
@@ -73,7 +54,7 @@ class Adapter(abc.ABC):
         for name in ("capture", "propagation"):
             method = cls.__dict__.get(name)
             if callable(method) and not getattr(method, "holds_the_model", False):
-                setattr(cls, name, _holding_the_model(method))
+                setattr(cls, name, holding_the_model(method))
 
     name: str = "adapter"
     families: str = ""

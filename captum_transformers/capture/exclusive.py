@@ -13,8 +13,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from typing import Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List
 
 from torch import nn
 
@@ -47,3 +48,21 @@ def exclusive(model: nn.Module) -> Iterator[None]:
                 if holder[1] == 0:
                     del _HOLDERS[i]
             _HOLDERS_CHANGED.notify_all()
+
+
+def holding_the_model(method: Callable) -> Callable:
+    """``method(self, model, ...)``, a context manager, entered while this thread holds
+    ``model`` (:func:`exclusive`, re-entrant).
+
+    Patches restore what they found on exit, which is right only if contexts on one model exit
+    in reverse order: a user's ``adapter.propagation(model, rules)`` block in one thread and an
+    explanation in another would otherwise undo each other's patches."""
+
+    @functools.wraps(method)
+    @contextlib.contextmanager
+    def holding(self, model: nn.Module, *args: Any, **kwargs: Any) -> Iterator[None]:
+        with exclusive(model), method(self, model, *args, **kwargs):
+            yield
+
+    holding.holds_the_model = True
+    return holding
