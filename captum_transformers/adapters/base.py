@@ -25,9 +25,8 @@ from ..capture.targets import output_scores, select_targets
 from ..capture.trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
 from ..capture.recorder import Recorder
 from .foreign_patches import check_library_classes
-from .input_checks import (model_dtype, refuse_empty_batch, refuse_inference_mode, refuse_integer_pixels,
-                           relevance_carrying)
-from .query_rows import QueryRows, ReadRows, refuse_examples_without_tokens
+from .input_checks import model_dtype, refuse_unexplainable_batch, relevance_carrying
+from .query_rows import QueryRows, ReadRows, chosen_rows, refuse_examples_without_tokens
 from .relevance_reading import RelevanceResult, read_layer_input, seeded
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,7 +122,7 @@ class Adapter(abc.ABC):
         batch = recorder.sites[0].batch_size
         device = inputs[0].device
         if recorder.causal:
-            return last_real_rows(token_mask, num_tokens, batch, device)
+            return chosen_rows("last", num_tokens, token_mask, batch, device)
         return torch.zeros(batch, 1, dtype=torch.long, device=device)
 
     def query_rows_hint(self) -> str:
@@ -280,9 +279,7 @@ class Adapter(abc.ABC):
         ``spec`` reduces the first, ``plain_spec`` the second; the trace holds the second's
         values. Only for rules whose forward graph is the plain one (no detached attention gate).
         """
-        refuse_inference_mode()
-        refuse_empty_batch(inputs)
-        refuse_integer_pixels(inputs)
+        refuse_unexplainable_batch(inputs)
         refuse_rounding_sensitive(rules, model_dtype(model))
         if plain_spec is not None and (rules is None or rules.attention_gate != "gradient"):
             raise InputError(
@@ -358,9 +355,7 @@ class Adapter(abc.ABC):
         stream (:meth:`first_layers`), summed over the hidden size, (B, N) per stream.
         ``at="inputs"``: ``x * dy/dx`` for every floating-point input.
         """
-        refuse_inference_mode()
-        refuse_empty_batch(inputs)
-        refuse_integer_pixels(inputs)
+        refuse_unexplainable_batch(inputs)
         refuse_rounding_sensitive(rules, model_dtype(model))
         if at not in ("tokens", "inputs"):
             raise InputError(f"relevance must be read at 'tokens' or 'inputs', got {at!r}.")
@@ -415,17 +410,6 @@ class Adapter(abc.ABC):
                           for t in inputs)
         total = sum(r.reshape(r.shape[0], -1).sum(-1) for r in per_input)
         return RelevanceResult(None, per_input, layout, explained, index, total)
-
-
-def last_real_rows(token_mask: Optional[torch.Tensor], num_tokens: int, batch: int,
-                   device: torch.device) -> torch.Tensor:
-    """(B, 1) position of each example's last real token (the last one without a mask)."""
-    if token_mask is None:
-        last = torch.full((batch,), num_tokens - 1, device=device)
-    else:
-        positions = torch.arange(num_tokens, device=token_mask.device)
-        last = torch.where(token_mask, positions, -1).amax(dim=1)
-    return last.to(torch.long).unsqueeze(1)
 
 
 def _enclosing_layer(model: nn.Module, block: Block) -> nn.Module:

@@ -20,7 +20,7 @@ from ..errors import CaptureError, InputError
 from ..propagation.operation_rules import operation_rules
 from ..propagation.rules import RuleSet, norm_rules
 from ..capture.trace import CONTEXT, Block, InputSpan, StreamLayouts, Streams, TokenLayout
-from .base import Adapter, last_real_rows
+from .base import Adapter
 from .hf_kernel import ATTENTION_KEY, active_recorder, active_rules, block_kind
 from .query_rows import QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen_rows
 from ..capture.recorder import Recorder
@@ -311,7 +311,7 @@ class HuggingFaceAdapter(Adapter):
         layouts = {
             "encoder": TokenLayout(num_encoder, torch.zeros(batch, 1, dtype=torch.long, device=device), encoder_mask,
                                    prefix, grid),
-            "decoder": TokenLayout(num_decoder, last_real_rows(decoder_mask, num_decoder, batch, device), decoder_mask),
+            "decoder": TokenLayout(num_decoder, chosen_rows("last", num_decoder, decoder_mask, batch, device), decoder_mask),
         }
         spans = (InputSpan("encoder", prefix, None, grid), InputSpan("decoder"))[: len(inputs)]
         spans += (None,) * (len(inputs) - len(spans))

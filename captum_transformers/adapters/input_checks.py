@@ -56,3 +56,10 @@ def refuse_empty_batch(inputs: Tuple[torch.Tensor, ...]) -> None:
             f"The batch is empty: inputs of shapes {[tuple(t.shape) for t in inputs]} hold no example. Call attribute() "
             "only on batches with at least one example (skip empty batches in the calling loop)."
         )
+
+
+def refuse_unexplainable_batch(inputs: Tuple[torch.Tensor, ...]) -> None:
+    """Every refusal above, in the order an explanation meets them."""
+    refuse_inference_mode()
+    refuse_empty_batch(inputs)
+    refuse_integer_pixels(inputs)

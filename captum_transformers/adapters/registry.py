@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from .graph_refusal import graph_model_reason
-from .unsupported import refuse_unsupported
+from .unsupported import is_user_adapter, refuse_unsupported
 
 if TYPE_CHECKING:  # pragma: no cover
     from .base import Adapter
@@ -51,12 +51,6 @@ def _lookup_class(cls: type) -> Optional["Adapter"]:
     return None
 
 
-def _is_user_adapter(adapter: Union["Adapter", str, None]) -> bool:
-    """An adapter instance written outside this package (a user's own, e.g. for graphs)."""
-    return adapter is not None and not isinstance(adapter, str) and \
-        not type(adapter).__module__.startswith("captum_transformers.")
-
-
 def _refuse_graph_models(model: nn.Module) -> None:
     reason = graph_model_reason(model)
     if reason is not None:
@@ -75,7 +69,7 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
     """
     from . import base  # registers the built-in adapters on first use
 
-    if isinstance(model, nn.Module) and adapter is not None and not _is_user_adapter(adapter):
+    if isinstance(model, nn.Module) and adapter is not None and not is_user_adapter(adapter):
         _refuse_graph_models(model)
     if isinstance(adapter, base.Adapter):
         refuse_unsupported(model, adapter)
@@ -102,7 +96,7 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
             found = _lookup_class(type(sub))
             if found is not None:
                 break
-    if not _is_user_adapter(found):  # a user's registered adapter may take graph models
+    if not is_user_adapter(found):  # a user's registered adapter may take graph models
         _refuse_graph_models(model)
     refuse_unsupported(model, found)  # windowed, hierarchical models: say so, not "no adapter"
     if found is None:

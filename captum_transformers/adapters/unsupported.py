@@ -75,11 +75,17 @@ def unsupported_family(model: nn.Module) -> Optional[Family]:
     return None
 
 
+def is_user_adapter(adapter: object) -> bool:
+    """An adapter instance written outside this package (a user's own), trusted to handle the
+    families the built-in adapters refuse."""
+    return adapter is not None and not isinstance(adapter, str) and \
+        not type(adapter).__module__.startswith("captum_transformers.")
+
+
 def refuse_unsupported(model: nn.Module, adapter: object = None) -> None:
     """Raise :class:`UnsupportedModelError` if ``model`` holds a family no built-in adapter fits
     and ``adapter`` (None: none found) is a built-in one."""
-    if not isinstance(model, nn.Module) or (
-            adapter is not None and not type(adapter).__module__.startswith("captum_transformers.")):
+    if not isinstance(model, nn.Module) or is_user_adapter(adapter):
         return
     family = unsupported_family(model)
     if family is None:

@@ -61,6 +61,17 @@ def _format_inputs(inputs: Any) -> Tuple[Tuple[torch.Tensor, ...], bool]:
     return formatted, is_tuple
 
 
+def _prepared_inputs(inputs: Any, additional_forward_args: Any, forward_kwargs: Optional[dict]):
+    """The shared preamble of ``attribute`` / ``trace``: ``(formatted, is_tuple,
+    additional_forward_args, forward_kwargs, name)``, a mapping input split (its explained
+    tensor passed by ``name``), the batch checked, keyword tensors checked against it."""
+    inputs, additional_forward_args, forward_kwargs, name = _named_inputs(inputs, additional_forward_args,
+                                                                          forward_kwargs)
+    formatted, is_tuple = _format_inputs(inputs)
+    _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
+    return formatted, is_tuple, additional_forward_args, forward_kwargs, name
+
+
 def _check_forward_kwargs(forward_kwargs: Optional[dict], batch: int) -> None:
     """Tensors passed by name must match the batch: Captum wrappers (NoiseTunnel, metrics)
     expand ``additional_forward_args`` with the inputs but never ``forward_kwargs``."""
@@ -175,10 +186,8 @@ class TraceAttribution(Attribution):
     def trace(self, inputs: TensorOrTuple, target: Any = None, additional_forward_args: Any = None,
               forward_kwargs: Optional[dict] = None) -> AttentionTrace:
         """Run the capture alone and return the raw :class:`AttentionTrace`."""
-        inputs, additional_forward_args, forward_kwargs, name = _named_inputs(inputs, additional_forward_args,
-                                                                              forward_kwargs)
-        formatted, _ = _format_inputs(inputs)
-        _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
+        formatted, _, additional_forward_args, forward_kwargs, name = _prepared_inputs(
+            inputs, additional_forward_args, forward_kwargs)
         with passed_by_name(self.model, name):
             return self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
 
@@ -207,10 +216,8 @@ class TraceAttribution(Attribution):
             Attributions with the structure and shapes of ``inputs`` (of the explained tensor
             for a mapping), or (B, N) token scores.
         """
-        inputs, additional_forward_args, forward_kwargs, name = _named_inputs(inputs, additional_forward_args,
-                                                                              forward_kwargs)
-        formatted, is_tuple = _format_inputs(inputs)
-        _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
+        formatted, is_tuple, additional_forward_args, forward_kwargs, name = _prepared_inputs(
+            inputs, additional_forward_args, forward_kwargs)
         with passed_by_name(self.model, name):
             trace = self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
         per_stream = self.stream_scores(trace)

@@ -13,8 +13,8 @@ from ..errors import CaptureError, InputError
 from ..adapters.registry import get_adapter
 from ..propagation.rules import RuleSet
 from ..capture.inputs import passed_by_name
-from .base import (TensorOrTuple, _check_forward_kwargs, _format_additional, _format_inputs, _named_inputs,
-                   attribution_dtype, finished, span_to_input)
+from .base import (TensorOrTuple, _format_additional, _prepared_inputs, attribution_dtype, finished,
+                   span_to_input)
 
 
 class RuleGradientXInput(GradientAttribution):
@@ -62,10 +62,8 @@ class RuleGradientXInput(GradientAttribution):
         per-example ``sum(relevance) - relevance of the output``. ``inputs`` may be a mapping
         (a tokenizer's ``BatchEncoding``), as for :meth:`TraceAttribution.attribute`.
         """
-        inputs, additional_forward_args, forward_kwargs, name = _named_inputs(inputs, additional_forward_args,
-                                                                              forward_kwargs)
-        formatted, is_tuple = _format_inputs(inputs)
-        _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
+        formatted, is_tuple, additional_forward_args, forward_kwargs, name = _prepared_inputs(
+            inputs, additional_forward_args, forward_kwargs)
         at = self.relevance_at
         if at == "auto":
             image = formatted[0].dim() == 4 and formatted[0].is_floating_point()
