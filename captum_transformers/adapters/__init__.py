@@ -7,6 +7,7 @@ that family is explained.
 from .registry import register_adapter
 from .base import Adapter
 from .detr import DetrAdapter
+from .graphormer import MODEL_KEYS as _GRAPHORMER_KEYS, GraphormerAdapter
 from .huggingface import HuggingFaceAdapter
 from .inline_attention import InlineAttentionAdapter
 from ..capture.recorder import Recorder
@@ -14,7 +15,7 @@ from .timm import TimmAdapter
 from .torch_mha import TorchMHAAdapter
 
 __all__ = ["Adapter", "Recorder", "HuggingFaceAdapter", "TimmAdapter", "TorchMHAAdapter", "InlineAttentionAdapter",
-           "DetrAdapter"]
+           "DetrAdapter", "GraphormerAdapter"]
 
 # (adapter, dotted class names it serves). The registry walks a model's MRO, so the entries
 # for LXMERT, VisualBERT and DETR win over the generic PreTrainedModel one.
@@ -27,6 +28,7 @@ _BUILT_IN = (
     (InlineAttentionAdapter(), ("transformers.models.lxmert.modeling_lxmert.LxmertPreTrainedModel",
                                 "transformers.models.visual_bert.modeling_visual_bert.VisualBertPreTrainedModel")),
     (DetrAdapter(), ("transformers.models.detr.modeling_detr.DetrPreTrainedModel",)),
+    (GraphormerAdapter(), _GRAPHORMER_KEYS),  # the package's Graphormer and transformers 4.x's
 )
 for _adapter, _keys in _BUILT_IN:
     for _key in _keys:
