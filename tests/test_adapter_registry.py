@@ -57,8 +57,15 @@ def _detr():
     return detr(), images(3), {}
 
 
+def _graphormer():
+    from graphormer_models import batch, graphs, model
+
+    nodes, rest = batch(graphs((5, 3, 7)))
+    return model(), nodes, rest
+
+
 EXAMPLES = {"huggingface": _huggingface, "timm": _timm, "torch_mha": _torch_mha, "inline_attention": _inline_attention,
-            "detr": _detr}
+            "detr": _detr, "graphormer": _graphormer}
 # Targets per example when the output is not (B, classes): DETR's are (query, class) pairs.
 TARGETS = {"detr": [(0, 1), (4, 2), (2, 0)]}
 ADAPTERS = sorted(a.name for a in registered_adapters())
