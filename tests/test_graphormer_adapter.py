@@ -198,3 +198,13 @@ def test_training_mode_and_bare_encoders_are_refused():
         build_method("generic-attention", net.train()).attribute(nodes, target=TARGETS, forward_kwargs=rest)
     with pytest.raises(InputError, match="without logits"):
         build_method("generic-attention", net.eval().encoder).attribute(nodes, target=TARGETS, forward_kwargs=rest)
+
+
+def test_other_inputs_by_position_equal_inputs_by_name():
+    net = model(seed=10)
+    nodes, rest = batch(graphs(SIZES))
+    by_name = build_method("generic-attention", net).attribute(nodes, target=TARGETS, forward_kwargs=rest)
+    order = ("input_edges", "attn_bias", "in_degree", "out_degree", "spatial_pos", "attn_edge_type")
+    by_position = build_method("generic-attention", net).attribute(
+        nodes, target=TARGETS, additional_forward_args=tuple(rest[key] for key in order))
+    assert torch.equal(by_name, by_position)
