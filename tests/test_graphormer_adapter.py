@@ -208,3 +208,27 @@ def test_other_inputs_by_position_equal_inputs_by_name():
     by_position = build_method("generic-attention", net).attribute(
         nodes, target=TARGETS, additional_forward_args=tuple(rest[key] for key in order))
     assert torch.equal(by_name, by_position)
+
+
+@pytest.mark.parametrize("name", ["generic-attention", "conservative-lrp"])
+def test_the_collator_output_is_a_mapping_input(name):
+    from captum_transformers.models import GraphormerCollator
+
+    net = model(seed=11)
+    graph_list = [{**graph, "y": torch.tensor([label])} for graph, label in zip(graphs(SIZES), TARGETS)]
+    collated = GraphormerCollator()(graph_list)  # labels included: the model computes a loss too
+    nodes, rest = batch(graph_list)
+    explainer = build_method(name, net)
+    expected = explainer.attribute(nodes, target=TARGETS, forward_kwargs=rest)
+    assert torch.equal(explainer.attribute(collated, target=TARGETS), expected)
+
+
+def test_the_docs_example_runs():
+    pytest.importorskip("torch_geometric")
+    import pathlib
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "graphs.md").read_text()
+    namespace: dict = {}
+    exec(text.split("```python\n")[1].split("```")[0], namespace)  # noqa: S102 - our own documentation
+    assert namespace["node_scores"].shape == (2, 3) and namespace["node_scores"][1, 2] == 0
+    assert namespace["tokens"].shape == (2, 4)

@@ -7,10 +7,12 @@ whose last state feeds the head (the explained row), then the nodes; padded node
 feature index 0) are padding keys. ``attribute(input_nodes, ...)`` returns a map shaped like
 ``input_nodes`` (B, N_max, F), each node's score repeated over its F features (read
 ``[..., 0]`` for (B, N_max)); ``return_tokens=True`` gives (B, 1 + N_max) with the graph token in
-column 0. Padded nodes score exactly 0. The other Graphormer inputs go by name::
+column 0. Padded nodes score exactly 0. The collator's dict is a mapping input (its
+``input_nodes`` explained, every entry passed by name), or the other inputs go by name::
 
     >>> batch = GraphormerCollator()(graphs)
-    >>> nodes = batch.pop("input_nodes"); batch.pop("labels", None)
+    >>> maps = GenericAttention(model).attribute(batch, target=labels)       # like batch["input_nodes"]
+    >>> nodes = batch.pop("input_nodes")
     >>> maps = GenericAttention(model).attribute(nodes, target=labels, forward_kwargs=batch)
 
 Capture (only :mod:`~captum_transformers.capture.patching` hooks, removed on exit or error):

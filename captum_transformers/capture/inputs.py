@@ -24,7 +24,7 @@ from ..errors import InputError
 from . import patching
 
 #: The keys a mapping input may hold the explained tensor under, in the order looked for.
-EXPLAINED_KEYS = ("input_ids", "pixel_values", "inputs_embeds")
+EXPLAINED_KEYS = ("input_ids", "pixel_values", "inputs_embeds", "input_nodes")  # input_nodes: Graphormer
 
 
 class NamedInput(NamedTuple):
