@@ -232,3 +232,25 @@ def test_the_docs_example_runs():
     exec(text.split("```python\n")[1].split("```")[0], namespace)  # noqa: S102 - our own documentation
     assert namespace["node_scores"].shape == (2, 3) and namespace["node_scores"][1, 2] == 0
     assert namespace["tokens"].shape == (2, 4)
+
+
+class _MeanPooled(nn.Module):
+    """A user's head reading the mean of the node states, not the graph token."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, input_nodes, **rest):
+        states = self.net.encoder(input_nodes, **rest).last_hidden_state
+        real = (input_nodes[:, :, 0] != 0).to(states.dtype)[..., None]
+        return self.net.classifier((states[:, 1:] * real).sum(1) / real.sum(1))
+
+
+def test_a_head_that_pools_the_nodes_is_refused_not_explained_at_the_graph_token():
+    net = model(seed=12)
+    nodes, rest = batch(graphs(SIZES))
+    for name in ("generic-attention", "transformer-relevance", "grad-cam"):
+        with pytest.raises(InputError, match="depends on the last layer's tokens"):
+            build_method(name, _MeanPooled(net).eval()).attribute(nodes, target=TARGETS, forward_kwargs=rest)
+    build_method("generic-attention", net).attribute(nodes, target=TARGETS, forward_kwargs=rest)  # graph token: fine

@@ -15,6 +15,10 @@ column 0. Padded nodes score exactly 0. The collator's dict is a mapping input (
     >>> nodes = batch.pop("input_nodes")
     >>> maps = GenericAttention(model).attribute(nodes, target=labels, forward_kwargs=batch)
 
+Where a method takes a gradient, the rows the score reads at the last attention output are
+checked as for every adapter: a head that pools the nodes (a user's wrapper) instead of
+reading the graph token is refused with :class:`InputError`, not explained at the wrong row.
+
 Capture (only :mod:`~captum_transformers.capture.patching` hooks, removed on exit or error):
 a pre-hook on each ``GraphormerMultiheadAttention`` taps its query through
 :meth:`Recorder.connect` and notes ``key_padding_mask``; a forward hook on its
@@ -87,9 +91,6 @@ class GraphormerAdapter(Adapter):
 
     name = "graphormer"
     families = "Graphormer (captum_transformers.models, transformers 4.x)"
-    # The graph token is the head's input by construction; the generic "which rows does the
-    # score read" check assumes batch-first attention outputs, and Graphormer's are (T, B, C).
-    query_rows_choice = 0
 
     def __init__(self) -> None:
         self._entered: "weakref.WeakKeyDictionary[Recorder, _Entered]" = weakref.WeakKeyDictionary()
@@ -132,6 +133,10 @@ class GraphormerAdapter(Adapter):
                 if type(module).forward is not package_forward:  # 4.x: the same operations, no in-place scaling
                     stack.enter_context(patching.instance_forward(
                         module, lambda original, module=module: package_forward.__get__(module)))
+                if getattr(module, "batch_first", None) is not False:
+                    # 4.x's module does not say its outputs are (T, B, C); the check of the rows
+                    # the score reads (ReadRows, inside the explanation) needs it. 4.x never reads it.
+                    stack.enter_context(patching.attributes(module, batch_first=False))
                 call = _Call(block, recorder)
                 stack.enter_context(patching.forward_hook(module, call.before, pre=True, with_kwargs=True))
                 stack.enter_context(patching.forward_hook(module.attention_dropout_module, call.after))

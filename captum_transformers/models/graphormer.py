@@ -194,6 +194,9 @@ class GraphormerMultiheadAttention(nn.Module):
     ``A = softmax(q k^T / sqrt(d) + bias)`` masked at padding keys, ``O = A v W_O``, on
     sequence-first (T, B, C) states; probabilities (B * H, T, T) enter ``attention_dropout_module``."""
 
+    # Sequence-first, as ``nn.MultiheadAttention(batch_first=False)`` says it (read by explainers).
+    batch_first = False
+
     def __init__(self, config: GraphormerConfig):
         super().__init__()
         dim = self.embedding_dim = config.embedding_dim
