@@ -84,7 +84,7 @@ def test_batch_equals_graphs_one_at_a_time_and_padding_scores_zero(name):
         torch.testing.assert_close(tokens[b:b + 1, :1 + n], single, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["generic-attention", "transformer-relevance", "lrp", "conservative-lrp"])
+@pytest.mark.parametrize("name", PACKAGE_METHOD_NAMES)
 def test_exact_restore_after_an_error_mid_forward(name):
     net = model(seed=5)
     nodes, rest = batch(graphs(SIZES))
