@@ -56,7 +56,7 @@ from ..propagation.rules import RuleSet, norm_rules, refuse_rounding_sensitive
 from .base import Adapter
 from .graph_nodes import GraphBatch, batch_argument
 from .input_checks import model_dtype, refuse_unexplainable_batch, relevance_carrying
-from .relevance_reading import RelevanceResult, read_layer_input, seeded
+from .relevance_reading import RelevanceResult, seeded
 
 # Layer class (dotted key) -> where alpha is found after propagate: an attribute or a kwarg.
 _LAYERS = {
@@ -137,6 +137,8 @@ class PyGAttentionAdapter(Adapter):
     """
 
     name = "pyg_attention"
+    #: The LRP methods read relevance at the node features (per feature) unless tokens are asked for.
+    relevance_at_inputs = True
     families = "models built from torch_geometric TransformerConv / GATConv / GATv2Conv (graph readouts)"
 
     def __init__(self, readout: Optional[str] = None, batch_argument: str = "batch") -> None:
@@ -251,30 +253,40 @@ class PyGAttentionAdapter(Adapter):
     # -- relevance at the nodes -----------------------------------------------------
     def relevance(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
                   target: Any, rules: RuleSet, at: str = "tokens",
-                  forward_kwargs: Optional[dict] = None) -> RelevanceResult:
-        """Gradient x Input under ``rules`` at the node features ``x`` (``at="inputs"``, shaped
-        like x) or at the hidden states entering the first graph attention layer, summed over
-        features (``at="tokens"``, (B, N_max) per graph; mapped onto x node by node)."""
+                  forward_kwargs: Optional[dict] = None, messages: Optional[list] = None) -> RelevanceResult:
+        """Gradient x Input under ``rules`` at the node features ``x``: per feature, shaped like
+        x (``at="inputs"``, what the LRP methods return by default for this adapter), or summed
+        over each node's features (``at="tokens"``, (B, N_max) per graph). Read at the node
+        features, not at the first layer's input as for token models: they are the graph's
+        input, as pixels are an image's, and the node scores stay the sums of the feature map.
+
+        ``messages``: a list that receives, per attention call, ``(block name, edge_index the
+        layer used (2, E'), relevance of each edge's message (E',))``, the message relevance
+        ``R_e = m_e . dy/dm_e`` under the same rules (see :mod:`captum_transformers.graph.edges`)."""
         refuse_unexplainable_batch(inputs)
         refuse_rounding_sensitive(rules, model_dtype(model))
         if at not in ("tokens", "inputs"):
             raise InputError(f"relevance must be read at 'tokens' or 'inputs', got {at!r}.")
-        entering: List[torch.Tensor] = []
         with exclusive(model), torch.enable_grad(), patching.parameters_require_grad(model):
             inputs = relevance_carrying(inputs)
             contexts = [self.propagation(model, rules)]
-            if at == "tokens":
-                contexts.append(read_layer_input(self.first_layer(model), entering))
+            kept: List[list] = []
+            if messages is not None:
+                for block in self.blocks(model):
+                    contexts.append(patching.message_passing_hook(block.module, "message", _kept_message(block, kept)))
+                    contexts.append(patching.message_passing_hook(block.module, "propagate", _kept_edges(kept)))
             streams, _, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
                                                       target, Recorder(CaptureSpec()), contexts)
             graphs = _last_graphs(streams)
-            leaf = entering[0] if at == "tokens" else inputs[0]
-            if at == "tokens" and not entering:
-                raise CaptureError("The first graph attention layer never ran, so no node relevance could be read.")
+            leaf = inputs[0]
             if not scores.requires_grad:
                 raise CaptureError("The explained output does not depend on the inputs (it does not require grad).")
             explained = seeded(scores, rules)
-            (grad,) = torch.autograd.grad(explained.sum(), [leaf], allow_unused=True)
+            grad, *message_grads = torch.autograd.grad(explained.sum(), [leaf] + [out for _, out, _ in kept],
+                                                       allow_unused=True)
+        for (name, out, edges), g in zip(kept, message_grads):
+            product = out.detach() * (torch.zeros_like(out) if g is None else g)
+            messages.append((name, edges, product.reshape(product.shape[0], -1).sum(-1)))
         dtype = torch.promote_types(leaf.dtype, torch.float32)
         grad = torch.zeros((), dtype=dtype, device=leaf.device) if grad is None else grad.to(dtype)
         product = leaf.detach().to(dtype) * grad
@@ -292,6 +304,28 @@ def _last_graphs(streams: StreamLayouts) -> GraphBatch:
     graph, position = streams.inputs[0].nodes
     counts = streams.layouts[TOKENS].token_mask.sum(-1)
     return GraphBatch(graph, position, counts)
+
+
+def _kept_message(block: Block, kept: List[list]):
+    """A message hook keeping each call's messages (E', ...) for their relevance."""
+
+    def hook(module, _inputs, out):
+        if getattr(module, "decomposed_layers", 1) != 1:
+            raise CaptureError(f"{block.name!r} splits its messages over decomposed_layers="
+                               f"{module.decomposed_layers}; edge relevance needs them whole (set it to 1).")
+        kept.append([block.name, out, None])
+
+    return hook
+
+
+def _kept_edges(kept: List[list]):
+    """A propagate hook pairing the call's messages with the edges the layer used."""
+
+    def hook(_module, inputs, _out):
+        if kept and kept[-1][2] is None:
+            kept[-1][2] = inputs[0]
+
+    return hook
 
 
 def _tapped_input(block: Block, recorder: Recorder):
