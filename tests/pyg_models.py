@@ -74,3 +74,29 @@ def graphs(sizes=(3, 5, 4), seed: int = 0):
     edge_index = torch.cat([g[1] + offsets[i] for i, g in enumerate(singles)], dim=1)
     batch = torch.cat([torch.full((size,), i) for i, size in enumerate(sizes)])
     return singles, (x, edge_index, batch)
+
+
+class GPSClassifier(nn.Module):
+    """Node encoder, two GPS layers (GIN local branch, global multi-head attention), mean pooling, head."""
+
+    def __init__(self, local: bool = True, classes: int = 2, norm: str = "batch_norm"):
+        super().__init__()
+        self.encode = nn.Linear(FEATURES, CHANNELS)
+
+        def gin():
+            return pyg.GINConv(nn.Sequential(nn.Linear(CHANNELS, CHANNELS), nn.ReLU(), nn.Linear(CHANNELS, CHANNELS)))
+
+        self.layers = nn.ModuleList([pyg.GPSConv(CHANNELS, gin() if local else None, heads=2, dropout=0.0,
+                                                 norm=norm) for _ in range(2)])
+        self.head = nn.Linear(CHANNELS, classes)
+
+    def forward(self, x, edge_index, batch=None):
+        hidden = self.encode(x)
+        for layer in self.layers:
+            hidden = layer(hidden, edge_index, batch)
+        return self.head(pyg.global_mean_pool(hidden, batch))
+
+
+def gps_classifier(seed: int = 0, **options) -> GPSClassifier:
+    torch.manual_seed(seed)
+    return GPSClassifier(**options).eval()

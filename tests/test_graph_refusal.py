@@ -2,9 +2,10 @@
 
 Before the refusal a GPS model went to the torch_mha adapter (its GPSConv holds an
 nn.MultiheadAttention over the nodes) and came back with node 0 read as a CLS token.
-TransformerConv, GATConv and GATv2Conv go to the pyg_attention adapter (tests/test_pyg_*.py);
-GPSConv, an nn.MultiheadAttention inside a message-passing layer, and linear attention
-(SGFormer, Polynormer, Performer) are still refused.
+TransformerConv, GATConv and GATv2Conv go to the pyg_attention adapter, GPSConv to pyg_gps
+(tests/test_pyg_*.py), and naming a token adapter for them is refused; an nn.MultiheadAttention
+inside another message-passing layer, and linear attention (SGFormer, Polynormer, Performer),
+are still refused.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from torch import nn
 
 from captum_transformers import UnsupportedModelError, get_adapter
 from captum_transformers.adapters.base import Adapter
-from captum_transformers.methods.catalog import METHOD_FACTORIES, PACKAGE_METHOD_NAMES
 
 pyg = pytest.importorskip("torch_geometric.nn")
 from torch_geometric.utils import to_dense_batch  # noqa: E402
@@ -80,12 +80,12 @@ def _linear(kind):
 
 
 REFUSED = {
-    "GPSConv": _gps,
     "MessagePassing+MHA": lambda: GraphClassifier(AttentionMessagePassing()).eval(),
     **{kind: (lambda kind=kind: _linear(kind))
        for kind in ("SGFormerAttention", "PolynormerAttention", "PerformerAttention")},
 }
 SUPPORTED = {
+    "GPSConv": _gps,
     "TransformerConv": lambda: GraphClassifier(pyg.TransformerConv(CHANNELS, CHANNELS, heads=1)).eval(),
     "GATConv": lambda: GraphClassifier(pyg.GATConv(CHANNELS, CHANNELS)).eval(),
     "GATv2Conv": lambda: GraphClassifier(pyg.GATv2Conv(CHANNELS, CHANNELS)).eval(),
@@ -113,21 +113,15 @@ def test_a_real_graph_model_runs_and_is_refused_by_lookup(layer):
 
 
 @pytest.mark.parametrize("layer", sorted(SUPPORTED))
-def test_sparse_attention_layers_go_to_the_pyg_adapter(layer):
+def test_graph_attention_layers_go_to_the_pyg_adapters(layer):
     model = SUPPORTED[layer]()
-    assert get_adapter(model).name == "pyg_attention"
+    assert get_adapter(model).name == ("pyg_gps" if layer == "GPSConv" else "pyg_attention")
 
 
 @pytest.mark.parametrize("name", ["torch_mha", "huggingface", "timm"])
 def test_a_built_in_token_adapter_is_refused_for_a_sparse_attention_layer(name):
     with pytest.raises(UnsupportedModelError, match="TransformerConv.*pyg_attention"):
         get_adapter(SUPPORTED["TransformerConv"](), name)
-
-
-@pytest.mark.parametrize("method", PACKAGE_METHOD_NAMES)  # Captum's own methods read no attention
-def test_every_method_refuses_a_gps_model(method):
-    with pytest.raises(UnsupportedModelError, match="GPSConv"):
-        METHOD_FACTORIES[method](_gps())
 
 
 @pytest.mark.parametrize("name", ["torch_mha", "huggingface", "timm"])

@@ -13,10 +13,11 @@ from ..capture.recorder import Recorder
 from .timm import TimmAdapter
 from .torch_mha import TorchMHAAdapter
 from .pyg_attention import PyGAttentionAdapter
-from .graph_refusal import PYG_ATTENTION
+from .pyg_gps import PyGGPSAdapter
+from .graph_refusal import GPS, PYG_ATTENTION
 
 __all__ = ["Adapter", "Recorder", "HuggingFaceAdapter", "TimmAdapter", "TorchMHAAdapter", "InlineAttentionAdapter",
-           "DetrAdapter", "PyGAttentionAdapter"]
+           "DetrAdapter", "PyGAttentionAdapter", "PyGGPSAdapter"]
 
 # (adapter, dotted class names it serves). The registry walks a model's MRO, so the entries
 # for LXMERT, VisualBERT and DETR win over the generic PreTrainedModel one.
@@ -31,6 +32,7 @@ _BUILT_IN = (
     (DetrAdapter(), ("transformers.models.detr.modeling_detr.DetrPreTrainedModel",)),
     # PyG's sparse attention layers, found as submodules of the user's graph model.
     (PyGAttentionAdapter(), PYG_ATTENTION),
+    (PyGGPSAdapter(), GPS),
 )
 for _adapter, _keys in _BUILT_IN:
     for _key in _keys:

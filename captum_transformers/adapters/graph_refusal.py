@@ -5,19 +5,19 @@ the MRO lookup would hand the model to the ``torch_mha`` adapter, which treats n
 CLS token and the node-feature input as token ids: an explanation that looks valid and is
 wrong (an all-zero map over the node features). Refused here:
 
-* ``GPSConv`` and any message-passing layer wrapping an ``nn.MultiheadAttention`` (no
-  adapter makes its local branch visible yet);
+* a message-passing layer wrapping an ``nn.MultiheadAttention`` (other than ``GPSConv``);
 * linear attention (``SGFormerAttention``, ``PolynormerAttention``, ``PerformerAttention``):
   ``softmax(Q K^T)`` is never formed, so there is no attention map to read;
 * the layers the ``pyg_attention`` adapter explains (``TransformerConv``, ``GATConv``,
-  ``GATv2Conv``), when another built-in adapter is asked for.
+  ``GATv2Conv``) and ``GPSConv`` (the ``pyg_gps`` adapter), when another built-in adapter is
+  asked for.
 
 Classes are named by dotted key, so torch_geometric is never imported here.
 
 Example::
 
-    >>> graph_model_reason(nn.Sequential(GPSConv(16, GINConv(mlp), heads=2)))
-    'GPSConv (torch_geometric.nn.conv.gps_conv.GPSConv) at 0: ...'
+    >>> graph_model_reason(nn.Sequential(GPSConv(16, GINConv(mlp), heads=2)), "torch_mha")
+    'GPSConv (torch_geometric.nn.conv.gps_conv.GPSConv) at 0: the nodes of a graph batch ...'
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from typing import Optional
 
 from torch import nn
 
-_GPS = ("torch_geometric.nn.conv.gps_conv.GPSConv",)
+#: GPSConv, explained by the pyg_gps adapter.
+GPS = ("torch_geometric.nn.conv.gps_conv.GPSConv",)
 _LINEAR_ATTENTION = (
     "torch_geometric.nn.attention.sgformer.SGFormerAttention",
     "torch_geometric.nn.attention.polynormer.PolynormerAttention",
@@ -41,11 +42,11 @@ PYG_ATTENTION = (
 _MESSAGE_PASSING = "torch_geometric.nn.conv.message_passing.MessagePassing"
 
 _WHY = {
-    "gps": "its global attention runs beside a local message-passing branch that no attention map shows, and no "
-           "built-in adapter explains it yet; the built-in adapters would read the nodes as a token sequence",
+    "hidden_mha": "an nn.MultiheadAttention inside a message-passing layer mixes nodes in a way no built-in adapter "
+                  "knows (the built-in adapters would read the nodes as a token sequence, node 0 as a CLS token)",
     "linear": "it is linear attention: softmax(Q K^T) is never formed, so there is no attention map to read (use a "
               "gradient method such as Captum's IntegratedGradients on the node features)",
-    "other_adapter": "the nodes of a graph batch are not a token sequence; explain it with the pyg_attention adapter "
+    "other_adapter": "the nodes of a graph batch are not a token sequence; explain it with the {} adapter "
                      "(the default for this layer) instead",
 }
 
@@ -63,13 +64,15 @@ def graph_model_reason(model: nn.Module, adapter_name: Optional[str] = None) -> 
         known = next((key for key in _LINEAR_ATTENTION if key in keys), None)
         if known is not None:
             return f"{where.format(known)}: {_WHY['linear']}"
-        known = next((key for key in _GPS if key in keys), None)
-        if known is None and _MESSAGE_PASSING in keys and not keys & set(PYG_ATTENTION) and any(
-                isinstance(sub, nn.MultiheadAttention) for sub in module.modules()):
-            known = _MESSAGE_PASSING
+        known = next((key for key in GPS if key in keys), None)
         if known is not None:
-            return f"{where.format(known)}: {_WHY['gps']}"
+            if adapter_name not in (None, "pyg_gps"):
+                return f"{where.format(known)}: {_WHY['other_adapter'].format('pyg_gps')}"
+            continue
+        if _MESSAGE_PASSING in keys and not keys & set(PYG_ATTENTION) and any(
+                isinstance(sub, nn.MultiheadAttention) for sub in module.modules()):
+            return f"{where.format(_MESSAGE_PASSING)}: {_WHY['hidden_mha']}"
         known = next((key for key in PYG_ATTENTION if key in keys), None)
-        if known is not None and adapter_name not in (None, "pyg_attention"):
-            return f"{where.format(known)}: {_WHY['other_adapter']}"
+        if known is not None and adapter_name not in (None, "pyg_attention", "pyg_gps"):
+            return f"{where.format(known)}: {_WHY['other_adapter'].format('pyg_attention')}"
     return None

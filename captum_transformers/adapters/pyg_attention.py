@@ -52,7 +52,7 @@ from ..capture.recorder import Recorder
 from ..capture.trace import TOKENS, Block, CaptureSpec, InputSpan, StreamLayouts, TokenLayout
 from ..errors import CaptureError, InputError
 from ..propagation.operation_rules import operation_rules
-from ..propagation.rules import RuleSet, norm_rules, refuse_rounding_sensitive
+from ..propagation.rules import RuleSet, find_norms, norm_rules, refuse_rounding_sensitive
 from .base import Adapter
 from .graph_nodes import GraphBatch, batch_argument
 from .input_checks import model_dtype, refuse_unexplainable_batch, relevance_carrying
@@ -66,6 +66,10 @@ _LAYERS = {
 }
 _GAT_LIKE = ("torch_geometric.nn.conv.gat_conv.GATConv", "torch_geometric.nn.conv.gatv2_conv.GATv2Conv")
 READOUTS = ("mean", "add")
+# PyG norms whose scale depends on the data (statistics over a graph); BatchNorm in eval mode
+# (running statistics), GraphSizeNorm and MeanSubtractionNorm are linear and need no rule.
+_STATISTICS_NORMS = {"LayerNorm", "GraphNorm", "InstanceNorm", "PairNorm", "MessageNorm", "DiffGroupNorm",
+                     "HeteroLayerNorm"}
 # Readouts seen in a model's source: name -> the readout it is.
 _POOLINGS = {"global_mean_pool": "mean", "global_add_pool": "add", "global_max_pool": "max",
              "MeanAggregation": "mean", "SumAggregation": "add", "MaxAggregation": "max",
@@ -167,22 +171,46 @@ class PyGAttentionAdapter(Adapter):
                                                                   _recording(block, recorder)))
             yield
 
-    @contextlib.contextmanager
-    def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
-        if rules.softmax != "gradient":
+    def refuse_rules(self, model: nn.Module, blocks: List[Block], rules: RuleSet) -> None:
+        """Refuse the rules PyG's sparse attention layers (``blocks``), its graph norms or a graph
+        batch cannot follow."""
+        if rules.norm != "gradient":
+            found = {id(site.module) for site in find_norms(model)}
+            graph_norms = [name for name, module in model.named_modules()
+                           if type(module).__module__.startswith("torch_geometric.nn.norm")
+                           and type(module).__name__ in _STATISTICS_NORMS and id(module) not in found]
+            if graph_norms:
+                raise CaptureError(
+                    f"The rule set {rules.name} holds each norm's scale constant, but the PyG norms {graph_norms} "
+                    "normalise by statistics over a whole graph (or its nodes' neighbourhoods), which the norm rule "
+                    "does not recognise: their relevance would follow the plain gradient. Use ConservativeLRP("
+                    "variant='AH') or GI on this model, or per-node norms (torch.nn.LayerNorm, PyG LayerNorm with "
+                    "mode='node')."
+                )
+        if rules.softmax != "gradient" and blocks:
             raise CaptureError(
                 f"The rule set {rules.name} passes relevance through the softmax by the identity rule, but PyG layers "
                 "compute their softmax over incoming edges by scatter operations the rule cannot replace. Use "
                 "ConservativeLRP (AH, AH+LN), AttnLRP on TransformerConv, or the attention methods "
                 "(GenericAttention, AttentionRollout, AttentionGradCAM, RawAttention)."
             )
-        gat = [b.name for b in self.blocks(model) if layer_key(b.module) in _GAT_LIKE]
+        gat = [b.name for b in blocks if layer_key(b.module) in _GAT_LIKE]
         if rules.matmul != "gradient" and gat:
             raise CaptureError(
                 f"The rule set {rules.name} halves every product of two relevance-carrying tensors, but the GAT "
                 f"layers {gat} score edges by multiplying node features with a parameter vector, which the rule would "
                 "halve too. Use ConservativeLRP (AH, AH+LN) on GAT models, or AttnLRP on TransformerConv models."
             )
+        if rules.add != "gradient":
+            raise CaptureError(
+                f"The rule set {rules.name} normalises residual adds per example, but the examples of a graph batch "
+                "are node sets of different sizes in one node list, not a batch dimension. Use ConservativeLRP, "
+                "AttnLRP or the attention methods on graph models."
+            )
+
+    @contextlib.contextmanager
+    def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
+        self.refuse_rules(model, self.blocks(model), rules)
         with contextlib.ExitStack() as stack:
             if rules.attention_gate != "gradient":
                 for block in self.blocks(model):
