@@ -48,7 +48,15 @@ def accuracy(model: MotifTransformer, data) -> float:
 def train(epochs: int = DEFAULT_EPOCHS, seed: int = DEFAULT_SEED, train_graphs: int = TRAIN_GRAPHS,
           log: Callable[[str], None] = lambda line: None) -> Dict[str, Any]:
     """Train a :class:`MotifTransformer`; returns the model (eval mode), losses, test accuracy, time."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
+    try:
+        return _train(epochs, seed, train_graphs, log)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _train(epochs: int, seed: int, train_graphs: int, log: Callable[[str], None]) -> Dict[str, Any]:
     data = motif_graphs(train_graphs, seed=seed + 100)  # train graphs never overlap the test seed's
     torch.manual_seed(seed)
     model = MotifTransformer()
