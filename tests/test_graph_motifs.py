@@ -122,3 +122,13 @@ def test_training_runs():
 
     result = train(epochs=1, train_graphs=32)
     assert len(result["losses"]) == 1 and 0.0 <= result["test_accuracy"] <= 1.0
+
+
+def test_explain_draws_motif_graphs_and_refuses_methods_that_do_not_apply(tmp_path, capsys):
+    from captum_transformers.cli import main
+
+    assert main(["explain", "--motifs", "2", "--method", "rollout", "--method", "conservative-lrp",
+                 "--out", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "explanations.png").stat().st_size > 0
+    assert main(["explain", "--motifs", "1", "--method", "transformer-relevance", "--out", str(tmp_path / "no")]) == 2
+    assert "do not apply" in capsys.readouterr().err
