@@ -1,7 +1,11 @@
-"""Graph models (torch_geometric attention layers) are refused, never explained as token sequences.
+"""Graph models no adapter explains are refused, never explained as token sequences.
 
 Before the refusal a GPS model went to the torch_mha adapter (its GPSConv holds an
 nn.MultiheadAttention over the nodes) and came back with node 0 read as a CLS token.
+TransformerConv, GATConv and GATv2Conv go to the pyg_attention adapter, GPSConv to pyg_gps
+(tests/test_pyg_*.py), and naming a token adapter for them is refused; an nn.MultiheadAttention
+inside another message-passing layer, and linear attention (SGFormer, Polynormer, Performer),
+are still refused.
 """
 from __future__ import annotations
 
@@ -11,9 +15,9 @@ from torch import nn
 
 from captum_transformers import UnsupportedModelError, get_adapter
 from captum_transformers.adapters.base import Adapter
-from captum_transformers.methods.catalog import METHOD_FACTORIES, PACKAGE_METHOD_NAMES
 
 pyg = pytest.importorskip("torch_geometric.nn")
+from torch_geometric.utils import to_dense_batch  # noqa: E402
 
 CHANNELS = 8
 
@@ -52,12 +56,39 @@ def _gps():
     return GraphClassifier(pyg.GPSConv(CHANNELS, gin, heads=2, dropout=0.0)).eval()
 
 
-LAYERS = {
+class LinearAttentionLayer(nn.Module):
+    """A node layer around one of PyG's linear attentions (no softmax map exists)."""
+
+    def __init__(self, attention: nn.Module):
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, x, edge_index, batch):
+        dense, mask = to_dense_batch(x, batch)
+        return self.attention(dense, mask)[mask]
+
+
+def _linear(kind):
+    from torch_geometric.nn.attention import PerformerAttention
+    from torch_geometric.nn.attention.polynormer import PolynormerAttention
+    from torch_geometric.nn.attention.sgformer import SGFormerAttention
+
+    attention = {"SGFormerAttention": lambda: SGFormerAttention(CHANNELS, heads=1, head_channels=CHANNELS),
+                 "PolynormerAttention": lambda: PolynormerAttention(CHANNELS, heads=1, head_channels=CHANNELS),
+                 "PerformerAttention": lambda: PerformerAttention(CHANNELS, heads=1, head_channels=CHANNELS)}[kind]()
+    return GraphClassifier(LinearAttentionLayer(attention)).eval()
+
+
+REFUSED = {
+    "MessagePassing+MHA": lambda: GraphClassifier(AttentionMessagePassing()).eval(),
+    **{kind: (lambda kind=kind: _linear(kind))
+       for kind in ("SGFormerAttention", "PolynormerAttention", "PerformerAttention")},
+}
+SUPPORTED = {
     "GPSConv": _gps,
     "TransformerConv": lambda: GraphClassifier(pyg.TransformerConv(CHANNELS, CHANNELS, heads=1)).eval(),
     "GATConv": lambda: GraphClassifier(pyg.GATConv(CHANNELS, CHANNELS)).eval(),
     "GATv2Conv": lambda: GraphClassifier(pyg.GATv2Conv(CHANNELS, CHANNELS)).eval(),
-    "MessagePassing+MHA": lambda: GraphClassifier(AttentionMessagePassing()).eval(),
 }
 
 
@@ -68,21 +99,29 @@ def _graph_batch():
     return x, edge_index, batch
 
 
-@pytest.mark.parametrize("layer", sorted(LAYERS))
+@pytest.mark.parametrize("layer", sorted(REFUSED))
 def test_a_real_graph_model_runs_and_is_refused_by_lookup(layer):
-    model = LAYERS[layer]()
+    model = REFUSED[layer]()
     x, edge_index, batch = _graph_batch()
     assert model(x, edge_index, batch).shape == (2, 2)  # a working graph model
     with pytest.raises(UnsupportedModelError) as error:
         get_adapter(model)
     message = str(error.value)
-    assert "graph attention layer" in message and "layer" in message and "adapter=" in message
+    assert "graph attention layer" in message and layer.split("+")[0] in message and "adapter=" in message
+    if "Attention" in layer:
+        assert "linear attention" in message and "no attention map" in message
 
 
-@pytest.mark.parametrize("method", PACKAGE_METHOD_NAMES)  # Captum's own methods read no attention
-def test_every_method_refuses_a_gps_model(method):
-    with pytest.raises(UnsupportedModelError, match="GPSConv"):
-        METHOD_FACTORIES[method](_gps())
+@pytest.mark.parametrize("layer", sorted(SUPPORTED))
+def test_graph_attention_layers_go_to_the_pyg_adapters(layer):
+    model = SUPPORTED[layer]()
+    assert get_adapter(model).name == ("pyg_gps" if layer == "GPSConv" else "pyg_attention")
+
+
+@pytest.mark.parametrize("name", ["torch_mha", "huggingface", "timm"])
+def test_a_built_in_token_adapter_is_refused_for_a_sparse_attention_layer(name):
+    with pytest.raises(UnsupportedModelError, match="TransformerConv.*pyg_attention"):
+        get_adapter(SUPPORTED["TransformerConv"](), name)
 
 
 @pytest.mark.parametrize("name", ["torch_mha", "huggingface", "timm"])

@@ -13,9 +13,12 @@ from .inline_attention import InlineAttentionAdapter
 from ..capture.recorder import Recorder
 from .timm import TimmAdapter
 from .torch_mha import TorchMHAAdapter
+from .pyg_attention import PyGAttentionAdapter
+from .pyg_gps import PyGGPSAdapter
+from .graph_refusal import GPS, PYG_ATTENTION
 
 __all__ = ["Adapter", "Recorder", "HuggingFaceAdapter", "TimmAdapter", "TorchMHAAdapter", "InlineAttentionAdapter",
-           "DetrAdapter", "GraphormerAdapter"]
+           "DetrAdapter", "PyGAttentionAdapter", "PyGGPSAdapter", "GraphormerAdapter"]
 
 # (adapter, dotted class names it serves). The registry walks a model's MRO, so the entries
 # for LXMERT, VisualBERT and DETR win over the generic PreTrainedModel one.
@@ -28,6 +31,9 @@ _BUILT_IN = (
     (InlineAttentionAdapter(), ("transformers.models.lxmert.modeling_lxmert.LxmertPreTrainedModel",
                                 "transformers.models.visual_bert.modeling_visual_bert.VisualBertPreTrainedModel")),
     (DetrAdapter(), ("transformers.models.detr.modeling_detr.DetrPreTrainedModel",)),
+    # PyG's sparse attention layers, found as submodules of the user's graph model.
+    (PyGAttentionAdapter(), PYG_ATTENTION),
+    (PyGGPSAdapter(), GPS),
     (GraphormerAdapter(), _GRAPHORMER_KEYS),  # the package's Graphormer and transformers 4.x's
 )
 for _adapter, _keys in _BUILT_IN:

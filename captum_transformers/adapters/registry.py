@@ -51,14 +51,13 @@ def _lookup_class(cls: type) -> Optional["Adapter"]:
     return None
 
 
-def _refuse_graph_models(model: nn.Module) -> None:
-    reason = graph_model_reason(model)
+def _refuse_graph_models(model: nn.Module, adapter_name: Optional[str] = None) -> None:
+    reason = graph_model_reason(model, adapter_name)
     if reason is not None:
         raise UnsupportedModelError(
-            f"{type(model).__name__} contains the graph attention layer {reason}. Graph models are not supported "
-            "yet: the built-in adapters would read the nodes of a graph batch as a token sequence (node 0 as a CLS "
-            "token) and return a wrong map. Explain graph models with a graph method (e.g. torch_geometric.explain), "
-            "or pass adapter=YourGraphAdapter() (a captum_transformers.adapters.Adapter subclass of your own)."
+            f"{type(model).__name__} contains the graph attention layer {reason}. Explain it with a graph method "
+            "(e.g. torch_geometric.explain), or pass adapter=YourGraphAdapter() (a captum_transformers.adapters."
+            "Adapter subclass of your own)."
         )
 
 
@@ -70,7 +69,7 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
     from . import base  # registers the built-in adapters on first use
 
     if isinstance(model, nn.Module) and adapter is not None and not is_user_adapter(adapter):
-        _refuse_graph_models(model)
+        _refuse_graph_models(model, adapter if isinstance(adapter, str) else getattr(adapter, "name", None))
     if isinstance(adapter, base.Adapter):
         refuse_unsupported(model, adapter)
         return adapter
@@ -97,7 +96,7 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
             if found is not None:
                 break
     if not is_user_adapter(found):  # a user's registered adapter may take graph models
-        _refuse_graph_models(model)
+        _refuse_graph_models(model, getattr(found, "name", None) or "none")
     refuse_unsupported(model, found)  # windowed, hierarchical models: say so, not "no adapter"
     if found is None:
         families = "; ".join(f"{a.name}: {a.families}" for a in registered_adapters())

@@ -114,6 +114,39 @@ def forward_hook(module: nn.Module, hook: Callable, *, pre: bool = False, with_k
         handle.remove()
 
 
+_MESSAGE_PASSING_HOOKS = ("propagate", "propagate_pre", "message", "edge_update")
+
+
+@contextlib.contextmanager
+def message_passing_hook(module: nn.Module, kind: str, hook: Callable) -> Iterator[None]:
+    """Register a torch_geometric ``MessagePassing`` hook (``kind``: ``"propagate"``,
+    ``"propagate_pre"``, ``"message"`` or ``"edge_update"``, the ``register_*_forward_hook``
+    / ``register_propagate_forward_pre_hook`` methods) for the duration of the context,
+    called only in the current context. Their handles are not ``nn.Module`` hooks, so they
+    are removed here, whatever the body raised.
+
+    Example::
+
+        >>> with message_passing_hook(conv, "propagate", lambda m, inputs, out: None):
+        ...     conv(x, edge_index)
+    """
+    if kind not in _MESSAGE_PASSING_HOOKS:
+        raise ValueError(f"kind must be one of {_MESSAGE_PASSING_HOOKS}, got {kind!r}")
+    register = (module.register_propagate_forward_pre_hook if kind == "propagate_pre"
+                else getattr(module, f"register_{kind}_forward_hook"))
+    token = object()
+
+    def gated(*args: Any):
+        return hook(*args) if _is_entered(token) else None
+
+    handle = register(gated)
+    try:
+        with _entered(token):
+            yield
+    finally:
+        handle.remove()
+
+
 class _ContextualValue:
     """A flag that is ``value`` where its context is entered and ``original`` elsewhere.
 

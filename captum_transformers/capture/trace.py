@@ -116,12 +116,16 @@ class TokenLayout:
 class InputSpan:
     """Which tokens of which stream one input tensor holds: ``stream``'s positions
     ``start:stop`` (``stop=None``: to the end). ``grid`` (rows, cols): those tokens form an
-    image's patch or feature grid, mapped onto a 4-D input by bilinear upsampling."""
+    image's patch or feature grid, mapped onto a 4-D input by bilinear upsampling.
+    ``nodes`` (graph, position), two (N,) long tensors: row ``n`` of the input is node
+    ``position[n]`` of graph ``graph[n]`` (a PyG batch's flat node list), so the input
+    gets each node's score broadcast over its features."""
 
     stream: str
     start: int = 0
     stop: Optional[int] = None
     grid: Optional[Tuple[int, int]] = None
+    nodes: Optional[Tuple[torch.Tensor, torch.Tensor]] = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

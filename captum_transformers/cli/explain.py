@@ -32,6 +32,9 @@ def add_parser(subparsers) -> None:
                         help="method to run (repeatable; default: all)")
     parser.add_argument("--target", type=int, help="class to explain (default: the predicted class)")
     parser.add_argument("--samples", type=int, default=4, help="built-in model: number of sample canvases")
+    parser.add_argument("--motifs", type=int, metavar="N",
+                        help="explain N BA-2Motifs test graphs with the built-in graph model (PyG TransformerConv); "
+                             "default methods: those that apply to it")
     parser.add_argument("--out", default="captum_transformers_explain",
                         help="output folder (default: %(default)s); one that holds an earlier explanations.png is "
                              "never overwritten: the run goes to OUT-2, OUT-3, ... and says so")
@@ -67,6 +70,15 @@ def _logits(model, inputs, forward_kwargs) -> torch.Tensor:
 
 
 def run(args) -> int:
+    if args.motifs is not None:
+        from .graph_explain import GRAPH_METHODS, explain_motifs
+
+        if args.model or args.image or args.text:
+            raise InputError("--motifs explains the built-in graph model; drop --model, --image and --text.")
+        methods = resolve_method_names(args.method or list(GRAPH_METHODS))
+        out = output_folder(args.out, "explanations.png", "explain")
+        print(f"wrote {explain_motifs(args.motifs, methods, args.target, out)}")
+        return 0
     methods = resolve_method_names(args.method)
     out = output_folder(args.out, "explanations.png", "explain")
     loaded = load_model(args.model, args.arch, args.random_init)

@@ -109,7 +109,17 @@ class SpecificityResult(ResultRecord):
     excluded: int
 
 
-RESULT_KINDS = {cls.__name__: cls for cls in (CurveResult, SegmentationResult, RationaleF1Result, SpecificityResult)}
+@dataclass(frozen=True)
+class ScalarResult(ResultRecord):
+    """One number averaged over ``count`` examples (node AUROC, a fidelity)."""
+
+    name: str
+    value: float
+    count: int
+
+
+RESULT_KINDS = {cls.__name__: cls for cls in (CurveResult, SegmentationResult, RationaleF1Result, SpecificityResult,
+                                              ScalarResult)}
 
 Row = Tuple[str, ResultRecord]
 

@@ -95,11 +95,21 @@ def span_to_input(scores: torch.Tensor, span: InputSpan, tensor: torch.Tensor) -
 
     Images (B, C, H, W) with a ``grid``: the tokens as a (gh, gw) map, bilinearly upsampled
     to H x W and expanded over channels (an image without a ``grid`` is refused). Token
-    inputs (B, n) get the scores; embeddings (B, n, D) get them repeated over D. An input
+    inputs (B, n) get the scores; embeddings (B, n, D) get them repeated over D. Graph node
+    features (N, F) of a span with ``nodes`` get their node's score repeated over F. An input
     with no token correspondence (for example a per-example scalar feature) gets zeros: it
     is not a token the attention mixes.
     """
     batch = scores.shape[0]
+    if span.nodes is not None:
+        graph, position = span.nodes
+        if tensor.dim() == 0 or tensor.shape[0] != graph.shape[0]:
+            raise CaptureError(
+                f"The adapter describes {graph.shape[0]} nodes but the node input has shape {tuple(tensor.shape)}; "
+                "pass the node features (N, F) the model's graph layers read, or return_tokens=True."
+            )
+        per_node = scores[graph.to(scores.device), position.to(scores.device)]
+        return per_node.reshape(-1, *([1] * (tensor.dim() - 1))).expand(*tensor.shape).contiguous()
     tokens = scores[:, span.start:span.stop]
     if span.grid is None and tensor.dim() == 4 and tensor.is_floating_point():
         raise CaptureError(

@@ -23,8 +23,9 @@ class RuleGradientXInput(GradientAttribution):
     Where relevance is read (``relevance_at``): ``"tokens"``, the hidden states entering the
     first Transformer layer summed over the hidden size (``(B, S)``; for images the patch tokens
     upsampled to ``(B, C, H, W)``); ``"inputs"``, ``x * grad`` at floating-point inputs
-    (pixels, embeddings); ``"auto"`` (default): pixels for image batches, tokens otherwise
-    and whenever ``return_tokens=True``.
+    (pixels, embeddings); ``"auto"`` (default): pixels for image batches and node features
+    for graph models (the pyg_attention adapter), tokens otherwise and whenever
+    ``return_tokens=True``.
     ``return_convergence_delta=True`` also returns ``sum(R) - R_output`` per example, where
     ``R_output`` is the explained logit (or 1 for rule sets seeded with one).
     Relevance is accumulated and returned in float32 for half-precision models, else in
@@ -67,7 +68,9 @@ class RuleGradientXInput(GradientAttribution):
         at = self.relevance_at
         if at == "auto":
             image = formatted[0].dim() == 4 and formatted[0].is_floating_point()
-            at = "inputs" if image and not return_tokens else "tokens"
+            # Adapters whose inputs are read as a whole (graph node features) say so.
+            at = "inputs" if (image or getattr(self.adapter, "relevance_at_inputs", False)) and not return_tokens \
+                else "tokens"
         elif at == "inputs" and return_tokens:
             raise InputError("return_tokens=True reads token relevance; it cannot be combined with "
                              "relevance_at='inputs'. Use relevance_at='tokens' or 'auto'.")

@@ -20,6 +20,12 @@ _COLUMNS: Dict[str, List[Tuple[str, str, str, str]]] = {
     "movies": [("AUAC (higher better)", "auac", "auc", "{:.3f}"),
                ("AU-MSE (lower better)", "au_mse", "auc", "{:.3f}"),
                ("token F1, silver rationales (macro)", "rationale_f1_topgold", "macro_f1", "{:.3f}")],
+    "motifs": [("node AUROC vs motif", "node_auroc", "value", "{:.3f}"),
+               ("AUAC (higher better)", "auac", "auc", "{:.3f}"),
+               ("AU-MSE (lower better)", "au_mse", "auc", "{:.3f}"),
+               ("fid+ top-5 (higher better)", "fidelity_plus", "value", "{:.3f}"),
+               ("fid- top-5 (lower better)", "fidelity_minus", "value", "{:.3f}"),
+               ("class-specific share, two motifs (0.5 = agnostic)", "class_specificity", "specificity", "{:.3f}")],
 }
 
 

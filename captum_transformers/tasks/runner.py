@@ -10,6 +10,9 @@ Tasks (``TASKS``):
 * ``digits-two``: two-digit canvases; each method explains both classes and the class
   specificity is the share of positive relevance on the explained digit (0.5 for a
   class-agnostic map).
+* ``motifs``: BA-2Motifs graphs (house vs 5-cycle, generated offline), built-in TransformerConv
+  model; node AUROC against the motif, AUAC / AU-MSE over nodes, PyG fidelity of the top-5
+  nodes, and the class-specific share on graphs holding both motifs (``tasks.motif_evaluation``).
 * ``movies``: Rotten Tomatoes snippets, fine-tuned MiniLM. Token relevance explains the true
   class (Ali et al.'s AUAC measures p(true class)); AUAC, AU-MSE, and token F1 of the top
   words against silver VADER-lexicon rationales.
@@ -40,7 +43,7 @@ from ..evaluation.pixel_perturbation import PIXEL_PROTOCOLS
 from ..evaluation.results import ResultRecord
 from ..methods.catalog import build_method, resolve_method_names
 
-TASKS = ("digits", "digits-two", "movies")
+TASKS = ("digits", "digits-two", "movies", "motifs")
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,23 @@ def _run_movies(method_names, limit, batch_size, progress, device, explain, cach
     return metrics, len(data)
 
 
+def _run_motifs(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps):
+    from .graph_motifs import motif_graphs
+    from .motif_evaluation import motif_metrics, update_motif_metrics
+    from .motif_model import load_motif_model
+    from .train_motifs import TEST_GRAPHS, TEST_SEED
+
+    n = limit or TEST_GRAPHS
+    data, pairs = motif_graphs(n, seed=TEST_SEED), motif_graphs(n, seed=TEST_SEED + 1, two_motifs=True)
+    model = load_motif_model().to(device)
+    metrics = motif_metrics(model, method_names)
+    explainers = {name: build_method(name, model) for name in method_names}
+    for chunk in _my_batches(n, batch_size, "motifs", progress):
+        update_motif_metrics(model, explainers, metrics, data.graphs(chunk.start, chunk.stop),
+                             pairs.graphs(chunk.start, chunk.stop), explain, device)
+    return metrics, n
+
+
 def _word_rationales(rationales: Sequence[Sequence[bool]]) -> torch.Tensor:
     """Per-word silver rationales as a (B, W) bool tensor, padded with False."""
     width = max((len(words) for words in rationales), default=0)
@@ -199,7 +219,12 @@ _RUNNERS: Dict[str, Tuple[Callable, str]] = {
     "digits": (_run_digits, "predicted"),
     "digits-two": (_run_digits_two, "both labels"),
     "movies": (_run_movies, "label"),
+    "motifs": (_run_motifs, "label"),
 }
+# The methods a task runs by default where not every catalog method applies (graph models:
+# the identity-softmax rule sets and Captum's baselines do not, see adapters/pyg_attention.py).
+_DEFAULT_METHODS = {"motifs": ("raw-attention", "rollout", "grad-cam", "generic-attention", "gradient-x-input",
+                               "conservative-lrp-ah", "conservative-lrp", "attn-lrp")}
 
 
 def run_benchmark(task: str, methods: Optional[Sequence[str]] = None, limit: Optional[int] = None,
@@ -231,7 +256,7 @@ def run_benchmark(task: str, methods: Optional[Sequence[str]] = None, limit: Opt
     if task != "digits" and pixel_steps != "fine":
         raise InputError(f"pixel_steps={pixel_steps!r} applies to the digits task only (pixel perturbation); "
                          f"task {task!r} has no pixel perturbation. Drop the option.")
-    names = resolve_method_names(methods)
+    names = resolve_method_names(methods if methods is not None else _DEFAULT_METHODS.get(task))
     start = time.perf_counter()
     metrics, examples = runner(names, limit, batch_size, progress, torch.device(device), explain, cache_dir,
                                pixel_steps)

@@ -1,0 +1,407 @@
+"""PyG's sparse attention layers: ``TransformerConv``, ``GATConv``, ``GATv2Conv``.
+
+Mechanism. Each layer computes one attention weight per edge, ``alpha`` (E, H), a softmax
+over the incoming edges of each target node (self-loops included where the layer adds
+them), and aggregates ``out_i = sum_j alpha_ij v_j``. Inside :meth:`PyGAttentionAdapter.capture`:
+
+1. a forward pre-hook taps the layer's node input through :meth:`Recorder.connect`, so the
+   gradient reaches every ``alpha`` even in a frozen model;
+2. a ``propagate`` forward hook (:func:`~captum_transformers.capture.patching.message_passing_hook`,
+   reversible and per context) reads the edges the layer really used and ``alpha``:
+   ``TransformerConv`` keeps it in ``_alpha`` until its forward returns, ``GATConv`` and
+   ``GATv2Conv`` pass it to ``propagate`` (after their attention dropout);
+3. ``alpha`` becomes per-graph (B, H, N_max, N_max) maps (:mod:`.graph_nodes`: row = target,
+   column = source, real rows summing to 1); its gradient (E, H) is laid out the same way.
+
+The explained rows follow the graph readout: every node of a graph, equally weighted, for a
+mean or add pooling (an add pooling scales each graph's map by a constant). The readout is
+read from the model's source (``global_mean_pool``, ``global_add_pool``, PyG's
+``MeanAggregation`` / ``SumAggregation``) or given as ``readout=``; a max or attention
+pooling, a node-level output, or a model whose readout is not found is refused.
+
+LRP. Under a constant attention gate (AH, AH+LN) the gradient reaching ``alpha`` is zeroed
+(the softmax output is a constant of ``A V``); norms and per-operation rules are installed as
+for every adapter. The identity-softmax rule sets (TransformerRelevance, PartialLRP, LRP) are
+refused: PyG's softmax is a scatter computation the rule cannot replace. ``GATConv`` /
+``GATv2Conv`` under the uniform product rule (AttnLRP) are refused too: their attention
+scores multiply activations by a parameter vector, which that rule would halve as if both
+carried relevance.
+
+Example::
+
+    >>> model = Net(TransformerConv(16, 16, heads=2))      # forward(x, edge_index, batch)
+    >>> maps = GenericAttention(model).attribute(x, additional_forward_args=(edge_index, batch),
+    ...                                          target=labels)                 # like x
+    >>> nodes = GenericAttention(model).attribute(x, additional_forward_args=(edge_index, batch),
+    ...                                           target=labels, return_tokens=True)  # (B, N_max)
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+import re
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..capture import patching
+from ..capture.exclusive import exclusive
+from ..capture.recorder import Recorder
+from ..capture.trace import TOKENS, Block, CaptureSpec, InputSpan, StreamLayouts, TokenLayout
+from ..errors import CaptureError, InputError
+from ..propagation.operation_rules import operation_rules
+from ..propagation.rules import RuleSet, find_norms, norm_rules, refuse_rounding_sensitive
+from .base import Adapter
+from .graph_nodes import GraphBatch, batch_argument
+from .input_checks import model_dtype, refuse_unexplainable_batch, relevance_carrying
+from .relevance_reading import RelevanceResult, seeded
+
+# Layer class (dotted key) -> where alpha is found after propagate: an attribute or a kwarg.
+_LAYERS = {
+    "torch_geometric.nn.conv.transformer_conv.TransformerConv": ("attribute", "_alpha"),
+    "torch_geometric.nn.conv.gat_conv.GATConv": ("kwarg", "alpha"),
+    "torch_geometric.nn.conv.gatv2_conv.GATv2Conv": ("kwarg", "alpha"),
+}
+_GAT_LIKE = ("torch_geometric.nn.conv.gat_conv.GATConv", "torch_geometric.nn.conv.gatv2_conv.GATv2Conv")
+READOUTS = ("mean", "add")
+# PyG norms whose scale depends on the data (statistics over a graph); BatchNorm in eval mode
+# (running statistics), GraphSizeNorm and MeanSubtractionNorm are linear and need no rule.
+_STATISTICS_NORMS = {"LayerNorm", "GraphNorm", "InstanceNorm", "PairNorm", "MessageNorm", "DiffGroupNorm",
+                     "HeteroLayerNorm"}
+# Readouts seen in a model's source: name -> the readout it is.
+_POOLINGS = {"global_mean_pool": "mean", "global_add_pool": "add", "global_max_pool": "max",
+             "MeanAggregation": "mean", "SumAggregation": "add", "MaxAggregation": "max",
+             "AttentionalAggregation": "attention", "SetTransformerAggregation": "attention",
+             "SortAggregation": "sort", "global_sort_pool": "sort"}
+_POOLING_PATTERN = re.compile(r"\b(" + "|".join(_POOLINGS) + r")\b")
+
+# The graphs of the batch being explained, set around each forward in this context.
+_GRAPHS: contextvars.ContextVar[Optional[GraphBatch]] = contextvars.ContextVar("captum_transformers_pyg_graphs",
+                                                                                 default=None)
+
+
+def layer_key(module: nn.Module) -> Optional[str]:
+    """The dotted key of ``module``'s class (or base) among the supported layers, or None."""
+    for base in type(module).__mro__:
+        key = f"{base.__module__}.{base.__qualname__}"
+        if key in _LAYERS:
+            return key
+    return None
+
+
+def detected_readouts(model: nn.Module) -> List[str]:
+    """The poolings named in the forward source of ``model`` and of its non-library
+    submodules, and PyG aggregation modules it holds (sorted, unique)."""
+    found = set()
+    # A message-passing layer's own aggregation (its "aggr") is not a readout.
+    layer_aggregations = {id(getattr(m, "aggr_module", None)) for m in model.modules()}
+    for module in model.modules():
+        cls = type(module)
+        if cls.__name__ in _POOLINGS and id(module) not in layer_aggregations:
+            found.add(_POOLINGS[cls.__name__])
+        if cls.__module__.startswith(("torch.", "torch_geometric.")):
+            continue
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            continue
+        found.update(_POOLINGS[name] for name in _POOLING_PATTERN.findall(source))
+    return sorted(found)
+
+
+def current_graphs() -> GraphBatch:
+    graphs = _GRAPHS.get()
+    if graphs is None:
+        raise CaptureError("A PyG attention layer ran outside an explanation's forward pass.")
+    return graphs
+
+
+class PyGAttentionAdapter(Adapter):
+    """Adapter for models built from PyG ``TransformerConv``, ``GATConv`` and ``GATv2Conv``.
+
+    Call the model as ``model(x, edge_index, batch)`` (any forward whose ``batch`` argument
+    is PyG's batch vector; without one the nodes form one graph). Node features ``x`` (N, F)
+    are the explained input: attributions come back shaped like ``x`` (each node's score
+    repeated over its features), or as (B, N_max) per-graph node scores with
+    ``return_tokens=True``, 0 at padding. The output must hold one row of scores per graph.
+
+    Args:
+        readout: ``"mean"`` or ``"add"`` pooling (the explained rows: every node of the
+            graph, equally weighted); ``None`` (default): read from the model's source,
+            refused when it names none or another pooling.
+        batch_argument: the name of the forward argument holding the batch vector.
+
+    Example::
+
+        >>> adapter = PyGAttentionAdapter(readout="mean")
+        >>> scores = AttentionRollout(model, adapter=adapter).attribute(
+        ...     x, additional_forward_args=(edge_index, batch), return_tokens=True)
+    """
+
+    name = "pyg_attention"
+    #: The LRP methods read relevance at the node features (per feature) unless tokens are asked for.
+    relevance_at_inputs = True
+    families = "models built from torch_geometric TransformerConv / GATConv / GATv2Conv (graph readouts)"
+
+    def __init__(self, readout: Optional[str] = None, batch_argument: str = "batch") -> None:
+        if readout is not None and readout not in READOUTS:
+            raise InputError(f"readout must be None, 'mean' or 'add', got {readout!r}; max and attention poolings "
+                             "read nodes unequally, which these attention maps cannot follow.")
+        self.readout = readout
+        self.batch_argument = batch_argument
+        # The rows follow the readout; the token-sequence row check (ReadRows) does not apply.
+        self.query_rows_choice = "mean"
+
+    # -- sites ----------------------------------------------------------------------
+    def blocks(self, model: nn.Module) -> List[Block]:
+        return [Block(name, module) for name, module in model.named_modules() if layer_key(module) is not None]
+
+    def first_layer(self, model: nn.Module) -> nn.Module:
+        return self.blocks(model)[0].module
+
+    @contextlib.contextmanager
+    def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for block in self.blocks(model):
+                stack.enter_context(patching.forward_hook(block.module, _tapped_input(block, recorder), pre=True,
+                                                          with_kwargs=True))
+                stack.enter_context(patching.message_passing_hook(block.module, "propagate",
+                                                                  _recording(block, recorder)))
+            yield
+
+    def refuse_rules(self, model: nn.Module, blocks: List[Block], rules: RuleSet) -> None:
+        """Refuse the rules PyG's sparse attention layers (``blocks``), its graph norms or a graph
+        batch cannot follow."""
+        if rules.norm != "gradient":
+            found = {id(site.module) for site in find_norms(model)}
+            graph_norms = [name for name, module in model.named_modules()
+                           if type(module).__module__.startswith("torch_geometric.nn.norm")
+                           and type(module).__name__ in _STATISTICS_NORMS and id(module) not in found]
+            if graph_norms:
+                raise CaptureError(
+                    f"The rule set {rules.name} holds each norm's scale constant, but the PyG norms {graph_norms} "
+                    "normalise by statistics over a whole graph (or its nodes' neighbourhoods), which the norm rule "
+                    "does not recognise: their relevance would follow the plain gradient. Use ConservativeLRP("
+                    "variant='AH') or GI on this model, or per-node norms (torch.nn.LayerNorm, PyG LayerNorm with "
+                    "mode='node')."
+                )
+        if rules.softmax != "gradient" and blocks:
+            raise CaptureError(
+                f"The rule set {rules.name} passes relevance through the softmax by the identity rule, but PyG layers "
+                "compute their softmax over incoming edges by scatter operations the rule cannot replace. Use "
+                "ConservativeLRP (AH, AH+LN), AttnLRP on TransformerConv, or the attention methods "
+                "(GenericAttention, AttentionRollout, AttentionGradCAM, RawAttention)."
+            )
+        gat = [b.name for b in blocks if layer_key(b.module) in _GAT_LIKE]
+        if rules.matmul != "gradient" and gat:
+            raise CaptureError(
+                f"The rule set {rules.name} halves every product of two relevance-carrying tensors, but the GAT "
+                f"layers {gat} score edges by multiplying node features with a parameter vector, which the rule would "
+                "halve too. Use ConservativeLRP (AH, AH+LN) on GAT models, or AttnLRP on TransformerConv models."
+            )
+        if rules.add != "gradient":
+            raise CaptureError(
+                f"The rule set {rules.name} normalises residual adds per example, but the examples of a graph batch "
+                "are node sets of different sizes in one node list, not a batch dimension. Use ConservativeLRP, "
+                "AttnLRP or the attention methods on graph models."
+            )
+
+    @contextlib.contextmanager
+    def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
+        self.refuse_rules(model, self.blocks(model), rules)
+        with contextlib.ExitStack() as stack:
+            if rules.attention_gate != "gradient":
+                for block in self.blocks(model):
+                    stack.enter_context(patching.message_passing_hook(block.module, "propagate",
+                                                                      _recording(block, None)))
+            stack.enter_context(norm_rules(model, rules))
+            stack.enter_context(operation_rules(model, rules))
+            yield
+
+    # -- the forward: the graphs of the batch are known around it -------------------
+    def _forward(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
+                 forward_kwargs: Optional[dict], target: Any, recorder: Recorder,
+                 contexts: Sequence[Any] = ()):
+        nodes = inputs[0]
+        if nodes.dim() != 2 or not nodes.is_floating_point():
+            raise InputError(f"The explained input of a PyG model is its node features x (N, F), floating point; got "
+                             f"{nodes.dtype} of shape {tuple(nodes.shape)}. Pass (edge_index, batch) as "
+                             "additional_forward_args.")
+        batch = batch_argument(model, (*inputs, *additional_forward_args), forward_kwargs, self.batch_argument)
+        token = _GRAPHS.set(GraphBatch.of(batch, nodes.shape[0]))
+        try:
+            return super()._forward(model, inputs, additional_forward_args, forward_kwargs, target, recorder,
+                                    contexts)
+        finally:
+            _GRAPHS.reset(token)
+
+    def stream_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder) -> StreamLayouts:
+        graphs = current_graphs()
+        mask = graphs.node_mask()
+        rows = torch.arange(graphs.max_nodes, device=mask.device).expand(graphs.num_graphs, -1)
+        weights = mask.to(torch.float64) / graphs.counts.clamp(min=1)[:, None].to(torch.float64)
+        layout = TokenLayout(graphs.max_nodes, rows, mask, query_weights=weights)
+        spans = (InputSpan(TOKENS, nodes=(graphs.graph, graphs.position)),) + (None,) * (len(inputs) - 1)
+        return StreamLayouts({TOKENS: layout}, (TOKENS,), spans)
+
+    def check_readout(self, model: nn.Module) -> str:
+        """The readout: the user's, or the one the model's source names (refused when none or
+        several are found, or when it is not a mean or add pooling)."""
+        if self.readout is not None:
+            return self.readout
+        found = detected_readouts(model)
+        if found and set(found) <= set(READOUTS) and len(found) == 1:
+            return found[0]
+        seen = f"found {found}" if found else "found no global_*_pool call or PyG aggregation module"
+        raise CaptureError(
+            f"The attention maps of a graph model are read at the nodes its readout pools, but the readout of "
+            f"{type(model).__name__} is not known ({seen} in its forward source). For a mean or add pooling pass "
+            "adapter=PyGAttentionAdapter(readout='mean') (or 'add'); max, sort and attention poolings read nodes "
+            "unequally and are not supported by the attention methods (ConservativeLRP needs no readout)."
+        )
+
+    def trace(self, model: nn.Module, *args: Any, **kwargs: Any):
+        """:meth:`Adapter.trace` once the readout is known (the explained rows follow it)."""
+        self.check_readout(model)
+        return super().trace(model, *args, **kwargs)
+
+    def logits(self, model: nn.Module, output: Any, layout: TokenLayout, causal: bool) -> torch.Tensor:
+        scores = super().logits(model, output, layout, causal)
+        graphs = current_graphs()
+        if scores.dim() == 0 or scores.shape[0] != graphs.num_graphs:
+            raise CaptureError(
+                f"The model returned scores of shape {tuple(scores.shape)} for a batch of {graphs.num_graphs} graphs "
+                f"({graphs.num_nodes} nodes); graph-level models return one row per graph. Node-level outputs are "
+                "not supported yet: explain a model that pools each graph, or check the batch argument."
+            )
+        return scores
+
+    # -- relevance at the nodes -----------------------------------------------------
+    def relevance(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
+                  target: Any, rules: RuleSet, at: str = "tokens",
+                  forward_kwargs: Optional[dict] = None, messages: Optional[list] = None) -> RelevanceResult:
+        """Gradient x Input under ``rules`` at the node features ``x``: per feature, shaped like
+        x (``at="inputs"``, what the LRP methods return by default for this adapter), or summed
+        over each node's features (``at="tokens"``, (B, N_max) per graph). Read at the node
+        features, not at the first layer's input as for token models: they are the graph's
+        input, as pixels are an image's, and the node scores stay the sums of the feature map.
+
+        ``messages``: a list that receives, per attention call, ``(block name, edge_index the
+        layer used (2, E'), relevance of each edge's message (E',))``, the message relevance
+        ``R_e = m_e . dy/dm_e`` under the same rules (see :mod:`captum_transformers.graph.edges`)."""
+        refuse_unexplainable_batch(inputs)
+        refuse_rounding_sensitive(rules, model_dtype(model))
+        if at not in ("tokens", "inputs"):
+            raise InputError(f"relevance must be read at 'tokens' or 'inputs', got {at!r}.")
+        with exclusive(model), torch.enable_grad(), patching.parameters_require_grad(model):
+            inputs = relevance_carrying(inputs)
+            contexts = [self.propagation(model, rules)]
+            kept: List[list] = []
+            if messages is not None:
+                for block in self.blocks(model):
+                    contexts.append(patching.message_passing_hook(block.module, "message", _kept_message(block, kept)))
+                    contexts.append(patching.message_passing_hook(block.module, "propagate", _kept_edges(kept)))
+            streams, _, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
+                                                      target, Recorder(CaptureSpec()), contexts)
+            graphs = _last_graphs(streams)
+            leaf = inputs[0]
+            if not scores.requires_grad:
+                raise CaptureError("The explained output does not depend on the inputs (it does not require grad).")
+            explained = seeded(scores, rules)
+            grad, *message_grads = torch.autograd.grad(explained.sum(), [leaf] + [out for _, out, _ in kept],
+                                                       allow_unused=True)
+        for (name, out, edges), g in zip(kept, message_grads):
+            product = out.detach() * (torch.zeros_like(out) if g is None else g)
+            messages.append((name, edges, product.reshape(product.shape[0], -1).sum(-1)))
+        dtype = torch.promote_types(leaf.dtype, torch.float32)
+        grad = torch.zeros((), dtype=dtype, device=leaf.device) if grad is None else grad.to(dtype)
+        product = leaf.detach().to(dtype) * grad
+        per_node = product.reshape(product.shape[0], -1).sum(-1)
+        tokens = graphs.dense_nodes(per_node)
+        total = tokens.sum(-1)
+        layout = streams.layouts[TOKENS]
+        if at == "tokens":
+            return RelevanceResult(tokens, None, layout, explained.detach(), index, total, {TOKENS: tokens}, streams)
+        per_input = (product,) + tuple(torch.zeros(t.shape, device=t.device) for t in inputs[1:])
+        return RelevanceResult(None, per_input, layout, explained.detach(), index, total)
+
+
+def _last_graphs(streams: StreamLayouts) -> GraphBatch:
+    graph, position = streams.inputs[0].nodes
+    counts = streams.layouts[TOKENS].token_mask.sum(-1)
+    return GraphBatch(graph, position, counts)
+
+
+def _kept_message(block: Block, kept: List[list]):
+    """A message hook keeping each call's messages (E', ...) for their relevance."""
+
+    def hook(module, _inputs, out):
+        if getattr(module, "decomposed_layers", 1) != 1:
+            raise CaptureError(f"{block.name!r} splits its messages over decomposed_layers="
+                               f"{module.decomposed_layers}; edge relevance needs them whole (set it to 1).")
+        kept.append([block.name, out, None])
+
+    return hook
+
+
+def _kept_edges(kept: List[list]):
+    """A propagate hook pairing the call's messages with the edges the layer used."""
+
+    def hook(_module, inputs, _out):
+        if kept and kept[-1][2] is None:
+            kept[-1][2] = inputs[0]
+
+    return hook
+
+
+def _tapped_input(block: Block, recorder: Recorder):
+    """A pre-hook connecting the layer's node features to the recorder's anchor, refusing
+    bipartite inputs and attention dropout in training mode."""
+    module = block.module
+
+    def hook(_module, args, kwargs):
+        nodes = args[0] if args else kwargs.get("x")
+        if not isinstance(nodes, torch.Tensor):
+            raise CaptureError(f"{block.name!r} ({type(module).__name__}) was called with bipartite node features "
+                               f"({type(nodes).__name__}); the pyg_attention adapter explains one node set per graph.")
+        if module.training and getattr(module, "dropout", 0.0):
+            raise CaptureError(f"{block.name!r} is in training mode with attention dropout {module.dropout}: the "
+                               "recorded attention would be a random draw. Call model.eval() first.")
+        tapped = recorder.connect(nodes)
+        if args:
+            return (tapped, *args[1:]), kwargs
+        return args, {**kwargs, "x": tapped}
+
+    return hook
+
+
+def _recording(block: Block, recorder: Optional[Recorder]):
+    """A propagate hook that reads ``alpha`` and the edges used: recorded as per-graph maps
+    (``recorder``), or, without one, given a zero gradient (the AH gate)."""
+    where, name = _LAYERS[layer_key(block.module)]
+    module = block.module
+
+    def hook(_module, inputs, _out):
+        edge_index, _size, kwargs = inputs
+        alpha = getattr(module, name, None) if where == "attribute" else kwargs.get(name)
+        if not isinstance(edge_index, torch.Tensor) or edge_index.dim() != 2:
+            raise CaptureError(f"{block.name!r} propagated over a {type(edge_index).__name__}; the pyg_attention "
+                               "adapter reads edge_index tensors (2, E), not sparse adjacency matrices.")
+        if not isinstance(alpha, torch.Tensor):
+            raise CaptureError(f"{block.name!r} ({type(module).__name__}) kept no attention weights to record.")
+        if recorder is None:
+            if alpha.requires_grad:
+                alpha.register_hook(torch.zeros_like)  # AH: the softmax output is a constant of A V
+            return None
+        alpha = alpha if alpha.dim() == 2 else alpha.unsqueeze(-1)
+        graphs = current_graphs()
+        places = graphs.edge_places(edge_index, getattr(module, "flow", "source_to_target"))
+        probs = graphs.dense_edges(places, alpha.detach())
+        recorder.record(block, probs, grad_tensor=alpha,
+                        grad_view=lambda grad: graphs.dense_edges(places, grad, accumulate=False),
+                        key_valid=graphs.node_mask())
+        return None
+
+    return hook

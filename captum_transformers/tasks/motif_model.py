@@ -1,0 +1,82 @@
+"""The built-in BA-2Motifs classifier: a small PyG TransformerConv graph transformer.
+
+Architecture (:class:`MotifTransformer`): a linear node encoder (one-hot degree -> 32), three
+``TransformerConv(32, 16, heads=2)`` layers, each followed by a per-node ``nn.LayerNorm`` and a
+ReLU, mean pooling per graph (``global_mean_pool``, the readout the pyg_attention adapter reads
+from the source) and a linear head over the two classes (house, cycle).
+
+The weights ship as ``captum_transformers/assets/motif_transformer.pt`` (float32 state dict)
+next to ``motif_transformer.json`` (accuracies, seed, training time and the exact command of
+:mod:`captum_transformers.tasks.train_motifs` that produced them).
+
+Example::
+
+    >>> from captum_transformers.tasks.graph_motifs import motif_graphs
+    >>> model, data = load_motif_model(), motif_graphs(4, seed=1)
+    >>> model(data.x, data.edge_index, data.batch).shape
+    torch.Size([4, 2])
+"""
+from __future__ import annotations
+
+import importlib.resources
+import json
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+from ..errors import InputError
+from .graph_motifs import CLASSES, FEATURES
+
+WEIGHTS_FILE = "motif_transformer.pt"
+RECORD_FILE = "motif_transformer.json"
+HIDDEN = 32
+HEADS = 2
+LAYERS = 3
+
+
+class MotifTransformer(nn.Module):
+    """Encoder, ``LAYERS`` x (TransformerConv, LayerNorm, ReLU), mean pooling, linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch_geometric.nn import TransformerConv
+
+        self.encode = nn.Linear(FEATURES, HIDDEN)
+        self.convs = nn.ModuleList([TransformerConv(HIDDEN, HIDDEN // HEADS, heads=HEADS) for _ in range(LAYERS)])
+        self.norms = nn.ModuleList([nn.LayerNorm(HIDDEN) for _ in range(LAYERS)])
+        self.head = nn.Linear(HIDDEN, len(CLASSES))
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor, batch: torch.Tensor = None) -> torch.Tensor:
+        from torch_geometric.nn import global_mean_pool
+
+        hidden = self.encode(x)
+        for conv, norm in zip(self.convs, self.norms):
+            hidden = torch.relu(norm(conv(hidden, edge_index)))
+        return self.head(global_mean_pool(hidden, batch))
+
+
+def _asset(name: str):
+    return importlib.resources.files("captum_transformers").joinpath("assets", name)
+
+
+def motif_model_record() -> Dict[str, Any]:
+    """The JSON record of the shipped weights: test accuracies, seed, training time, command."""
+    record = _asset(RECORD_FILE)
+    if not record.is_file():
+        raise InputError(f"The motif model record {record} is missing; run "
+                         "`python -m captum_transformers.tasks.train_motifs` to recreate it.")
+    return json.loads(record.read_text())
+
+
+def load_motif_model() -> MotifTransformer:
+    """The shipped BA-2Motifs TransformerConv model in eval mode."""
+    path = _asset(WEIGHTS_FILE)
+    if not path.is_file():
+        raise InputError(f"The motif model weights {path} are missing (expected in captum_transformers/assets/). "
+                         "Recreate them with `python -m captum_transformers.tasks.train_motifs`.")
+    with importlib.resources.as_file(path) as file:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    model = MotifTransformer()
+    model.load_state_dict(state)
+    return model.eval()
