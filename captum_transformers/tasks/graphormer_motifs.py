@@ -1,120 +1,108 @@
-"""A small Graphormer trained on BA-2Motifs (house vs five-cycle), generated offline, and
-its training command.
+"""A small Graphormer trained on the motifs task (:mod:`.graph_motifs`: BA-2Motifs generated
+offline, house vs five-cycle), on the same graphs and seeds as the built-in TransformerConv
+(:mod:`.train_motifs`), and its training command.
 
-The graphs are PyG's ``ExplainerDataset`` recipe that ``BA2MotifDataset``'s docstring gives
-for the downloaded set: a 25-node Barabasi-Albert graph (one edge per new node) with one
-house (class 0) or one five-node cycle (class 1) attached, 500 graphs each, the motif's nodes
-marked as ground truth. Generation is seeded (torch, ``random``, numpy) and reproducible.
-Nodes carry no features (one constant feature, value 0, as 4.x's collator gives featureless
-graphs): the model sees only degrees and the shortest-path and edge encodings.
+Node features: :mod:`.graph_motifs` gives each node a one-hot (capped) degree; Graphormer
+embeds categories, so a node's feature is the index of its hot entry plus one, and 0 for an
+all-zero row (a node masked by the node metrics, which zero its features). The flat PyG
+batches of :mod:`.graph_motifs` become Graphormer inputs through :func:`graphormer_inputs`,
+and :func:`graphormer_forward` gives the node metrics' ``forward(x, edge_index, batch)``.
 
-Retrain the shipped weights (about a minute on one CPU thread)::
+Retrain the shipped weights (about two minutes on one CPU thread)::
 
     OMP_NUM_THREADS=1 python -m captum_transformers.tasks.graphormer_motifs --out captum_transformers/assets
 
 Example::
 
-    >>> from captum_transformers.tasks.graphormer_motifs import load_motif_graphormer, motif_graphs
-    >>> model = load_motif_graphormer()
-    >>> graphs = motif_graphs()[-5:]       # dicts with x, edge_index, y, node_mask
+    >>> from captum_transformers.tasks.graph_motifs import motif_graphs
+    >>> model, data = load_motif_graphormer(), motif_graphs(8, seed=1)
+    >>> logits = model(**graphormer_inputs(data.x, data.edge_index, data.batch)).logits    # (8, 2)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import random
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .graph_motifs import motif_graphs
+from .train_motifs import BATCH_GRAPHS, TEST_GRAPHS, TEST_SEED, TRAIN_GRAPHS
+
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets")
-WEIGHTS, RECORD = "graphormer_ba2motifs.pt", "graphormer_ba2motifs.json"
-CLASSES = ("house", "cycle")
-#: The architecture of the shipped model (2 layers, as Ali et al.'s graph experiments).
+WEIGHTS, RECORD = "graphormer_motifs.pt", "graphormer_motifs.json"
+#: The architecture of the shipped model (2 layers, as Ali et al.'s Graphormer experiments).
 ARCHITECTURE = dict(num_classes=2, num_hidden_layers=2, embedding_dim=32, ffn_embedding_dim=32, num_attention_heads=4,
-                    num_atoms=8, num_edges=8, num_in_degree=64, num_out_degree=64, num_spatial=512, num_edge_dis=8,
+                    num_atoms=16, num_edges=8, num_in_degree=64, num_out_degree=64, num_spatial=512, num_edge_dis=8,
                     multi_hop_max_dist=5, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+COMMAND = "OMP_NUM_THREADS=1 python -m captum_transformers.tasks.graphormer_motifs --out captum_transformers/assets"
 
 
-def motif_graphs(per_class: int = 500, seed: int = 0) -> List[Dict[str, torch.Tensor]]:
-    """BA-2Motifs graphs: dicts with ``x`` (30, 1) zeros, ``edge_index``, ``y`` (the class,
-    house 0 / cycle 1) and ``node_mask`` (True on the motif's five nodes). Houses first."""
-    import numpy as np
-    from torch_geometric.datasets import ExplainerDataset
-    from torch_geometric.datasets.graph_generator import BAGraph
-    from torch_geometric.datasets.motif_generator import CycleMotif, HouseMotif
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    graphs = []
-    for label, motif in enumerate((HouseMotif(), CycleMotif(5))):
-        dataset = ExplainerDataset(graph_generator=BAGraph(num_nodes=25, num_edges=1), motif_generator=motif,
-                                   num_motifs=1, num_graphs=per_class)
-        for data in dataset:
-            graphs.append({"x": torch.zeros(data.num_nodes, 1, dtype=torch.long), "edge_index": data.edge_index,
-                           "y": torch.tensor([label]), "node_mask": data.node_mask.bool()})
-    return graphs
+def node_categories(x: torch.Tensor) -> torch.Tensor:
+    """(N, 1) long: the hot entry of each one-hot row plus one; 0 for an all-zero (masked) row."""
+    weights = torch.arange(1, x.shape[1] + 1, dtype=x.dtype, device=x.device)
+    return (x * weights).sum(-1, keepdim=True).round().long()
 
 
-def split(graphs: List[Dict[str, torch.Tensor]], seed: int = 0, test_share: float = 0.2):
-    """A seeded shuffle into (train, test)."""
-    order = torch.randperm(len(graphs), generator=torch.Generator().manual_seed(seed)).tolist()
-    cut = int(round(len(graphs) * (1 - test_share)))
-    return [graphs[i] for i in order[:cut]], [graphs[i] for i in order[cut:]]
-
-
-def collate(graphs: List[Dict[str, torch.Tensor]]) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
-    """Graphormer inputs (by name, ``input_nodes`` included) and the labels."""
+def graphormer_inputs(x: torch.Tensor, edge_index: torch.Tensor, batch: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Collated Graphormer inputs (``input_nodes`` first) of a flat PyG batch, on ``x``'s device."""
     from ..models import GraphormerCollator
 
-    batch = GraphormerCollator()([{k: v for k, v in g.items() if k != "node_mask"} for g in graphs])
-    return batch, batch.pop("labels")
+    categories, batch_cpu, edges_cpu = node_categories(x).cpu(), batch.cpu(), edge_index.cpu()
+    graphs: List[Dict[str, torch.Tensor]] = []
+    counts = torch.bincount(batch_cpu)
+    starts = counts.cumsum(0) - counts
+    for graph, (start, count) in enumerate(zip(starts.tolist(), counts.tolist())):
+        edges = edges_cpu[:, batch_cpu[edges_cpu[0]] == graph] - start
+        graphs.append({"x": categories[start:start + count], "edge_index": edges})
+    collated = GraphormerCollator()(graphs)
+    return {key: value.to(x.device) for key, value in collated.items()}
 
 
-def _rows(batch: Dict[str, torch.Tensor], index: torch.Tensor) -> Dict[str, torch.Tensor]:
-    return {key: value[index] for key, value in batch.items()}
+def graphormer_forward(model) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``forward(x, edge_index, batch) -> logits`` for the node metrics (masked nodes included)."""
+    return lambda x, edge_index, batch: model(**graphormer_inputs(x, edge_index, batch)).logits
 
 
-def accuracy(model, batch: Dict[str, torch.Tensor], labels: torch.Tensor) -> float:
+def _accuracy(model, data) -> float:
     with torch.no_grad():
-        return (model(**batch).logits.argmax(-1) == labels).double().mean().item()
+        predicted = graphormer_forward(model)(data.x, data.edge_index, data.batch).argmax(-1)
+    return float((predicted == data.labels).double().mean())
 
 
-def train(epochs: int = 40, seed: int = 0, batch_size: int = 32, lr: float = 2e-3):
-    """Train from scratch; returns the model (eval mode) and the training record."""
+def train(epochs: int = 40, seed: int = 0, lr: float = 2e-3):
+    """Train from scratch on :mod:`.train_motifs`' graphs; returns the model (eval mode) and its record."""
     from ..models import GraphormerConfig, GraphormerForGraphClassification
 
     started = time.time()
-    train_graphs, test_graphs = split(motif_graphs(seed=seed), seed=seed)
-    train_batch, train_labels = collate(train_graphs)
-    test_batch, test_labels = collate(test_graphs)
+    data = motif_graphs(TRAIN_GRAPHS, seed=seed + 100)  # the TransformerConv's training graphs
+    inputs, labels = graphormer_inputs(data.x, data.edge_index, data.batch), data.labels
     torch.manual_seed(seed)
     model = GraphormerForGraphClassification(GraphormerConfig(**ARCHITECTURE))
     optimiser = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
         model.train()
-        for index in torch.randperm(len(train_labels), generator=generator).split(batch_size):
-            loss = model(**_rows(train_batch, index), labels=train_labels[index]).loss
+        for index in torch.randperm(len(labels), generator=generator).split(BATCH_GRAPHS):
+            loss = model(**{key: value[index] for key, value in inputs.items()}, labels=labels[index]).loss
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()
     model.eval()
-    record = {"task": "BA-2Motifs (ExplainerDataset, 500 house + 500 cycle, seed %d)" % seed, "seed": seed,
-              "epochs": epochs, "batch_size": batch_size, "lr": lr, "train_graphs": len(train_graphs),
-              "test_graphs": len(test_graphs), "train_accuracy": accuracy(model, train_batch, train_labels),
-              "test_accuracy": accuracy(model, test_batch, test_labels),
-              "seconds": round(time.time() - started, 1), "torch": torch.__version__,
-              "command": "OMP_NUM_THREADS=1 python -m captum_transformers.tasks.graphormer_motifs "
-                         "--out captum_transformers/assets", "config": ARCHITECTURE}
+    seconds = time.time() - started
+    record = {"task": "motifs (tasks.graph_motifs)", "seed": seed, "epochs": epochs, "batch_graphs": BATCH_GRAPHS,
+              "lr": lr, "train_graphs": TRAIN_GRAPHS, "train_seed": seed + 100, "test_graphs": TEST_GRAPHS,
+              "test_seed": TEST_SEED, "train_accuracy": _accuracy(model, data),
+              "test_accuracy": _accuracy(model, motif_graphs(TEST_GRAPHS, seed=TEST_SEED)),
+              "train_seconds": round(seconds, 1), "torch": torch.__version__, "command": COMMAND,
+              "config": ARCHITECTURE}
     return model, record
 
 
 def load_motif_graphormer(folder: Optional[str] = None):
-    """The shipped BA-2Motifs Graphormer (eval mode), built from its record's config."""
+    """The shipped motifs Graphormer (eval mode), built from its record's config."""
     from ..models import GraphormerConfig, GraphormerForGraphClassification
 
     folder = folder or ASSETS
@@ -126,7 +114,7 @@ def load_motif_graphormer(folder: Optional[str] = None):
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description="Train the BA-2Motifs Graphormer.")
+    parser = argparse.ArgumentParser(description="Train the motifs Graphormer.")
     parser.add_argument("--out", default=ASSETS, help="folder for the weights and the record")
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,58 @@
+"""Every method on the built-in motifs Graphormer (``tasks.graphormer_motifs``) over the
+motifs task's 200 test graphs: node AUROC against the motif's nodes, and Ali et al.'s AUAC
+(activation: reveal the most relevant nodes first; higher is better) and AU-MSE (pruning: mask
+the least relevant first; lower is better) over nodes, with the metrics of
+``evaluation.node_perturbation`` (a masked node has zero features, i.e. category 0, and no
+edges). The target is the true class. Scores as returned (signed for the LRP methods) and,
+for AUROC, their absolute values.
+
+    OMP_NUM_THREADS=1 python benchmarks/graphormer_motifs_auroc.py [weights folder]
+
+Measured on one CPU thread: see docs/graphs.md.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from captum_transformers.evaluation.node_perturbation import NodeActivation, NodeAUROC, NodePruning
+from captum_transformers.methods.catalog import PACKAGE_METHOD_NAMES, build_method
+from captum_transformers.tasks.graph_motifs import motif_graphs
+from captum_transformers.tasks.graphormer_motifs import graphormer_forward, graphormer_inputs, load_motif_graphormer
+from captum_transformers.tasks.train_motifs import TEST_GRAPHS, TEST_SEED
+
+CHUNK = 50  # graphs per attribute / metric update
+
+
+def main() -> None:
+    model = load_motif_graphormer(sys.argv[1] if len(sys.argv) > 1 else None)  # a retrained folder, optional
+    data = motif_graphs(TEST_GRAPHS, seed=TEST_SEED)
+    forward = graphormer_forward(model)
+    with torch.no_grad():
+        accuracy = (forward(data.x, data.edge_index, data.batch).argmax(-1) == data.labels).double().mean()
+    print(f"test accuracy {accuracy.item():.3f} on {TEST_GRAPHS} graphs")
+    print(f"{'method':22s} {'AUROC':>7s} {'|AUROC|':>8s} {'AUAC':>7s} {'AU-MSE':>8s} {'seconds':>8s}")
+    for name in PACKAGE_METHOD_NAMES:
+        explainer = build_method(name, model)
+        signed, absolute, activation, pruning = NodeAUROC(), NodeAUROC(), NodeActivation(forward), NodePruning(forward)
+        seconds = 0.0
+        for start in range(0, TEST_GRAPHS, CHUNK):
+            part = data.graphs(start, start + CHUNK)
+            inputs = graphormer_inputs(part.x, part.edge_index, part.batch)
+            started = time.perf_counter()
+            tokens = explainer.attribute(inputs, target=part.labels, return_tokens=True)
+            seconds += time.perf_counter() - started
+            real = inputs["input_nodes"][:, :, 0] != 0
+            scores = tokens[:, 1:][real]  # nodes in the flat batch's order, the graph token dropped
+            signed.update(scores, part.node_truth, part.batch)
+            absolute.update(scores.abs(), part.node_truth, part.batch)
+            activation.update(part.x, part.edge_index, part.batch, scores, part.labels)
+            pruning.update(part.x, part.edge_index, part.batch, scores)
+        print(f"{name:22s} {signed.compute().value:7.3f} {absolute.compute().value:8.3f} "
+              f"{activation.compute().auc:7.3f} {pruning.compute().auc:8.3f} {seconds:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
