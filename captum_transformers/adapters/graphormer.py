@@ -26,7 +26,9 @@ a pre-hook on each ``GraphormerMultiheadAttention`` taps its query through
 as ``(B, H, T, T)`` (the tensor ``bmm(probs, v)`` differentiates, in eval mode). The
 attention modules of other classes (4.x's) run the package's attention forward while
 captured: the same operations, except that ``q * scaling`` is not written in place, which
-the rule Functions that keep a projection's output (alpha-beta linears) need.
+the rule Functions that keep a projection's output (alpha-beta linears) need; and they carry
+``batch_first = False`` (the package's modules say it themselves), so that the check of the
+rows a score reads knows their outputs are (T, B, C).
 
 Relevance (the LRP methods) is read at the token embeddings entering the encoder's
 ``dropout_module`` (after ``embed_scale`` and ``emb_layer_norm``): per node the sum over its
