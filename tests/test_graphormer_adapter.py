@@ -255,3 +255,54 @@ def test_a_head_that_pools_the_nodes_is_refused_not_explained_at_the_graph_token
         with pytest.raises(InputError, match="depends on the last layer's tokens"):
             build_method(name, _MeanPooled(net).eval()).attribute(nodes, target=TARGETS, forward_kwargs=rest)
     build_method("generic-attention", net).attribute(nodes, target=TARGETS, forward_kwargs=rest)  # graph token: fine
+
+
+@pytest.mark.parametrize("name", ["generic-attention", "transformer-relevance", "lrp", "conservative-lrp"])
+def test_threads_explaining_and_running_one_graphormer_do_not_interfere(name):
+    import sys
+    import threading
+
+    net = model(seed=13)
+    nodes, rest = batch(graphs(SIZES))
+    explainer = build_method(name, net)
+    expected = explainer.attribute(nodes, target=TARGETS, forward_kwargs=rest, return_tokens=True)
+    with torch.no_grad():
+        clean = net(nodes, **rest).logits
+    before = snapshot(net)
+    results, errors, done = [], [], threading.Event()
+    barrier = threading.Barrier(3)
+
+    def explain():
+        try:
+            barrier.wait(timeout=60)
+            for _ in range(2):
+                results.append(explainer.attribute(nodes, target=TARGETS, forward_kwargs=rest, return_tokens=True))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+        finally:
+            done.set()
+
+    def bystander():
+        try:
+            barrier.wait(timeout=60)
+            for _ in range(200):
+                with torch.no_grad():
+                    assert torch.equal(net(nodes, **rest).logits, clean)
+                if done.is_set():
+                    break
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=job) for job in (explain, explain, bystander)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[0]
+    assert len(results) == 4 and all(torch.equal(maps, expected) for maps in results)
+    assert_same(before, snapshot(net))
