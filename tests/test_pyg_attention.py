@@ -217,9 +217,14 @@ def test_node_level_outputs_and_bad_batches_are_refused():
         def forward(self, x, edge_index, batch=None):
             return self.inner.head(self.inner.nodes(x, edge_index))  # one row per node
 
-    with pytest.raises(CaptureError, match="one row per graph"):
+    with pytest.raises(CaptureError, match="one row per node"):
         RawAttention(NodeLevel(), adapter=PyGAttentionAdapter(readout="mean")).attribute(
-            x, additional_forward_args=(edge_index, batch))
+            x, additional_forward_args=(edge_index, batch), target=[(0, 0), (3, 1), (8, 1)])
+    with pytest.raises(InputError, match="one node per graph"):
+        RawAttention(NodeLevel()).attribute(x, additional_forward_args=(edge_index, batch))
+    with pytest.raises(InputError, match="not a node of graph 1"):
+        RawAttention(NodeLevel()).attribute(x, additional_forward_args=(edge_index, batch),
+                                            target=[(0, 0), (1, 1), (8, 1)])
     crossing = edge_index.clone()
     crossing[0, 0] = x.shape[0] - 1  # an edge from the last graph into the first
     with pytest.raises(InputError, match="different graphs"):
@@ -249,3 +254,47 @@ def test_every_package_method_either_explains_or_refuses_clearly():
             assert name not in APPLIES["TransformerConv"] and "rule" in str(error)
         else:
             assert name in APPLIES["TransformerConv"] and out.shape == x.shape
+
+
+class NodeClassifier(torch.nn.Module):
+    """The graph classifier's layers with a per-node head (a node-level task)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.inner = graph_classifier(kind)
+
+    def forward(self, x, edge_index, batch=None):
+        return self.inner.head(self.inner.nodes(x, edge_index))
+
+
+@pytest.mark.parametrize("kind", ["TransformerConv", "GATConv"])
+def test_node_level_models_explain_one_node_per_graph(kind):
+    model = NodeClassifier(kind).eval()
+    singles, (x, edge_index, batch) = graphs()
+    nodes = [1, 5, 10]  # one per graph (sizes 3, 5, 4)
+    pairs = [(node, TARGETS[g]) for g, node in enumerate(nodes)]
+    positions = [1, 2, 2]
+    for name in APPLIES[kind]:
+        explainer = METHOD_FACTORIES[name](model)
+        tokens = explainer.attribute(x, additional_forward_args=(edge_index, batch), target=pairs, return_tokens=True)
+        assert tokens.abs().sum() > 0, name
+        for g, (gx, gedges) in enumerate(singles):
+            alone = explainer.attribute(gx, additional_forward_args=(gedges, torch.zeros(len(gx), dtype=torch.long)),
+                                        target=(positions[g], TARGETS[g]), return_tokens=True)
+            torch.testing.assert_close(tokens[g:g + 1, :len(gx)], alone, rtol=1e-4, atol=1e-6, msg=name)
+            assert (tokens[g, len(gx):] == 0).all(), name
+    # The explained row is the node: raw attention is the last layer's row of that node.
+    trace = get_adapter(model).trace(model, (x,), (edge_index, batch), pairs,
+                                     CaptureSpec(forward_reduce=lambda probs: probs.mean(1)))
+    raw = RawAttention(model).attribute(x, additional_forward_args=(edge_index, batch), target=pairs,
+                                        return_tokens=True)
+    last = trace.records[-1].forward_value
+    torch.testing.assert_close(raw, last[torch.arange(3), torch.tensor(positions)])
+    # LRP: each graph's relevance sums to its node's logit on a bias-free model (conservation).
+    bias_free = NodeClassifier(kind)
+    bias_free.inner = graph_classifier(kind, bias=False).double()
+    for conv in bias_free.inner.convs:
+        conv.root_weight = False
+    _, delta = ConservativeLRP(bias_free.eval()).attribute(x.double(), additional_forward_args=(edge_index, batch),
+                                                           target=pairs, return_convergence_delta=True)
+    assert delta.abs().max() < 1e-12

@@ -78,6 +78,12 @@ class GraphBatch:
         out[self.graph, self.position] = values
         return out
 
+    def dense_nodes_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """Per-node rows (N, ...) as (B, N_max, ...), 0 at padding."""
+        out = rows.new_zeros(self.num_graphs, self.max_nodes, *rows.shape[1:])
+        out[self.graph, self.position] = rows
+        return out
+
     def edge_places(self, edge_index: torch.Tensor, flow: str):
         """(graph, target position, source position) of every edge, refused if an edge joins
         two graphs (the batch would not be block-diagonal)."""
