@@ -4,7 +4,10 @@
 so PyG's thresholds, fidelity metrics and ``visualize_graph`` work with any method, on a whole
 batch of graphs in one call (``batch=`` passed to the explainer as to the model).
 
-Masks (graph-level tasks; per-graph targets are the explainer's):
+Masks (per-graph or per-node targets are the explainer's):
+
+Node-level tasks (``task_level="node"``): ``index`` names the explained node, one per graph
+of the batch (one node for one graph), explained for its target class.
 
 * ``node_mask_type="attributes"``: the method's attribution shaped like ``x`` (N, F), the
   Captum path's ``attribute(x, additional_forward_args=(edge_index,), forward_kwargs=...)``
@@ -68,8 +71,8 @@ class TransformerExplainer(ExplainerAlgorithm):
             problems.append(f"node_mask_type={config.node_mask_type.value} (use 'attributes' or 'object')")
         if config.edge_mask_type not in (None, MaskType.object):
             problems.append(f"edge_mask_type={config.edge_mask_type.value} (use 'object')")
-        if model.task_level != ModelTaskLevel.graph:
-            problems.append(f"task_level={model.task_level.value} (graph-level tasks only)")
+        if model.task_level not in (ModelTaskLevel.graph, ModelTaskLevel.node):
+            problems.append(f"task_level={model.task_level.value} (graph- or node-level tasks)")
         if model.mode != ModelMode.multiclass_classification:
             problems.append(f"mode={model.mode.value} (multiclass_classification: one score column per class)")
         if problems:
@@ -78,9 +81,11 @@ class TransformerExplainer(ExplainerAlgorithm):
 
     def forward(self, model: torch.nn.Module, x: torch.Tensor, edge_index: torch.Tensor, *, target: torch.Tensor,
                 index: Optional[Union[int, torch.Tensor]] = None, **kwargs: Any) -> Explanation:
-        if index is not None:
-            raise InputError("TransformerExplainer explains graph-level outputs; index= (a node-level task) is not "
-                             "supported.")
+        if self.model_config.task_level == ModelTaskLevel.node:
+            target = _node_pairs(index, target, kwargs.get("batch"), x.shape[0])
+        elif index is not None:
+            raise InputError("index= names the explained node of a node-level task; this explainer was configured "
+                             "with task_level='graph'.")
         if isinstance(x, dict):
             raise InputError("TransformerExplainer explains homogeneous graphs (x a tensor), not heterogeneous ones.")
         method = self.factory(model, **self.options)
@@ -105,3 +110,18 @@ class TransformerExplainer(ExplainerAlgorithm):
             node_mask = node_scores.detach()[:, None]
         return Explanation(node_mask=node_mask,
                            edge_mask=edge_mask.detach() if config.edge_mask_type == MaskType.object else None)
+
+
+def _node_pairs(index, target: torch.Tensor, batch, num_nodes: int) -> list:
+    """(node, class) target pairs from PyG's ``index`` (one explained node per graph) and its
+    per-node ``target``."""
+    if index is None:
+        raise InputError("A node-level explanation needs index= (the explained node, one per graph of the batch).")
+    nodes = [int(index)] if isinstance(index, int) or (isinstance(index, torch.Tensor) and index.dim() == 0) \
+        else [int(i) for i in index]
+    graphs = GraphBatch.of(batch, num_nodes)
+    order = sorted(nodes, key=lambda node: int(graphs.graph[node]))
+    if [int(graphs.graph[node]) for node in order] != list(range(graphs.num_graphs)):
+        raise InputError(f"index={nodes} must name exactly one node of each of the {graphs.num_graphs} graphs: "
+                         "nodes of one graph share a backward pass; explain them in separate calls.")
+    return [(node, int(target[node])) for node in order]
