@@ -298,3 +298,61 @@ def test_node_level_models_explain_one_node_per_graph(kind):
     _, delta = ConservativeLRP(bias_free.eval()).attribute(x.double(), additional_forward_args=(edge_index, batch),
                                                            target=pairs, return_convergence_delta=True)
     assert delta.abs().max() < 1e-12
+
+
+def test_other_message_passing_layers_are_refused_unless_ignored():
+    import torch_geometric.nn as pyg
+
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = graph_classifier("TransformerConv")
+            self.gcn = pyg.GCNConv(8, 8)
+
+        def forward(self, x, edge_index, batch=None):
+            hidden = self.gcn(self.inner.encode(x), edge_index)  # mixes nodes outside any attention map
+            for conv in self.inner.convs:
+                hidden = conv(hidden, edge_index)
+            return self.inner.head(pyg.global_mean_pool(hidden, batch))
+
+    model = Mixed().eval()
+    _, (x, edge_index, batch) = graphs()
+    with pytest.raises(CaptureError, match=r"\['gcn'\].*ignore_message_passing=True"):
+        AttentionRollout(model).attribute(x, additional_forward_args=(edge_index, batch))
+    ignoring = AttentionRollout(model, adapter=PyGAttentionAdapter(ignore_message_passing=True))
+    assert ignoring.attribute(x, additional_forward_args=(edge_index, batch)).shape == x.shape
+    assert ConservativeLRP(model).attribute(x, additional_forward_args=(edge_index, batch),
+                                            target=TARGETS).shape == x.shape  # LRP goes through every layer
+
+
+def test_threads_see_the_plain_model_while_another_explains():
+    import threading
+
+    model = graph_classifier("GATConv")
+    _, (x, edge_index, batch) = graphs()
+    with torch.no_grad():
+        expected = model(x, edge_index, batch)
+    alone = GenericAttention(model).attribute(x, additional_forward_args=(edge_index, batch), target=TARGETS)
+    outputs, maps, stop = [], [], threading.Event()
+
+    def infer():
+        while not stop.is_set():
+            with torch.no_grad():
+                outputs.append(model(x, edge_index, batch))
+
+    def explain():
+        for _ in range(5):
+            maps.append(ConservativeLRP(model).attribute(x, additional_forward_args=(edge_index, batch),
+                                                         target=TARGETS))
+            maps.append(GenericAttention(model).attribute(x, additional_forward_args=(edge_index, batch),
+                                                          target=TARGETS))
+
+    reader = threading.Thread(target=infer)
+    reader.start()
+    explainer = threading.Thread(target=explain)
+    explainer.start()
+    explainer.join()
+    stop.set()
+    reader.join()
+    assert outputs and all(torch.equal(out, expected) for out in outputs)
+    assert all(torch.equal(m, alone) for m in maps[1::2])

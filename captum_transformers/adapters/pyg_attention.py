@@ -64,6 +64,7 @@ _LAYERS = {
     "torch_geometric.nn.conv.gat_conv.GATConv": ("kwarg", "alpha"),
     "torch_geometric.nn.conv.gatv2_conv.GATv2Conv": ("kwarg", "alpha"),
 }
+_MESSAGE_PASSING = "torch_geometric.nn.conv.message_passing.MessagePassing"
 _GAT_LIKE = ("torch_geometric.nn.conv.gat_conv.GATConv", "torch_geometric.nn.conv.gatv2_conv.GATv2Conv")
 # PyG norms whose scale depends on the data (statistics over a graph); BatchNorm in eval mode
 # (running statistics), GraphSizeNorm and MeanSubtractionNorm are linear and need no rule.
@@ -111,6 +112,9 @@ class PyGAttentionAdapter(Adapter):
             per-graph one's pooling is read from the model's source (refused when it names
             none or another pooling).
         batch_argument: the name of the forward argument holding the batch vector.
+        ignore_message_passing: let the attention-chain methods explain the attention layers
+            alone when the model also mixes nodes through other message-passing layers
+            (GCNConv, GINConv...), which no map shows (default False: refused).
 
     Example::
 
@@ -124,12 +128,14 @@ class PyGAttentionAdapter(Adapter):
     relevance_at_inputs = True
     families = "models built from torch_geometric TransformerConv / GATConv / GATv2Conv (graph readouts)"
 
-    def __init__(self, readout: Optional[str] = None, batch_argument: str = "batch") -> None:
+    def __init__(self, readout: Optional[str] = None, batch_argument: str = "batch",
+                 ignore_message_passing: bool = False) -> None:
         if readout is not None and readout not in READOUTS:
             raise InputError(f"readout must be None, 'mean', 'add' or 'node', got {readout!r}; max and attention "
                              "poolings read nodes unequally, which these attention maps cannot follow.")
         self.readout = readout
         self.batch_argument = batch_argument
+        self.ignore_message_passing = bool(ignore_message_passing)
         # The rows follow the readout; the token-sequence row check (ReadRows) does not apply.
         self.query_rows_choice = "mean"
 
@@ -228,8 +234,24 @@ class PyGAttentionAdapter(Adapter):
         spans = (InputSpan(TOKENS, nodes=(graphs.graph, graphs.position)),) + (None,) * (len(inputs) - 1)
         return StreamLayouts({TOKENS: layout}, (TOKENS,), spans)
 
+    def unseen_message_passing(self, model: nn.Module) -> List[str]:
+        """Message-passing layers that mix nodes outside every attention map (refused by the
+        attention-chain methods unless ``ignore_message_passing``)."""
+        seen = {id(sub) for block in self.blocks(model) for sub in block.module.modules()}
+        return [name for name, module in model.named_modules()
+                if id(module) not in seen and any(f"{base.__module__}.{base.__qualname__}" == _MESSAGE_PASSING
+                                                  for base in type(module).__mro__)]
+
     def trace(self, model: nn.Module, *args: Any, **kwargs: Any):
         """:meth:`Adapter.trace` with the explained rows checked against the readout."""
+        unseen = self.unseen_message_passing(model)
+        if unseen and not self.ignore_message_passing:
+            raise CaptureError(
+                f"The message-passing layers {unseen} mix nodes along edges outside every attention map, so the "
+                "attention-chain methods would explain the model without them. Use an LRP method (ConservativeLRP, "
+                f"AttnLRP), which propagates through every layer, or pass adapter={type(self).__name__}("
+                "ignore_message_passing=True) to explain the attention layers alone."
+            )
         token = _OUTPUT.set([False, True])
         try:
             return super().trace(model, *args, **kwargs)

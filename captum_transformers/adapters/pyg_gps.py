@@ -52,15 +52,24 @@ class PyGGPSAdapter(PyGAttentionAdapter):
             alone, ignoring each GPS layer's local message-passing branch (default False:
             refused, since the maps do not show what that branch contributes).
         batch_argument: the name of the forward argument holding PyG's batch vector.
+        ignore_message_passing: as for :class:`PyGAttentionAdapter`, for message-passing
+            layers outside the GPS layers.
     """
 
     name = "pyg_gps"
     families = "models built from torch_geometric GPSConv (multi-head global attention)"
 
     def __init__(self, readout: Optional[str] = None, ignore_local_branch: bool = False,
-                 batch_argument: str = "batch") -> None:
-        super().__init__(readout, batch_argument)
+                 batch_argument: str = "batch", ignore_message_passing: bool = False) -> None:
+        super().__init__(readout, batch_argument, ignore_message_passing)
         self.ignore_local_branch = bool(ignore_local_branch)
+
+    def unseen_message_passing(self, model: nn.Module) -> List[str]:
+        """As for sparse attention models, GPS local branches aside (``ignore_local_branch``)."""
+        local = {id(sub) for module in model.modules() if _is_gps(module) and module.conv is not None
+                 for sub in module.conv.modules()}
+        named = dict(model.named_modules())
+        return [name for name in super().unseen_message_passing(model) if id(named[name]) not in local]
 
     def blocks(self, model: nn.Module) -> List[Block]:
         """Each GPS layer's global attention, and sparse attention layers outside GPS local branches."""
