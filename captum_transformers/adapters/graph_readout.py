@@ -20,6 +20,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from typing import Any, List, Optional
@@ -49,14 +50,19 @@ def detected_readouts(model: nn.Module) -> List[str]:
         cls = type(module)
         if cls.__name__ in _POOLINGS and id(module) not in layer_aggregations:
             found.add(_POOLINGS[cls.__name__])
-        if cls.__module__.startswith(("torch.", "torch_geometric.")):
-            continue
-        try:
-            source = inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            continue
-        found.update(_POOLINGS[name] for name in _POOLING_PATTERN.findall(source))
+        if not cls.__module__.startswith(("torch.", "torch_geometric.")):
+            found.update(_source_poolings(cls))
     return sorted(found)
+
+
+@functools.lru_cache(maxsize=256)
+def _source_poolings(cls: type) -> frozenset:
+    """The poolings named in ``cls.forward``'s source (read once per class)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return frozenset()
+    return frozenset(_POOLINGS[name] for name in _POOLING_PATTERN.findall(source))
 
 
 def graph_readout(model: nn.Module, given: Optional[str]) -> str:

@@ -415,6 +415,12 @@ def _recording(block: Block, recorder: Optional[Recorder]):
         alpha = alpha if alpha.dim() == 2 else alpha.unsqueeze(-1)
         graphs = current_graphs()
         places = graphs.edge_places(edge_index, getattr(module, "flow", "source_to_target"))
+        if recorder.spec.forward_reduce is None and not recorder.spec.needs_gradient:
+            # Nothing reads the map (a relevance pass records only that attention ran): no dense copy.
+            size = graphs.max_nodes
+            recorder.record(block, alpha.new_zeros(()).expand(graphs.num_graphs, alpha.shape[1], size, size),
+                            key_valid=graphs.node_mask())
+            return None
         probs = graphs.dense_edges(places, alpha.detach())
         recorder.record(block, probs, grad_tensor=alpha,
                         grad_view=lambda grad: graphs.dense_edges(places, grad, accumulate=False),
