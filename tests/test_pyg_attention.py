@@ -38,9 +38,10 @@ RELEVANCE_METHODS = {"gradient-x-input", "conservative-lrp-ah", "conservative-lr
 
 
 def _hand_softmax_maps(model, x, edge_index, batch):
-    """The first layer's maps (B, H, N_max, N_max) from the paper's equations, graph by graph:
+    """The first layer's maps (B, H, N_max, N_max) from the papers' equations, graph by graph:
     TransformerConv alpha_ij = softmax_j(q_i . k_j / sqrt(C)); GAT alpha_ij = softmax_j(
-    LeakyReLU(a_s . W x_j + a_t . W x_i)), self-loops added."""
+    LeakyReLU(a_s . W x_j + a_t . W x_i)); GATv2 alpha_ij = softmax_j(a . LeakyReLU(W_l x_j +
+    W_r x_i)); GAT layers add self-loops."""
     conv = model.convs[0]
     hidden = model.encode(x)
     heads = conv.heads
@@ -49,7 +50,7 @@ def _hand_softmax_maps(model, x, edge_index, batch):
     maps = torch.zeros(len(sizes), heads, size, size, dtype=x.dtype)
     starts = sizes.cumsum(0) - sizes
     kind = type(conv).__name__
-    if kind == "GATConv":
+    if kind in ("GATConv", "GATv2Conv"):
         loops = torch.arange(x.shape[0])
         edge_index = torch.cat([edge_index, torch.stack([loops, loops])], dim=1)
     for g in range(len(sizes)):
@@ -63,6 +64,11 @@ def _hand_softmax_maps(model, x, edge_index, batch):
                         q = conv.lin_query(hidden[i]).view(heads, -1)[head]
                         k = conv.lin_key(hidden[j]).view(heads, -1)[head]
                         scores.append(float(q @ k) / math.sqrt(conv.out_channels))
+                    elif kind == "GATv2Conv":  # a . LeakyReLU(W_l x_j + W_r x_i)
+                        left = conv.lin_l(hidden).view(-1, heads, conv.out_channels)
+                        right = conv.lin_r(hidden).view(-1, heads, conv.out_channels)
+                        mixed = torch.nn.functional.leaky_relu(left[j, head] + right[i, head], conv.negative_slope)
+                        scores.append(float(mixed @ conv.att[0, head]))
                     else:
                         w = conv.lin(hidden).view(-1, heads, conv.out_channels)
                         score = float(w[j, head] @ conv.att_src[0, head] + w[i, head] @ conv.att_dst[0, head])
@@ -73,7 +79,7 @@ def _hand_softmax_maps(model, x, edge_index, batch):
     return maps
 
 
-@pytest.mark.parametrize("kind", ["TransformerConv", "GATConv"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_captured_maps_equal_a_hand_computed_softmax(kind):
     model = graph_classifier(kind)
     _, (x, edge_index, batch) = graphs()
