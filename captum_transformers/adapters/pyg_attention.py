@@ -215,7 +215,9 @@ class PyGAttentionAdapter(Adapter):
                              f"{nodes.dtype} of shape {tuple(nodes.shape)}. Pass (edge_index, batch) as "
                              "additional_forward_args.")
         batch = batch_argument(model, (*inputs, *additional_forward_args), forward_kwargs, self.batch_argument)
-        token = _GRAPHS.set(GraphBatch.of(batch, nodes.shape[0]))
+        graphs = GraphBatch.of(batch, nodes.shape[0])
+        self.check_graphs(graphs)
+        token = _GRAPHS.set(graphs)
         state = _OUTPUT.get()
         output = _OUTPUT.set([False, state[1] if state is not None else False])
         try:
@@ -224,6 +226,9 @@ class PyGAttentionAdapter(Adapter):
         finally:
             _OUTPUT.reset(output)
             _GRAPHS.reset(token)
+
+    def check_graphs(self, graphs: GraphBatch) -> None:
+        """Refuse a batch of graphs the model's layers cannot take (none for sparse layers)."""
 
     def stream_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder) -> StreamLayouts:
         graphs = current_graphs()

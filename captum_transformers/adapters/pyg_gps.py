@@ -30,8 +30,9 @@ from torch import nn
 from ..capture import patching
 from ..capture.recorder import Recorder
 from ..capture.trace import Block
-from ..errors import CaptureError
+from ..errors import CaptureError, InputError
 from ..propagation.rules import RuleSet
+from .graph_nodes import GraphBatch
 from .pyg_attention import PyGAttentionAdapter, _recording, _tapped_input, layer_key
 from .torch_mha import TorchMHAAdapter, _recording_forward
 
@@ -85,6 +86,13 @@ class PyGGPSAdapter(PyGAttentionAdapter):
             elif layer_key(module) is not None and id(module) not in local:
                 found.append(Block(name, module))
         return found
+
+    def check_graphs(self, graphs: GraphBatch) -> None:
+        """A batch vector out of order is refused before the forward: ``to_dense_batch`` places
+        nodes by counting, so its dense rows would not be the nodes the layout names."""
+        if graphs.num_nodes and bool((graphs.graph[1:] < graphs.graph[:-1]).any()):
+            raise InputError("GPSConv's to_dense_batch needs the batch vector sorted by graph (as PyG's Batch "
+                             "builds it); sort the nodes by graph first.")
 
     def _local_branches(self, model: nn.Module) -> List[str]:
         return [name or "the top level" for name, module in model.named_modules()
