@@ -362,3 +362,15 @@ def test_threads_see_the_plain_model_while_another_explains():
     reader.join()
     assert outputs and all(torch.equal(out, expected) for out in outputs)
     assert all(torch.equal(m, alone) for m in maps[1::2])
+
+
+@pytest.mark.parametrize("name", ["generic-attention", "grad-cam", "conservative-lrp", "attn-lrp"])
+def test_a_frozen_model_gets_the_trainable_models_map(name):
+    model = graph_classifier("TransformerConv")
+    _, (x, edge_index, batch) = graphs()
+    trainable = METHOD_FACTORIES[name](model).attribute(x, additional_forward_args=(edge_index, batch),
+                                                        target=TARGETS)
+    model.requires_grad_(False)
+    frozen = METHOD_FACTORIES[name](model).attribute(x, additional_forward_args=(edge_index, batch), target=TARGETS)
+    torch.testing.assert_close(frozen, trainable, rtol=0, atol=0)
+    assert not any(p.requires_grad for p in model.parameters()) and all(p.grad is None for p in model.parameters())
