@@ -102,7 +102,7 @@ class GraphBatch:
         size = self.max_nodes
         dense = values.new_zeros(self.num_graphs, size, size, values.shape[1])
         dense.index_put_((graph, target, source), values, accumulate=accumulate)
-        return dense.permute(0, 3, 1, 2)
+        return dense.permute(0, 3, 1, 2).contiguous()  # heads first, as the methods reduce them
 
 
 def batch_argument(model: nn.Module, args: Sequence[Any], kwargs: Optional[dict], name: str) -> Optional[torch.Tensor]:
