@@ -82,3 +82,19 @@ def test_unsupported_settings_are_refused():
                   model_config=dict(mode="multiclass_classification", task_level="edge", return_type="raw"))
     with pytest.raises(InputError, match="CaptumExplainer"):
         TransformerExplainer("saliency")
+
+
+def test_gps_models_under_the_explainer():
+    from captum_transformers.adapters.pyg_gps import PyGGPSAdapter
+    from pyg_models import gps_classifier
+
+    model = gps_classifier()
+    _, (x, edge_index, batch) = graphs()
+    predicted = model(x, edge_index, batch).argmax(-1)
+    for method, options in (("conservative-lrp-ah", {}),
+                            ("rollout", {"adapter": PyGGPSAdapter(ignore_local_branch=True)})):
+        explanation = _explainer(model, method, **options)(x, edge_index, batch=batch)
+        captum = METHOD_FACTORIES[method](model, **options).attribute(x, additional_forward_args=(edge_index, batch),
+                                                                      target=predicted)
+        torch.testing.assert_close(explanation.node_mask, captum, rtol=0, atol=0)
+        assert explanation.edge_mask.shape == (edge_index.shape[1],)

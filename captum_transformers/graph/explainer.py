@@ -13,11 +13,12 @@ of the batch (one node for one graph), explained for its target class.
   Captum path's ``attribute(x, additional_forward_args=(edge_index,), forward_kwargs=...)``
   exactly; ``"object"``: one score per node (N, 1): its node score (attention methods) or the
   sum of its features' relevance (LRP methods).
-* ``edge_mask_type="object"``: for the LRP methods (ConservativeLRP's variants, AttnLRP) the
-  edge relevance of their rule set summed over layers (:mod:`.edges`: the relevance of the
-  message along each edge, conserved layer by layer); for the attention methods, which score
-  nodes and not edges, the mean of the two endpoints' node scores: a view of the node map on
-  the edges, not an edge attribution.
+* ``edge_mask_type="object"``: for the LRP methods (ConservativeLRP's variants, AttnLRP) on
+  models with sparse attention layers, the edge relevance of their rule set summed over layers
+  (:mod:`.edges`: the relevance of the message along each edge, conserved layer by layer);
+  otherwise (the attention methods, which score nodes and not edges; GPS models, whose global
+  attention sends no per-edge messages) the mean of the two endpoints' node scores: a view of
+  the node map on the edges, not an edge attribution.
 
 Example::
 
@@ -38,6 +39,7 @@ from torch_geometric.explain.algorithm import ExplainerAlgorithm
 from torch_geometric.explain.config import ExplanationType, MaskType, ModelMode, ModelTaskLevel
 
 from ..adapters.graph_nodes import GraphBatch
+from ..adapters.pyg_attention import layer_key
 from ..errors import InputError
 from ..methods.catalog import CAPTUM_BASELINES, METHOD_FACTORIES, resolve_method_names
 from ..methods.lrp import RuleGradientXInput
@@ -90,18 +92,24 @@ class TransformerExplainer(ExplainerAlgorithm):
             raise InputError("TransformerExplainer explains homogeneous graphs (x a tensor), not heterogeneous ones.")
         method = self.factory(model, **self.options)
         config = self.explainer_config
-        if isinstance(method, RuleGradientXInput):
+        edge_mask = None
+        if isinstance(method, RuleGradientXInput) and any(layer_key(m) for m in model.modules()):
             relevance = edge_relevance(model, x, edge_index, target=target, rules=method.rules,
                                        adapter=method.adapter, **kwargs)
             attributes, edge_mask = relevance.nodes, relevance.edge_mask
             node_scores = attributes.reshape(attributes.shape[0], -1).sum(-1)
-        else:
+        elif isinstance(method, RuleGradientXInput):  # no sparse attention layer (GPS): no messages to read
             attributes = method.attribute(x, target=target, additional_forward_args=(edge_index,),
                                           forward_kwargs=kwargs)
+            node_scores = attributes.reshape(attributes.shape[0], -1).sum(-1)
+        else:
             graphs = GraphBatch.of(kwargs.get("batch"), x.shape[0])
             tokens = method.attribute(x, target=target, additional_forward_args=(edge_index,), forward_kwargs=kwargs,
                                       return_tokens=True)
             node_scores = tokens[graphs.graph, graphs.position]
+            # The Captum path's input-shaped map: each node's score over its features.
+            attributes = node_scores[:, None].expand(x.shape).contiguous()
+        if edge_mask is None:
             edge_mask = (node_scores[edge_index[0]] + node_scores[edge_index[1]]) / 2
         node_mask = None
         if config.node_mask_type == MaskType.attributes:
