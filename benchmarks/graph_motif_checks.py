@@ -34,7 +34,8 @@ def main() -> None:
                                                 return_tokens=True)
         empty = int((cam.clamp(min=0).sum(-1) == 0).sum())
         print(f"explaining {name}: GenericAttention moves {float(moved.mean()):.3f} of its mass away from the "
-              f"identity term (mean over graphs); Grad-CAM has no positive node on {empty} of {pairs.num_graphs} graphs")
+              f"identity term (mean over graphs); Grad-CAM has no positive node on {empty} of "
+              f"{pairs.num_graphs} graphs")
     data = motif_graphs(200, seed=1)  # the benchmark's single-motif graphs
     for variant in ("GI", "AH", "AH+LN"):
         _, delta = ConservativeLRP(model, variant=variant).attribute(

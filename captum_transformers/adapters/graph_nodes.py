@@ -87,7 +87,7 @@ class GraphBatch:
     def edge_places(self, edge_index: torch.Tensor, flow: str):
         """(graph, target position, source position) of every edge, refused if an edge joins
         two graphs (the batch would not be block-diagonal)."""
-        source, target = (edge_index[0], edge_index[1]) if flow == "source_to_target" else (edge_index[1], edge_index[0])
+        source, target = edge_index if flow == "source_to_target" else edge_index.flip(0)
         graph = self.graph[target]
         if not torch.equal(graph, self.graph[source]):
             raise InputError("edge_index joins nodes of different graphs of the batch; each graph's edges must stay "

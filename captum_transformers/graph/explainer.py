@@ -78,7 +78,8 @@ class TransformerExplainer(ExplainerAlgorithm):
         if model.mode != ModelMode.multiclass_classification:
             problems.append(f"mode={model.mode.value} (multiclass_classification: one score column per class)")
         if problems:
-            raise InputError(f"TransformerExplainer({self.method_name!r}) does not support " + "; ".join(problems) + ".")
+            raise InputError(f"TransformerExplainer({self.method_name!r}) does not support "
+                             + "; ".join(problems) + ".")
         return config.explanation_type in (ExplanationType.model, ExplanationType.phenomenon)
 
     def forward(self, model: torch.nn.Module, x: torch.Tensor, edge_index: torch.Tensor, *, target: torch.Tensor,
