@@ -374,3 +374,16 @@ def test_a_frozen_model_gets_the_trainable_models_map(name):
     frozen = METHOD_FACTORIES[name](model).attribute(x, additional_forward_args=(edge_index, batch), target=TARGETS)
     torch.testing.assert_close(frozen, trainable, rtol=0, atol=0)
     assert not any(p.requires_grad for p in model.parameters()) and all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_maps_follow_the_float32_maps(dtype):
+    _, (x, edge_index, batch) = graphs()
+    model, reference = graph_classifier("TransformerConv").to(dtype), graph_classifier("TransformerConv")
+    for name in ("rollout", "generic-attention", "conservative-lrp", "attn-lrp"):
+        half = METHOD_FACTORIES[name](model).attribute(x.to(dtype), additional_forward_args=(edge_index, batch),
+                                                       target=TARGETS, return_tokens=True)
+        full = METHOD_FACTORIES[name](reference).attribute(x, additional_forward_args=(edge_index, batch),
+                                                           target=TARGETS, return_tokens=True)
+        assert half.dtype == torch.float32  # the package's rule: float32 maps for half-precision models
+        assert torch.corrcoef(torch.stack([half.flatten(), full.flatten()]))[0, 1] > 0.99, name
