@@ -7,6 +7,7 @@ error mid-forward; AH / AH+LN relevance is conserved in float64 on bias-free lay
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -387,3 +388,25 @@ def test_half_precision_maps_follow_the_float32_maps(dtype):
                                                            target=TARGETS, return_tokens=True)
         assert half.dtype == torch.float32  # the package's rule: float32 maps for half-precision models
         assert torch.corrcoef(torch.stack([half.flatten(), full.flatten()]))[0, 1] > 0.99, name
+
+
+def test_a_compiled_model_gives_the_uncompiled_maps_and_star_args_are_refused():
+    model = graph_classifier("GATConv")
+    _, (x, edge_index, batch) = graphs()
+    expected = GenericAttention(model).attribute(x, additional_forward_args=(edge_index, batch), target=TARGETS)
+    compiled = torch.compile(model, backend="eager")
+    with warnings.catch_warnings():  # the package's one-time note: compiled parts run as their originals
+        warnings.simplefilter("ignore")
+        maps = GenericAttention(compiled).attribute(x, additional_forward_args=(edge_index, batch), target=TARGETS)
+    assert torch.equal(maps, expected)
+
+    class StarArgs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, *args):
+            return self.inner(*args)
+
+    with pytest.raises(InputError, match=r"\*args"):
+        GenericAttention(StarArgs()).attribute(x, additional_forward_args=(edge_index, batch), target=TARGETS)

@@ -111,8 +111,14 @@ def batch_argument(model: nn.Module, args: Sequence[Any], kwargs: Optional[dict]
     kwargs = dict(kwargs or {})
     if name in kwargs:
         return kwargs[name]
+    forward = getattr(model, "_orig_mod", model).forward  # a torch.compile-d model: the original's signature
+    parameters = inspect.signature(forward).parameters
+    if name not in parameters and any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters.values()):
+        raise InputError(f"{type(model).__name__}.forward takes *args, so which argument is PyG's batch vector is "
+                         f"not known; pass it by keyword (forward_kwargs={{{name!r}: batch}}) or give the adapter "
+                         "batch_argument=.")
     try:
-        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+        bound = inspect.signature(forward).bind_partial(*args, **kwargs)
     except TypeError as error:
         raise InputError(f"The arguments do not fit {type(model).__name__}.forward ({error}); pass the node features "
                          "as inputs and (edge_index, batch) as additional_forward_args.") from error
