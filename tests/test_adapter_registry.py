@@ -77,12 +77,11 @@ def _graphormer():
 
 
 EXAMPLES = {"huggingface": _huggingface, "timm": _timm, "torch_mha": _torch_mha, "inline_attention": _inline_attention,
-            "detr": _detr, "pyg_attention": _pyg_attention, "pyg_gps": _pyg_gps,
-            "graphormer": _graphormer}
+            "detr": _detr, "graphormer": _graphormer}
 # Graph batches are not sliced along dimension 0 of the node features: their contract (lookup,
 # shapes, batch == graphs one at a time, restore) is checked in tests/test_pyg_attention.py
 # and tests/test_pyg_gps.py.
-NODE_LIST_ADAPTERS = {"pyg_attention", "pyg_gps"}
+GRAPH_EXAMPLES = {"pyg_attention": _pyg_attention, "pyg_gps": _pyg_gps}
 # Targets per example when the output is not (B, classes): DETR's are (query, class) pairs.
 TARGETS = {"detr": [(0, 1), (4, 2), (2, 0)]}
 ADAPTERS = sorted(a.name for a in registered_adapters())
@@ -90,14 +89,20 @@ METHODS = [pytest.param(m, id=m.__name__) for m in ATTENTION_METHODS]
 
 
 def test_every_registered_adapter_has_an_example():
-    assert set(ADAPTERS) <= set(EXAMPLES), f"add an example for {set(ADAPTERS) - set(EXAMPLES)}"
+    examples = set(EXAMPLES) | set(GRAPH_EXAMPLES)
+    assert set(ADAPTERS) <= examples, f"add an example for {set(ADAPTERS) - examples}"
 
 
-@pytest.mark.parametrize("name", ADAPTERS)
+@pytest.mark.parametrize("name", sorted(GRAPH_EXAMPLES))
+def test_graph_examples_find_their_adapter(name):
+    pytest.importorskip("torch_geometric")
+    model, _, _ = GRAPH_EXAMPLES[name]()
+    assert get_adapter(model).name == name
+
+
+@pytest.mark.parametrize("name", [name for name in ADAPTERS if name not in GRAPH_EXAMPLES])
 @pytest.mark.parametrize("method", METHODS)
 def test_adapter_contract(name, method):
-    if name in NODE_LIST_ADAPTERS:
-        pytest.skip("graph batches: contract in tests/test_pyg_attention.py and tests/test_pyg_gps.py")
     model, inputs, kwargs = EXAMPLES[name]()
     assert get_adapter(model).name == name
     explainer = method(model)

@@ -54,10 +54,47 @@ def test_node_objects_and_lrp_edges():
     assert tokens.shape == (x.shape[0], 1)
 
 
+def test_node_level_explanations_equal_the_captum_path():
+    from test_pyg_attention import NodeClassifier
+
+    model = NodeClassifier("TransformerConv").eval()
+    _, (x, edge_index, batch) = graphs()
+    for method in ("generic-attention", "conservative-lrp"):
+        explainer = Explainer(model, TransformerExplainer(method), explanation_type="model",
+                              node_mask_type="attributes", edge_mask_type="object",
+                              model_config=dict(mode="multiclass_classification", task_level="node",
+                                                return_type="raw"))
+        index = torch.tensor([10, 1, 5])  # one node of each graph, in any order
+        explanation = explainer(x, edge_index, index=index, batch=batch)
+        predicted = model(x, edge_index, batch).argmax(-1)
+        pairs = [(node, int(predicted[node])) for node in (1, 5, 10)]
+        captum = METHOD_FACTORIES[method](model).attribute(x, additional_forward_args=(edge_index, batch),
+                                                           target=pairs)
+        torch.testing.assert_close(explanation.node_mask, captum, rtol=0, atol=0)
+        with pytest.raises(InputError, match="exactly one node of each"):
+            explainer(x, edge_index, index=torch.tensor([1, 2, 5]), batch=batch)
+
+
 def test_unsupported_settings_are_refused():
     model = graph_classifier("GATConv")
-    with pytest.raises(InputError, match="task_level=node"):
+    with pytest.raises(InputError, match="task_level=edge"):
         Explainer(model, TransformerExplainer("rollout"), explanation_type="model", node_mask_type="object",
-                  model_config=dict(mode="multiclass_classification", task_level="node", return_type="raw"))
+                  model_config=dict(mode="multiclass_classification", task_level="edge", return_type="raw"))
     with pytest.raises(InputError, match="CaptumExplainer"):
         TransformerExplainer("saliency")
+
+
+def test_gps_models_under_the_explainer():
+    from captum_transformers.adapters.pyg_gps import PyGGPSAdapter
+    from pyg_models import gps_classifier
+
+    model = gps_classifier()
+    _, (x, edge_index, batch) = graphs()
+    predicted = model(x, edge_index, batch).argmax(-1)
+    for method, options in (("conservative-lrp-ah", {}),
+                            ("rollout", {"adapter": PyGGPSAdapter(ignore_local_branch=True)})):
+        explanation = _explainer(model, method, **options)(x, edge_index, batch=batch)
+        captum = METHOD_FACTORIES[method](model, **options).attribute(x, additional_forward_args=(edge_index, batch),
+                                                                      target=predicted)
+        torch.testing.assert_close(explanation.node_mask, captum, rtol=0, atol=0)
+        assert explanation.edge_mask.shape == (edge_index.shape[1],)

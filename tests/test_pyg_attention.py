@@ -7,6 +7,7 @@ error mid-forward; AH / AH+LN relevance is conserved in float64 on bias-free lay
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -38,9 +39,10 @@ RELEVANCE_METHODS = {"gradient-x-input", "conservative-lrp-ah", "conservative-lr
 
 
 def _hand_softmax_maps(model, x, edge_index, batch):
-    """The first layer's maps (B, H, N_max, N_max) from the paper's equations, graph by graph:
+    """The first layer's maps (B, H, N_max, N_max) from the papers' equations, graph by graph:
     TransformerConv alpha_ij = softmax_j(q_i . k_j / sqrt(C)); GAT alpha_ij = softmax_j(
-    LeakyReLU(a_s . W x_j + a_t . W x_i)), self-loops added."""
+    LeakyReLU(a_s . W x_j + a_t . W x_i)); GATv2 alpha_ij = softmax_j(a . LeakyReLU(W_l x_j +
+    W_r x_i)); GAT layers add self-loops."""
     conv = model.convs[0]
     hidden = model.encode(x)
     heads = conv.heads
@@ -49,7 +51,7 @@ def _hand_softmax_maps(model, x, edge_index, batch):
     maps = torch.zeros(len(sizes), heads, size, size, dtype=x.dtype)
     starts = sizes.cumsum(0) - sizes
     kind = type(conv).__name__
-    if kind == "GATConv":
+    if kind in ("GATConv", "GATv2Conv"):
         loops = torch.arange(x.shape[0])
         edge_index = torch.cat([edge_index, torch.stack([loops, loops])], dim=1)
     for g in range(len(sizes)):
@@ -63,6 +65,11 @@ def _hand_softmax_maps(model, x, edge_index, batch):
                         q = conv.lin_query(hidden[i]).view(heads, -1)[head]
                         k = conv.lin_key(hidden[j]).view(heads, -1)[head]
                         scores.append(float(q @ k) / math.sqrt(conv.out_channels))
+                    elif kind == "GATv2Conv":  # a . LeakyReLU(W_l x_j + W_r x_i)
+                        left = conv.lin_l(hidden).view(-1, heads, conv.out_channels)
+                        right = conv.lin_r(hidden).view(-1, heads, conv.out_channels)
+                        mixed = torch.nn.functional.leaky_relu(left[j, head] + right[i, head], conv.negative_slope)
+                        scores.append(float(mixed @ conv.att[0, head]))
                     else:
                         w = conv.lin(hidden).view(-1, heads, conv.out_channels)
                         score = float(w[j, head] @ conv.att_src[0, head] + w[i, head] @ conv.att_dst[0, head])
@@ -73,7 +80,7 @@ def _hand_softmax_maps(model, x, edge_index, batch):
     return maps
 
 
-@pytest.mark.parametrize("kind", ["TransformerConv", "GATConv"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_captured_maps_equal_a_hand_computed_softmax(kind):
     model = graph_classifier(kind)
     _, (x, edge_index, batch) = graphs()
@@ -217,9 +224,14 @@ def test_node_level_outputs_and_bad_batches_are_refused():
         def forward(self, x, edge_index, batch=None):
             return self.inner.head(self.inner.nodes(x, edge_index))  # one row per node
 
-    with pytest.raises(CaptureError, match="one row per graph"):
+    with pytest.raises(CaptureError, match="one row per node"):
         RawAttention(NodeLevel(), adapter=PyGAttentionAdapter(readout="mean")).attribute(
-            x, additional_forward_args=(edge_index, batch))
+            x, additional_forward_args=(edge_index, batch), target=[(0, 0), (3, 1), (8, 1)])
+    with pytest.raises(InputError, match="one node per graph"):
+        RawAttention(NodeLevel()).attribute(x, additional_forward_args=(edge_index, batch))
+    with pytest.raises(InputError, match="not a node of graph 1"):
+        RawAttention(NodeLevel()).attribute(x, additional_forward_args=(edge_index, batch),
+                                            target=[(0, 0), (1, 1), (8, 1)])
     crossing = edge_index.clone()
     crossing[0, 0] = x.shape[0] - 1  # an edge from the last graph into the first
     with pytest.raises(InputError, match="different graphs"):
@@ -249,3 +261,152 @@ def test_every_package_method_either_explains_or_refuses_clearly():
             assert name not in APPLIES["TransformerConv"] and "rule" in str(error)
         else:
             assert name in APPLIES["TransformerConv"] and out.shape == x.shape
+
+
+class NodeClassifier(torch.nn.Module):
+    """The graph classifier's layers with a per-node head (a node-level task)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.inner = graph_classifier(kind)
+
+    def forward(self, x, edge_index, batch=None):
+        return self.inner.head(self.inner.nodes(x, edge_index))
+
+
+@pytest.mark.parametrize("kind", ["TransformerConv", "GATConv"])
+def test_node_level_models_explain_one_node_per_graph(kind):
+    model = NodeClassifier(kind).eval()
+    singles, (x, edge_index, batch) = graphs()
+    nodes = [1, 5, 10]  # one per graph (sizes 3, 5, 4)
+    pairs = [(node, TARGETS[g]) for g, node in enumerate(nodes)]
+    positions = [1, 2, 2]
+    for name in APPLIES[kind]:
+        explainer = METHOD_FACTORIES[name](model)
+        tokens = explainer.attribute(x, additional_forward_args=(edge_index, batch), target=pairs, return_tokens=True)
+        assert tokens.abs().sum() > 0, name
+        for g, (gx, gedges) in enumerate(singles):
+            alone = explainer.attribute(gx, additional_forward_args=(gedges, torch.zeros(len(gx), dtype=torch.long)),
+                                        target=(positions[g], TARGETS[g]), return_tokens=True)
+            torch.testing.assert_close(tokens[g:g + 1, :len(gx)], alone, rtol=1e-4, atol=1e-6, msg=name)
+            assert (tokens[g, len(gx):] == 0).all(), name
+    # The explained row is the node: raw attention is the last layer's row of that node.
+    trace = get_adapter(model).trace(model, (x,), (edge_index, batch), pairs,
+                                     CaptureSpec(forward_reduce=lambda probs: probs.mean(1)))
+    raw = RawAttention(model).attribute(x, additional_forward_args=(edge_index, batch), target=pairs,
+                                        return_tokens=True)
+    last = trace.records[-1].forward_value
+    torch.testing.assert_close(raw, last[torch.arange(3), torch.tensor(positions)])
+    # LRP: each graph's relevance sums to its node's logit on a bias-free model (conservation).
+    bias_free = NodeClassifier(kind)
+    bias_free.inner = graph_classifier(kind, bias=False).double()
+    for conv in bias_free.inner.convs:
+        conv.root_weight = False
+    _, delta = ConservativeLRP(bias_free.eval()).attribute(x.double(), additional_forward_args=(edge_index, batch),
+                                                           target=pairs, return_convergence_delta=True)
+    assert delta.abs().max() < 1e-12
+
+
+def test_other_message_passing_layers_are_refused_unless_ignored():
+    import torch_geometric.nn as pyg
+
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = graph_classifier("TransformerConv")
+            self.gcn = pyg.GCNConv(8, 8)
+
+        def forward(self, x, edge_index, batch=None):
+            hidden = self.gcn(self.inner.encode(x), edge_index)  # mixes nodes outside any attention map
+            for conv in self.inner.convs:
+                hidden = conv(hidden, edge_index)
+            return self.inner.head(pyg.global_mean_pool(hidden, batch))
+
+    model = Mixed().eval()
+    _, (x, edge_index, batch) = graphs()
+    with pytest.raises(CaptureError, match=r"\['gcn'\].*ignore_message_passing=True"):
+        AttentionRollout(model).attribute(x, additional_forward_args=(edge_index, batch))
+    ignoring = AttentionRollout(model, adapter=PyGAttentionAdapter(ignore_message_passing=True))
+    assert ignoring.attribute(x, additional_forward_args=(edge_index, batch)).shape == x.shape
+    assert ConservativeLRP(model).attribute(x, additional_forward_args=(edge_index, batch),
+                                            target=TARGETS).shape == x.shape  # LRP goes through every layer
+
+
+def test_threads_see_the_plain_model_while_another_explains():
+    import threading
+
+    model = graph_classifier("GATConv")
+    _, (x, edge_index, batch) = graphs()
+    with torch.no_grad():
+        expected = model(x, edge_index, batch)
+    alone = GenericAttention(model).attribute(x, additional_forward_args=(edge_index, batch), target=TARGETS)
+    outputs, maps, stop = [], [], threading.Event()
+
+    def infer():
+        while not stop.is_set():
+            with torch.no_grad():
+                outputs.append(model(x, edge_index, batch))
+
+    def explain():
+        for _ in range(5):
+            maps.append(ConservativeLRP(model).attribute(x, additional_forward_args=(edge_index, batch),
+                                                         target=TARGETS))
+            maps.append(GenericAttention(model).attribute(x, additional_forward_args=(edge_index, batch),
+                                                          target=TARGETS))
+
+    reader = threading.Thread(target=infer)
+    reader.start()
+    explainer = threading.Thread(target=explain)
+    explainer.start()
+    explainer.join()
+    stop.set()
+    reader.join()
+    assert outputs and all(torch.equal(out, expected) for out in outputs)
+    assert all(torch.equal(m, alone) for m in maps[1::2])
+
+
+@pytest.mark.parametrize("name", ["generic-attention", "grad-cam", "conservative-lrp", "attn-lrp"])
+def test_a_frozen_model_gets_the_trainable_models_map(name):
+    model = graph_classifier("TransformerConv")
+    _, (x, edge_index, batch) = graphs()
+    trainable = METHOD_FACTORIES[name](model).attribute(x, additional_forward_args=(edge_index, batch),
+                                                        target=TARGETS)
+    model.requires_grad_(False)
+    frozen = METHOD_FACTORIES[name](model).attribute(x, additional_forward_args=(edge_index, batch), target=TARGETS)
+    torch.testing.assert_close(frozen, trainable, rtol=0, atol=0)
+    assert not any(p.requires_grad for p in model.parameters()) and all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_maps_follow_the_float32_maps(dtype):
+    _, (x, edge_index, batch) = graphs()
+    model, reference = graph_classifier("TransformerConv").to(dtype), graph_classifier("TransformerConv")
+    for name in ("rollout", "generic-attention", "conservative-lrp", "attn-lrp"):
+        half = METHOD_FACTORIES[name](model).attribute(x.to(dtype), additional_forward_args=(edge_index, batch),
+                                                       target=TARGETS, return_tokens=True)
+        full = METHOD_FACTORIES[name](reference).attribute(x, additional_forward_args=(edge_index, batch),
+                                                           target=TARGETS, return_tokens=True)
+        assert half.dtype == torch.float32  # the package's rule: float32 maps for half-precision models
+        assert torch.corrcoef(torch.stack([half.flatten(), full.flatten()]))[0, 1] > 0.99, name
+
+
+def test_a_compiled_model_gives_the_uncompiled_maps_and_star_args_are_refused():
+    model = graph_classifier("GATConv")
+    _, (x, edge_index, batch) = graphs()
+    expected = GenericAttention(model).attribute(x, additional_forward_args=(edge_index, batch), target=TARGETS)
+    compiled = torch.compile(model, backend="eager")
+    with warnings.catch_warnings():  # the package's one-time note: compiled parts run as their originals
+        warnings.simplefilter("ignore")
+        maps = GenericAttention(compiled).attribute(x, additional_forward_args=(edge_index, batch), target=TARGETS)
+    assert torch.equal(maps, expected)
+
+    class StarArgs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, *args):
+            return self.inner(*args)
+
+    with pytest.raises(InputError, match=r"\*args"):
+        GenericAttention(StarArgs()).attribute(x, additional_forward_args=(edge_index, batch), target=TARGETS)

@@ -13,7 +13,7 @@ from torch_geometric.utils import to_dense_batch  # noqa: E402
 from captum_transformers import ConservativeLRP, GenericAttention, UnsupportedModelError, get_adapter  # noqa: E402
 from captum_transformers.adapters.pyg_gps import PyGGPSAdapter  # noqa: E402
 from captum_transformers.capture.trace import CaptureSpec  # noqa: E402
-from captum_transformers.errors import CaptureError  # noqa: E402
+from captum_transformers.errors import CaptureError, InputError  # noqa: E402
 from captum_transformers.methods.catalog import METHOD_FACTORIES  # noqa: E402
 from pyg_models import CHANNELS, gps_classifier, graphs  # noqa: E402
 from restore import assert_same, raising_after, snapshot  # noqa: E402
@@ -110,3 +110,14 @@ def test_exact_restore_after_an_error_mid_forward(method):
     assert_same(before, snapshot(model))
     with torch.no_grad():
         assert torch.equal(before_output, model(x, edge_index, batch))
+
+
+def test_an_unsorted_batch_is_refused():
+    model = gps_classifier()
+    _, (x, edge_index, batch) = graphs()
+    order = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))
+    where = torch.empty_like(order)
+    where[order] = torch.arange(x.shape[0])
+    with pytest.raises(InputError, match="sorted"):
+        GenericAttention(model, adapter=PyGGPSAdapter(ignore_local_branch=True)).attribute(
+            x[order], additional_forward_args=(where[edge_index], batch[order]), target=TARGETS)

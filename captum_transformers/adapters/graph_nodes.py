@@ -78,10 +78,16 @@ class GraphBatch:
         out[self.graph, self.position] = values
         return out
 
+    def dense_nodes_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """Per-node rows (N, ...) as (B, N_max, ...), 0 at padding."""
+        out = rows.new_zeros(self.num_graphs, self.max_nodes, *rows.shape[1:])
+        out[self.graph, self.position] = rows
+        return out
+
     def edge_places(self, edge_index: torch.Tensor, flow: str):
         """(graph, target position, source position) of every edge, refused if an edge joins
         two graphs (the batch would not be block-diagonal)."""
-        source, target = (edge_index[0], edge_index[1]) if flow == "source_to_target" else (edge_index[1], edge_index[0])
+        source, target = edge_index if flow == "source_to_target" else edge_index.flip(0)
         graph = self.graph[target]
         if not torch.equal(graph, self.graph[source]):
             raise InputError("edge_index joins nodes of different graphs of the batch; each graph's edges must stay "
@@ -96,7 +102,7 @@ class GraphBatch:
         size = self.max_nodes
         dense = values.new_zeros(self.num_graphs, size, size, values.shape[1])
         dense.index_put_((graph, target, source), values, accumulate=accumulate)
-        return dense.permute(0, 3, 1, 2)
+        return dense.permute(0, 3, 1, 2).contiguous()  # heads first, as the methods reduce them
 
 
 def batch_argument(model: nn.Module, args: Sequence[Any], kwargs: Optional[dict], name: str) -> Optional[torch.Tensor]:
@@ -105,8 +111,14 @@ def batch_argument(model: nn.Module, args: Sequence[Any], kwargs: Optional[dict]
     kwargs = dict(kwargs or {})
     if name in kwargs:
         return kwargs[name]
+    forward = getattr(model, "_orig_mod", model).forward  # a torch.compile-d model: the original's signature
+    parameters = inspect.signature(forward).parameters
+    if name not in parameters and any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters.values()):
+        raise InputError(f"{type(model).__name__}.forward takes *args, so which argument is PyG's batch vector is "
+                         f"not known; pass it by keyword (forward_kwargs={{{name!r}: batch}}) or give the adapter "
+                         "batch_argument=.")
     try:
-        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+        bound = inspect.signature(forward).bind_partial(*args, **kwargs)
     except TypeError as error:
         raise InputError(f"The arguments do not fit {type(model).__name__}.forward ({error}); pass the node features "
                          "as inputs and (edge_index, batch) as additional_forward_args.") from error

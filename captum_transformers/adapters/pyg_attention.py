@@ -13,11 +13,11 @@ them), and aggregates ``out_i = sum_j alpha_ij v_j``. Inside :meth:`PyGAttention
 3. ``alpha`` becomes per-graph (B, H, N_max, N_max) maps (:mod:`.graph_nodes`: row = target,
    column = source, real rows summing to 1); its gradient (E, H) is laid out the same way.
 
-The explained rows follow the graph readout: every node of a graph, equally weighted, for a
-mean or add pooling (an add pooling scales each graph's map by a constant). The readout is
-read from the model's source (``global_mean_pool``, ``global_add_pool``, PyG's
-``MeanAggregation`` / ``SumAggregation``) or given as ``readout=``; a max or attention
-pooling, a node-level output, or a model whose readout is not found is refused.
+The explained rows follow the graph readout (:mod:`.graph_readout`): every node of a graph,
+equally weighted, for a mean or add pooling (an add pooling scales each graph's map by a
+constant), read from the model's source or given as ``readout=``; a max or attention pooling,
+or a model whose readout is not found, is refused. A node-level model (one output row per
+node) explains one node per graph, named by a ``(node, class)`` target pair; its row is that node.
 
 LRP. Under a constant attention gate (AH, AH+LN) the gradient reaching ``alpha`` is zeroed
 (the softmax output is a constant of ``A V``); norms and per-operation rules are installed as
@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import inspect
-import re
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -49,12 +47,14 @@ from torch import nn
 from ..capture import patching
 from ..capture.exclusive import exclusive
 from ..capture.recorder import Recorder
+from ..capture.targets import select_targets
 from ..capture.trace import TOKENS, Block, CaptureSpec, InputSpan, StreamLayouts, TokenLayout
 from ..errors import CaptureError, InputError
 from ..propagation.operation_rules import operation_rules
 from ..propagation.rules import RuleSet, find_norms, norm_rules, refuse_rounding_sensitive
 from .base import Adapter
 from .graph_nodes import GraphBatch, batch_argument
+from .graph_readout import READOUTS, graph_readout, node_targets
 from .input_checks import model_dtype, refuse_unexplainable_batch, relevance_carrying
 from .relevance_reading import RelevanceResult, seeded
 
@@ -64,22 +64,19 @@ _LAYERS = {
     "torch_geometric.nn.conv.gat_conv.GATConv": ("kwarg", "alpha"),
     "torch_geometric.nn.conv.gatv2_conv.GATv2Conv": ("kwarg", "alpha"),
 }
+_MESSAGE_PASSING = "torch_geometric.nn.conv.message_passing.MessagePassing"
 _GAT_LIKE = ("torch_geometric.nn.conv.gat_conv.GATConv", "torch_geometric.nn.conv.gatv2_conv.GATv2Conv")
-READOUTS = ("mean", "add")
 # PyG norms whose scale depends on the data (statistics over a graph); BatchNorm in eval mode
 # (running statistics), GraphSizeNorm and MeanSubtractionNorm are linear and need no rule.
 _STATISTICS_NORMS = {"LayerNorm", "GraphNorm", "InstanceNorm", "PairNorm", "MessageNorm", "DiffGroupNorm",
                      "HeteroLayerNorm"}
-# Readouts seen in a model's source: name -> the readout it is.
-_POOLINGS = {"global_mean_pool": "mean", "global_add_pool": "add", "global_max_pool": "max",
-             "MeanAggregation": "mean", "SumAggregation": "add", "MaxAggregation": "max",
-             "AttentionalAggregation": "attention", "SetTransformerAggregation": "attention",
-             "SortAggregation": "sort", "global_sort_pool": "sort"}
-_POOLING_PATTERN = re.compile(r"\b(" + "|".join(_POOLINGS) + r")\b")
 
 # The graphs of the batch being explained, set around each forward in this context.
 _GRAPHS: contextvars.ContextVar[Optional[GraphBatch]] = contextvars.ContextVar("captum_transformers_pyg_graphs",
                                                                                  default=None)
+# Per forward: [whether the output is per node, whether the explained rows must be known].
+_OUTPUT: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("captum_transformers_pyg_output",
+                                                                          default=None)
 
 
 def layer_key(module: nn.Module) -> Optional[str]:
@@ -89,26 +86,6 @@ def layer_key(module: nn.Module) -> Optional[str]:
         if key in _LAYERS:
             return key
     return None
-
-
-def detected_readouts(model: nn.Module) -> List[str]:
-    """The poolings named in the forward source of ``model`` and of its non-library
-    submodules, and PyG aggregation modules it holds (sorted, unique)."""
-    found = set()
-    # A message-passing layer's own aggregation (its "aggr") is not a readout.
-    layer_aggregations = {id(getattr(m, "aggr_module", None)) for m in model.modules()}
-    for module in model.modules():
-        cls = type(module)
-        if cls.__name__ in _POOLINGS and id(module) not in layer_aggregations:
-            found.add(_POOLINGS[cls.__name__])
-        if cls.__module__.startswith(("torch.", "torch_geometric.")):
-            continue
-        try:
-            source = inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            continue
-        found.update(_POOLINGS[name] for name in _POOLING_PATTERN.findall(source))
-    return sorted(found)
 
 
 def current_graphs() -> GraphBatch:
@@ -125,13 +102,19 @@ class PyGAttentionAdapter(Adapter):
     is PyG's batch vector; without one the nodes form one graph). Node features ``x`` (N, F)
     are the explained input: attributions come back shaped like ``x`` (each node's score
     repeated over its features), or as (B, N_max) per-graph node scores with
-    ``return_tokens=True``, 0 at padding. The output must hold one row of scores per graph.
+    ``return_tokens=True``, 0 at padding. The output holds one row of scores per graph, or one
+    per node (then ``target=[(node, class), ...]``, one pair per graph).
 
     Args:
         readout: ``"mean"`` or ``"add"`` pooling (the explained rows: every node of the
-            graph, equally weighted); ``None`` (default): read from the model's source,
-            refused when it names none or another pooling.
+            graph, equally weighted); ``"node"``: one output row per node (needed only when
+            every graph has one node); ``None`` (default): a per-node output is node-level, a
+            per-graph one's pooling is read from the model's source (refused when it names
+            none or another pooling).
         batch_argument: the name of the forward argument holding the batch vector.
+        ignore_message_passing: let the attention-chain methods explain the attention layers
+            alone when the model also mixes nodes through other message-passing layers
+            (GCNConv, GINConv...), which no map shows (default False: refused).
 
     Example::
 
@@ -145,12 +128,14 @@ class PyGAttentionAdapter(Adapter):
     relevance_at_inputs = True
     families = "models built from torch_geometric TransformerConv / GATConv / GATv2Conv (graph readouts)"
 
-    def __init__(self, readout: Optional[str] = None, batch_argument: str = "batch") -> None:
+    def __init__(self, readout: Optional[str] = None, batch_argument: str = "batch",
+                 ignore_message_passing: bool = False) -> None:
         if readout is not None and readout not in READOUTS:
-            raise InputError(f"readout must be None, 'mean' or 'add', got {readout!r}; max and attention poolings "
-                             "read nodes unequally, which these attention maps cannot follow.")
+            raise InputError(f"readout must be None, 'mean', 'add' or 'node', got {readout!r}; max and attention "
+                             "poolings read nodes unequally, which these attention maps cannot follow.")
         self.readout = readout
         self.batch_argument = batch_argument
+        self.ignore_message_passing = bool(ignore_message_passing)
         # The rows follow the readout; the token-sequence row check (ReadRows) does not apply.
         self.query_rows_choice = "mean"
 
@@ -230,12 +215,20 @@ class PyGAttentionAdapter(Adapter):
                              f"{nodes.dtype} of shape {tuple(nodes.shape)}. Pass (edge_index, batch) as "
                              "additional_forward_args.")
         batch = batch_argument(model, (*inputs, *additional_forward_args), forward_kwargs, self.batch_argument)
-        token = _GRAPHS.set(GraphBatch.of(batch, nodes.shape[0]))
+        graphs = GraphBatch.of(batch, nodes.shape[0])
+        self.check_graphs(graphs)
+        token = _GRAPHS.set(graphs)
+        state = _OUTPUT.get()
+        output = _OUTPUT.set([False, state[1] if state is not None else False])
         try:
             return super()._forward(model, inputs, additional_forward_args, forward_kwargs, target, recorder,
                                     contexts)
         finally:
+            _OUTPUT.reset(output)
             _GRAPHS.reset(token)
+
+    def check_graphs(self, graphs: GraphBatch) -> None:
+        """Refuse a batch of graphs the model's layers cannot take (none for sparse layers)."""
 
     def stream_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder) -> StreamLayouts:
         graphs = current_graphs()
@@ -246,37 +239,66 @@ class PyGAttentionAdapter(Adapter):
         spans = (InputSpan(TOKENS, nodes=(graphs.graph, graphs.position)),) + (None,) * (len(inputs) - 1)
         return StreamLayouts({TOKENS: layout}, (TOKENS,), spans)
 
-    def check_readout(self, model: nn.Module) -> str:
-        """The readout: the user's, or the one the model's source names (refused when none or
-        several are found, or when it is not a mean or add pooling)."""
-        if self.readout is not None:
-            return self.readout
-        found = detected_readouts(model)
-        if found and set(found) <= set(READOUTS) and len(found) == 1:
-            return found[0]
-        seen = f"found {found}" if found else "found no global_*_pool call or PyG aggregation module"
-        raise CaptureError(
-            f"The attention maps of a graph model are read at the nodes its readout pools, but the readout of "
-            f"{type(model).__name__} is not known ({seen} in its forward source). For a mean or add pooling pass "
-            "adapter=PyGAttentionAdapter(readout='mean') (or 'add'); max, sort and attention poolings read nodes "
-            "unequally and are not supported by the attention methods (ConservativeLRP needs no readout)."
-        )
+    def unseen_message_passing(self, model: nn.Module) -> List[str]:
+        """Message-passing layers that mix nodes outside every attention map (refused by the
+        attention-chain methods unless ``ignore_message_passing``)."""
+        seen = {id(sub) for block in self.blocks(model) for sub in block.module.modules()}
+        return [name for name, module in model.named_modules()
+                if id(module) not in seen and any(f"{base.__module__}.{base.__qualname__}" == _MESSAGE_PASSING
+                                                  for base in type(module).__mro__)]
 
     def trace(self, model: nn.Module, *args: Any, **kwargs: Any):
-        """:meth:`Adapter.trace` once the readout is known (the explained rows follow it)."""
-        self.check_readout(model)
-        return super().trace(model, *args, **kwargs)
+        """:meth:`Adapter.trace` with the explained rows checked against the readout."""
+        unseen = self.unseen_message_passing(model)
+        if unseen and not self.ignore_message_passing:
+            raise CaptureError(
+                f"The message-passing layers {unseen} mix nodes along edges outside every attention map, so the "
+                "attention-chain methods would explain the model without them. Use an LRP method (ConservativeLRP, "
+                f"AttnLRP), which propagates through every layer, or pass adapter={type(self).__name__}("
+                "ignore_message_passing=True) to explain the attention layers alone."
+            )
+        token = _OUTPUT.set([False, True])
+        try:
+            return super().trace(model, *args, **kwargs)
+        finally:
+            _OUTPUT.reset(token)
 
     def logits(self, model: nn.Module, output: Any, layout: TokenLayout, causal: bool) -> torch.Tensor:
+        """One row per graph (a graph readout, checked when the explained rows matter), or one
+        per node (``readout="node"``, or found so: returned as (G, N_max, C) per graph)."""
         scores = super().logits(model, output, layout, causal)
-        graphs = current_graphs()
-        if scores.dim() == 0 or scores.shape[0] != graphs.num_graphs:
+        graphs, state = current_graphs(), _OUTPUT.get()
+        rows = scores.shape[0] if scores.dim() else None
+        per_node = rows == graphs.num_nodes and (rows != graphs.num_graphs or self.readout == "node")
+        if per_node and self.readout in ("mean", "add"):
+            raise CaptureError(f"The model returned one row per node {tuple(scores.shape)}, but the adapter was told "
+                               f"its readout is a {self.readout} pooling; pass readout='node' (or None).")
+        if per_node:
+            state[0] = True
+            return graphs.dense_nodes_of(scores)
+        if rows != graphs.num_graphs or self.readout == "node":
             raise CaptureError(
                 f"The model returned scores of shape {tuple(scores.shape)} for a batch of {graphs.num_graphs} graphs "
-                f"({graphs.num_nodes} nodes); graph-level models return one row per graph. Node-level outputs are "
-                "not supported yet: explain a model that pools each graph, or check the batch argument."
+                f"({graphs.num_nodes} nodes); expected one row per graph (a graph readout) or one per node "
+                "(node-level). Check the batch argument."
             )
+        if state[1]:
+            graph_readout(model, self.readout)
         return scores
+
+    def resolve_target(self, model: nn.Module, logits: torch.Tensor, target: Any):
+        if not _OUTPUT.get()[0]:
+            return super().resolve_target(model, logits, target)
+        return select_targets(logits, node_targets(current_graphs(), target))
+
+    def rows_for_target(self, model: nn.Module, streams: StreamLayouts, index: torch.Tensor) -> StreamLayouts:
+        """Node-level outputs: each graph's explained row is its target node (``index[:, 0]``)."""
+        if not _OUTPUT.get()[0]:
+            return streams
+        layout = streams.layouts[TOKENS]
+        rows = index[:, :1].to(device=layout.query_rows.device, dtype=torch.long)
+        return StreamLayouts({TOKENS: TokenLayout(layout.num_tokens, rows, layout.token_mask)}, streams.explained,
+                             streams.inputs)
 
     # -- relevance at the nodes -----------------------------------------------------
     def relevance(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
@@ -398,6 +420,12 @@ def _recording(block: Block, recorder: Optional[Recorder]):
         alpha = alpha if alpha.dim() == 2 else alpha.unsqueeze(-1)
         graphs = current_graphs()
         places = graphs.edge_places(edge_index, getattr(module, "flow", "source_to_target"))
+        if recorder.spec.forward_reduce is None and not recorder.spec.needs_gradient:
+            # Nothing reads the map (a relevance pass records only that attention ran): no dense copy.
+            size = graphs.max_nodes
+            recorder.record(block, alpha.new_zeros(()).expand(graphs.num_graphs, alpha.shape[1], size, size),
+                            key_valid=graphs.node_mask())
+            return None
         probs = graphs.dense_edges(places, alpha.detach())
         recorder.record(block, probs, grad_tensor=alpha,
                         grad_view=lambda grad: graphs.dense_edges(places, grad, accumulate=False),

@@ -30,8 +30,9 @@ from torch import nn
 from ..capture import patching
 from ..capture.recorder import Recorder
 from ..capture.trace import Block
-from ..errors import CaptureError
+from ..errors import CaptureError, InputError
 from ..propagation.rules import RuleSet
+from .graph_nodes import GraphBatch
 from .pyg_attention import PyGAttentionAdapter, _recording, _tapped_input, layer_key
 from .torch_mha import TorchMHAAdapter, _recording_forward
 
@@ -52,15 +53,24 @@ class PyGGPSAdapter(PyGAttentionAdapter):
             alone, ignoring each GPS layer's local message-passing branch (default False:
             refused, since the maps do not show what that branch contributes).
         batch_argument: the name of the forward argument holding PyG's batch vector.
+        ignore_message_passing: as for :class:`PyGAttentionAdapter`, for message-passing
+            layers outside the GPS layers.
     """
 
     name = "pyg_gps"
     families = "models built from torch_geometric GPSConv (multi-head global attention)"
 
     def __init__(self, readout: Optional[str] = None, ignore_local_branch: bool = False,
-                 batch_argument: str = "batch") -> None:
-        super().__init__(readout, batch_argument)
+                 batch_argument: str = "batch", ignore_message_passing: bool = False) -> None:
+        super().__init__(readout, batch_argument, ignore_message_passing)
         self.ignore_local_branch = bool(ignore_local_branch)
+
+    def unseen_message_passing(self, model: nn.Module) -> List[str]:
+        """As for sparse attention models, GPS local branches aside (``ignore_local_branch``)."""
+        local = {id(sub) for module in model.modules() if _is_gps(module) and module.conv is not None
+                 for sub in module.conv.modules()}
+        named = dict(model.named_modules())
+        return [name for name in super().unseen_message_passing(model) if id(named[name]) not in local]
 
     def blocks(self, model: nn.Module) -> List[Block]:
         """Each GPS layer's global attention, and sparse attention layers outside GPS local branches."""
@@ -76,6 +86,13 @@ class PyGGPSAdapter(PyGAttentionAdapter):
             elif layer_key(module) is not None and id(module) not in local:
                 found.append(Block(name, module))
         return found
+
+    def check_graphs(self, graphs: GraphBatch) -> None:
+        """A batch vector out of order is refused before the forward: ``to_dense_batch`` places
+        nodes by counting, so its dense rows would not be the nodes the layout names."""
+        if graphs.num_nodes and bool((graphs.graph[1:] < graphs.graph[:-1]).any()):
+            raise InputError("GPSConv's to_dense_batch needs the batch vector sorted by graph (as PyG's Batch "
+                             "builds it); sort the nodes by graph first.")
 
     def _local_branches(self, model: nn.Module) -> List[str]:
         return [name or "the top level" for name, module in model.named_modules()

@@ -4,17 +4,21 @@
 so PyG's thresholds, fidelity metrics and ``visualize_graph`` work with any method, on a whole
 batch of graphs in one call (``batch=`` passed to the explainer as to the model).
 
-Masks (graph-level tasks; per-graph targets are the explainer's):
+Masks (per-graph or per-node targets are the explainer's):
+
+Node-level tasks (``task_level="node"``): ``index`` names the explained node, one per graph
+of the batch (one node for one graph), explained for its target class.
 
 * ``node_mask_type="attributes"``: the method's attribution shaped like ``x`` (N, F), the
   Captum path's ``attribute(x, additional_forward_args=(edge_index,), forward_kwargs=...)``
   exactly; ``"object"``: one score per node (N, 1): its node score (attention methods) or the
   sum of its features' relevance (LRP methods).
-* ``edge_mask_type="object"``: for the LRP methods (ConservativeLRP's variants, AttnLRP) the
-  edge relevance of their rule set summed over layers (:mod:`.edges`: the relevance of the
-  message along each edge, conserved layer by layer); for the attention methods, which score
-  nodes and not edges, the mean of the two endpoints' node scores: a view of the node map on
-  the edges, not an edge attribution.
+* ``edge_mask_type="object"``: for the LRP methods (ConservativeLRP's variants, AttnLRP) on
+  models with sparse attention layers, the edge relevance of their rule set summed over layers
+  (:mod:`.edges`: the relevance of the message along each edge, conserved layer by layer);
+  otherwise (the attention methods, which score nodes and not edges; GPS models, whose global
+  attention sends no per-edge messages) the mean of the two endpoints' node scores: a view of
+  the node map on the edges, not an edge attribution.
 
 Example::
 
@@ -35,6 +39,7 @@ from torch_geometric.explain.algorithm import ExplainerAlgorithm
 from torch_geometric.explain.config import ExplanationType, MaskType, ModelMode, ModelTaskLevel
 
 from ..adapters.graph_nodes import GraphBatch
+from ..adapters.pyg_attention import layer_key
 from ..errors import InputError
 from ..methods.catalog import CAPTUM_BASELINES, METHOD_FACTORIES, resolve_method_names
 from ..methods.lrp import RuleGradientXInput
@@ -68,35 +73,44 @@ class TransformerExplainer(ExplainerAlgorithm):
             problems.append(f"node_mask_type={config.node_mask_type.value} (use 'attributes' or 'object')")
         if config.edge_mask_type not in (None, MaskType.object):
             problems.append(f"edge_mask_type={config.edge_mask_type.value} (use 'object')")
-        if model.task_level != ModelTaskLevel.graph:
-            problems.append(f"task_level={model.task_level.value} (graph-level tasks only)")
+        if model.task_level not in (ModelTaskLevel.graph, ModelTaskLevel.node):
+            problems.append(f"task_level={model.task_level.value} (graph- or node-level tasks)")
         if model.mode != ModelMode.multiclass_classification:
             problems.append(f"mode={model.mode.value} (multiclass_classification: one score column per class)")
         if problems:
-            raise InputError(f"TransformerExplainer({self.method_name!r}) does not support " + "; ".join(problems) + ".")
+            raise InputError(f"TransformerExplainer({self.method_name!r}) does not support "
+                             + "; ".join(problems) + ".")
         return config.explanation_type in (ExplanationType.model, ExplanationType.phenomenon)
 
     def forward(self, model: torch.nn.Module, x: torch.Tensor, edge_index: torch.Tensor, *, target: torch.Tensor,
                 index: Optional[Union[int, torch.Tensor]] = None, **kwargs: Any) -> Explanation:
-        if index is not None:
-            raise InputError("TransformerExplainer explains graph-level outputs; index= (a node-level task) is not "
-                             "supported.")
+        if self.model_config.task_level == ModelTaskLevel.node:
+            target = _node_pairs(index, target, kwargs.get("batch"), x.shape[0])
+        elif index is not None:
+            raise InputError("index= names the explained node of a node-level task; this explainer was configured "
+                             "with task_level='graph'.")
         if isinstance(x, dict):
             raise InputError("TransformerExplainer explains homogeneous graphs (x a tensor), not heterogeneous ones.")
         method = self.factory(model, **self.options)
         config = self.explainer_config
-        if isinstance(method, RuleGradientXInput):
+        edge_mask = None
+        if isinstance(method, RuleGradientXInput) and any(layer_key(m) for m in model.modules()):
             relevance = edge_relevance(model, x, edge_index, target=target, rules=method.rules,
                                        adapter=method.adapter, **kwargs)
             attributes, edge_mask = relevance.nodes, relevance.edge_mask
             node_scores = attributes.reshape(attributes.shape[0], -1).sum(-1)
-        else:
+        elif isinstance(method, RuleGradientXInput):  # no sparse attention layer (GPS): no messages to read
             attributes = method.attribute(x, target=target, additional_forward_args=(edge_index,),
                                           forward_kwargs=kwargs)
+            node_scores = attributes.reshape(attributes.shape[0], -1).sum(-1)
+        else:
             graphs = GraphBatch.of(kwargs.get("batch"), x.shape[0])
             tokens = method.attribute(x, target=target, additional_forward_args=(edge_index,), forward_kwargs=kwargs,
                                       return_tokens=True)
             node_scores = tokens[graphs.graph, graphs.position]
+            # The Captum path's input-shaped map: each node's score over its features.
+            attributes = node_scores[:, None].expand(x.shape).contiguous()
+        if edge_mask is None:
             edge_mask = (node_scores[edge_index[0]] + node_scores[edge_index[1]]) / 2
         node_mask = None
         if config.node_mask_type == MaskType.attributes:
@@ -105,3 +119,18 @@ class TransformerExplainer(ExplainerAlgorithm):
             node_mask = node_scores.detach()[:, None]
         return Explanation(node_mask=node_mask,
                            edge_mask=edge_mask.detach() if config.edge_mask_type == MaskType.object else None)
+
+
+def _node_pairs(index, target: torch.Tensor, batch, num_nodes: int) -> list:
+    """(node, class) target pairs from PyG's ``index`` (one explained node per graph) and its
+    per-node ``target``."""
+    if index is None:
+        raise InputError("A node-level explanation needs index= (the explained node, one per graph of the batch).")
+    nodes = [int(index)] if isinstance(index, int) or (isinstance(index, torch.Tensor) and index.dim() == 0) \
+        else [int(i) for i in index]
+    graphs = GraphBatch.of(batch, num_nodes)
+    order = sorted(nodes, key=lambda node: int(graphs.graph[node]))
+    if [int(graphs.graph[node]) for node in order] != list(range(graphs.num_graphs)):
+        raise InputError(f"index={nodes} must name exactly one node of each of the {graphs.num_graphs} graphs: "
+                         "nodes of one graph share a backward pass; explain them in separate calls.")
+    return [(node, int(target[node])) for node in order]

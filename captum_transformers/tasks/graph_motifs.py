@@ -4,9 +4,9 @@ Each graph is a 20-node Barabasi-Albert tree (``BAGraph(num_nodes=20, num_edges=
 one motif of 5 nodes joined to a random node by one edge, as in PyG's ``ExplainerDataset``
 (which generates it: ``BA2MotifDataset`` itself downloads); class 0 holds a house
 (``HouseMotif``), class 1 a 5-cycle (``CycleMotif(5)``). The ground truth is the motif's
-nodes and edges. Node features are the one-hot degree, capped at ``MAX_DEGREE`` (the
-original uses constant features; an attention layer over constant features computes the same
-value at every node, so it could not see the motif at all).
+nodes and edges. Node features are the one-hot degree, capped at ``MAX_DEGREE``: with the
+same features at every node, an attention layer computes the same value at every node (a
+weighted mean of equal values) and could not see the motif at all.
 
 The two-motif variant (``two_motifs=True``) attaches a house *and* a 5-cycle to every base
 graph, for class specificity: a map explaining "house" should put its positive relevance on

@@ -75,7 +75,7 @@ def _train(epochs: int, seed: int, train_graphs: int, log: Callable[[str], None]
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            total += float(loss) * len(chosen)
+            total += loss.item() * len(chosen)
         losses.append(total / train_graphs)
         log(f"epoch {epoch + 1}/{epochs}: loss {losses[-1]:.4f}")
     seconds = time.perf_counter() - start
