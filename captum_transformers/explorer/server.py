@@ -1,0 +1,92 @@
+"""Running the explorer: bind (127.0.0.1 unless told otherwise), print the URL with the
+session token, serve with uvicorn, blocking or in a background thread.
+
+Example::
+
+    >>> server = start(workspace, port=0, blocking=False)   # port 0: any free port
+    >>> print(server.url)                                   # http://127.0.0.1:PORT/?token=...
+    >>> server.stop()
+"""
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from ..errors import InputError
+from .app import create_app
+from .security import LOCAL_HOSTS, new_token
+
+LOOPBACK = "127.0.0.1"
+
+
+def _requirements() -> None:
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise InputError("the explorer needs Starlette and uvicorn: pip install 'captum_transformers[explorer]'.") \
+            from None
+
+
+@dataclass
+class RunningExplorer:
+    """A started explorer: its URL (with the token), the uvicorn server and its thread."""
+
+    url: str
+    token: str
+    host: str
+    port: int
+    server: Any
+    thread: Optional[threading.Thread]
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+
+def start(workspace, host: str = LOOPBACK, port: int = 8765, blocking: bool = True,
+          benchmark: Optional[Dict[str, Any]] = None, token: Optional[str] = None, quiet: bool = False,
+          allow_remote: bool = False) -> RunningExplorer:
+    """Serve ``workspace``. Another host than loopback needs ``allow_remote=True`` and warns:
+    the token is then the only thing between the network and the model."""
+    _requirements()
+    import uvicorn
+
+    if host not in (LOOPBACK, "localhost", "::1") and not allow_remote:
+        raise InputError(f"--host {host!r} would expose the explorer beyond this machine; add --allow-remote to do "
+                         "it on purpose (anyone who has the printed URL can then run the model).")
+    if host not in (LOOPBACK, "localhost", "::1"):
+        print(f"WARNING: the explorer listens on {host}, reachable from other machines; anyone with the URL "
+              "(its token) can run the model.", file=sys.stderr)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise InputError(f"cannot listen on {host}:{port} ({error.strerror}); choose another --port.") from None
+    port = sock.getsockname()[1]
+    token = token or new_token()
+    allowed = set(LOCAL_HOSTS) | {host.lower(), f"[{host.lower()}]"}
+    app = create_app(workspace, token, allowed_hosts=allowed, benchmark=benchmark)
+    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}/?token={token}"
+    if not quiet:
+        print(f"captum-transformers explorer on {workspace.name}: open {url}")
+    if blocking:
+        server.run(sockets=[sock])
+        return RunningExplorer(url, token, host, port, server, None)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
+                              name="captum-explorer-server")
+    thread.start()
+    deadline = time.time() + 10
+    while not server.started and thread.is_alive() and time.time() < deadline:
+        time.sleep(0.01)
+    return RunningExplorer(url, token, host, port, server, thread)
