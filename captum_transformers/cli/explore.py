@@ -27,9 +27,10 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from ..explorer.app import benchmark_curves
-    from ..explorer.server import start
+    from ..explorer.server import check_host, start
     from ..explorer.sources import loaded_workspace
 
+    check_host(args.host, args.allow_remote)  # before any model is loaded
     benchmark = benchmark_curves(args.results) if args.results else None
     workspace = loaded_workspace(args.model, args.arch, args.random_init, args.image, args.text, args.samples)
     start(workspace, host=args.host, port=args.port, blocking=True, benchmark=benchmark,

@@ -21,6 +21,14 @@ from .app import create_app
 from .security import LOCAL_HOSTS, new_token
 
 LOOPBACK = "127.0.0.1"
+LOOPBACK_NAMES = (LOOPBACK, "localhost", "::1")
+
+
+def check_host(host: str, allow_remote: bool) -> None:
+    """Refuse a listening address other than loopback unless ``allow_remote`` says so."""
+    if host not in LOOPBACK_NAMES and not allow_remote:
+        raise InputError(f"--host {host!r} would expose the explorer beyond this machine; add --allow-remote to do "
+                         "it on purpose (anyone who has the printed URL can then run the model).")
 
 
 def _requirements() -> None:
@@ -57,10 +65,8 @@ def start(workspace, host: str = LOOPBACK, port: int = 8765, blocking: bool = Tr
     _requirements()
     import uvicorn
 
-    if host not in (LOOPBACK, "localhost", "::1") and not allow_remote:
-        raise InputError(f"--host {host!r} would expose the explorer beyond this machine; add --allow-remote to do "
-                         "it on purpose (anyone who has the printed URL can then run the model).")
-    if host not in (LOOPBACK, "localhost", "::1"):
+    check_host(host, allow_remote)
+    if host not in LOOPBACK_NAMES:
         print(f"WARNING: the explorer listens on {host}, reachable from other machines; anyone with the URL "
               "(its token) can run the model.", file=sys.stderr)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)

@@ -1,0 +1,200 @@
+"""The explorer's API through Starlette's TestClient: safety rules, caching, one attribute
+call per batch, batch == single, curves against the model, exports as text."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("starlette")
+pytest.importorskip("httpx")
+from starlette.testclient import TestClient  # noqa: E402
+
+from captum_transformers.evaluation.results import CurveResult, write_json  # noqa: E402
+from captum_transformers.explorer.app import benchmark_curves, create_app  # noqa: E402
+from captum_transformers.explorer.security import CONTENT_SECURITY_POLICY  # noqa: E402
+from explorer_workspaces import PAYLOAD, CountingBuilder, image_workspace, text_workspace  # noqa: E402
+
+TOKEN = "test-token-0123456789abcdef"
+HEADERS = {"X-Explorer-Token": TOKEN}
+
+
+def client_for(workspace, **kwargs) -> TestClient:
+    # TestClient sends Host: testserver; the allowlist is told so, like a bound host would be
+    return TestClient(create_app(workspace, TOKEN, allowed_hosts=("testserver",), **kwargs))
+
+
+def explain(client, methods, targets):
+    response = client.post("/api/explain", headers=HEADERS, json={"methods": methods, "targets": targets})
+    assert response.status_code == 200, response.text
+    state = response.json()
+    jobs = client.app.app.state.jobs  # the Starlette app behind the security middleware
+    if state["state"] == "running":
+        state = jobs.wait(state["id"])
+    assert state["state"] == "done", state
+    return state
+
+
+@pytest.fixture(scope="module")
+def counted():
+    builder = CountingBuilder()
+    workspace = image_workspace(builder)
+    return client_for(workspace), builder, workspace
+
+
+def test_api_needs_the_token(counted):
+    client, _, _ = counted
+    assert client.get("/api/session").status_code == 403
+    assert client.get("/api/session", headers={"X-Explorer-Token": TOKEN[:-1] + "x"}).status_code == 403
+    refused = client.post("/api/explain", json={"methods": [{"name": "rollout"}], "targets": {"0": 0}})
+    assert refused.status_code == 403 and "token" in refused.json()["error"]
+    assert client.get("/api/session", headers=HEADERS).status_code == 200
+    assert client.get("/").status_code == 200  # the page itself carries no data
+
+
+def test_foreign_host_is_refused(counted):
+    client, _, _ = counted
+    for path in ("/", "/api/session", "/static/explorer.js"):
+        response = client.get(path, headers={**HEADERS, "Host": "evil.example:8765"})
+        assert response.status_code == 400, path
+        assert "Host" in response.json()["error"]
+
+
+def test_security_headers_on_every_answer(counted):
+    client, _, _ = counted
+    for response in (client.get("/"), client.get("/static/explorer.js"), client.get("/api/session", headers=HEADERS),
+                     client.get("/api/session"), client.get("/api/jobs/none", headers=HEADERS)):
+        assert response.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
+        assert CONTENT_SECURITY_POLICY.startswith("default-src 'self'")
+        assert response.headers["x-content-type-options"] == "nosniff"
+
+
+def test_page_has_no_inline_script_or_style():
+    from captum_transformers.explorer.app import static_dir
+
+    page = static_dir().joinpath("index.html").read_text()
+    assert "<script>" not in page and "<style" not in page and "style=" not in page
+    assert not re.search(r"\son[a-z]+\s*=", page, re.IGNORECASE)  # no inline event handlers
+    script = static_dir().joinpath("explorer.js").read_text()
+    assert "innerHTML" not in script and "insertAdjacentHTML" not in script and "eval(" not in script
+
+
+def test_oversize_and_non_json_bodies_are_refused(counted):
+    client, builder, _ = counted
+    before = len(builder.calls)
+    big = json.dumps({"methods": [{"name": "rollout"}], "targets": {"0": 0}, "pad": "x" * 70_000})
+    response = client.post("/api/explain", headers={**HEADERS, "Content-Type": "application/json"}, content=big)
+    assert response.status_code == 413
+    form = client.post("/api/explain", headers=HEADERS, data={"methods": "rollout"})
+    assert form.status_code == 415
+    assert len(builder.calls) == before
+
+
+def test_one_attribute_call_per_batch_and_cache_hits(counted):
+    client, builder, workspace = counted
+    before = len(builder.calls)
+    targets = {"0": 1, "1": 2, "2": 0, "3": 4}
+    first = explain(client, [{"name": "generic-attention", "arguments": {"start_layer": 1}}], targets)
+    assert builder.calls[before:] == [("generic-attention", {"start_layer": 1}, 4)]
+    again = client.post("/api/explain", headers=HEADERS, json={
+        "methods": [{"name": "generic-attention", "arguments": {"start_layer": 1}}], "targets": targets}).json()
+    assert again["state"] == "done"  # answered from the cache in the same request
+    assert len(builder.calls) == before + 1
+    assert again["results"][0]["maps"] == first["results"][0]["maps"]
+    # one more target for example 0: only that example is computed, in one call
+    explain(client, [{"name": "generic-attention", "arguments": {"start_layer": 1}}], {"0": 3, "1": 2})
+    assert builder.calls[before + 1:] == [("generic-attention", {"start_layer": 1}, 1)]
+    # another argument value is another cache entry
+    explain(client, [{"name": "generic-attention", "arguments": {"start_layer": 0}}], {"0": 3})
+    assert len(builder.calls) == before + 3
+
+
+def test_batch_equals_single():
+    workspace = image_workspace()
+    targets = {0: 1, 1: 2, 2: 0, 3: 4}
+    batched = workspace.explain("rollout", {"head_fusion": "max"}, targets)
+    for index, target in targets.items():
+        single = image_workspace().explain("rollout", {"head_fusion": "max"}, {index: target})[index]
+        assert torch.allclose(torch.tensor(single["values"]), torch.tensor(batched[index]["values"]), atol=1e-5)
+
+
+def test_targets_and_arguments_are_checked(counted):
+    client, _, _ = counted
+    cases = [
+        ({"methods": [{"name": "rollout", "arguments": {"head_fusion": "median"}}], "targets": {"0": 0}}, "median"),
+        ({"methods": [{"name": "rollout", "arguments": {"colour": 1}}], "targets": {"0": 0}}, "colour"),
+        ({"methods": [{"name": "no-such-method"}], "targets": {"0": 0}}, "no-such-method"),
+        ({"methods": [{"name": "rollout"}], "targets": {"0": 7}}, "target 7"),
+        ({"methods": [{"name": "rollout"}], "targets": {"9": 0}}, "example 9"),
+        ({"methods": [{"name": "rollout", "arguments": {"start_layer": 0.5}}], "targets": {"0": 0}}, "whole"),
+    ]
+    for body, expected in cases:
+        response = client.post("/api/explain", headers=HEADERS, json=body)
+        assert response.status_code == 400 and expected in response.json()["error"], (body, response.text)
+
+
+def test_method_error_is_reported_not_drawn(counted):
+    client, _, _ = counted
+    response = client.post("/api/explain", headers=HEADERS, json={
+        "methods": [{"name": "rollout", "arguments": {"start_layer": 40}}], "targets": {"0": 0}})
+    state = client.app.app.state.jobs.wait(response.json()["id"])
+    assert state["state"] == "error" and "start_layer" in state["error"] and not state["results"]
+
+
+def test_curve_ends_agree_with_the_model(counted):
+    client, _, workspace = counted
+    response = client.post("/api/curve", headers=HEADERS, json={"method": "rollout", "arguments": {}, "example": 2,
+                                                                   "target": 3})
+    assert response.status_code == 200, response.text
+    curve = response.json()
+    clean = workspace.probabilities[2, 3].item()
+    assert curve["x"][0] == 0.0 and curve["x"][-1] == 1.0
+    assert curve["deletion"]["y"][0] == pytest.approx(clean, abs=1e-5)  # nothing removed yet
+    assert curve["insertion"]["y"][-1] == pytest.approx(clean, abs=1e-5)  # everything inserted
+    with torch.no_grad():
+        blank = workspace.model(torch.zeros_like(workspace.inputs[0][2:3])).softmax(-1)[0, 3].item()
+    assert curve["deletion"]["y"][-1] == pytest.approx(blank, abs=1e-5)
+    assert curve["insertion"]["y"][0] == pytest.approx(blank, abs=1e-5)
+
+
+def test_session_gallery_and_text_payloads():
+    client = client_for(text_workspace())
+    session = client.get("/api/session", headers=HEADERS).json()
+    assert session["modality"] == "text" and session["classes"][1] == PAYLOAD
+    assert session["examples"][0]["tokens"][2] == PAYLOAD  # user data travels as data, unchanged
+    assert {e["correct"] for e in session["examples"]} <= {True, False}
+    names = [m["name"] for m in session["methods"]]
+    assert "rollout" in names and "integrated-gradients" in names
+    state = explain(client, [{"name": "rollout"}], {"0": 0, "1": 2})
+    assert state["results"][0]["maps"]["0"]["values"][0] == 0.0  # [CLS] is special: shown, scored 0
+    assert client.post("/api/curve", headers=HEADERS, json={"method": "rollout", "example": 0,
+                                                             "target": 0}).status_code == 400
+
+
+def test_html_export_escapes_user_strings():
+    client = client_for(text_workspace())
+    response = client.post("/api/export", headers=HEADERS, json={"methods": [{"name": "rollout"}],
+                                                                 "targets": {"0": 1, "1": 0}})
+    assert response.status_code == 200, response.text
+    document = response.json()["html"]
+    assert PAYLOAD not in document and "<b>bold</b>" not in document
+    assert "&lt;img src=x onerror=" in document and "&lt;b&gt;bold&lt;/b&gt;" in document
+    image = client_for(image_workspace()).post("/api/export", headers=HEADERS, json={
+        "methods": [{"name": "rollout"}], "targets": {"0": 1}}).json()["html"]
+    assert image.count("data:image/png;base64,") == 2 and "<script" not in image
+
+
+def test_benchmark_curves_from_results_json(tmp_path):
+    path = tmp_path / "results.json"
+    write_json([("rollout", CurveResult("perturbation_positive", (0.0, 0.5), (1.0, 0.2), 30.0, 8)),
+                ("rollout", CurveResult("auac", (0.0, 1.0), (0.2, 0.8), 0.5, 3))], path)
+    curves = benchmark_curves(path)
+    assert set(curves["metrics"]) == {"perturbation_positive", "auac"}
+    assert curves["metrics"]["auac"]["rollout"]["y"] == [0.2, 0.8]
+    client = client_for(image_workspace(), benchmark=curves)
+    assert client.get("/api/benchmark", headers=HEADERS).json()["metrics"]["auac"]["rollout"]["auc"] == 0.5
+    write_json([], tmp_path / "empty.json")
+    with pytest.raises(Exception, match="no curve results"):
+        benchmark_curves(tmp_path / "empty.json")

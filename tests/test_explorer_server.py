@@ -1,0 +1,84 @@
+"""The explorer's form fields come from the method catalog; the server binds loopback, warns
+and needs a flag for anything else; the CLI's explore subcommand refuses before loading."""
+from __future__ import annotations
+
+import inspect
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from captum_transformers.cli import main
+from captum_transformers.errors import InputError
+from captum_transformers.explorer.method_arguments import checked_arguments, method_fields, rule_presets
+from captum_transformers.methods.catalog import METHOD_FACTORIES, METHOD_NAMES
+
+
+def test_every_constructor_argument_is_a_field_or_listed_fixed():
+    from captum_transformers.explorer.method_arguments import method_catalog
+
+    for entry in method_catalog():
+        parameters = set(inspect.signature(METHOD_FACTORIES[entry["name"]]).parameters) - {"model", "adapter"}
+        offered = {field["name"] for field in entry["fields"]} | set(entry["fixed"])
+        assert offered == parameters, entry["name"]
+    assert [f["name"] for f in method_fields("rollout")] == ["head_fusion", "discard_ratio", "start_layer"]
+    rules = {f["name"]: f for f in method_fields("transformer-relevance")}["rules"]
+    assert rules["default"] == "CHEFER" and set(rules["choices"]) == set(rule_presets())
+    variant = {f["name"]: f for f in method_fields("conservative-lrp-ah")}["variant"]
+    assert variant["default"] == "AH" and variant["choices"] == ["AH+LN", "AH", "GI"]
+
+
+def test_checked_arguments_are_canonical_and_build_the_method():
+    from tiny_models import timm_vit_case
+    from captum_transformers.explorer.method_arguments import constructor_arguments
+
+    assert checked_arguments("rollout", {}) == {"head_fusion": "mean", "discard_ratio": 0.0, "start_layer": 0}
+    assert checked_arguments("rollout", {"discard_ratio": 1}) == checked_arguments("rollout", {"discard_ratio": 1.0})
+    model, _, _ = timm_vit_case()
+    built = METHOD_FACTORIES["transformer-relevance"](
+        model, **constructor_arguments("transformer-relevance", checked_arguments("transformer-relevance",
+                                                                                  {"rules": "LRP"})))
+    assert built.rules == rule_presets()["LRP"]
+    for bad in ({"discard_ratio": "0.5"}, {"discard_ratio": float("nan")}, {"head_fusion": True}):
+        with pytest.raises(InputError):
+            checked_arguments("rollout", bad)
+    assert set(METHOD_NAMES) == {entry for entry in METHOD_FACTORIES}
+
+
+def test_server_binds_loopback_and_serves(capsys):
+    pytest.importorskip("uvicorn")
+    from captum_transformers.explorer.server import start
+    from explorer_workspaces import image_workspace
+
+    running = start(image_workspace(), port=0, blocking=False)
+    try:
+        assert running.url.startswith(f"http://127.0.0.1:{running.port}/?token=")
+        assert running.token in capsys.readouterr().out
+        request = urllib.request.Request(f"http://127.0.0.1:{running.port}/api/session",
+                                         headers={"X-Explorer-Token": running.token})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert json.loads(response.read())["model"] == "tiny timm ViT"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{running.port}/api/session", timeout=10)
+        assert refused.value.code == 403
+    finally:
+        running.stop()
+
+
+def test_other_hosts_need_a_flag_and_warn(capsys):
+    pytest.importorskip("uvicorn")
+    from captum_transformers.explorer.server import start
+    from explorer_workspaces import image_workspace
+
+    with pytest.raises(InputError, match="--allow-remote"):
+        start(image_workspace(), host="127.0.0.2", port=0, blocking=False)
+    running = start(image_workspace(), host="127.0.0.2", port=0, blocking=False, allow_remote=True)
+    running.stop()
+    assert "WARNING" in capsys.readouterr().err
+
+
+def test_cli_explore_refuses_remote_host_before_loading(capsys):
+    assert main(["explore", "--host", "0.0.0.0", "--model", "/no/such/model"]) == 2
+    error = capsys.readouterr().err
+    assert "--allow-remote" in error and "no such file" not in error
