@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 from ..errors import InputError
 from .app import create_app
@@ -59,8 +59,8 @@ class RunningExplorer:
 
 def start(workspace, host: str = LOOPBACK, port: int = 8765, blocking: bool = True,
           benchmark: Optional[Dict[str, Any]] = None, token: Optional[str] = None, quiet: bool = False,
-          allow_remote: bool = False) -> RunningExplorer:
-    """Serve ``workspace``. Another host than loopback needs ``allow_remote=True`` and warns:
+          allow_remote: bool = False, methods: Optional[Sequence[str]] = None) -> RunningExplorer:
+    """Serve ``workspace`` with ``methods`` (default: those that can explain its model). Another host than loopback needs ``allow_remote=True`` and warns:
     the token is then the only thing between the network and the model."""
     _requirements()
     import uvicorn
@@ -79,7 +79,11 @@ def start(workspace, host: str = LOOPBACK, port: int = 8765, blocking: bool = Tr
     port = sock.getsockname()[1]
     token = token or new_token()
     allowed = set(LOCAL_HOSTS) | {host.lower(), f"[{host.lower()}]"}
-    app = create_app(workspace, token, allowed_hosts=allowed, benchmark=benchmark)
+    if methods is None:
+        from .workspace import available_methods
+
+        methods = available_methods(workspace.model)
+    app = create_app(workspace, token, allowed_hosts=allowed, benchmark=benchmark, methods=methods)
     config = uvicorn.Config(app, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     shown = f"[{host}]" if ":" in host else host

@@ -39,6 +39,20 @@ def _catalog_builder(name: str, model: nn.Module, arguments: Mapping[str, Any]):
     return METHOD_FACTORIES[name](model, **arguments)
 
 
+def available_methods(model: nn.Module) -> List[str]:
+    """The catalog names that can explain ``model``: every method when an adapter knows it,
+    else Captum's baselines only (a model with no attention, e.g. a CNN)."""
+    from ..adapters.registry import get_adapter
+    from ..errors import CaptumTransformersError
+    from ..methods.catalog import CAPTUM_BASELINES, METHOD_NAMES
+
+    try:
+        get_adapter(model)
+    except CaptumTransformersError:
+        return [name for name in METHOD_NAMES if name in CAPTUM_BASELINES]
+    return list(METHOD_NAMES)
+
+
 @dataclass(frozen=True)
 class Prediction:
     """The model's view of one example: predicted class, its probability, margin, label."""
