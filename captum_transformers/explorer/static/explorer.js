@@ -185,10 +185,10 @@ function filteredExamples() {
   return list;
 }
 
-function exampleCaption(e) {
+function exampleCaption(e, short) {
   const parts = [`#${e.index} pred ${className(e.predicted)} (${e.probability.toFixed(2)})`];
   if (e.label !== null) parts.push(`true ${className(e.label)}`);
-  parts.push(`margin ${e.margin.toFixed(2)}`);
+  parts.push(`${short ? "m" : "margin"} ${e.margin.toFixed(2)}`);
   return parts.join(", ");
 }
 
@@ -200,7 +200,8 @@ function renderGallery() {
   for (const e of list) {
     const visual = state.session.modality === "image" ? imageCanvas(e) : tokenStrip(e.tokens, null);
     const thumb = el("div", { class: "thumb", "data-example": String(e.index) }, visual,
-      el("div", { class: "caption", text: exampleCaption(e) }));
+      el("div", { class: "caption", text: exampleCaption(e, true) }));
+    thumb.title = exampleCaption(e);
     if (state.selected.includes(e.index)) thumb.classList.add("selected");
     if (e.correct === false) thumb.classList.add("wrong");
     thumb.addEventListener("click", () => {
@@ -325,6 +326,8 @@ function lineChart(title, series, xLabel, yLabel) {
   };
   label(title, left, 12);
   label(xLabel, left + (width - left - right) / 2, height - 4, "middle");
+  label(String(x0), left, height - bottom + 12, "middle");
+  label(String(x1), width - right, height - bottom + 12, "middle");
   label(y1.toFixed(2), left - 4, top + 8, "end");
   label(y0.toFixed(2), left - 4, height - bottom, "end");
   label(yLabel, 2, top - 4);
@@ -451,11 +454,13 @@ async function start() {
   for (const id of ["filter-correct", "sort"]) document.getElementById(id).addEventListener("change", renderGallery);
   state.selected = state.session.examples.slice(0, 6).map((e) => e.index);
   renderGallery();
+  document.body.dataset.galleryMs = performance.now().toFixed(1);  // read by benchmarks/explorer_first_view.py
   document.getElementById("export-png").addEventListener("click", exportPng);
   document.getElementById("export-json").addEventListener("click", exportJson);
   document.getElementById("export-html").addEventListener("click", exportHtml);
   await refresh();
   showBenchmark().catch((error) => showError(error.message));
+  document.body.dataset.readyMs = performance.now().toFixed(1);
   document.body.dataset.ready = "yes";
 }
 
