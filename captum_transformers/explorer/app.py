@@ -69,8 +69,8 @@ def session_payload(workspace, benchmark: Optional[Dict[str, Any]] = None,
     examples = []
     for prediction in workspace.predictions():
         entry = {"index": prediction.index, "predicted": prediction.predicted,
-                 "probability": prediction.probability, "margin": prediction.margin, "label": prediction.label,
-                 "correct": None if prediction.label is None else prediction.label == prediction.predicted}
+                 "probability": prediction.probability, "margin": prediction.margin,
+                 "labels": list(prediction.labels), "correct": prediction.correct}
         entry.update(display_payload(workspace, prediction.index))
         examples.append(entry)
     return {"model": workspace.name, "modality": workspace.modality, "classes": workspace.class_names,

@@ -81,7 +81,7 @@ def explorer_html(workspace, maps: Mapping[str, Mapping[int, Dict[str, Any]]], t
     head = ["<th>method</th>"]
     for index in examples:
         p = predictions[index]
-        label = "" if p.label is None else f", true {names[p.label]}"
+        label = f", true {'+'.join(names[v] for v in p.labels)}" if p.labels else ""
         caption = f"#{index}: pred {names[p.predicted]} ({p.probability:.2f}){label}; explains {names[targets[index]]}"
         head.append(f"<th>{html.escape(caption)}</th>")
     rows = []

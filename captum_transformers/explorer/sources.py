@@ -1,5 +1,5 @@
-"""Workspaces from what the command line names: the built-in model by default, any model
-``cli.model_loading`` loads with ``--image`` / ``--text`` inputs.
+"""Workspaces from what the command line names: the built-in model by default, a benchmark
+task (``--task``), or any model ``cli.model_loading`` loads with ``--image`` / ``--text`` inputs.
 
 Example::
 
@@ -13,24 +13,62 @@ from ..errors import InputError
 from .workspace import Workspace
 
 
-def builtin_workspace(samples: int = 48, seed: int = 0) -> Workspace:
-    """The built-in DigitCanvas ViT on ``samples`` test canvases (one digit each)."""
+def builtin_workspace(samples: int = 48, seed: int = 0, variant: str = "one") -> Workspace:
+    """The built-in DigitCanvas ViT on ``samples`` test canvases (``variant`` "one" digit each,
+    or "two": both digits are true labels)."""
     if samples < 1:
         raise InputError(f"--samples {samples}: expected at least 1.")
     from ..cli.model_loading import load_model
     from ..tasks.digit_canvas import digit_canvases, normalize
 
     loaded = load_model(None)
-    canvases = digit_canvases(split="test", variant="one", n=samples, seed=seed)
+    canvases = digit_canvases(split="test", variant=variant, n=samples, seed=seed)
+    name = loaded.name if variant == "one" else f"{loaded.name}, two-digit canvases"
     return Workspace(loaded.model, (normalize(canvases.images),), list(canvases.images), "image",
-                     labels=canvases.labels, class_names=loaded.class_names, name=loaded.name)
+                     labels=canvases.labels, class_names=loaded.class_names, name=name)
+
+
+def movie_workspace(samples: int = 48, cache_dir: Optional[str] = None) -> Workspace:
+    """The fine-tuned MiniLM on ``samples`` movie-snippet test sentences (from the cache of
+    ``captum-transformers benchmark --task movies``; a missing model is an error naming the
+    training command, never a silent training run)."""
+    from ..tasks.movie_model import load_movie_model
+    from ..tasks.movie_snippets import encode, load_movie_snippets
+
+    data = load_movie_snippets(split="test", limit=samples, cache_dir=cache_dir)
+    model, tokenizer = load_movie_model(cache_dir, train_if_missing=False)
+    encoded = encode(data, tokenizer)
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    tokens = [tokenizer.convert_ids_to_tokens(row[keep.bool()]) for row, keep in zip(ids, mask)]
+    return Workspace(model, (ids,), tokens, "text", labels=data.labels, class_names=["negative", "positive"],
+                     forward_kwargs={"attention_mask": mask}, name="fine-tuned MiniLM, movie snippets",
+                     special_tokens=frozenset(tokenizer.all_special_tokens))
+
+
+def task_workspace(task: str, samples: int = 48, cache_dir: Optional[str] = None) -> Workspace:
+    """The workspace of a benchmark task name (``tasks.runner.TASKS``)."""
+    if task == "digits":
+        return builtin_workspace(samples)
+    if task == "digits-two":
+        return builtin_workspace(samples, variant="two")
+    if task == "movies":
+        return movie_workspace(samples, cache_dir)
+    from ..tasks.runner import TASKS
+
+    raise InputError(f"--task {task!r}: expected one of {', '.join(TASKS)}.")
 
 
 def loaded_workspace(model: Optional[str], arch: Optional[str] = None, random_init: bool = False,
-                     images: Sequence[str] = (), texts: Sequence[str] = (), samples: int = 48) -> Workspace:
+                     images: Sequence[str] = (), texts: Sequence[str] = (), samples: int = 48,
+                     task: Optional[str] = None, cache_dir: Optional[str] = None) -> Workspace:
     """The workspace ``captum-transformers explore`` opens for these arguments."""
     if images and texts:
         raise InputError("give either --image or --text, not both.")
+    if task is not None:
+        if model is not None or images or texts:
+            raise InputError(f"--task {task} brings its own model and inputs; give either --task or --model with "
+                             "--image/--text.")
+        return task_workspace(task, samples, cache_dir)
     if model is None and not images and not texts:
         return builtin_workspace(samples)
     from ..cli.model_loading import load_model, read_image

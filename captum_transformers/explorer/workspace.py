@@ -55,13 +55,19 @@ def available_methods(model: nn.Module) -> List[str]:
 
 @dataclass(frozen=True)
 class Prediction:
-    """The model's view of one example: predicted class, its probability, margin, label."""
+    """The model's view of one example: predicted class, its probability, margin, true labels
+    (one, or several on multi-label inputs such as two-digit canvases; empty when unknown)."""
 
     index: int
     predicted: int
     probability: float
     margin: float  # probability of the predicted class minus the runner-up's
-    label: Optional[int]
+    labels: Tuple[int, ...]
+
+    @property
+    def correct(self) -> Optional[bool]:
+        """Whether the predicted class is one of the true labels (``None`` without labels)."""
+        return self.predicted in self.labels if self.labels else None
 
 
 class Workspace:
@@ -71,7 +77,7 @@ class Workspace:
     ``displays``: per example a (3, H, W) float tensor in [0, 1] (``modality="image"``) or a
     list of token strings (``"text"``; the example's real tokens, in order);
     ``forward_kwargs``: keyword tensors of the forward (``attention_mask``);
-    ``labels``: true classes or ``None``; ``class_names``: one string per output class;
+    ``labels``: true classes (B,), several per example (B, K), or ``None``; ``class_names``: one string per output class;
     ``special_tokens``: tokens shown but scored 0 ([CLS], [SEP]); ``method_builder(name, model,
     arguments)`` builds an attribution (the catalog by default; tests count calls through it).
     """
@@ -89,11 +95,11 @@ class Workspace:
         if len(displays) != batch:
             raise InputError(f"{len(displays)} displays for a batch of {batch}; give one image or token list per "
                              "example.")
-        if labels is not None and (labels.dim() != 1 or labels.shape[0] != batch):
-            raise InputError(f"labels must have shape ({batch},), received {tuple(labels.shape)}.")
+        if labels is not None and (labels.dim() not in (1, 2) or labels.shape[0] != batch):
+            raise InputError(f"labels must have shape ({batch},) or ({batch}, K), received {tuple(labels.shape)}.")
         self.model, self.inputs, self.displays, self.modality = model, inputs, list(displays), modality
         self.forward_kwargs = dict(forward_kwargs or {})
-        self.labels = None if labels is None else labels.long().cpu()
+        self.labels = None if labels is None else labels.long().cpu().reshape(batch, -1)
         self.name, self.special_tokens, self.method_builder = name, frozenset(special_tokens), method_builder
         self.score_func = score_func
         self._cache: Dict[Tuple[int, str, str, int], Dict[str, Any]] = {}
@@ -126,8 +132,8 @@ class Workspace:
         for index in range(len(self)):
             values = top.values[index].tolist()
             margin = values[0] - values[1] if len(values) > 1 else values[0]
-            label = None if self.labels is None else int(self.labels[index])
-            out.append(Prediction(index, int(top.indices[index, 0]), values[0], margin, label))
+            labels = () if self.labels is None else tuple(int(v) for v in self.labels[index])
+            out.append(Prediction(index, int(top.indices[index, 0]), values[0], margin, labels))
         return out
 
     # -- explanations --------------------------------------------------------------------

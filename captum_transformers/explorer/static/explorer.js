@@ -177,7 +177,7 @@ function filteredExamples() {
   const predicted = document.getElementById("filter-predicted").value;
   const correct = document.getElementById("filter-correct").value;
   let list = state.session.examples.filter((e) =>
-    (label === "all" || String(e.label) === label) && (predicted === "all" || String(e.predicted) === predicted)
+    (label === "all" || e.labels.map(String).includes(label)) && (predicted === "all" || String(e.predicted) === predicted)
     && (correct === "all" || (correct === "yes" ? e.correct === true : e.correct === false)));
   const sort = document.getElementById("sort").value;
   if (sort === "margin-asc") list = [...list].sort((a, b) => a.margin - b.margin);
@@ -187,7 +187,7 @@ function filteredExamples() {
 
 function exampleCaption(e, short) {
   const parts = [`#${e.index} pred ${className(e.predicted)} (${e.probability.toFixed(2)})`];
-  if (e.label !== null) parts.push(`true ${className(e.label)}`);
+  if (e.labels.length) parts.push(`true ${e.labels.map(className).join("+")}`);
   parts.push(`${short ? "m" : "margin"} ${e.margin.toFixed(2)}`);
   return parts.join(", ");
 }
@@ -389,7 +389,7 @@ function currentView() {
   const view = { model: state.session.model, classes: state.session.classes, methods: [], examples: [] };
   for (const index of state.selected) {
     const e = state.session.examples[index];
-    view.examples.push({ index, label: e.label, predicted: e.predicted, probability: e.probability,
+    view.examples.push({ index, labels: e.labels, predicted: e.predicted, probability: e.probability,
       margin: e.margin, target: targetOf(index), tokens: e.tokens });
   }
   for (const method of methods) {
