@@ -77,8 +77,12 @@ def test_page_has_no_inline_script_or_style():
     page = static_dir().joinpath("index.html").read_text()
     assert "<script>" not in page and "<style" not in page and "style=" not in page
     assert not re.search(r"\son[a-z]+\s*=", page, re.IGNORECASE)  # no inline event handlers
-    script = static_dir().joinpath("explorer.js").read_text()
-    assert "innerHTML" not in script and "insertAdjacentHTML" not in script and "eval(" not in script
+    scripts = [path for path in static_dir().iterdir() if path.name.endswith(".js")]
+    assert len(scripts) == 3 and all(f'src="/static/{path.name}"' in page for path in scripts)
+    for path in scripts:
+        script = path.read_text()
+        assert "innerHTML" not in script and "outerHTML" not in script and "insertAdjacentHTML" not in script
+        assert "eval(" not in script and "document.write" not in script
 
 
 def test_oversize_and_non_json_bodies_are_refused(counted):

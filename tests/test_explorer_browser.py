@@ -7,6 +7,7 @@ Skipped, with the reason, only where no Chromium binary or no Playwright package
 (``.ci/run`` installs both)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -93,6 +94,28 @@ def test_changing_an_argument_or_a_method_rerenders(browser, digits_server):
     wrong = page.locator("#gallery .thumb").count()
     page.select_option("#filter-correct", "all")
     assert page.locator("#gallery .thumb").count() == 8 >= wrong
+    assert errors == []
+    page.close()
+
+
+def test_curves_and_the_three_exports(browser, digits_server, tmp_path):
+    page, errors = open_page(browser, digits_server.url)
+    page.click(FIRST_MAP)
+    page.wait_for_selector("#curve svg polyline")
+    assert page.locator("#curve svg polyline").count() == 2  # deletion and insertion
+    saved = {}
+    for button in ("png", "json", "html"):
+        with page.expect_download() as download:
+            page.click(f"#export-{button}")
+        path = tmp_path / download.value.suggested_filename
+        download.value.save_as(path)
+        saved[button] = path
+    assert saved["png"].read_bytes().startswith(b"\x89PNG")
+    view = json.loads(saved["json"].read_text())
+    assert [m["name"] for m in view["methods"]] == ["rollout", "generic-attention"] and len(view["examples"]) == 6
+    assert len(view["methods"][0]["maps"]["0"]["values"]) == 32 * 32
+    document = saved["html"].read_text()
+    assert document.count("data:image/png;base64,") == 6 * 3 and "<script" not in document
     assert errors == []
     page.close()
 

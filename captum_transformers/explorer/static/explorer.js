@@ -308,39 +308,7 @@ function renderGrid() {
   grid.dataset.renders = String(state.renders);
 }
 
-// -- curves ---------------------------------------------------------------------------------
-const PALETTE = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf",
-  "#7f7f7f", "#bcbd22", "#393b79", "#637939", "#843c39"];
-
-function lineChart(title, series, xLabel, yLabel) {
-  const width = 320, height = 200, left = 38, bottom = 30, top = 18, right = 110;
-  const svg = svgEl("svg", { width, height, class: "chart" });
-  const xs = series.flatMap((s) => s.x), ys = series.flatMap((s) => s.y).filter((v) => Number.isFinite(v));
-  const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(0, ...ys), y1 = Math.max(1e-9, ...ys);
-  const px = (x) => left + (x - x0) / ((x1 - x0) || 1) * (width - left - right);
-  const py = (y) => height - bottom - (y - y0) / ((y1 - y0) || 1) * (height - bottom - top);
-  svg.append(svgEl("rect", { x: left, y: top, width: width - left - right, height: height - bottom - top,
-    fill: "none", stroke: "#bbb" }));
-  const label = (text, x, y, anchor) => {
-    const t = svgEl("text", { x, y, "text-anchor": anchor || "start" }); t.textContent = text; svg.append(t);
-  };
-  label(title, left, 12);
-  label(xLabel, left + (width - left - right) / 2, height - 4, "middle");
-  label(String(x0), left, height - bottom + 12, "middle");
-  label(String(x1), width - right, height - bottom + 12, "middle");
-  label(y1.toFixed(2), left - 4, top + 8, "end");
-  label(y0.toFixed(2), left - 4, height - bottom, "end");
-  label(yLabel, 2, top - 4);
-  series.forEach((s, i) => {
-    const colour = s.colour || PALETTE[i % PALETTE.length];
-    const points = s.x.map((x, k) => `${px(x).toFixed(1)},${py(s.y[k]).toFixed(1)}`).join(" ");
-    svg.append(svgEl("polyline", { points, fill: "none", stroke: colour, "stroke-width": 1.6 }));
-    label(s.name, width - right + 6, top + 12 + 13 * i);
-    svg.lastChild.setAttribute("fill", colour);
-  });
-  return svg;
-}
-
+// -- curves (lineChart: explorer-charts.js) ---------------------------------------------------
 async function showCurve(method, index, target) {
   const section = document.getElementById("curve-section");
   section.hidden = false;
@@ -372,66 +340,6 @@ async function showBenchmark() {
     const first = Object.values(byMethod)[0];
     box.append(lineChart(metric, series, first.x_label, first.y_label));
   }
-}
-
-// -- export ---------------------------------------------------------------------------------
-function download(blob, filename) {
-  const link = el("a", { download: filename });
-  link.href = URL.createObjectURL(blob);
-  document.body.append(link);
-  link.click();
-  link.remove();
-  setTimeout(() => URL.revokeObjectURL(link.href), 1000);
-}
-
-function currentView() {
-  const methods = enabledMethods();
-  const view = { model: state.session.model, classes: state.session.classes, methods: [], examples: [] };
-  for (const index of state.selected) {
-    const e = state.session.examples[index];
-    view.examples.push({ index, labels: e.labels, predicted: e.predicted, probability: e.probability,
-      margin: e.margin, target: targetOf(index), tokens: e.tokens });
-  }
-  for (const method of methods) {
-    const maps = {};
-    for (const index of state.selected) {
-      const map = state.maps[mapKey(method.name, method.arguments, index, targetOf(index))];
-      if (map) maps[index] = map;
-    }
-    view.methods.push({ name: method.name, arguments: method.arguments, maps });
-  }
-  return view;
-}
-
-function exportJson() {
-  download(new Blob([JSON.stringify(currentView(), null, 1)], { type: "application/json" }),
-    "captum_transformers_explorer.json");
-}
-
-function exportPng() {
-  const cells = [...document.querySelectorAll("#grid tr")].map((row) => [...row.querySelectorAll("canvas")]);
-  const rows = cells.filter((r) => r.length);
-  if (!rows.length) { showError("nothing to export: the grid has no image maps yet."); return; }
-  const size = 112, pad = 4, columns = Math.max(...rows.map((r) => r.length));
-  const out = el("canvas", { width: columns * (size + pad), height: rows.length * (size + pad) });
-  const context = out.getContext("2d");
-  context.imageSmoothingEnabled = false;
-  context.fillStyle = "#fff"; context.fillRect(0, 0, out.width, out.height);
-  rows.forEach((r, i) => r.forEach((c, j) => context.drawImage(c, j * (size + pad), i * (size + pad), size, size)));
-  out.toBlob((blob) => download(blob, "captum_transformers_explorer.png"), "image/png");
-}
-
-async function exportHtml() {
-  const methods = enabledMethods();
-  if (!methods.length || !state.selected.length) { showError("nothing to export: pick methods and examples."); return; }
-  const targets = {};
-  for (const index of state.selected) targets[String(index)] = targetOf(index);
-  setStatus("writing HTML…");
-  try {
-    const result = await api("/api/export", { methods, targets });
-    download(new Blob([result.html], { type: "text/html" }), result.filename);
-    setStatus("exported HTML");
-  } catch (error) { showError(error.message); }
 }
 
 // -- start ----------------------------------------------------------------------------------
