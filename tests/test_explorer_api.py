@@ -202,3 +202,32 @@ def test_benchmark_curves_from_results_json(tmp_path):
     write_json([], tmp_path / "empty.json")
     with pytest.raises(Exception, match="no curve results"):
         benchmark_curves(tmp_path / "empty.json")
+
+
+def test_every_catalog_method_draws_through_the_api():
+    from captum_transformers.methods.catalog import METHOD_NAMES
+
+    client = client_for(image_workspace())
+    methods = [{"name": name, "arguments": {"n_steps": 4} if name == "integrated-gradients" else {}}
+               for name in METHOD_NAMES]
+    state = explain(client, methods, {"0": 1, "3": 2})
+    assert [r["method"] for r in state["results"]] == list(METHOD_NAMES)
+    flat = set()
+    for result in state["results"]:
+        for found in result["maps"].values():
+            assert found["shape"] == [32, 32], result["method"]
+            # an all-zero map is flagged (the page writes "nothing to draw"), never drawn as a blank heat map
+            assert found["all_zero"] == (not any(found["values"])), result["method"]
+            if found["all_zero"]:
+                flat.add(result["method"])
+    assert flat <= {"grad-cam"}  # ReLU'd gradient x attention of this random model's last layer
+
+
+def test_numbers_are_bounded_and_hosts_can_be_added():
+    client = client_for(image_workspace())
+    response = client.post("/api/explain", headers=HEADERS, json={
+        "methods": [{"name": "integrated-gradients", "arguments": {"n_steps": 10 ** 9}}], "targets": {"0": 0}})
+    assert response.status_code == 400 and "outside" in response.json()["error"]
+    proxied = TestClient(create_app(image_workspace(), TOKEN, allowed_hosts=("testserver", "explorer.lab")))
+    assert proxied.get("/api/session", headers={**HEADERS, "Host": "explorer.lab:443"}).status_code == 200
+    assert proxied.get("/api/session", headers={**HEADERS, "Host": "explorer.lab.evil:443"}).status_code == 400

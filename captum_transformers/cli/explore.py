@@ -28,6 +28,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--allow-remote", action="store_true",
                         help="allow --host other than loopback (the session token is then the only protection)")
+    parser.add_argument("--allowed-host", action="append", default=[],
+                        help="another name the Host header may carry (a proxy's or DNS name; repeatable)")
     parser.set_defaults(run=run)
 
 
@@ -41,5 +43,5 @@ def run(args) -> int:
     workspace = loaded_workspace(args.model, args.arch, args.random_init, args.image, args.text, args.samples,
                                  args.task, args.cache_dir)
     start(workspace, host=args.host, port=args.port, blocking=True, benchmark=benchmark,
-          allow_remote=args.allow_remote)
+          allow_remote=args.allow_remote, extra_hosts=args.allowed_host)
     return 0

@@ -32,6 +32,9 @@ from ..methods.catalog import METHOD_FACTORIES, METHOD_NAMES
 from ..propagation.rules import RuleSet
 
 _NOT_OFFERED = frozenset({"self", "model", "adapter"})
+#: Numbers from the page are bounded (a request may not ask for, say, 10**9 integration steps);
+#: each method still checks its own range (``start_layer`` against the depth, ...).
+NUMBER_BOUND = 10_000
 
 
 def rule_presets() -> Dict[str, RuleSet]:
@@ -132,12 +135,12 @@ def _checked_value(method: str, field: Dict[str, Any], value: Any) -> Any:
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InputError(f"{method}: {name} must be a number, received {value!r}.")
+    if value != value or abs(value) > NUMBER_BOUND:
+        raise InputError(f"{method}: {name}={value!r} is outside [-{NUMBER_BOUND}, {NUMBER_BOUND}].")
     if kind == "integer":
         if float(value) != int(value):
             raise InputError(f"{method}: {name} must be a whole number, received {value!r}.")
         return int(value)
-    if value != value or value in (float("inf"), float("-inf")):
-        raise InputError(f"{method}: {name} must be a finite number, received {value!r}.")
     return float(value)
 
 

@@ -40,6 +40,17 @@ def _requirements() -> None:
             from None
 
 
+def _machine_names() -> set:
+    """This machine's host name, fully qualified name and their addresses."""
+    names = {socket.gethostname().lower(), socket.getfqdn().lower()}
+    for name in list(names):
+        try:
+            names.update(socket.gethostbyname_ex(name)[2])
+        except OSError:
+            pass
+    return names
+
+
 @dataclass
 class RunningExplorer:
     """A started explorer: its URL (with the token), the uvicorn server and its thread."""
@@ -59,8 +70,10 @@ class RunningExplorer:
 
 def start(workspace, host: str = LOOPBACK, port: int = 8765, blocking: bool = True,
           benchmark: Optional[Dict[str, Any]] = None, token: Optional[str] = None, quiet: bool = False,
-          allow_remote: bool = False, methods: Optional[Sequence[str]] = None) -> RunningExplorer:
-    """Serve ``workspace`` with ``methods`` (default: those that can explain its model). Another host than loopback needs ``allow_remote=True`` and warns:
+          allow_remote: bool = False, methods: Optional[Sequence[str]] = None,
+          extra_hosts: Sequence[str] = ()) -> RunningExplorer:
+    """Serve ``workspace`` with ``methods`` (default: those that can explain its model).
+    ``extra_hosts``: more names the ``Host`` header may carry (a proxy's, a DNS name). Another host than loopback needs ``allow_remote=True`` and warns:
     the token is then the only thing between the network and the model."""
     _requirements()
     import uvicorn
@@ -78,7 +91,11 @@ def start(workspace, host: str = LOOPBACK, port: int = 8765, blocking: bool = Tr
         raise InputError(f"cannot listen on {host}:{port} ({error.strerror}); choose another --port.") from None
     port = sock.getsockname()[1]
     token = token or new_token()
-    allowed = set(LOCAL_HOSTS) | {host.lower(), f"[{host.lower()}]"}
+    allowed = set(LOCAL_HOSTS) | {host.lower(), f"[{host.lower()}]"} | {h.lower() for h in extra_hosts}
+    if host not in LOOPBACK_NAMES:
+        allowed |= _machine_names()  # how other machines address this one
+        print(f"requests must name one of these hosts (add more with --allowed-host): {', '.join(sorted(allowed))}",
+              file=sys.stderr)
     if methods is None:
         from .workspace import available_methods
 

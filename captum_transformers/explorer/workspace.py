@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -28,6 +29,8 @@ from ..errors import InputError
 from ..methods.catalog import METHOD_FACTORIES, resolve_method_names
 from .method_arguments import arguments_key, checked_arguments, constructor_arguments
 
+#: Cached maps kept (least recently computed dropped first): bounds memory for long sessions.
+MAX_CACHED_MAPS = 4096
 #: Maps larger than this per side are average-pooled before they are sent (patch methods are
 #: piecewise constant per patch, so a 224 x 224 map loses nothing visible at 112 x 112).
 MAX_MAP_SIDE = 112
@@ -102,7 +105,7 @@ class Workspace:
         self.labels = None if labels is None else labels.long().cpu().reshape(batch, -1)
         self.name, self.special_tokens, self.method_builder = name, frozenset(special_tokens), method_builder
         self.score_func = score_func
-        self._cache: Dict[Tuple[int, str, str, int], Dict[str, Any]] = {}
+        self._cache: "OrderedDict[Tuple[int, str, str, int], Dict[str, Any]]" = OrderedDict()
         self._lock = threading.Lock()
         self.probabilities = self._probabilities()
         classes = self.probabilities.shape[1]
@@ -170,10 +173,15 @@ class Workspace:
         if missing:
             maps = self._attribute(method, checked, missing, [targets[i] for i in missing])
             with self._lock:
-                for index, scores in zip(missing, maps):
-                    self._cache[(index, method, key, targets[index])] = self._payload(index, scores, targets[index])
+                found = {index: self._payload(index, scores, targets[index]) for index, scores in zip(missing, maps)}
+                for index, payload in found.items():
+                    self._cache[(index, method, key, targets[index])] = payload
+                while len(self._cache) > MAX_CACHED_MAPS:
+                    self._cache.popitem(last=False)
+        else:
+            found = {}
         with self._lock:
-            return {i: self._cache[(i, method, key, t)] for i, t in targets.items()}
+            return {i: found[i] if i in found else self._cache[(i, method, key, t)] for i, t in targets.items()}
 
     def _attribute(self, method: str, checked: Mapping[str, Any], rows: List[int], targets: List[int]) -> List:
         index = torch.tensor(rows, dtype=torch.long)

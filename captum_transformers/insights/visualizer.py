@@ -141,13 +141,13 @@ class AttributionVisualizer:
 
     # -- Captum Insights' entry points -----------------------------------------------------
     def serve(self, blocking: bool = False, debug: bool = False, port=None, bind_all: bool = False):
-        """Start the explorer; returns its port. ``bind_all`` listens on every address (prints a
+        """Start the explorer (on a free port unless ``port`` is given); returns its port. ``bind_all`` listens on every address (prints a
         warning: the session token is then the only protection). ``debug`` is accepted and
         ignored (errors are shown on the page)."""
         from ..explorer.server import start
 
         running = start(self.workspace(), host="0.0.0.0" if bind_all else "127.0.0.1",
-                        port=8765 if port is None else port, blocking=blocking, allow_remote=bind_all,
+                        port=0 if port is None else port, blocking=blocking, allow_remote=bind_all,
                         methods=self.methods())
         self._running = running
         return running.port
