@@ -204,6 +204,7 @@ function renderGallery() {
     thumb.title = exampleCaption(e);
     if (state.selected.includes(e.index)) thumb.classList.add("selected");
     if (e.correct === false) thumb.classList.add("wrong");
+    if (state.session.modality === "text") thumb.classList.add("text");
     thumb.addEventListener("click", () => {
       const at = state.selected.indexOf(e.index);
       if (at >= 0) state.selected.splice(at, 1); else state.selected.push(e.index);
