@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import pytest
 
@@ -22,7 +23,7 @@ if CHROMIUM is None:
 
 from captum_transformers.explorer.server import start  # noqa: E402
 from captum_transformers.explorer.sources import builtin_workspace  # noqa: E402
-from explorer_workspaces import PAYLOAD, text_workspace  # noqa: E402
+from explorer_workspaces import PAYLOAD, CountingBuilder, text_workspace  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +133,37 @@ def test_injected_html_is_shown_as_text_and_runs_nothing(browser):
         assert PAYLOAD in page.locator("#filter-label option").all_text_contents()  # a class name
         assert PAYLOAD in page.locator("#grid .tokens span").all_text_contents()
         assert errors == []
+        page.close()
+    finally:
+        running.stop()
+
+
+class SlowBuilder(CountingBuilder):
+    """Each attribute call takes at least a second: long enough to see the progress."""
+
+    def __call__(self, name, model, arguments):
+        explainer = super().__call__(name, model, arguments)
+        counted = explainer.attribute
+
+        def attribute(*args, **kwargs):
+            time.sleep(1.0)
+            return counted(*args, **kwargs)
+
+        explainer.attribute = attribute
+        return explainer
+
+
+def test_progress_is_shown_while_it_computes(browser):
+    builder = SlowBuilder()
+    running = start(text_workspace(builder), port=0, blocking=False, quiet=True)
+    try:
+        page = browser.new_page()
+        page.goto(running.url)
+        page.wait_for_selector("#status:has-text('computing')", timeout=10_000)
+        assert page.locator("#progress").is_visible()
+        page.wait_for_selector("body[data-ready=yes]", timeout=30_000)
+        assert page.locator("#status").text_content().startswith("ready") and not page.locator("#progress").is_visible()
+        assert [call[2] for call in builder.calls] == [2, 2]  # two methods, each one call over both examples
         page.close()
     finally:
         running.stop()
