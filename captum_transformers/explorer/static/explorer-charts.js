@@ -6,7 +6,7 @@ const PALETTE = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b
   "#7f7f7f", "#bcbd22", "#393b79", "#637939", "#843c39"];
 
 function lineChart(title, series, xLabel, yLabel) {
-  const width = 320, height = 200, left = 38, bottom = 30, top = 18, right = 110;
+  const width = 400, height = 210, left = 38, bottom = 30, top = 20, right = 160;
   const svg = svgEl("svg", { width, height, class: "chart" });
   const xs = series.flatMap((s) => s.x), ys = series.flatMap((s) => s.y).filter((v) => Number.isFinite(v));
   const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(0, ...ys), y1 = Math.max(1e-9, ...ys);
@@ -17,13 +17,12 @@ function lineChart(title, series, xLabel, yLabel) {
   const label = (text, x, y, anchor) => {
     const t = svgEl("text", { x, y, "text-anchor": anchor || "start" }); t.textContent = text; svg.append(t);
   };
-  label(title, left, 12);
+  label(yLabel ? `${title} (${yLabel})` : title, left, 12);
   label(xLabel, left + (width - left - right) / 2, height - 4, "middle");
   label(String(x0), left, height - bottom + 12, "middle");
   label(String(x1), width - right, height - bottom + 12, "middle");
   label(y1.toFixed(2), left - 4, top + 8, "end");
   label(y0.toFixed(2), left - 4, height - bottom, "end");
-  label(yLabel, 2, top - 4);
   series.forEach((s, i) => {
     const colour = s.colour || PALETTE[i % PALETTE.length];
     const points = s.x.map((x, k) => `${px(x).toFixed(1)},${py(s.y[k]).toFixed(1)}`).join(" ");
