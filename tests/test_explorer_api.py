@@ -91,6 +91,9 @@ def test_oversize_and_non_json_bodies_are_refused(counted):
     big = json.dumps({"methods": [{"name": "rollout"}], "targets": {"0": 0}, "pad": "x" * 70_000})
     response = client.post("/api/explain", headers={**HEADERS, "Content-Type": "application/json"}, content=big)
     assert response.status_code == 413
+    chunks = (b"x" * 10_000 for _ in range(10))  # chunked: no Content-Length to check up front
+    chunked = client.post("/api/explain", headers={**HEADERS, "Content-Type": "application/json"}, content=chunks)
+    assert chunked.status_code == 413
     form = client.post("/api/explain", headers=HEADERS, data={"methods": "rollout"})
     assert form.status_code == 415
     assert len(builder.calls) == before

@@ -7,7 +7,7 @@
    printed at start (compared in constant time). Otherwise 403. The page and its static files
    carry no data and need no token; the page reads the token once from its URL.
 3. **Bounded, JSON-only bodies**: a body over ``max_body_bytes`` is refused with 413 (by its
-   ``Content-Length``, and counted as it arrives when none is given); a POST whose
+   ``Content-Length``, and counted as it arrives, chunked or not); a POST whose
    ``Content-Type`` is not ``application/json`` gets 415.
 4. **Headers on every answer**: ``Content-Security-Policy: default-src 'self'`` (no inline
    script or style, no other origin), no framing, no MIME sniffing, no referrer.
@@ -83,20 +83,29 @@ class SecurityMiddleware:
                 "application/json":
             return await _refuse(send_with_headers, 415, "the explorer's API takes JSON bodies only "
                                  "(Content-Type: application/json).")
-        received = 0
-
-        async def bounded_receive():
-            # a body sent without Content-Length (chunked): cut off past the bound, as if the
-            # client had gone, so the handler never reads more than max_body_bytes
-            nonlocal received
+        if scope.get("method") not in ("POST", "PUT", "PATCH", "DELETE"):
+            return await self.app(scope, receive, send_with_headers)
+        # Read the whole body here, counting it (a chunked body has no Content-Length, and a
+        # Content-Length may understate it): past the bound the request is refused, never read on.
+        body, more = b"", True
+        while more:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    return {"type": "http.disconnect"}
-            return message
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                return await _refuse(send_with_headers, 413, f"request body over {self.max_body_bytes} bytes.")
+            more = message.get("more_body", False)
+        replayed = False
 
-        await self.app(scope, bounded_receive, send_with_headers)
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send_with_headers)
 
 
 async def _refuse(send, status: int, message: str) -> None:
