@@ -116,3 +116,29 @@ def test_a_huggingface_text_directory_opens_with_its_tokens(tmp_path):
     assert workspace.displays[1] == ["[CLS]", "dull", "[SEP]"]
     maps = workspace.explain("generic-attention", {}, {0: 1, 1: 0})
     assert len(maps[1]["values"]) == 3 and maps[1]["values"][0] == 0.0 == maps[1]["values"][-1]  # specials
+
+
+def test_a_huggingface_image_directory_opens_with_image_files(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    Image = pytest.importorskip("PIL.Image")
+    import torch
+
+    from captum_transformers.explorer.sources import loaded_workspace
+
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                    image_size=32, patch_size=8, num_labels=3, id2label={0: "cat", 1: "dog", 2: "owl"},
+                                    label2id={"cat": 0, "dog": 1, "owl": 2})
+    model_dir = tmp_path / "vit"
+    transformers.ViTForImageClassification(config).save_pretrained(model_dir)
+    paths = []
+    for seed in range(2):
+        pixels = torch.randint(0, 256, (30, 40, 3), generator=torch.Generator().manual_seed(seed)).to(torch.uint8)
+        paths.append(str(tmp_path / f"image{seed}.png"))
+        Image.fromarray(pixels.numpy()).save(paths[-1])
+    with pytest.raises(InputError, match="image model but got --text"):
+        loaded_workspace(str(model_dir), texts=["a film"])
+    workspace = loaded_workspace(str(model_dir), images=paths)
+    assert workspace.modality == "image" and workspace.class_names == ["cat", "dog", "owl"]
+    assert workspace.labels is None and all(p.correct is None for p in workspace.predictions())
+    maps = workspace.explain("transformer-relevance", {}, {0: 2, 1: 0})
+    assert maps[0]["shape"] == [32, 32] and not maps[0]["all_zero"]
