@@ -240,10 +240,12 @@ def test_png_encoder_round_trips_and_colours_are_signed():
     Image = pytest.importorskip("PIL.Image")
     import io
 
+    import numpy as np
+
     from captum_transformers.explorer.export import diverging, png_bytes
 
     rgb = torch.randint(0, 256, (5, 7, 3), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
-    decoded = torch.from_numpy(__import__("numpy").asarray(Image.open(io.BytesIO(png_bytes(rgb))).convert("RGB")))
+    decoded = torch.from_numpy(np.array(Image.open(io.BytesIO(png_bytes(rgb))).convert("RGB")))
     assert torch.equal(decoded, rgb)
     red, white, blue = diverging(torch.tensor([2.0, 0.0, -2.0])).tolist()
     assert white == [1.0, 1.0, 1.0] and red[0] == 1.0 > red[2] and blue[2] == 1.0 > blue[0]
