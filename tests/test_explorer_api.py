@@ -78,11 +78,14 @@ def test_page_has_no_inline_script_or_style():
     assert "<script>" not in page and "<style" not in page and "style=" not in page
     assert not re.search(r"\son[a-z]+\s*=", page, re.IGNORECASE)  # no inline event handlers
     scripts = [path for path in static_dir().iterdir() if path.name.endswith(".js")]
-    assert len(scripts) == 3 and all(f'src="/static/{path.name}"' in page for path in scripts)
+    assert len(scripts) == 3 and all(f'src="static/{path.name}"' in page for path in scripts)
+    # relative URLs only: behind a proxy that serves the page under a path, absolute ones miss
+    assert not re.search(r'(src|href)="/', page)
     for path in scripts:
         script = path.read_text()
         assert "innerHTML" not in script and "outerHTML" not in script and "insertAdjacentHTML" not in script
         assert "eval(" not in script and "document.write" not in script
+        assert not re.search(r"""api\(["'`]/""", script)
 
 
 def test_oversize_and_non_json_bodies_are_refused(counted):
@@ -249,3 +252,12 @@ def test_png_encoder_round_trips_and_colours_are_signed():
     assert torch.equal(decoded, rgb)
     red, white, blue = diverging(torch.tensor([2.0, 0.0, -2.0])).tolist()
     assert white == [1.0, 1.0, 1.0] and red[0] == 1.0 > red[2] and blue[2] == 1.0 > blue[0]
+
+
+def test_page_works_under_a_path_prefix():
+    """A proxy serving the explorer under /proxy/8765/ (Jupyter's server proxy, a remote
+    notebook) strips the prefix; the page's relative URLs then reach the same routes."""
+    client = client_for(image_workspace())
+    page = client.get("/").text
+    for reference in re.findall(r'(?:src|href)="([^"]+)"', page):
+        assert client.get("/" + reference).status_code == 200, reference

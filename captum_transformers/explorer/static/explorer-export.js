@@ -55,7 +55,7 @@ async function exportHtml() {
   for (const index of state.selected) targets[String(index)] = targetOf(index);
   setStatus("writing HTML…");
   try {
-    const result = await api("/api/export", { methods, targets });
+    const result = await api("api/export", { methods, targets });
     download(new Blob([result.html], { type: "text/html" }), result.filename);
     setStatus("exported HTML");
   } catch (error) { showError(error.message); }

@@ -1,6 +1,7 @@
 // captum_transformers explorer page. Every string from the server (class names, tokens,
 // method names, errors) is written with textContent, never as HTML. The session token comes
-// once from the URL (?token=...), is kept in sessionStorage and sent as a header.
+// once from the URL (?token=...), is kept in sessionStorage and sent as a header. Every URL is
+// relative to the page, so the explorer also works behind a proxy that serves it under a path.
 "use strict";
 
 const state = {
@@ -237,14 +238,14 @@ async function refresh() {
   for (const index of state.selected) targets[String(index)] = targetOf(index);
   const started = performance.now();
   try {
-    let job = await api("/api/explain", { methods, targets });
+    let job = await api("api/explain", { methods, targets });
     while (job.state === "running") {
       if (seq !== state.requestSeq) return;  // a newer request replaced this one
       const seconds = ((performance.now() - started) / 1000).toFixed(1);
       setStatus(`computing ${job.running || ""}: ${job.done}/${job.total} methods on ${state.selected.length} ` +
         `examples, ${seconds} s`, job.done, job.total);
       await new Promise((resolve) => setTimeout(resolve, 100));
-      job = await api(`/api/jobs/${job.id}`);
+      job = await api(`api/jobs/${job.id}`);
     }
     if (job.state === "error") throw new Error(job.error);
     for (const result of job.results) {
@@ -318,7 +319,7 @@ async function showCurve(method, index, target) {
   document.getElementById("curve-title").textContent =
     `${method.name} on #${index}, class ${className(target)}`;
   try {
-    const curve = await api("/api/curve", { method: method.name, arguments: method.arguments, example: index, target });
+    const curve = await api("api/curve", { method: method.name, arguments: method.arguments, example: index, target });
     state.curve = curve;
     box.replaceChildren(lineChart(`probability of ${className(target)}`, [
       { name: `deletion ${curve.deletion.auc.toFixed(3)}`, x: curve.x, y: curve.deletion.y, colour: "#d62728" },
@@ -330,7 +331,7 @@ async function showCurve(method, index, target) {
 }
 
 async function showBenchmark() {
-  const data = await api("/api/benchmark");
+  const data = await api("api/benchmark");
   const metrics = Object.entries(data.metrics || {});
   if (!metrics.length) return;
   document.getElementById("benchmark-section").hidden = false;
@@ -347,7 +348,7 @@ async function showBenchmark() {
 async function start() {
   state.token = readToken();
   try {
-    state.session = await api("/api/session");
+    state.session = await api("api/session");
   } catch (error) {
     setStatus("error");
     showError(`${error.message}`);
