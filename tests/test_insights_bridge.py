@@ -139,3 +139,16 @@ def test_text_feature_tokens_and_render_escape_user_strings(monkeypatch):
     visualizer.render()
     document = shown[0].data
     assert PAYLOAD not in document and "&lt;img src=x onerror=" in document and "&lt;b&gt;x&lt;/b&gt;" in document
+
+
+def test_methods_not_offered_for_the_model_are_refused_by_the_api():
+    from starlette.testclient import TestClient
+
+    from captum_transformers.explorer.app import create_app
+
+    visualizer = insights_example(examples=2)
+    client = TestClient(create_app(visualizer.workspace(), "t" * 20, allowed_hosts=("testserver",),
+                                   methods=visualizer.methods()))
+    response = client.post("/api/explain", headers={"X-Explorer-Token": "t" * 20},
+                           json={"methods": [{"name": "rollout"}], "targets": {"0": 1}})
+    assert response.status_code == 400 and "not offered" in response.json()["error"]

@@ -90,13 +90,15 @@ def _parse_targets(workspace, raw: Any) -> Dict[int, int]:
     return workspace.check_targets(targets)
 
 
-def _parse_methods(raw: Any) -> List[Tuple[str, Dict[str, Any]]]:
+def _parse_methods(raw: Any, offered: Sequence[str] = METHOD_NAMES) -> List[Tuple[str, Dict[str, Any]]]:
     if not isinstance(raw, list) or not raw or len(raw) > MAX_METHODS_PER_REQUEST:
         raise InputError(f'"methods" must be a list of 1 to {MAX_METHODS_PER_REQUEST} objects {{"name", "arguments"}}.')
     parsed = []
     for entry in raw:
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             raise InputError(f'each method must be an object with a "name", received {entry!r}.')
+        if entry["name"] not in offered:
+            raise InputError(f"method {entry['name']!r} is not offered for this model; offered: {', '.join(offered)}.")
         arguments = entry.get("arguments") or {}
         if not isinstance(arguments, dict):
             raise InputError(f'"arguments" of {entry["name"]} must be an object, received {arguments!r}.')
@@ -132,7 +134,8 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
 
     async def explain(request: Request) -> Response:
         body = await _json_body(request)
-        state = jobs.submit(_parse_methods(body.get("methods")), _parse_targets(workspace, body.get("targets")))
+        requests = _parse_methods(body.get("methods"), methods)
+        state = jobs.submit(requests, _parse_targets(workspace, body.get("targets")))
         return JSONResponse(state)
 
     async def job(request: Request) -> Response:
@@ -142,7 +145,8 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
         return JSONResponse(state)
 
     def _curve_sync(body) -> Dict[str, Any]:
-        (method, arguments), = _parse_methods([{"name": body.get("method"), "arguments": body.get("arguments")}])
+        requested = {"name": body.get("method"), "arguments": body.get("arguments")}
+        (method, arguments), = _parse_methods([requested], methods)
         targets = _parse_targets(workspace, {str(body.get("example")): body.get("target")})
         (index, target), = targets.items()
         found = workspace.explain(method, arguments, targets)[index]
@@ -161,7 +165,7 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
     def _export_sync(body) -> Dict[str, Any]:
         from .export import explorer_html
 
-        requests = _parse_methods(body.get("methods"))
+        requests = _parse_methods(body.get("methods"), methods)
         targets = _parse_targets(workspace, body.get("targets"))
         maps = {method: workspace.explain(method, arguments, targets) for method, arguments in requests}
         return {"filename": "captum_transformers_explorer.html", "html": explorer_html(workspace, maps, targets)}

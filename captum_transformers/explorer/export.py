@@ -90,7 +90,8 @@ def explorer_html(workspace, maps: Mapping[str, Mapping[int, Dict[str, Any]]], t
         for index in examples:
             image = torch.as_tensor(workspace.displays[index]).float()
             big = torch.nn.functional.interpolate(image[None], size=(CELL_PIXELS, CELL_PIXELS), mode="nearest")[0]
-            originals.append(f"<td>{_image_tag((big.clamp(0, 1).permute(1, 2, 0) * 255).round().to(torch.uint8), f'example {index}')}</td>")
+            rgb = (big.clamp(0, 1).permute(1, 2, 0) * 255).round().to(torch.uint8)
+            originals.append(f"<td>{_image_tag(rgb, f'example {index}')}</td>")
         rows.append("<tr>" + "".join(originals) + "</tr>")
     for method, by_example in maps.items():
         cells = [f"<td>{html.escape(method)}</td>"]

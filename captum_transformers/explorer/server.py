@@ -73,7 +73,8 @@ def start(workspace, host: str = LOOPBACK, port: int = 8765, blocking: bool = Tr
           allow_remote: bool = False, methods: Optional[Sequence[str]] = None,
           extra_hosts: Sequence[str] = ()) -> RunningExplorer:
     """Serve ``workspace`` with ``methods`` (default: those that can explain its model).
-    ``extra_hosts``: more names the ``Host`` header may carry (a proxy's, a DNS name). Another host than loopback needs ``allow_remote=True`` and warns:
+    ``extra_hosts``: more names the ``Host`` header may carry (a proxy's, a DNS name).
+    Another host than loopback needs ``allow_remote=True`` and warns:
     the token is then the only thing between the network and the model."""
     _requirements()
     import uvicorn

@@ -11,7 +11,8 @@ Example::
 
     >>> workspace = Workspace(model, (pixels,), images01, labels=labels, class_names=[str(d) for d in range(10)])
     >>> maps = workspace.explain("rollout", {"head_fusion": "max"}, {0: 3, 1: 7})
-    >>> maps[0]["values"]  # (H, W) nested lists, sum over channels of the attribution
+    >>> maps[0]["shape"], len(maps[0]["values"])  # the map summed over channels, flattened row-major
+    ([32, 32], 1024)
 """
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ class Workspace:
     ``displays``: per example a (3, H, W) float tensor in [0, 1] (``modality="image"``) or a
     list of token strings (``"text"``; the example's real tokens, in order);
     ``forward_kwargs``: keyword tensors of the forward (``attention_mask``);
-    ``labels``: true classes (B,), several per example (B, K), or ``None``; ``class_names``: one string per output class;
+    ``labels``: true classes (B,), several per example (B, K), or ``None``;
+    ``class_names``: one string per output class;
     ``special_tokens``: tokens shown but scored 0 ([CLS], [SEP]); ``method_builder(name, model,
     arguments)`` builds an attribution (the catalog by default; tests count calls through it).
     """
@@ -155,16 +157,20 @@ class Workspace:
         return checked
 
     def cached(self, method: str, arguments: Mapping[str, Any], targets: Mapping[int, int]) -> Dict[int, Dict]:
+        """The maps of ``explain(method, arguments, targets)`` already in the cache (computes nothing)."""
         checked = checked_arguments(method, arguments)
         key = arguments_key(checked)
         with self._lock:
-            return {i: self._cache[(i, method, key, t)] for i, t in targets.items() if (i, method, key, t) in self._cache}
+            found = {i: self._cache.get((i, method, key, t)) for i, t in targets.items()}
+        return {i: value for i, value in found.items() if value is not None}
 
     def explain(self, method: str, arguments: Mapping[str, Any], targets: Mapping[int, int]) -> Dict[int, Dict]:
         """Maps of ``method`` for ``{example: target class}``: from the cache, and the rest in
-        one ``attribute`` call. Each map is ``{"values": nested lists, "shape": [...],
-        "target": int, "low": min, "high": max}``; a map that is all zeros or not finite is
-        refused (the method found nothing to show, which the page must not draw as "no relevance")."""
+        one ``attribute`` call. Each map is ``{"values": flat row-major list, "shape": [H, W] or
+        [tokens], "target": int, "low": min, "high": max, "all_zero": bool}``. Image maps are the
+        attribution summed over channels (average-pooled to ``MAX_MAP_SIDE``); token maps keep
+        each example's real tokens, special tokens scored 0. A map with NaN or infinite values
+        is refused; an all-zero map is flagged so the page says so instead of drawing a blank."""
         checked = checked_arguments(method, arguments)
         key = arguments_key(checked)
         targets = self.check_targets(targets)

@@ -141,9 +141,9 @@ class AttributionVisualizer:
 
     # -- Captum Insights' entry points -----------------------------------------------------
     def serve(self, blocking: bool = False, debug: bool = False, port=None, bind_all: bool = False):
-        """Start the explorer (on a free port unless ``port`` is given); returns its port. ``bind_all`` listens on every address (prints a
-        warning: the session token is then the only protection). ``debug`` is accepted and
-        ignored (errors are shown on the page)."""
+        """Start the explorer (on a free port unless ``port`` is given); returns its port.
+        ``bind_all`` listens on every address (prints a warning: the session token is then the
+        only protection). ``debug`` is accepted and ignored (errors are shown on the page)."""
         from ..explorer.server import start
 
         running = start(self.workspace(), host="0.0.0.0" if bind_all else "127.0.0.1",
