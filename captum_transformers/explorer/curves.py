@@ -47,6 +47,9 @@ def deletion_insertion(workspace, index: int, scores: torch.Tensor, target: int)
     order = scores.reshape(-1).to(pixels.device)
     counts = [int(round(height * width * f)) for f in FRACTIONS]
     rest = tuple(t[index:index + 1] for t in workspace.inputs[1:])
+    batch_rows = len(workspace)
+    kwargs = {name: value[index:index + 1] if isinstance(value, torch.Tensor) and value.dim() and
+              value.shape[0] == batch_rows else value for name, value in workspace.forward_kwargs.items()}
 
     def build_both(steps):
         # steps 0..T-1 delete, T..2T-1 insert (the same ranking, the complement kept)
@@ -60,8 +63,11 @@ def deletion_insertion(workspace, index: int, scores: torch.Tensor, target: int)
         return torch.cat(copies)
 
     def forward(batch):
-        repeated = tuple(t.expand(batch.shape[0], *t.shape[1:]) for t in rest)
-        output = output_scores(workspace.model(batch, *repeated))
+        rows = batch.shape[0]
+        repeated = tuple(t.expand(rows, *t.shape[1:]) for t in rest)
+        named = {name: value.expand(rows, *value.shape[1:]) if isinstance(value, torch.Tensor) and value.dim() and
+                 value.shape[0] == 1 else value for name, value in kwargs.items()}
+        output = output_scores(workspace.model(batch, *repeated, **named))
         output = output[0] if isinstance(output, (tuple, list)) else output
         return workspace.score_func(output) if workspace.score_func is not None else output.softmax(-1)
 

@@ -140,15 +140,18 @@ class AttributionVisualizer:
         return available_methods(self.models[0])
 
     # -- Captum Insights' entry points -----------------------------------------------------
-    def serve(self, blocking: bool = False, debug: bool = False, port=None, bind_all: bool = False):
+    def serve(self, blocking: bool = False, debug: bool = False, port=None, bind_all: bool = False, *,
+              allowed_hosts: Iterable[str] = ()):
         """Start the explorer (on a free port unless ``port`` is given); returns its port.
         ``bind_all`` listens on every address (prints a warning: the session token is then the
-        only protection). ``debug`` is accepted and ignored (errors are shown on the page)."""
+        only protection). ``debug`` is accepted and ignored (errors are shown on the page).
+        ``allowed_hosts`` (not in Captum's signature): more names the ``Host`` header may carry,
+        e.g. a notebook proxy's, which the Host allowlist would otherwise refuse."""
         from ..explorer.server import start
 
         running = start(self.workspace(), host="0.0.0.0" if bind_all else "127.0.0.1",
                         port=0 if port is None else port, blocking=blocking, allow_remote=bind_all,
-                        methods=self.methods())
+                        methods=self.methods(), extra_hosts=tuple(allowed_hosts))
         self._running = running
         return running.port
 
