@@ -261,3 +261,30 @@ def test_page_works_under_a_path_prefix():
     page = client.get("/").text
     for reference in re.findall(r'(?:src|href)="([^"]+)"', page):
         assert client.get("/" + reference).status_code == 200, reference
+
+
+def test_the_api_answers_while_the_model_loads():
+    import threading
+
+    from captum_transformers.explorer.loading import LoadingWorkspace
+
+    gate = threading.Event()
+    loading = LoadingWorkspace(lambda: gate.wait(10) and image_workspace())
+    client = client_for(loading)
+    assert client.get("/").status_code == 200  # the page is there at once
+    waiting = client.get("/api/session", headers=HEADERS)
+    assert waiting.status_code == 503 and waiting.json()["loading"] is True
+    assert client.post("/api/explain", headers=HEADERS, json={"methods": [{"name": "rollout"}],
+                                                              "targets": {"0": 1}}).status_code == 503
+    gate.set()
+    assert loading.wait(10)
+    assert client.get("/api/session", headers=HEADERS).json()["model"] == "tiny timm ViT"
+    explain(client, [{"name": "rollout"}], {"0": 1})
+
+    def broken():
+        raise RuntimeError("weights file truncated")
+
+    failed = LoadingWorkspace(broken)
+    failed.wait(10)
+    response = client_for(failed).get("/api/session", headers=HEADERS)
+    assert response.status_code == 400 and "weights file truncated" in response.json()["error"]

@@ -169,6 +169,26 @@ def test_progress_is_shown_while_it_computes(browser):
         running.stop()
 
 
+def test_page_says_the_model_is_loading_then_draws(browser):
+    import threading
+
+    from captum_transformers.explorer.loading import LoadingWorkspace
+
+    gate = threading.Event()
+    running = start(LoadingWorkspace(lambda: gate.wait(20) and text_workspace()), port=0, blocking=False, quiet=True)
+    try:
+        page = browser.new_page()
+        page.goto(running.url)
+        page.wait_for_selector("#status:has-text('loading the model')", timeout=10_000)
+        assert page.locator("#gallery .thumb").count() == 0
+        gate.set()
+        page.wait_for_selector("body[data-ready=yes]", timeout=30_000)
+        assert page.locator("#gallery .thumb").count() == 2
+        page.close()
+    finally:
+        running.stop()
+
+
 def test_foreign_host_and_missing_token_are_refused(browser, digits_server):
     base = f"http://127.0.0.1:{digits_server.port}"
     context = browser.new_context()

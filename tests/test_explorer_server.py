@@ -142,3 +142,11 @@ def test_a_huggingface_image_directory_opens_with_image_files(tmp_path):
     assert workspace.labels is None and all(p.correct is None for p in workspace.predictions())
     maps = workspace.explain("transformer-relevance", {}, {0: 2, 1: 0})
     assert maps[0]["shape"] == [32, 32] and not maps[0]["all_zero"]
+
+
+def test_cli_explore_reports_a_load_error_after_listening(capsys):
+    # the server listens at once; the model then fails to load: one line, exit status 2
+    assert main(["explore", "--port", "0", "--model", "/no/such/model.pt"]) == 2
+    captured = capsys.readouterr()
+    assert "open http://127.0.0.1:" in captured.out and "no such file" in captured.err
+    assert "Traceback" not in captured.err

@@ -35,13 +35,16 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from ..explorer.app import benchmark_curves
+    from ..explorer.loading import LoadingWorkspace
     from ..explorer.server import check_host, start
     from ..explorer.sources import loaded_workspace
 
     check_host(args.host, args.allow_remote)  # before any model is loaded
     benchmark = benchmark_curves(args.results) if args.results else None
-    workspace = loaded_workspace(args.model, args.arch, args.random_init, args.image, args.text, args.samples,
-                                 args.task, args.cache_dir)
+    # the server listens (and prints its URL) while the model loads; a load error stops it and
+    # is reported like any other (one line, exit status 2)
+    workspace = LoadingWorkspace(lambda: loaded_workspace(args.model, args.arch, args.random_init, args.image,
+                                                          args.text, args.samples, args.task, args.cache_dir))
     start(workspace, host=args.host, port=args.port, blocking=True, benchmark=benchmark,
           allow_remote=args.allow_remote, extra_hosts=args.allowed_host)
     return 0

@@ -5,6 +5,7 @@ Routes (every ``/api/`` route needs the session token, see ``security``)::
     GET  /                    the page (static/index.html)
     GET  /static/...          its script and style sheet
     GET  /api/session         model, classes, method catalog with argument fields, the gallery
+                              (503 {"loading": true, "seconds"} while the model loads)
     POST /api/explain         {"methods": [{"name", "arguments"}], "targets": {"<example>": class}}
                               -> a job (done at once when every map is cached)
     GET  /api/jobs/{id}       progress and maps of a job
@@ -22,6 +23,7 @@ from __future__ import annotations
 import base64
 import importlib.resources
 import json
+import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -117,34 +119,58 @@ async def _json_body(request: Request) -> Dict[str, Any]:
 
 
 def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Optional[Dict[str, Any]] = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, methods: Sequence[str] = METHOD_NAMES):
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, methods: Optional[Sequence[str]] = None):
     """The explorer of ``workspace`` as an ASGI app (wrapped in ``SecurityMiddleware``).
 
-    ``benchmark``: aggregate curves (``benchmark_curves(path)``) shown beside the per-example
-    ones; ``methods``: the catalog names offered (default: all).
+    ``workspace``: a ``Workspace``, or a ``LoadingWorkspace`` still building one (the API then
+    answers 503 ``{"loading": true, "seconds": ...}`` until it is ready); ``benchmark``:
+    aggregate curves (``benchmark_curves(path)``) shown beside the per-example ones;
+    ``methods``: the catalog names offered (default: those that can explain the model).
     """
-    jobs = Jobs(workspace)
-    session = session_payload(workspace, benchmark, methods)
+    from .loading import LoadingWorkspace, StillLoading
+    from .workspace import available_methods
+
+    source = workspace if isinstance(workspace, LoadingWorkspace) else None
+    ready: Dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def context():
+        """``(workspace, jobs, offered methods, session payload)`` once the workspace exists."""
+        try:
+            current = source.get() if source is not None else workspace
+        except (StillLoading, CaptumTransformersError):
+            raise
+        except Exception as error:  # an unexpected failure while loading: say what it was
+            raise InputError(f"the model could not be loaded ({type(error).__name__}: {error}).") from None
+        with lock:
+            if not ready:
+                offered = list(methods) if methods is not None else available_methods(current.model)
+                ready.update(workspace=current, jobs=Jobs(current), methods=offered,
+                             session=session_payload(current, benchmark, offered))
+                app.state.jobs, app.state.workspace = ready["jobs"], current
+        return ready["workspace"], ready["jobs"], ready["methods"], ready["session"]
 
     async def page(request: Request) -> Response:
         return FileResponse(str(static_dir().joinpath("index.html")), media_type="text/html")
 
     async def get_session(request: Request) -> Response:
-        return JSONResponse(session)
+        return JSONResponse(context()[3])
 
     async def explain(request: Request) -> Response:
+        workspace, jobs, methods, _ = context()
         body = await _json_body(request)
         requests = _parse_methods(body.get("methods"), methods)
         state = jobs.submit(requests, _parse_targets(workspace, body.get("targets")))
         return JSONResponse(state)
 
     async def job(request: Request) -> Response:
-        state = jobs.read(request.path_params["job_id"])
+        state = context()[1].read(request.path_params["job_id"])
         if state is None:
             return JSONResponse({"error": "no such job (finished jobs are kept for a while only)."}, status_code=404)
         return JSONResponse(state)
 
     def _curve_sync(body) -> Dict[str, Any]:
+        workspace, _, methods, _ = context()
         requested = {"name": body.get("method"), "arguments": body.get("arguments")}
         (method, arguments), = _parse_methods([requested], methods)
         targets = _parse_targets(workspace, {str(body.get("example")): body.get("target")})
@@ -165,6 +191,7 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
     def _export_sync(body) -> Dict[str, Any]:
         from .export import explorer_html
 
+        workspace, _, methods, _ = context()
         requests = _parse_methods(body.get("methods"), methods)
         targets = _parse_targets(workspace, body.get("targets"))
         maps = {method: workspace.explain(method, arguments, targets) for method, arguments in requests}
@@ -178,6 +205,9 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
 
     async def input_error(request: Request, error: Exception) -> Response:
         return JSONResponse({"error": str(error)}, status_code=400)
+
+    async def still_loading(request: Request, error: Exception) -> Response:
+        return JSONResponse({"loading": True, "seconds": error.seconds, "error": str(error)}, status_code=503)
 
     async def no_icon(request: Request) -> Response:
         return Response(status_code=204)  # browsers ask for one; the page has none
@@ -193,8 +223,10 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
         Route("/api/export", export, methods=["POST"]),
         Mount("/static", app=StaticFiles(directory=str(static_dir())), name="static"),
     ]
-    app = Starlette(routes=routes, exception_handlers={CaptumTransformersError: input_error})
-    app.state.jobs, app.state.workspace = jobs, workspace
+    app = Starlette(routes=routes, exception_handlers={CaptumTransformersError: input_error,
+                                                       StillLoading: still_loading})
+    if source is None:
+        context()  # a ready workspace: build the session now, so that its errors surface here
     return SecurityMiddleware(app, token, allowed_hosts, max_body_bytes)
 
 

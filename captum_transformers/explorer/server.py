@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from ..errors import InputError
 from .app import create_app
+from .loading import LoadingWorkspace
 from .security import LOCAL_HOSTS, new_token
 
 LOOPBACK = "127.0.0.1"
@@ -72,7 +73,10 @@ def start(workspace, host: str = LOOPBACK, port: int = 8765, blocking: bool = Tr
           benchmark: Optional[Dict[str, Any]] = None, token: Optional[str] = None, quiet: bool = False,
           allow_remote: bool = False, methods: Optional[Sequence[str]] = None,
           extra_hosts: Sequence[str] = ()) -> RunningExplorer:
-    """Serve ``workspace`` with ``methods`` (default: those that can explain its model).
+    """Serve ``workspace`` (a ``Workspace``, or a ``LoadingWorkspace`` still building one: the
+    URL is printed at once and the page shows the loading) with ``methods`` (default: those
+    that can explain its model); when a blocking server's workspace fails to load, the server
+    stops and the error is raised.
     ``extra_hosts``: more names the ``Host`` header may carry (a proxy's, a DNS name).
     Another host than loopback needs ``allow_remote=True`` and warns:
     the token is then the only thing between the network and the model."""
@@ -97,19 +101,30 @@ def start(workspace, host: str = LOOPBACK, port: int = 8765, blocking: bool = Tr
         allowed |= _machine_names()  # how other machines address this one
         print(f"requests must name one of these hosts (add more with --allowed-host): {', '.join(sorted(allowed))}",
               file=sys.stderr)
-    if methods is None:
-        from .workspace import available_methods
-
-        methods = available_methods(workspace.model)
     app = create_app(workspace, token, allowed_hosts=allowed, benchmark=benchmark, methods=methods)
     config = uvicorn.Config(app, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}/?token={token}"
     if not quiet:
-        print(f"captum-transformers explorer on {workspace.name}: open {url}")
+        what = "loading the model" if isinstance(workspace, LoadingWorkspace) else workspace.name
+        print(f"captum-transformers explorer ({what}): open {url}", flush=True)
+    if isinstance(workspace, LoadingWorkspace):
+        stop_if_failed = workspace.on_done
+
+        def on_done(error):
+            if stop_if_failed is not None:
+                stop_if_failed(error)
+            if error is not None and blocking:
+                server.should_exit = True  # the command reports the error and exits 2
+
+        workspace.on_done = on_done
+        if workspace.wait(0):  # it ended before the hook was set
+            on_done(workspace.error)
     if blocking:
         server.run(sockets=[sock])
+        if isinstance(workspace, LoadingWorkspace) and workspace.error is not None:
+            raise workspace.error
         return RunningExplorer(url, token, host, port, server, None)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
                               name="captum-explorer-server")

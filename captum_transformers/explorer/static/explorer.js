@@ -49,11 +49,23 @@ async function api(path, body) {
   return payload;
 }
 
-function setStatus(text, done, total) {
+function setStatus(text, done, total) {  // total undefined: no bar; null: a bar with no known end
   document.getElementById("status").textContent = text;
   const bar = document.getElementById("progress");
   bar.hidden = total === undefined;
-  if (total !== undefined) { bar.max = Math.max(total, 1); bar.value = done; }
+  if (total === null) bar.removeAttribute("value");
+  else if (total !== undefined) { bar.max = Math.max(total, 1); bar.value = done; }
+}
+
+async function loadSession() {  // the server answers 503 while the model is still loading
+  for (;;) {
+    const response = await fetch("api/session", { headers: { "X-Explorer-Token": state.token || "" } });
+    const payload = await response.json().catch(() => ({ error: `HTTP ${response.status}` }));
+    if (response.ok) return payload;
+    if (response.status !== 503 || !payload.loading) throw new Error(payload.error || `HTTP ${response.status}`);
+    setStatus(`loading the model… ${payload.seconds.toFixed(1)} s`, null, null);
+    await new Promise((resolve) => setTimeout(resolve, 250));
+  }
 }
 
 function showError(message) {
@@ -348,7 +360,7 @@ async function showBenchmark() {
 async function start() {
   state.token = readToken();
   try {
-    state.session = await api("api/session");
+    state.session = await loadSession();
   } catch (error) {
     setStatus("error");
     showError(`${error.message}`);
