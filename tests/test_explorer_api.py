@@ -21,9 +21,10 @@ TOKEN = "test-token-0123456789abcdef"
 HEADERS = {"X-Explorer-Token": TOKEN}
 
 
-def client_for(workspace, **kwargs) -> TestClient:
-    # TestClient sends Host: testserver; the allowlist is told so, like a bound host would be
-    return TestClient(create_app(workspace, TOKEN, allowed_hosts=("testserver",), **kwargs))
+def client_for(workspace, warm=False, **kwargs) -> TestClient:
+    # TestClient sends Host: testserver; the allowlist is told so, like a bound host would be.
+    # No warm-up by default: the tests count attribute calls.
+    return TestClient(create_app(workspace, TOKEN, allowed_hosts=("testserver",), warm=warm, **kwargs))
 
 
 def explain(client, methods, targets):
@@ -288,3 +289,18 @@ def test_the_api_answers_while_the_model_loads():
     failed.wait(10)
     response = client_for(failed).get("/api/session", headers=HEADERS)
     assert response.status_code == 400 and "weights file truncated" in response.json()["error"]
+
+
+def test_the_default_view_is_computed_before_the_page_asks():
+    builder = CountingBuilder()
+    client = client_for(image_workspace(builder), warm=True)
+    session = client.get("/api/session", headers=HEADERS).json()
+    assert session["defaults"] == {"methods": ["rollout", "generic-attention"], "examples": [0, 1, 2, 3]}
+    jobs = client.app.app.state.jobs
+    assert jobs.wait("job-1")["state"] == "done"  # the warm-up
+    calls = len(builder.calls)
+    assert calls == 2
+    targets = {str(e["index"]): e["predicted"] for e in session["examples"]}
+    state = client.post("/api/explain", headers=HEADERS, json={
+        "methods": [{"name": name} for name in session["defaults"]["methods"]], "targets": targets}).json()
+    assert state["state"] == "done" and len(builder.calls) == calls  # answered from the cache

@@ -155,7 +155,7 @@ class SlowBuilder(CountingBuilder):
 
 def test_progress_is_shown_while_it_computes(browser):
     builder = SlowBuilder()
-    running = start(text_workspace(builder), port=0, blocking=False, quiet=True)
+    running = start(text_workspace(builder), port=0, blocking=False, quiet=True, warm=False)
     try:
         page = browser.new_page()
         page.goto(running.url)

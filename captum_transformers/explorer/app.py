@@ -41,6 +41,16 @@ from .method_arguments import checked_arguments, method_catalog
 from .security import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS, SecurityMiddleware
 
 MAX_METHODS_PER_REQUEST = len(METHOD_NAMES)
+#: What the page shows first: these methods (those offered; else the first offered) on the
+#: first examples of the batch, each for its predicted class.
+DEFAULT_METHODS = ("rollout", "generic-attention")
+DEFAULT_EXAMPLES = 6
+
+
+def default_view(workspace, offered: Sequence[str]) -> Dict[str, Any]:
+    """``{"methods": [...], "examples": [...]}``: the grid the page opens with."""
+    methods = [name for name in DEFAULT_METHODS if name in offered] or list(offered[:1])
+    return {"methods": methods, "examples": list(range(min(DEFAULT_EXAMPLES, len(workspace))))}
 
 
 def static_dir():
@@ -76,7 +86,8 @@ def session_payload(workspace, benchmark: Optional[Dict[str, Any]] = None,
         entry.update(display_payload(workspace, prediction.index))
         examples.append(entry)
     return {"model": workspace.name, "modality": workspace.modality, "classes": workspace.class_names,
-            "methods": method_catalog(methods), "examples": examples, "has_benchmark": benchmark is not None}
+            "methods": method_catalog(methods), "examples": examples, "has_benchmark": benchmark is not None,
+            "defaults": default_view(workspace, methods)}
 
 
 def _parse_targets(workspace, raw: Any) -> Dict[int, int]:
@@ -119,13 +130,16 @@ async def _json_body(request: Request) -> Dict[str, Any]:
 
 
 def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Optional[Dict[str, Any]] = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, methods: Optional[Sequence[str]] = None):
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, methods: Optional[Sequence[str]] = None,
+               warm: bool = True):
     """The explorer of ``workspace`` as an ASGI app (wrapped in ``SecurityMiddleware``).
 
     ``workspace``: a ``Workspace``, or a ``LoadingWorkspace`` still building one (the API then
     answers 503 ``{"loading": true, "seconds": ...}`` until it is ready); ``benchmark``:
     aggregate curves (``benchmark_curves(path)``) shown beside the per-example ones;
-    ``methods``: the catalog names offered (default: those that can explain the model).
+    ``methods``: the catalog names offered (default: those that can explain the model);
+    ``warm``: compute the page's default view in the background as soon as the workspace is
+    ready, so that the first page finds it cached.
     """
     from .loading import LoadingWorkspace, StillLoading
     from .workspace import available_methods
@@ -148,6 +162,11 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
                 ready.update(workspace=current, jobs=Jobs(current), methods=offered,
                              session=session_payload(current, benchmark, offered))
                 app.state.jobs, app.state.workspace = ready["jobs"], current
+                if warm:
+                    view = ready["session"]["defaults"]
+                    predicted = {p.index: p.predicted for p in current.predictions()}
+                    ready["jobs"].submit([(name, {}) for name in view["methods"]],
+                                         {index: predicted[index] for index in view["examples"]}, background=True)
         return ready["workspace"], ready["jobs"], ready["methods"], ready["session"]
 
     async def page(request: Request) -> Response:

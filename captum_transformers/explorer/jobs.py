@@ -31,8 +31,10 @@ class Jobs:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
-    def submit(self, requests: List[Tuple[str, Mapping[str, Any]]], targets: Mapping[int, int]) -> Dict[str, Any]:
-        """Start a job (or finish it at once when every map is cached); returns its state."""
+    def submit(self, requests: List[Tuple[str, Mapping[str, Any]]], targets: Mapping[int, int],
+               background: bool = False) -> Dict[str, Any]:
+        """Start a job (or finish it at once when every map is cached); returns its state.
+        ``background``: always queue it (a warm-up nobody waits for)."""
         job_id = f"job-{next(self._ids)}"
         state = {"id": job_id, "state": "running", "done": 0, "total": len(requests), "running": None,
                  "results": [], "error": None, "started": time.time(), "seconds": None}
@@ -40,8 +42,9 @@ class Jobs:
             self._jobs[job_id] = state
             while len(self._jobs) > KEPT_JOBS:
                 self._jobs.popitem(last=False)
-        cached = [self.workspace.cached(method, arguments, targets) for method, arguments in requests]
-        if all(len(found) == len(targets) for found in cached):
+        cached = [] if background else [self.workspace.cached(method, arguments, targets)
+                                        for method, arguments in requests]
+        if not background and all(len(found) == len(targets) for found in cached):
             self._run(state, requests, targets)  # cache hit: answer in the same request
         else:
             self._executor.submit(self._run, state, requests, targets)

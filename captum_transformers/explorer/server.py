@@ -72,7 +72,7 @@ class RunningExplorer:
 def start(workspace, host: str = LOOPBACK, port: int = 8765, blocking: bool = True,
           benchmark: Optional[Dict[str, Any]] = None, token: Optional[str] = None, quiet: bool = False,
           allow_remote: bool = False, methods: Optional[Sequence[str]] = None,
-          extra_hosts: Sequence[str] = ()) -> RunningExplorer:
+          extra_hosts: Sequence[str] = (), warm: bool = True) -> RunningExplorer:
     """Serve ``workspace`` (a ``Workspace``, or a ``LoadingWorkspace`` still building one: the
     URL is printed at once and the page shows the loading) with ``methods`` (default: those
     that can explain its model); when a blocking server's workspace fails to load, the server
@@ -101,7 +101,8 @@ def start(workspace, host: str = LOOPBACK, port: int = 8765, blocking: bool = Tr
         allowed |= _machine_names()  # how other machines address this one
         print(f"requests must name one of these hosts (add more with --allowed-host): {', '.join(sorted(allowed))}",
               file=sys.stderr)
-    app = create_app(workspace, token, allowed_hosts=allowed, benchmark=benchmark, methods=methods)
+    app = create_app(workspace, token, allowed_hosts=allowed, benchmark=benchmark, methods=methods,
+                     warm=warm)
     config = uvicorn.Config(app, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     shown = f"[{host}]" if ":" in host else host

@@ -368,13 +368,11 @@ async function start() {
   }
   document.getElementById("model-name").textContent = `${state.session.model} (${state.session.examples.length} ` +
     `${state.session.modality === "image" ? "images" : "texts"})`;
-  const names = state.session.methods.map((m) => m.name);
-  const defaults = ["rollout", "generic-attention"].filter((n) => names.includes(n));
-  buildMethodControls(defaults.length ? defaults : names.slice(0, 1));
+  buildMethodControls(state.session.defaults.methods);
   fillClassSelect(document.getElementById("filter-label"));
   fillClassSelect(document.getElementById("filter-predicted"));
   for (const id of ["filter-correct", "sort"]) document.getElementById(id).addEventListener("change", renderGallery);
-  state.selected = state.session.examples.slice(0, 6).map((e) => e.index);
+  state.selected = [...state.session.defaults.examples];
   renderGallery();
   document.body.dataset.galleryMs = performance.now().toFixed(1);  // read by benchmarks/explorer_first_view.py
   document.getElementById("export-png").addEventListener("click", exportPng);
