@@ -48,4 +48,4 @@ def text_workspace(builder=None) -> Workspace:
     ids = torch.tensor([[1, 5, 7, 9], [1, 4, 6, 8]])
     kwargs = {"method_builder": builder} if builder is not None else {}
     return Workspace(model, (ids,), tokens, "text", labels=torch.tensor([0, 1]), class_names=["neg", PAYLOAD, "pos"],
-                     name="tiny encoder", special_tokens=frozenset({"[CLS]"}), **kwargs)
+                     name="tiny encoder", special_tokens=frozenset({"[CLS]"}), removed_token_id=0, **kwargs)

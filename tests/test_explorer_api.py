@@ -180,8 +180,14 @@ def test_session_gallery_and_text_payloads():
     assert "rollout" in names and "integrated-gradients" in names
     state = explain(client, [{"name": "rollout"}], {"0": 0, "1": 2})
     assert state["results"][0]["maps"]["0"]["values"][0] == 0.0  # [CLS] is special: shown, scored 0
-    assert client.post("/api/curve", headers=HEADERS, json={"method": "rollout", "example": 0,
-                                                             "target": 0}).status_code == 400
+    curve = client.post("/api/curve", headers=HEADERS, json={"method": "rollout", "example": 0, "target": 2}).json()
+    workspace = client.app.app.state.workspace
+    assert curve["deletion"]["y"][0] == pytest.approx(workspace.probabilities[0, 2].item(), abs=1e-5)
+    with torch.no_grad():  # every token but [CLS] replaced by id 0
+        emptied = workspace.model(torch.tensor([[1, 0, 0, 0]])).softmax(-1)[0, 2].item()
+    assert curve["deletion"]["y"][-1] == pytest.approx(emptied, abs=1e-5)
+    assert curve["insertion"]["y"][0] == pytest.approx(emptied, abs=1e-5)
+    assert curve["insertion"]["y"][-1] == pytest.approx(workspace.probabilities[0, 2].item(), abs=1e-5)
 
 
 def test_html_export_escapes_user_strings():

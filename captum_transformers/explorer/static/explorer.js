@@ -336,7 +336,7 @@ async function showCurve(method, index, target) {
     box.replaceChildren(lineChart(`probability of ${className(target)}`, [
       { name: `deletion ${curve.deletion.auc.toFixed(3)}`, x: curve.x, y: curve.deletion.y, colour: "#d62728" },
       { name: `insertion ${curve.insertion.auc.toFixed(3)}`, x: curve.x, y: curve.insertion.y, colour: "#1f77b4" },
-    ], "fraction of pixels removed / inserted", ""));
+    ], `fraction of ${state.session.modality === "image" ? "pixels" : "tokens"} removed / inserted`, ""));
   } catch (error) {
     box.replaceChildren(el("span", { text: error.message }));
   }
