@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -276,8 +277,9 @@ def test_the_api_answers_while_the_model_loads():
     from captum_transformers.explorer.loading import LoadingWorkspace
 
     gate = threading.Event()
-    loading = LoadingWorkspace(lambda: gate.wait(10) and image_workspace())
-    client = client_for(loading)
+    builder = CountingBuilder()
+    loading = LoadingWorkspace(lambda: gate.wait(10) and image_workspace(builder))
+    client = client_for(loading, warm=True)
     assert client.get("/").status_code == 200  # the page is there at once
     waiting = client.get("/api/session", headers=HEADERS)
     assert waiting.status_code == 503 and waiting.json()["loading"] is True
@@ -285,6 +287,11 @@ def test_the_api_answers_while_the_model_loads():
                                                               "targets": {"0": 1}}).status_code == 503
     gate.set()
     assert loading.wait(10)
+    for _ in range(200):  # the default view starts as soon as the model is loaded, before any request
+        if len(builder.calls) == 2:
+            break
+        time.sleep(0.05)
+    assert [call[0] for call in builder.calls] == ["rollout", "generic-attention"]
     assert client.get("/api/session", headers=HEADERS).json()["model"] == "tiny timm ViT"
     explain(client, [{"name": "rollout"}], {"0": 1})
 

@@ -246,6 +246,18 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
                                                        StillLoading: still_loading})
     if source is None:
         context()  # a ready workspace: build the session now, so that its errors surface here
+    else:  # build it (and start the default view) as soon as the workspace is loaded
+        earlier = source.on_done
+
+        def loaded(error):
+            if earlier is not None:
+                earlier(error)
+            if error is None:
+                context()
+
+        source.on_done = loaded
+        if source.wait(0) and source.error is None:
+            context()
     return SecurityMiddleware(app, token, allowed_hosts, max_body_bytes)
 
 
