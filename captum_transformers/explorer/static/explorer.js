@@ -210,6 +210,7 @@ function renderGallery() {
   gallery.replaceChildren();
   const list = filteredExamples();
   document.getElementById("gallery-count").textContent = `(${list.length} of ${state.session.examples.length})`;
+  if (!list.length) gallery.append(el("p", { class: "hint", text: "no example matches these filters" }));
   for (const e of list) {
     const visual = state.session.modality === "image" ? imageCanvas(e) : tokenStrip(e.tokens, null);
     const thumb = el("div", { class: "thumb", "data-example": String(e.index) }, visual,
