@@ -79,6 +79,7 @@ def test_other_hosts_need_a_flag_and_warn(capsys):
 
 
 def test_cli_explore_refuses_remote_host_before_loading(capsys):
+    pytest.importorskip("uvicorn")
     assert main(["explore", "--host", "0.0.0.0", "--model", "/no/such/model"]) == 2
     error = capsys.readouterr().err
     assert "--allow-remote" in error and "no such file" not in error
@@ -158,7 +159,17 @@ def test_a_huggingface_image_directory_opens_with_image_files(tmp_path):
 
 def test_cli_explore_reports_a_load_error_after_listening(capsys):
     # the server listens at once; the model then fails to load: one line, exit status 2
+    pytest.importorskip("uvicorn")
     assert main(["explore", "--port", "0", "--model", "/no/such/model.pt"]) == 2
     captured = capsys.readouterr()
     assert "open http://127.0.0.1:" in captured.out and "no such file" in captured.err
     assert "Traceback" not in captured.err
+
+
+def test_missing_explorer_extra_is_one_line_naming_the_install(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "starlette", None)  # as if not installed: import raises ImportError
+    assert main(["explore", "--port", "0"]) == 2
+    error = capsys.readouterr().err
+    assert "captum_transformers[explorer]" in error and "Traceback" not in error

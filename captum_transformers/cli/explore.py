@@ -34,12 +34,14 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..explorer.app import benchmark_curves
     from ..explorer.loading import LoadingWorkspace
-    from ..explorer.server import check_host, start
+    from ..explorer.server import check_host, require_explorer_extra, start
     from ..explorer.sources import loaded_workspace
 
+    require_explorer_extra()
     check_host(args.host, args.allow_remote)  # before any model is loaded
+    from ..explorer.app import benchmark_curves
+
     benchmark = benchmark_curves(args.results) if args.results else None
     # the server listens (and prints its URL) while the model loads; a load error stops it and
     # is reported like any other (one line, exit status 2)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
 from ..errors import InputError
-from .app import create_app
 from .loading import LoadingWorkspace
 from .security import LOCAL_HOSTS, new_token
 
@@ -32,7 +31,9 @@ def check_host(host: str, allow_remote: bool) -> None:
                          "it on purpose (anyone who has the printed URL can then run the model).")
 
 
-def _requirements() -> None:
+def require_explorer_extra() -> None:
+    """Refuse, naming the install command, when Starlette or uvicorn is missing (the module
+    itself imports neither, so that this check runs before any import fails)."""
     try:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
@@ -80,8 +81,10 @@ def start(workspace, host: str = LOOPBACK, port: int = 8765, blocking: bool = Tr
     ``extra_hosts``: more names the ``Host`` header may carry (a proxy's, a DNS name).
     Another host than loopback needs ``allow_remote=True`` and warns:
     the token is then the only thing between the network and the model."""
-    _requirements()
+    require_explorer_extra()
     import uvicorn
+
+    from .app import create_app
 
     check_host(host, allow_remote)
     if host not in LOOPBACK_NAMES:

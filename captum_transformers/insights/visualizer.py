@@ -147,8 +147,9 @@ class AttributionVisualizer:
         only protection). ``debug`` is accepted and ignored (errors are shown on the page).
         ``allowed_hosts`` (not in Captum's signature): more names the ``Host`` header may carry,
         e.g. a notebook proxy's, which the Host allowlist would otherwise refuse."""
-        from ..explorer.server import start
+        from ..explorer.server import require_explorer_extra, start
 
+        require_explorer_extra()
         running = start(self.workspace(), host="0.0.0.0" if bind_all else "127.0.0.1",
                         port=0 if port is None else port, blocking=blocking, allow_remote=bind_all,
                         methods=self.methods(), extra_hosts=tuple(allowed_hosts))
