@@ -143,7 +143,7 @@ def test_text_feature_tokens_and_render_escape_user_strings(monkeypatch):
 
 def test_methods_not_offered_for_the_model_are_refused_by_the_api():
     pytest.importorskip("httpx")
-    from starlette.testclient import TestClient
+    TestClient = pytest.importorskip("starlette.testclient").TestClient
 
     from captum_transformers.explorer.app import create_app
 
