@@ -189,6 +189,22 @@ def test_page_says_the_model_is_loading_then_draws(browser):
         running.stop()
 
 
+def test_a_second_model_is_chosen_in_the_header(browser):
+    first, second = text_workspace(), text_workspace()
+    second.name = "second encoder"
+    running = start([first, second], port=0, blocking=False, quiet=True, warm=False)
+    try:
+        page, errors = open_page(browser, running.url)
+        assert page.locator("#model-select option").all_text_contents() == ["tiny encoder", "second encoder"]
+        page.select_option("#model-select", "1")  # reloads the page for that model
+        page.wait_for_function("() => document.getElementById('model-name').textContent.startsWith('second')")
+        page.wait_for_selector("body[data-ready=yes] #grid td[data-ready=yes]")
+        assert page.locator("#model-select").input_value() == "1" and errors == []
+        page.close()
+    finally:
+        running.stop()
+
+
 def test_foreign_host_and_missing_token_are_refused(browser, digits_server):
     base = f"http://127.0.0.1:{digits_server.port}"
     context = browser.new_context()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import time
 import urllib.request
 
 import pytest
@@ -91,7 +92,7 @@ def test_transformer_maps_equal_the_methods_called_directly():
     model, _, _ = timm_vit_case()
     visualizer = insights_example(model=model, examples=4)
     visualizer.classes = visualizer.classes[:5]
-    visualizer._workspace = None
+    visualizer._workspaces = None
     assert visualizer.methods() == list(METHOD_NAMES)
     workspace = visualizer.workspace()
     maps = workspace.explain("generic-attention", {}, {0: 1, 1: 4, 2: 0, 3: 2})
@@ -102,7 +103,7 @@ def test_transformer_maps_equal_the_methods_called_directly():
 
 def test_what_the_explorer_cannot_show_is_refused():
     cases = [
-        (dict(models=[CifarNet(), CifarNet()]), "one model"),
+        (dict(models=[]), "non-empty list"),
         (dict(features=[GeneralFeature("age", ["years"])]), "GeneralFeature"),
         (dict(use_label_for_attr=False), "use_label_for_attr"),
     ]
@@ -153,3 +154,36 @@ def test_methods_not_offered_for_the_model_are_refused_by_the_api():
     response = client.post("/api/explain", headers={"X-Explorer-Token": "t" * 20},
                            json={"methods": [{"name": "rollout"}], "targets": {"0": 1}})
     assert response.status_code == 400 and "not offered" in response.json()["error"]
+
+
+def test_several_models_are_served_side_by_side():
+    pytest.importorskip("httpx")
+    TestClient = pytest.importorskip("starlette.testclient").TestClient
+    from captum_transformers.explorer.app import create_app
+
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    vit = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=10).eval()
+    visualizer = AttributionVisualizer(models=[CifarNet(), vit], classes=list("abcdefghij"), dataset=cifar_batches(),
+                                       features=ImageFeature("Photo", None, [lambda x: (x - 0.5) / 0.5]), examples=4)
+    cnn_view, vit_view = visualizer.workspaces()
+    client = TestClient(create_app(visualizer.workspaces(), "t" * 20, allowed_hosts=("testserver",), warm=False))
+    headers = {"X-Explorer-Token": "t" * 20}
+    sessions = [client.get(f"/api/session?model={i}", headers=headers).json() for i in (0, 1)]
+    assert sessions[0]["models"] == sessions[1]["models"] == ["CifarNet (Photo)", "VisionTransformer (Photo)"]
+    assert [m["name"] for m in sessions[0]["methods"]] == ["integrated-gradients", "saliency"]
+    assert "generic-attention" in [m["name"] for m in sessions[1]["methods"]]
+    assert client.get("/api/session?model=2", headers=headers).status_code == 400
+    state = client.post("/api/explain?model=1", headers=headers, json={"methods": [{"name": "generic-attention"}],
+                                                                        "targets": {"0": 3}}).json()
+    for _ in range(400):  # the job runs in that model's own queue
+        if state["state"] != "running":
+            break
+        time.sleep(0.02)
+        state = client.get(f"/api/jobs/{state['id']}?model=1", headers=headers).json()
+    direct = build_method("generic-attention", vit).attribute(vit_view.inputs[0][:1], target=torch.tensor([3]))
+    values = torch.tensor(state["results"][0]["maps"]["0"]["values"]).reshape(32, 32)
+    assert torch.allclose(values, direct[0].sum(0), atol=1e-5)
+    document = visualizer.html(count=2)
+    assert document.count("<body>") == 1 and "CifarNet (Photo)" in document and "VisionTransformer (Photo)" in document

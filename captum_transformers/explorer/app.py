@@ -134,8 +134,9 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
                warm: bool = True):
     """The explorer of ``workspace`` as an ASGI app (wrapped in ``SecurityMiddleware``).
 
-    ``workspace``: a ``Workspace``, or a ``LoadingWorkspace`` still building one (the API then
-    answers 503 ``{"loading": true, "seconds": ...}`` until it is ready); ``benchmark``:
+    ``workspace``: a ``Workspace``, a ``LoadingWorkspace`` still building one (the API then
+    answers 503 ``{"loading": true, "seconds": ...}`` until it is ready), or a list of
+    Workspaces, one per model, chosen by ``?model=<index>`` on API calls; ``benchmark``:
     aggregate curves (``benchmark_curves(path)``) shown beside the per-example ones;
     ``methods``: the catalog names offered (default: those that can explain the model);
     ``warm``: compute the page's default view in the background as soon as the workspace is
@@ -145,51 +146,67 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
     from .workspace import available_methods
 
     source = workspace if isinstance(workspace, LoadingWorkspace) else None
-    ready: Dict[str, Any] = {}
+    # several workspaces (one per model, as Captum Insights' list of models): the page picks one
+    # with ?model=<index> on every API call; each has its own cache, jobs and session
+    workspaces = list(workspace) if isinstance(workspace, (list, tuple)) else [workspace]
+    if not workspaces or (len(workspaces) > 1 and any(isinstance(w, LoadingWorkspace) for w in workspaces)):
+        raise InputError("create_app takes one Workspace (or LoadingWorkspace), or a non-empty list of Workspaces.")
+    ready: List[Dict[str, Any]] = [{} for _ in workspaces]
     lock = threading.Lock()
 
-    def context():
-        """``(workspace, jobs, offered methods, session payload)`` once the workspace exists."""
+    def context(model: int = 0):
+        """``(workspace, jobs, offered methods, session payload)`` of model ``model`` once it exists."""
         try:
-            current = source.get() if source is not None else workspace
+            current = source.get() if source is not None else workspaces[model]
         except (StillLoading, CaptumTransformersError):
             raise
         except Exception as error:  # an unexpected failure while loading: say what it was
             raise InputError(f"the model could not be loaded ({type(error).__name__}: {error}).") from None
+        entry = ready[model]
         with lock:
-            if not ready:
+            if not entry:
                 offered = list(methods) if methods is not None else available_methods(current.model)
-                ready.update(workspace=current, jobs=Jobs(current), methods=offered,
-                             session=session_payload(current, benchmark, offered))
-                app.state.jobs, app.state.workspace = ready["jobs"], current
+                session = session_payload(current, benchmark, offered)
+                session.update(model_index=model, models=[getattr(w, "name", "model") for w in workspaces])
+                if source is not None:
+                    session["models"] = [current.name]
+                entry.update(workspace=current, jobs=Jobs(current), methods=offered, session=session)
+                if model == 0:
+                    app.state.jobs, app.state.workspace = entry["jobs"], current
                 if warm:
-                    view = ready["session"]["defaults"]
+                    view = session["defaults"]
                     predicted = {p.index: p.predicted for p in current.predictions()}
-                    ready["jobs"].submit([(name, {}) for name in view["methods"]],
+                    entry["jobs"].submit([(name, {}) for name in view["methods"]],
                                          {index: predicted[index] for index in view["examples"]}, background=True)
-        return ready["workspace"], ready["jobs"], ready["methods"], ready["session"]
+        return entry["workspace"], entry["jobs"], entry["methods"], entry["session"]
+
+    def model_of(request: Request) -> int:
+        raw = request.query_params.get("model", "0")
+        if not raw.isdigit() or int(raw) >= len(workspaces):
+            raise InputError(f"model={raw!r}: expected an index below {len(workspaces)}.")
+        return int(raw)
 
     async def page(request: Request) -> Response:
         return FileResponse(str(static_dir().joinpath("index.html")), media_type="text/html")
 
     async def get_session(request: Request) -> Response:
-        return JSONResponse(context()[3])
+        return JSONResponse(context(model_of(request))[3])
 
     async def explain(request: Request) -> Response:
-        workspace, jobs, methods, _ = context()
+        workspace, jobs, methods, _ = context(model_of(request))
         body = await _json_body(request)
         requests = _parse_methods(body.get("methods"), methods)
         state = jobs.submit(requests, _parse_targets(workspace, body.get("targets")))
         return JSONResponse(state)
 
     async def job(request: Request) -> Response:
-        state = context()[1].read(request.path_params["job_id"])
+        state = context(model_of(request))[1].read(request.path_params["job_id"])
         if state is None:
             return JSONResponse({"error": "no such job (finished jobs are kept for a while only)."}, status_code=404)
         return JSONResponse(state)
 
-    def _curve_sync(body) -> Dict[str, Any]:
-        workspace, _, methods, _ = context()
+    def _curve_sync(body, model: int) -> Dict[str, Any]:
+        workspace, _, methods, _ = context(model)
         requested = {"name": body.get("method"), "arguments": body.get("arguments")}
         (method, arguments), = _parse_methods([requested], methods)
         targets = _parse_targets(workspace, {str(body.get("example")): body.get("target")})
@@ -202,15 +219,15 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
         from starlette.concurrency import run_in_threadpool
 
         body = await _json_body(request)
-        return JSONResponse(await run_in_threadpool(_curve_sync, body))
+        return JSONResponse(await run_in_threadpool(_curve_sync, body, model_of(request)))
 
     async def get_benchmark(request: Request) -> Response:
         return JSONResponse(benchmark or {"metrics": {}})
 
-    def _export_sync(body) -> Dict[str, Any]:
+    def _export_sync(body, model: int) -> Dict[str, Any]:
         from .export import explorer_html
 
-        workspace, _, methods, _ = context()
+        workspace, _, methods, _ = context(model)
         requests = _parse_methods(body.get("methods"), methods)
         targets = _parse_targets(workspace, body.get("targets"))
         maps = {method: workspace.explain(method, arguments, targets) for method, arguments in requests}
@@ -220,7 +237,7 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
         from starlette.concurrency import run_in_threadpool
 
         body = await _json_body(request)
-        return JSONResponse(await run_in_threadpool(_export_sync, body))
+        return JSONResponse(await run_in_threadpool(_export_sync, body, model_of(request)))
 
     async def input_error(request: Request, error: Exception) -> Response:
         return JSONResponse({"error": str(error)}, status_code=400)
@@ -245,7 +262,8 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
     app = Starlette(routes=routes, exception_handlers={CaptumTransformersError: input_error,
                                                        StillLoading: still_loading})
     if source is None:
-        context()  # a ready workspace: build the session now, so that its errors surface here
+        for model in range(len(workspaces)):
+            context(model)  # ready workspaces: build the sessions now, so that their errors surface here
     else:  # build it (and start the default view) as soon as the workspace is loaded
         earlier = source.on_done
 

@@ -30,7 +30,8 @@ class LoadingWorkspace:
     ``StillLoading`` before that, or re-raises the error ``build()`` raised. ``on_done(error)``
     is called once the build ends (``None`` on success)."""
 
-    def __init__(self, build: Callable[[], object], on_done: Optional[Callable[[Optional[BaseException]], None]] = None):
+    def __init__(self, build: Callable[[], object],
+                 on_done: Optional[Callable[[Optional[BaseException]], None]] = None) -> None:
         self.started = time.time()
         self.name = "(loading)"
         self.error: Optional[BaseException] = None

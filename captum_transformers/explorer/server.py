@@ -111,7 +111,12 @@ def start(workspace, host: str = LOOPBACK, port: int = 8765, blocking: bool = Tr
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}/?token={token}"
     if not quiet:
-        what = "loading the model" if isinstance(workspace, LoadingWorkspace) else workspace.name
+        if isinstance(workspace, LoadingWorkspace):
+            what = "loading the model"
+        elif isinstance(workspace, (list, tuple)):
+            what = ", ".join(w.name for w in workspace)
+        else:
+            what = workspace.name
         print(f"captum-transformers explorer ({what}): open {url}", flush=True)
     if isinstance(workspace, LoadingWorkspace):
         stop_if_failed = workspace.on_done

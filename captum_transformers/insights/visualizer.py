@@ -18,7 +18,10 @@ through its feature's ``input_transforms`` once; the model's outputs through ``s
 model, and Captum's Integrated Gradients and Saliency always (the only methods for a model
 with no attention, like Insights' CIFAR CNN).
 
-Refused with an explanation rather than explored wrongly: several models, several features,
+Several models are served side by side: the page gets a model selector (each model has its
+own predictions, offered methods and cache), ``html()`` one view per model.
+
+Refused with an explanation rather than explored wrongly: several features,
 a ``GeneralFeature``, ``additional_args``, and ``use_label_for_attr=False`` (the explorer
 explains one class per example). Integrated Gradients here starts from zero; a
 ``baseline_transforms`` that gives anything else is warned about once.
@@ -58,9 +61,8 @@ class AttributionVisualizer:
                  examples: int = 48) -> None:
         models = list(models) if isinstance(models, (list, tuple)) else [models]
         features = list(features) if isinstance(features, (list, tuple)) else [features]
-        if len(models) != 1:
-            raise InputError(f"the explorer shows one model at a time; received {len(models)} models. Create one "
-                             "AttributionVisualizer per model.")
+        if not models or not all(isinstance(model, nn.Module) for model in models):
+            raise InputError(f"models must be an nn.Module or a non-empty list of them, received {models!r}.")
         if len(features) != 1 or not isinstance(features[0], (ImageFeature, TextFeature)):
             kinds = [type(f).__name__ for f in features]
             raise InputError(f"the explorer draws one ImageFeature or TextFeature input; received {kinds}. Models "
@@ -73,15 +75,19 @@ class AttributionVisualizer:
         self.models, self.classes, self.features = models, list(classes), features
         self.dataset, self.score_func, self.use_label_for_attr = dataset, score_func, use_label_for_attr
         self.examples = examples
-        self._workspace = None
+        self._workspaces = None
         self._running = None
 
     # -- the workspace the explorer serves ------------------------------------------------
-    def workspace(self):
-        """The explorer's ``Workspace`` over the first ``examples`` examples (built once)."""
-        if self._workspace is None:
-            self._workspace = self._build_workspace()
-        return self._workspace
+    def workspaces(self) -> List:
+        """One explorer ``Workspace`` per model over the same first ``examples`` examples (built once)."""
+        if self._workspaces is None:
+            self._workspaces = self._build_workspaces()
+        return self._workspaces
+
+    def workspace(self, model: int = 0):
+        """The ``Workspace`` of ``models[model]``."""
+        return self.workspaces()[model]
 
     def _read_batches(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         raws, labels, count = [], [], 0
@@ -106,10 +112,10 @@ class AttributionVisualizer:
         label = None if any(l is None for l in labels) else torch.cat(labels)[:self.examples]
         return raw, label
 
-    def _build_workspace(self):
+    def _build_workspaces(self) -> List:
         from ..explorer.workspace import Workspace
 
-        feature, model = self.features[0], self.models[0]
+        feature = self.features[0]
         raw, labels = self._read_batches()
         inputs = feature.transform_input(raw)
         self._check_baseline(feature, inputs)
@@ -120,8 +126,11 @@ class AttributionVisualizer:
         else:
             displays = [_tokens(feature, raw[i:i + 1]) for i in range(raw.shape[0])]
             modality = "text"
-        return Workspace(model.eval(), (inputs,), displays, modality, labels=labels, class_names=self.classes,
-                         name=f"{type(model).__name__} ({feature.name})", score_func=self.score_func)
+        names = [type(model).__name__ for model in self.models]
+        return [Workspace(model.eval(), (inputs,), displays, modality, labels=labels, class_names=self.classes,
+                          name=f"{name}{f' #{i}' if names.count(name) > 1 else ''} ({feature.name})",
+                          score_func=self.score_func)
+                for i, (model, name) in enumerate(zip(self.models, names))]
 
     @staticmethod
     def _check_baseline(feature: BaseFeature, inputs: torch.Tensor) -> None:
@@ -133,11 +142,11 @@ class AttributionVisualizer:
                           "Gradients in the explorer starts from zero (the model input 0); its maps differ from "
                           "Captum Insights' for this baseline.", stacklevel=3)
 
-    def methods(self) -> List[str]:
-        """The catalog names offered for this model (see the module docstring)."""
+    def methods(self, model: int = 0) -> List[str]:
+        """The catalog names offered for ``models[model]`` (see the module docstring)."""
         from ..explorer.workspace import available_methods
 
-        return available_methods(self.models[0])
+        return available_methods(self.models[model])
 
     # -- Captum Insights' entry points -----------------------------------------------------
     def serve(self, blocking: bool = False, debug: bool = False, port=None, bind_all: bool = False, *,
@@ -150,9 +159,10 @@ class AttributionVisualizer:
         from ..explorer.server import require_explorer_extra, start
 
         require_explorer_extra()
-        running = start(self.workspace(), host="0.0.0.0" if bind_all else "127.0.0.1",
-                        port=0 if port is None else port, blocking=blocking, allow_remote=bind_all,
-                        methods=self.methods(), extra_hosts=tuple(allowed_hosts))
+        workspaces = self.workspaces()
+        running = start(workspaces if len(workspaces) > 1 else workspaces[0],
+                        host="0.0.0.0" if bind_all else "127.0.0.1", port=0 if port is None else port,
+                        blocking=blocking, allow_remote=bind_all, extra_hosts=tuple(allowed_hosts))
         self._running = running
         return running.port
 
@@ -164,16 +174,21 @@ class AttributionVisualizer:
 
     def html(self, count: int = 8, methods: Optional[List[str]] = None) -> str:
         """A self-contained HTML view of the first ``count`` examples with ``methods`` (default:
-        two of the offered ones), each explained for its predicted class."""
+        two of the offered ones), each explained for its predicted class; one view per model."""
         from ..explorer.export import explorer_html
 
-        workspace = self.workspace()
-        offered = self.methods()
-        chosen = methods or [m for m in ("generic-attention", "rollout", "integrated-gradients", "saliency")
-                             if m in offered][:2]
-        targets = {p.index: p.predicted for p in workspace.predictions()[:count]}
-        maps = {method: workspace.explain(method, {}, targets) for method in chosen}
-        return explorer_html(workspace, maps, targets)
+        views = []
+        for index, workspace in enumerate(self.workspaces()):
+            offered = self.methods(index)
+            chosen = methods or [m for m in ("generic-attention", "rollout", "integrated-gradients", "saliency")
+                                 if m in offered][:2]
+            targets = {p.index: p.predicted for p in workspace.predictions()[:count]}
+            maps = {method: workspace.explain(method, {}, targets) for method in chosen}
+            views.append(explorer_html(workspace, maps, targets))
+        if len(views) == 1:
+            return views[0]
+        bodies = [view.split("<body>", 1)[1].rsplit("</body>", 1)[0] for view in views]  # one document
+        return views[0].split("<body>", 1)[0] + "<body>" + "<hr>".join(bodies) + "</body></html>"
 
     def render(self, debug: bool = True) -> None:
         """Show ``html()`` inline in a Jupyter notebook (no widget, no server, works offline)."""

@@ -5,7 +5,7 @@
 "use strict";
 
 const state = {
-  token: null, session: null, selected: [], targets: {}, maps: {}, methods: {},
+  token: null, model: 0, session: null, selected: [], targets: {}, maps: {}, methods: {},
   curve: null, renders: 0, requestSeq: 0,
 };
 
@@ -36,7 +36,12 @@ function readToken() {
   return sessionStorage.getItem("captum-explorer-token");
 }
 
+function withModel(path) {  // which of the served models (Captum Insights' list of models)
+  return `${path}${path.includes("?") ? "&" : "?"}model=${state.model}`;
+}
+
 async function api(path, body) {
+  path = withModel(path);
   const options = { headers: { "X-Explorer-Token": state.token || "" } };
   if (body !== undefined) {
     options.method = "POST";
@@ -59,7 +64,7 @@ function setStatus(text, done, total) {  // total undefined: no bar; null: a bar
 
 async function loadSession() {  // the server answers 503 while the model is still loading
   for (;;) {
-    const response = await fetch("api/session", { headers: { "X-Explorer-Token": state.token || "" } });
+    const response = await fetch(withModel("api/session"), { headers: { "X-Explorer-Token": state.token || "" } });
     const payload = await response.json().catch(() => ({ error: `HTTP ${response.status}` }));
     if (response.ok) return payload;
     if (response.status !== 503 || !payload.loading) throw new Error(payload.error || `HTTP ${response.status}`);
@@ -360,6 +365,7 @@ async function showBenchmark() {
 // -- start ----------------------------------------------------------------------------------
 async function start() {
   state.token = readToken();
+  state.model = Number(sessionStorage.getItem("captum-explorer-model") || 0);
   try {
     state.session = await loadSession();
   } catch (error) {
@@ -369,6 +375,17 @@ async function start() {
   }
   document.getElementById("model-name").textContent = `${state.session.model} (${state.session.examples.length} ` +
     `${state.session.modality === "image" ? "images" : "texts"})`;
+  const models = state.session.models || [];
+  if (models.length > 1) {  // switching model reloads the page for that model (token and choice kept)
+    const select = document.getElementById("model-select");
+    models.forEach((name, i) => select.append(el("option", { value: String(i), text: name })));
+    select.value = String(state.model);
+    select.addEventListener("change", () => {
+      sessionStorage.setItem("captum-explorer-model", select.value);
+      window.location.reload();
+    });
+    document.getElementById("model-choice").hidden = false;
+  }
   buildMethodControls(state.session.defaults.methods);
   fillClassSelect(document.getElementById("filter-label"));
   fillClassSelect(document.getElementById("filter-predicted"));
