@@ -46,6 +46,7 @@ class CifarNet(nn.Module):  # the shape of Captum Insights' example model, small
         torch.manual_seed(0)
         self.conv = nn.Conv2d(3, 4, 5)
         self.fc = nn.Linear(4 * 14 * 14, 10)
+        self.eval()
 
     def forward(self, x):
         return self.fc(nn.functional.max_pool2d(self.conv(x).relu(), 2).flatten(1))
@@ -187,3 +188,12 @@ def test_several_models_are_served_side_by_side():
     assert torch.allclose(values, direct[0].sum(0), atol=1e-5)
     document = visualizer.html(count=2)
     assert document.count("<body>") == 1 and "CifarNet (Photo)" in document and "VisionTransformer (Photo)" in document
+
+
+def test_a_model_in_training_mode_is_warned_about_and_left_as_it_is():
+    model = nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(3 * 32 * 32, 10))
+    visualizer = AttributionVisualizer(models=model, classes=list("abcdefghij"), dataset=cifar_batches(),
+                                       features=ImageFeature("Photo", None, None), examples=2)
+    with pytest.warns(UserWarning, match="training mode"):
+        visualizer.workspace()
+    assert model.training  # never switched by the bridge

@@ -127,7 +127,12 @@ class AttributionVisualizer:
             displays = [_tokens(feature, raw[i:i + 1]) for i in range(raw.shape[0])]
             modality = "text"
         names = [type(model).__name__ for model in self.models]
-        return [Workspace(model.eval(), (inputs,), displays, modality, labels=labels, class_names=self.classes,
+        for model, name in zip(self.models, names):
+            if model.training:  # the explorer never changes a model (only capture/patching.py does, reversibly)
+                warnings.warn(f"{name} is in training mode: dropout and batch statistics make its predictions and maps "
+                              "vary from call to call; call model.eval() before building the visualizer.",
+                              stacklevel=3)
+        return [Workspace(model, (inputs,), displays, modality, labels=labels, class_names=self.classes,
                           name=f"{name}{f' #{i}' if names.count(name) > 1 else ''} ({feature.name})",
                           score_func=self.score_func)
                 for i, (model, name) in enumerate(zip(self.models, names))]
