@@ -1,4 +1,4 @@
-"""The ``captum-transformers`` command line: ``explain`` and ``benchmark``.
+"""The ``captum-transformers`` command line: ``explain``, ``benchmark`` and ``explore``.
 
 ``python -m captum_transformers`` with no arguments runs ``explain`` on the built-in model.
 Errors a user can fix (unknown model or method, a model folder without config.json or
@@ -16,13 +16,14 @@ from ..errors import CaptumTransformersError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import benchmark, explain
+    from . import benchmark, explain, explore
 
     parser = argparse.ArgumentParser(prog="captum-transformers",
                                      description="Class-specific Transformer explanations as Captum attributions.")
-    subparsers = parser.add_subparsers(dest="command", metavar="{explain,benchmark}")
+    subparsers = parser.add_subparsers(dest="command", metavar="{explain,benchmark,explore}")
     explain.add_parser(subparsers)
     benchmark.add_parser(subparsers)
+    explore.add_parser(subparsers)
     return parser
 
 

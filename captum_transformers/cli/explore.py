@@ -1,0 +1,52 @@
+"""``captum-transformers explore``: a local web page to explore explanations of a batch.
+
+With no arguments it opens the built-in DigitCanvas ViT on 48 test canvases. ``--task``
+opens a benchmark task's model and test examples; ``--model`` takes what ``explain`` takes
+(with ``--image`` / ``--text`` inputs). It listens on 127.0.0.1
+only; ``--host`` another address needs ``--allow-remote`` and prints a warning. The printed
+URL carries the session token the page needs.
+"""
+from __future__ import annotations
+
+
+def add_parser(subparsers) -> None:
+    from ..tasks.runner import TASKS
+
+    parser = subparsers.add_parser("explore", help="a local web page: gallery, methods x examples, curves",
+                                   description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="as for explain (default: the built-in DigitCanvas ViT)")
+    parser.add_argument("--arch", help="timm architecture of a state-dict checkpoint")
+    parser.add_argument("--random-init", action="store_true", help="timm: random weights instead of pretrained")
+    parser.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    parser.add_argument("--text", action="append", default=[], help="text to classify (repeatable)")
+    parser.add_argument("--task", choices=TASKS, help="a benchmark task's model and test examples (digits: the "
+                                                      "default; digits-two; movies: needs the cached fine-tuned model)")
+    parser.add_argument("--cache-dir", help="movies: where the data and fine-tuned model are cached")
+    parser.add_argument("--samples", type=int, default=48, help="built-in model or task: number of test examples")
+    parser.add_argument("--results", help="a benchmark's results.json: its curves are shown beside the maps")
+    parser.add_argument("--port", type=int, default=8765, help="port (default: %(default)s; 0: any free port)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--allow-remote", action="store_true",
+                        help="allow --host other than loopback (the session token is then the only protection)")
+    parser.add_argument("--allowed-host", action="append", default=[],
+                        help="another name the Host header may carry (a proxy's or DNS name; repeatable)")
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ..explorer.loading import LoadingWorkspace
+    from ..explorer.server import check_host, require_explorer_extra, start
+    from ..explorer.sources import loaded_workspace
+
+    require_explorer_extra()
+    check_host(args.host, args.allow_remote)  # before any model is loaded
+    from ..explorer.app import benchmark_curves
+
+    benchmark = benchmark_curves(args.results) if args.results else None
+    # the server listens (and prints its URL) while the model loads; a load error stops it and
+    # is reported like any other (one line, exit status 2)
+    workspace = LoadingWorkspace(lambda: loaded_workspace(args.model, args.arch, args.random_init, args.image,
+                                                          args.text, args.samples, args.task, args.cache_dir))
+    start(workspace, host=args.host, port=args.port, blocking=True, benchmark=benchmark,
+          allow_remote=args.allow_remote, extra_hosts=args.allowed_host)
+    return 0

@@ -1,0 +1,115 @@
+"""The explorer's safety rules as one ASGI middleware, applied to every request.
+
+1. **Host allowlist**: the ``Host`` header must name the address the server listens on
+   (``127.0.0.1``, ``localhost``, ``[::1]`` by default, plus an explicitly bound host), so a
+   web page elsewhere cannot reach the API through DNS rebinding. Otherwise 400.
+2. **Session token** on ``/api/``: the ``X-Explorer-Token`` header must equal the token
+   printed at start (compared in constant time). Otherwise 403. The page and its static files
+   carry no data and need no token; the page reads the token once from its URL.
+3. **Bounded, JSON-only bodies**: a body over ``max_body_bytes`` is refused with 413 (by its
+   ``Content-Length``, and counted as it arrives, chunked or not); a POST whose
+   ``Content-Type`` is not ``application/json`` gets 415.
+4. **Headers on every answer**: ``Content-Security-Policy: default-src 'self'`` (no inline
+   script or style, no other origin), no framing, no MIME sniffing, no referrer.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Iterable
+
+CONTENT_SECURITY_POLICY = "default-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+SECURITY_HEADERS = (
+    (b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"cache-control", b"no-store"),
+)
+TOKEN_HEADER = "x-explorer-token"
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+DEFAULT_MAX_BODY_BYTES = 64 * 1024
+
+
+def new_token() -> str:
+    """A fresh session token (32 random bytes, URL-safe)."""
+    return secrets.token_urlsafe(32)
+
+
+def _host_name(host: str) -> str:
+    """``host[:port]`` without the port (IPv6 literals keep their brackets)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[:host.find("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0] if ":" in host else host
+
+
+class SecurityMiddleware:
+    """See the module docstring. ``allowed_hosts`` are host names without ports."""
+
+    def __init__(self, app, token: str, allowed_hosts: Iterable[str] = LOCAL_HOSTS,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        if not token or len(token) < 16:
+            raise ValueError("the explorer needs a session token of at least 16 characters.")
+        self.app, self.token = app, token
+        self.allowed_hosts = frozenset(host.lower() for host in allowed_hosts)
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
+
+        async def send_with_headers(message) -> None:
+            if message["type"] == "http.response.start":
+                existing = {key.lower() for key, _ in message.get("headers", [])}
+                message["headers"] = list(message.get("headers", [])) + [
+                    (key, value) for key, value in SECURITY_HEADERS if key not in existing]
+            await send(message)
+
+        if _host_name(headers.get("host", "")) not in self.allowed_hosts:
+            return await _refuse(send_with_headers, 400, "Host header not allowed: the explorer answers only "
+                                 "requests addressed to the host it listens on.")
+        path = scope.get("path", "")
+        if path.startswith("/api/"):
+            given = headers.get(TOKEN_HEADER, "")
+            if not secrets.compare_digest(given.encode(), self.token.encode()):
+                return await _refuse(send_with_headers, 403, "missing or wrong session token: open the URL the "
+                                     "explorer printed at start (it carries ?token=...).")
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return await _refuse(send_with_headers, 413, f"request body over {self.max_body_bytes} bytes.")
+        if scope.get("method") == "POST" and headers.get("content-type", "").split(";")[0].strip() != \
+                "application/json":
+            return await _refuse(send_with_headers, 415, "the explorer's API takes JSON bodies only "
+                                 "(Content-Type: application/json).")
+        if scope.get("method") not in ("POST", "PUT", "PATCH", "DELETE"):
+            return await self.app(scope, receive, send_with_headers)
+        # Read the whole body here, counting it (a chunked body has no Content-Length, and a
+        # Content-Length may understate it): past the bound the request is refused, never read on.
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                return await _refuse(send_with_headers, 413, f"request body over {self.max_body_bytes} bytes.")
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send_with_headers)
+
+
+async def _refuse(send, status: int, message: str) -> None:
+    body = json.dumps({"error": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
