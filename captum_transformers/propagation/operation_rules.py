@@ -19,6 +19,12 @@ Rules (Chefer et al., CVPR 2021, Sec. 3.1-3.2; Achtibat et al., ICML 2024):
 * ``pixel_conv="zB"``: the z^B rule on the convolution reading the (leaf) pixel input.
 * ``add="normalized"``: Sec. 3.2 normalisation of ``u + v`` per example,
   ``Rbar_u = R_u |S_u| / (|S_u| + |S_v|) * S / S_u`` with ``S_u = sum R_u``.
+* ``gated_product="constant"`` (CP-LRP's gate rule, as in LXT): in ``act(g) * u`` the
+  activated gate ``act(g)`` is a constant multiplier, ``R_u = R`` and the gate path gets
+  nothing. The gate is found by behaviour: an elementwise product of two relevance-carrying
+  tensors exactly one of which is the output of an activation (a torch activation function,
+  or an activation module found by probing; products *inside* such a module are its own
+  business and are left alone). It takes precedence over ``matmul="uniform"`` on that product.
 
 Only operations whose tensor operands require grad are touched; an operand that does not
 (a mask, a constant) carries no relevance. In-place additions keep the plain gradient.
@@ -39,6 +45,7 @@ from ..capture import patching
 from .activation_discovery import is_activation
 from .backward_switch import _SWITCH, plain_gradient_of
 from .backward_switch import plain_requested as _plain
+from .gated_product import ConstantGateProduct, GateTracker
 from .linear_rule import _LinearAlphaBeta, safe_divide  # noqa: F401  (safe_divide is part of this API)
 
 def identity_ratio(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -245,9 +252,12 @@ class OperationRules(TorchFunctionMode):
         self.rules = rules
         self.batch_size = batch_size
         self._tokens: list = []
+        self.gates = GateTracker(rules.gated_product == "constant")
 
     def __enter__(self):
-        self._tokens.append(_ACTIVE_RULES.set(self))
+        # Published to the attention kernels only when there are per-operation rules for them:
+        # the gate rule alone leaves the kernels on their plain path.
+        self._tokens.append(_ACTIVE_RULES.set(self if needs_operation_rules(self.rules) else _ACTIVE_RULES.get()))
         return super().__enter__()
 
     def __exit__(self, *exc_info):
@@ -274,9 +284,15 @@ class OperationRules(TorchFunctionMode):
         if rules.pixel_conv == "zB" and func is F.conv2d and isinstance(args[0], torch.Tensor) \
                 and args[0].requires_grad and args[0].is_leaf and args[0].dim() == 4:
             return _PixelBoundedConv.apply(args[0], args[1], func, args, kwargs)
-        if rules.activation == "identity" and func in _ACTIVATIONS and args and isinstance(args[0], torch.Tensor) \
-                and args[0].requires_grad:
-            return _IdentityRule.apply(args[0], _ACTIVATIONS[func](args, kwargs), func, args, kwargs)
+        if func in _ACTIVATIONS and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            if rules.activation == "identity":
+                return self.gates.mark(_IdentityRule.apply(args[0], _ACTIVATIONS[func](args, kwargs), func, args,
+                                                           kwargs))
+            return self.gates.mark(func(*args, **kwargs))
+        if rules.gated_product == "constant" and func in _ELEMENTWISE_PRODUCTS:
+            gated = self.gates.split(args, kwargs)
+            if gated is not None:
+                return ConstantGateProduct.apply(gated[0], gated[1], func, args, kwargs)
         if rules.softmax == "identity" and func in _SOFTMAX and args[0].requires_grad:
             return _IdentityRule.apply(args[0], None, func, args, kwargs)
         if rules.matmul == "uniform" and (func in _PRODUCTS or func in _ELEMENTWISE_PRODUCTS) \
@@ -310,6 +326,9 @@ class OperationRules(TorchFunctionMode):
 
 _ACTIVE_RULES: contextvars.ContextVar[Optional[OperationRules]] = contextvars.ContextVar(
     "captum_transformers_operation_rules", default=None)
+# The mode of the forward running now, whether or not it publishes per-operation rules.
+_ACTIVE_MODE: contextvars.ContextVar[Optional[OperationRules]] = contextvars.ContextVar(
+    "captum_transformers_rule_mode", default=None)
 
 
 def active_rules():
@@ -321,6 +340,12 @@ def active_rules():
 def needs_operation_rules(rules) -> bool:
     return (rules.linear != "gradient" or rules.activation != "gradient" or rules.softmax == "identity"
             or rules.matmul != "gradient" or rules.add != "gradient" or rules.pixel_conv != "gradient")
+
+
+def needs_rule_mode(rules) -> bool:
+    """Whether the forward must run under :class:`OperationRules` (per-operation rules, or the
+    gate rule, which only watches activations and elementwise products)."""
+    return needs_operation_rules(rules) or rules.gated_product != "gradient"
 
 
 class IdentityRelevance(torch.autograd.Function):
@@ -344,14 +369,26 @@ class IdentityRelevance(torch.autograd.Function):
         return identity_ratio(output, x).to(grad.dtype).mul_(grad), None, None
 
 
-def _activation_forward(original):
-    def forward(x, *args, **kwargs):
-        if not torch.is_grad_enabled() or not isinstance(x, torch.Tensor) or not x.requires_grad:
-            return original(x, *args, **kwargs)
-        with torch.no_grad():
-            output = original(x, *args, **kwargs)
-        return IdentityRelevance.apply(x, output, lambda inputs: original(inputs, *args, **kwargs))
-    return forward
+def _activation_forward(identity: bool):
+    """An activation module's forward: the identity rule as a whole (``identity``) and/or its
+    output remembered as a gate candidate; the products inside it are not gates."""
+    def make(original):
+        def forward(x, *args, **kwargs):
+            if not torch.is_grad_enabled() or not isinstance(x, torch.Tensor) or not x.requires_grad:
+                return original(x, *args, **kwargs)
+            mode = _ACTIVE_MODE.get()
+            if identity:
+                with torch.no_grad():
+                    output = original(x, *args, **kwargs)
+                output = IdentityRelevance.apply(x, output, lambda inputs: original(inputs, *args, **kwargs))
+            elif mode is not None:
+                with mode.gates.inside_activation():
+                    output = original(x, *args, **kwargs)
+            else:
+                output = original(x, *args, **kwargs)
+            return output if mode is None else mode.gates.mark(output)
+        return forward
+    return make
 
 
 @contextlib.contextmanager
@@ -362,7 +399,7 @@ def operation_rules(model: nn.Module, rules) -> Iterator[None]:
     elementwise, ``f(0) = 0``) get the identity rule as a whole, so hand-written activations
     whose inner operations are products and sums are covered too.
     """
-    if not needs_operation_rules(rules):
+    if not needs_rule_mode(rules):
         yield
         return
 
@@ -370,15 +407,21 @@ def operation_rules(model: nn.Module, rules) -> Iterator[None]:
         def forward(*args: Any, **kwargs: Any):
             first = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
             batch = first.shape[0] if first is not None and first.dim() > 0 else None
-            with OperationRules(rules, batch):
-                return original(*args, **kwargs)
+            mode = OperationRules(rules, batch)
+            token = _ACTIVE_MODE.set(mode)
+            try:
+                with mode:
+                    return original(*args, **kwargs)
+            finally:
+                _ACTIVE_MODE.reset(token)
         return forward
 
     with contextlib.ExitStack() as stack:
-        if rules.activation == "identity":
+        if rules.activation == "identity" or rules.gated_product == "constant":
             like = next((t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), None)
             for module in model.modules():
                 if like is not None and is_activation(module, like):
-                    stack.enter_context(patching.instance_forward(module, _activation_forward))
+                    stack.enter_context(patching.instance_forward(
+                        module, _activation_forward(rules.activation == "identity")))
         stack.enter_context(patching.instance_forward(model, make))
         yield

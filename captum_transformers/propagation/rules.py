@@ -7,6 +7,11 @@ original operation computed); only the backward pass changes. Relevance is then
 * ``attention_gate="constant"`` (the AH-rule): the softmax output ``p_ij`` is treated as a
   constant in ``y_j = sum_i x_i p_ij``, i.e. ``p.detach()``; the query/key path receives
   no relevance.
+* ``gated_product="constant"`` (the gate rule of CP-LRP): in a gated MLP
+  ``act(gate(x)) * up(x)`` (SwiGLU, GeGLU: Llama, Qwen, Gemma, Mistral) the activated gate is
+  a constant multiplier, so all relevance of the product flows through ``up``; the gate path
+  receives none. Found by behaviour: an elementwise product whose one operand is the output
+  of an activation (see :mod:`~captum_transformers.propagation.operation_rules`).
 * ``norm="scale_constant"`` (the LN-rule): LayerNorm's / RMSNorm's ``1/sqrt(eps + Var[x])``
   is treated as a constant, so the norm is the linear map ``alpha C x`` (``alpha x`` for
   RMSNorm); ``"scale_and_mean_constant"`` also freezes the mean.
@@ -29,6 +34,7 @@ from ..capture import patching
 from ..errors import InputError
 
 GateRule = Literal["gradient", "constant"]
+GatedProductRule = Literal["gradient", "constant"]
 NormRule = Literal["gradient", "scale_constant", "scale_and_mean_constant", "identity"]
 
 
@@ -37,7 +43,8 @@ class RuleSet:
     """Which propagation rule sits where. The default is plain gradient everywhere.
 
     Presets: :attr:`GRADIENT` (Gradient x Input), :attr:`AH` and :attr:`AH_LN`
-    (Ali et al. 2022). Example::
+    (Ali et al. 2022; both hold the gates of gated MLPs constant, as LXT's CP-LRP does, so
+    that AH+LN conserves on bias-free gated models too). Example::
 
         >>> with get_adapter(model).propagation(model, RuleSet.AH_LN):
         ...     relevance = LayerGradientXActivation(forward, layer).attribute(x, target=t)
@@ -46,6 +53,9 @@ class RuleSet:
     name: str = "gradient"
     attention_gate: GateRule = "gradient"
     norm: NormRule = "gradient"
+    # The activated gate of a gated MLP, act(gate(x)) * up(x): "constant" holds it fixed, so
+    # relevance flows only through up(x) (LXT's CP-LRP). "gradient": the product's own rule.
+    gated_product: GatedProductRule = "gradient"
     # Per-operation rules installed by captum_transformers.propagation.operation_rules:
     linear: Literal["gradient", "alpha1beta0", "alpha1beta0_separate"] = "gradient"
     activation: Literal["gradient", "identity"] = "gradient"
@@ -67,8 +77,8 @@ class RuleSet:
 
 
 RuleSet.GRADIENT = RuleSet()
-RuleSet.AH = RuleSet("AH", attention_gate="constant")
-RuleSet.AH_LN = RuleSet("AH+LN", attention_gate="constant", norm="scale_constant")
+RuleSet.AH = RuleSet("AH", attention_gate="constant", gated_product="constant")
+RuleSet.AH_LN = RuleSet("AH+LN", attention_gate="constant", norm="scale_constant", gated_product="constant")
 # Chefer et al. (CVPR 2021): alpha=1/beta=0 linear layers, identity activations, norms and
 # softmax, halved attention matmuls, normalised residual adds, one-hot seed.
 RuleSet.CHEFER = RuleSet("Chefer2021", norm="identity", linear="alpha1beta0", activation="identity",
