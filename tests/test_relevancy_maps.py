@@ -248,8 +248,11 @@ def test_rollout_uses_eq_12_between_streams():
 
 @pytest.mark.parametrize("cls,forward", [(RawAttention, True), (AttentionGradCAM, False), (PartialLRP, False)])
 def test_last_map_baselines_read_the_last_map_of_each_stream_pair(cls, forward):
+    # The trace holds fused (B, Q, K) maps: what Grad-CAM's head_weights="all" records.
     trace, steps = _trace(LXMERT_LIKE, ("text",), forward=forward)
-    scores = _method(cls).reduce(trace)
+    method = AttentionGradCAM(nn.MultiheadAttention(4, 1), head_weights="all") if cls is AttentionGradCAM \
+        else _method(cls)
+    scores = method.reduce(trace)
     last = {pair: value for pair, value in steps}
     torch.testing.assert_close(scores["text"], last[("text", "text")][:, 0])
     torch.testing.assert_close(scores["image"], last[("text", "image")][:, 0])
