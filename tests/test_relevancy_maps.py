@@ -273,3 +273,11 @@ def test_a_stream_without_a_layout_is_a_clear_error():
                             StreamLayouts({"decoder": trace.streams.layouts["decoder"]}, ("decoder",), ()))
     with pytest.raises(Exception, match="layouts only describe"):
         _method(GenericAttention).reduce(broken)
+
+
+def test_row_normalized_transformer_relevance_refuses_several_streams():
+    trace, _ = _trace(LXMERT_LIKE, ("text",))
+    with pytest.raises(InputError, match="row_normalize=True follows the authors' BERT generator"):
+        TransformerRelevance(nn.MultiheadAttention(4, 1), row_normalize=True).reduce(trace)
+    with pytest.raises(InputError, match="row_normalize must be True or False"):
+        TransformerRelevance(nn.MultiheadAttention(4, 1), row_normalize="yes")
