@@ -16,6 +16,8 @@ Rules (Chefer et al., CVPR 2021, Sec. 3.1-3.2; Achtibat et al., ICML 2024):
 * ``matmul="uniform"``: a product (matrix or elementwise) of two relevance-carrying tensors
   splits relevance in half: the gradient of each operand is halved (``R_a + R_b = R``).
 * ``linear="alpha1beta0_separate"``: the authors' LRP baseline, separate denominators.
+* ``linear="gamma"``: LRP-gamma, ``z_ij = x_j (w_ij + gamma w_ij^+)``, bias ``b + gamma b^+``
+  in the denominator (Ali et al.'s code; ``RuleSet.gamma``).
 * ``pixel_conv="zB"``: the z^B rule on the convolution reading the (leaf) pixel input.
 * ``add="normalized"``: Sec. 3.2 normalisation of ``u + v`` per example,
   ``Rbar_u = R_u |S_u| / (|S_u| + |S_v|) * S / S_u`` with ``S_u = sum R_u``.
@@ -46,7 +48,7 @@ from .activation_discovery import is_activation
 from .backward_switch import _SWITCH, plain_gradient_of
 from .backward_switch import plain_requested as _plain
 from .gated_product import ConstantGateProduct, GateTracker
-from .linear_rule import _LinearAlphaBeta, safe_divide  # noqa: F401  (safe_divide is part of this API)
+from .linear_rule import _LinearAlphaBeta, _LinearGamma, safe_divide  # noqa: F401  (safe_divide: part of this API)
 
 def identity_ratio(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``y / x`` for the identity rule in gradient x input form, 0 where ``x == 0``.
@@ -269,18 +271,23 @@ class OperationRules(TorchFunctionMode):
         rules = self.rules
         if not torch.is_grad_enabled():
             return func(*args, **kwargs)
-        if rules.linear in ("alpha1beta0", "alpha1beta0_separate") and func in _LINEARS:
-            shared = rules.linear == "alpha1beta0"
+        if rules.linear != "gradient" and func in _LINEARS:
+            # (x, weight (out, in), bias) of the layer, or None.
+            layer = None
             if func is F.linear:
                 # Positional or keyword (EVA and BEiT call F.linear(x, weight=..., bias=...)).
                 x = args[0] if args else kwargs.get("input")
                 weight = args[1] if len(args) > 1 else kwargs.get("weight")
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
                 if isinstance(x, torch.Tensor) and x.requires_grad:
-                    return _LinearAlphaBeta.apply(x, weight, bias, shared, func, args, kwargs)
-            if func is torch.addmm and len(args) >= 3 and args[1].requires_grad and not kwargs:
+                    layer = (x, weight, bias)
+            elif func is torch.addmm and len(args) >= 3 and args[1].requires_grad and not kwargs:
                 # addmm(bias, x, W) with W laid out (in, out), as in GPT-2's Conv1D.
-                return _LinearAlphaBeta.apply(args[1], args[2].t(), args[0], shared, func, args, kwargs)
+                layer = (args[1], args[2].t(), args[0])
+            if layer is not None and rules.linear == "gamma":
+                return _LinearGamma.apply(*layer, rules.gamma, func, args, kwargs)
+            if layer is not None:
+                return _LinearAlphaBeta.apply(*layer, rules.linear == "alpha1beta0", func, args, kwargs)
         if rules.pixel_conv == "zB" and func is F.conv2d and isinstance(args[0], torch.Tensor) \
                 and args[0].requires_grad and args[0].is_leaf and args[0].dim() == 4:
             return _PixelBoundedConv.apply(args[0], args[1], func, args, kwargs)

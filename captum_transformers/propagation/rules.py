@@ -42,6 +42,10 @@ NormRule = Literal["gradient", "scale_constant", "scale_and_mean_constant", "ide
 class RuleSet:
     """Which propagation rule sits where. The default is plain gradient everywhere.
 
+    LRP-gamma on every linear layer (Ali et al.'s code; LXT's ViT recipe with CP-LRP)::
+
+        >>> rules = dataclasses.replace(RuleSet.AH_LN, name="AH+LN, gamma", linear="gamma", gamma=0.25)
+
     Presets: :attr:`GRADIENT` (Gradient x Input), :attr:`AH` and :attr:`AH_LN`
     (Ali et al. 2022; both hold the gates of gated MLPs constant, as LXT's CP-LRP does, so
     that AH+LN conserves on bias-free gated models too). Example::
@@ -57,7 +61,10 @@ class RuleSet:
     # relevance flows only through up(x) (LXT's CP-LRP). "gradient": the product's own rule.
     gated_product: GatedProductRule = "gradient"
     # Per-operation rules installed by captum_transformers.propagation.operation_rules:
-    linear: Literal["gradient", "alpha1beta0", "alpha1beta0_separate"] = "gradient"
+    linear: Literal["gradient", "alpha1beta0", "alpha1beta0_separate", "gamma"] = "gradient"
+    # The gamma of linear="gamma" (LRP-gamma: z_ij = x_j (w_ij + gamma w_ij^+), bias b + gamma b^+;
+    # Ali et al.'s code, LXT's ViT recipe; 0 is LRP-0). Only with linear="gamma".
+    gamma: float = 0.0
     activation: Literal["gradient", "identity"] = "gradient"
     softmax: Literal["gradient", "identity"] = "gradient"
     matmul: Literal["gradient", "uniform"] = "gradient"
@@ -69,6 +76,14 @@ class RuleSet:
     pixel_conv: Literal["gradient", "zB"] = "gradient"
 
     GRADIENT = None  # filled in below (dataclass fields cannot hold instances of the class)
+
+    def __post_init__(self) -> None:
+        gamma = self.gamma
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not gamma >= 0 or gamma == float("inf"):
+            raise InputError(f"RuleSet.gamma must be a finite number >= 0, got {gamma!r}.")
+        if gamma != 0 and self.linear != "gamma":
+            raise InputError(f"RuleSet.gamma={gamma!r} acts only with linear='gamma', but linear={self.linear!r}; set "
+                             "linear='gamma' (LRP-gamma on linear layers) or leave gamma at 0.")
     AH = None
     AH_LN = None
     CHEFER = None
