@@ -10,7 +10,8 @@ torch_geometric are imported when a model of that family is explained.
 """
 from .adapters import Adapter, HuggingFaceAdapter
 from .errors import CaptumTransformersError, CaptureError, InputError, UnsupportedModelError
-from .methods import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS, AttentionGradCAM, AttentionRollout,
+from .methods import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS, AttentionFlow, AttentionGradCAM,
+                      AttentionRollout,
                       AttnLRP, ConservativeLRP, GenericAttention, PartialLRP, RawAttention, RuleGradientXInput,
                       TraceAttribution, TransformerLRP, TransformerRelevance)
 from .propagation.rules import RuleSet
@@ -23,6 +24,7 @@ __all__ = [
     "Adapter", "HuggingFaceAdapter", "CaptumTransformersError", "CaptureError", "InputError",
     "UnsupportedModelError", "ATTENTION_METHODS", "RELEVANCE_METHODS", "ConservativeLRP", "RuleSet",
     "LRP_ATTENTION_METHODS", "AttnLRP", "PartialLRP", "RuleGradientXInput", "TransformerLRP", "TransformerRelevance", "AttentionGradCAM", "AttentionRollout", "GenericAttention",
+    "AttentionFlow",
     "RawAttention", "TraceAttribution", "get_adapter", "register_adapter", "registered_adapters",
     "AttentionRecord", "AttentionTrace", "Block", "CaptureSpec", "InputSpan", "StreamLayouts", "TokenLayout", "__version__",
 ]
