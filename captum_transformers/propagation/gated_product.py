@@ -10,7 +10,11 @@ constant makes the product a linear map of ``up(x)``: all relevance of the produ
 
 The gate is found by behaviour, not by class or attribute names: an elementwise product
 of two relevance-carrying tensors exactly one of which is the output of an activation
-(recorded by :class:`GateTracker` while the forward runs under the rule mode).
+(recorded by :class:`GateTracker` while the forward runs under the rule mode). With the gate
+rule as the only per-operation rule, the mode runs only inside the modules that hold an
+activation module (:func:`gate_scopes`: the MLPs), so the rest of the forward is not
+intercepted; a gate activated by a bare function call (``F.silu(...)`` in a module with no
+activation child) is then not found and that product keeps its plain gradient.
 """
 from __future__ import annotations
 
@@ -19,9 +23,14 @@ import weakref
 from typing import Iterator, Optional, Tuple
 
 import torch
+from torch import nn
 
 from .backward_switch import _SWITCH
 from .backward_switch import plain_requested as _plain
+
+
+# torch's activation modules (the rule mode sees their functions): their parents hold gated products.
+_TORCH_ACTIVATION_MODULES = (nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Mish)
 
 
 class ConstantGateProduct(torch.autograd.Function):
@@ -90,3 +99,19 @@ class GateTracker:
         if a_gate == b_gate:  # neither, or both: no operand is singled out as the gate
             return None
         return (a, b) if a_gate else (b, a)
+
+
+def gate_scopes(model: nn.Module, probed) -> list:
+    """The modules holding an activation module as a direct child (or the model itself if it
+    is one): where a gated MLP multiplies the activated gate by its value."""
+    holds = {id(module) for module in probed}
+    scopes, seen = [], set()
+    if id(model) in holds or isinstance(model, _TORCH_ACTIVATION_MODULES):
+        return [model]
+    for parent in model.modules():
+        if id(parent) in seen:
+            continue
+        if any(id(child) in holds or isinstance(child, _TORCH_ACTIVATION_MODULES) for child in parent.children()):
+            seen.add(id(parent))
+            scopes.append(parent)
+    return scopes

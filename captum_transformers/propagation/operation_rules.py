@@ -47,7 +47,7 @@ from ..capture import patching
 from .activation_discovery import is_activation
 from .backward_switch import _SWITCH, plain_gradient_of
 from .backward_switch import plain_requested as _plain
-from .gated_product import ConstantGateProduct, GateTracker
+from .gated_product import ConstantGateProduct, GateTracker, gate_scopes
 from .linear_rule import _LinearAlphaBeta, _LinearGamma, safe_divide  # noqa: F401  (safe_divide: part of this API)
 
 def identity_ratio(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -405,6 +405,11 @@ def operation_rules(model: nn.Module, rules) -> Iterator[None]:
     With ``activation="identity"``, activation *modules* found by probing (parameter-free,
     elementwise, ``f(0) = 0``) get the identity rule as a whole, so hand-written activations
     whose inner operations are products and sums are covered too.
+
+    With the gate rule as the only rule (``RuleSet.AH``, ``RuleSet.AH_LN``) the mode runs only
+    inside the modules that hold an activation module (the MLPs, where ``act(gate(x)) * up(x)``
+    is computed), so the rest of the forward pays no interception; an activation called as a
+    function in a module without an activation child is then not seen.
     """
     if not needs_rule_mode(rules):
         yield
@@ -412,6 +417,8 @@ def operation_rules(model: nn.Module, rules) -> Iterator[None]:
 
     def make(original):
         def forward(*args: Any, **kwargs: Any):
+            if _ACTIVE_MODE.get() is not None:  # a scope inside another scope: one mode is enough
+                return original(*args, **kwargs)
             first = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
             batch = first.shape[0] if first is not None and first.dim() > 0 else None
             mode = OperationRules(rules, batch)
@@ -424,11 +431,17 @@ def operation_rules(model: nn.Module, rules) -> Iterator[None]:
         return forward
 
     with contextlib.ExitStack() as stack:
+        probed = []
         if rules.activation == "identity" or rules.gated_product == "constant":
             like = next((t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), None)
-            for module in model.modules():
-                if like is not None and is_activation(module, like):
-                    stack.enter_context(patching.instance_forward(
-                        module, _activation_forward(rules.activation == "identity")))
-        stack.enter_context(patching.instance_forward(model, make))
+            probed = [module for module in model.modules() if like is not None and is_activation(module, like)]
+            for module in probed:
+                stack.enter_context(patching.instance_forward(
+                    module, _activation_forward(rules.activation == "identity")))
+        if needs_operation_rules(rules):
+            stack.enter_context(patching.instance_forward(model, make))
+        else:
+            for scope in gate_scopes(model, probed):
+                stack.enter_context(patching.instance_forward(scope, make))
         yield
+
