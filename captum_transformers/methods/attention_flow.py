@@ -10,10 +10,10 @@ from ..errors import InputError
 from .base import TraceAttribution
 from .max_flow import layered_capacity, max_flow
 
-#: Largest graph solved, in nodes ``(layers + 1) * tokens`` per example. Measured on one CPU
-#: thread of a shared machine with random row-stochastic maps, per explained row: 51 nodes
-#: (2 layers, 17 tokens) 0.03 s; 325 nodes (4 x 65) 3.0-5.6 s; 650 nodes (12 x 50) 4.0 s;
-#: 1014 nodes (12 x 78) 14.6 s.
+#: Largest graph solved, in nodes ``(layers + 1) * tokens`` per example. Measured CPU time
+#: (one thread) per explained row, random row-stochastic maps: 51 nodes (2 layers, 17 tokens)
+#: 0.01 s; 325 (4 x 65) 0.63 s; 650 (12 x 50) 1.3 s; 1014 (12 x 78) 3.7 s. The built-in
+#: DigitCanvas ViT's maps (325 nodes) take 1.2 s: sharper maps take more augmenting paths.
 MAX_GRAPH_NODES = 1024
 
 
@@ -34,8 +34,8 @@ class AttentionFlow(TraceAttribution):
 
     Exact: Dinic's maximum-flow algorithm (:mod:`~captum_transformers.methods.max_flow`) in
     float64, one flow per (explained row, token), on the CPU. That is costly, so graphs above
-    ``max_graph_nodes`` nodes (``(layers + 1) * tokens``, default 1024; about 15 s per
-    explained row at 1014 nodes) are refused; :class:`AttentionRollout` is the fast approximation the
+    ``max_graph_nodes`` nodes (``(layers + 1) * tokens``, default 1024; 3.7 s of CPU per
+    explained row at 1014 nodes, 1.2 s per DigitCanvas image) are refused; :class:`AttentionRollout` is the fast approximation the
     same paper proposes. One token sequence attending to itself only.
 
     Example::
@@ -68,8 +68,8 @@ class AttentionFlow(TraceAttribution):
             raise InputError(
                 f"AttentionFlow solves exact maximum flows on a graph of (layers + 1) x tokens nodes: here "
                 f"({len(maps)} + 1) x {int(real.sum(dim=1).max())} = {largest} nodes, above max_graph_nodes="
-                f"{self.max_graph_nodes} (cost grows faster than the square of the nodes; about 15 s per explained "
-                "row at 1014 nodes). Use fewer tokens, raise max_graph_nodes knowingly, or use AttentionRollout, the fast "
+                f"{self.max_graph_nodes} (cost grows faster than the square of the nodes; 3.7 s of CPU per "
+                "explained row at 1014 nodes). Use fewer tokens, raise max_graph_nodes knowingly, or use AttentionRollout, the fast "
                 "approximation of the same paper.")
         start = self.start_rows(trace, torch.float64).cpu().numpy()
         fused = [m.detach().to(device="cpu", dtype=torch.float64).numpy() for m in maps]

@@ -68,30 +68,41 @@ def _levels(residual: np.ndarray, source: int, tolerance: float) -> np.ndarray:
 
 
 def _blocking_flow(residual: np.ndarray, level: np.ndarray, source: int, sink: int, tolerance: float) -> float:
-    """Push flow along shortest augmenting paths until none is left in the level graph."""
-    # Per node, its level-graph successors and a pointer to the next one to try (dead ends are
-    # skipped for good, which bounds the work per phase).
-    successors: List[np.ndarray] = [np.empty(0, dtype=np.int64)] * residual.shape[0]
+    """Push flow from ``source`` along the level graph until every path to ``sink`` is
+    saturated. Depth-first, and each node forwards as much of what reaches it as it can
+    before retreating (not one path from the source at a time), without recursion."""
+    # Per node, its level-graph successors and a pointer to the next one to try (a saturated
+    # edge or a dead end is skipped for good, which bounds the work per phase).
+    successors: List[list] = [[] for _ in range(residual.shape[0])]
     for node in np.flatnonzero(level >= 0):
-        successors[node] = np.flatnonzero((level == level[node] + 1) & (residual[node] > tolerance))
-    pointer = np.zeros(residual.shape[0], dtype=np.int64)
-    pushed = 0.0
+        successors[node] = np.flatnonzero((level == level[node] + 1) & (residual[node] > tolerance)).tolist()
+    pointer = [0] * residual.shape[0]
+    # Frames [node, what it may still forward, what it has forwarded].
+    stack = [[source, float("inf"), 0.0]]
+    returned = None  # what the frame just popped delivered to its parent
     while True:
-        path = [source]
-        while path[-1] != sink:
-            node = path[-1]
-            options = successors[node]
-            while pointer[node] < options.size and residual[node, options[pointer[node]]] <= tolerance:
+        frame = stack[-1]
+        node = frame[0]
+        if returned is not None:  # the child at successors[node][pointer[node]] delivered `returned`
+            child = successors[node][pointer[node]]
+            if returned > 0.0:
+                residual[node, child] -= returned
+                residual[child, node] += returned
+                frame[2] += returned
+            if returned <= 0.0 or residual[node, child] <= tolerance:
                 pointer[node] += 1
-            if pointer[node] == options.size:  # dead end: retreat and never come back here
-                if node == source:
-                    return pushed
-                path.pop()
-                pointer[path[-1]] += 1
+            returned = None
+        if node == sink:
+            returned = frame[1]
+        else:
+            options = successors[node]
+            while pointer[node] < len(options) and residual[node, options[pointer[node]]] <= tolerance:
+                pointer[node] += 1
+            if frame[1] - frame[2] > tolerance and pointer[node] < len(options):
+                child = options[pointer[node]]
+                stack.append([child, min(frame[1] - frame[2], float(residual[node, child])), 0.0])
                 continue
-            path.append(int(options[pointer[node]]))
-        tails, heads = np.array(path[:-1]), np.array(path[1:])
-        bottleneck = float(residual[tails, heads].min())
-        residual[tails, heads] -= bottleneck
-        residual[heads, tails] += bottleneck
-        pushed += bottleneck
+            returned = frame[2]
+        stack.pop()
+        if not stack:
+            return returned
