@@ -8,6 +8,7 @@ temporaries do not grow with the batch.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -141,10 +142,10 @@ class _LinearGamma(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, gamma, func, args, kwargs):
+    def forward(ctx, x, weight, bias, gamma, func, args, kwargs, generalized=False):
         output = func(*args, **kwargs)
         ctx.save_for_backward(x, weight, bias, output)
-        ctx.gamma = gamma
+        ctx.gamma, ctx.generalized = gamma, generalized
         ctx.switch = _SWITCH.get()
         return output
 
@@ -152,16 +153,20 @@ class _LinearGamma(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, bias, output = ctx.saved_tensors
         if _plain(ctx):
-            return grad @ weight.to(grad.dtype), None, None, None, None, None, None
+            return grad @ weight.to(grad.dtype), None, None, None, None, None, None, None
         dtype = torch.promote_types(x.dtype, torch.float32)
         weight = weight.to(dtype)
-        w_gamma = weight + ctx.gamma * weight.clamp(min=0)
-        b_gamma = None
+        gamma = ctx.gamma
+        w_up, w_down = weight + gamma * weight.clamp(min=0), weight + gamma * weight.clamp(max=0)
         if bias is not None:
             bias = bias.to(dtype)
-            b_gamma = bias + ctx.gamma * bias.clamp(min=0)
-        g_x = _row_chunks(_gamma, (w_gamma,), x, b_gamma, output, grad, dtype)
-        return g_x.to(x.dtype), None, None, None, None, None, None
+        if ctx.generalized:
+            rule = functools.partial(_generalized_gamma, gamma=gamma)
+            g_x = _row_chunks(rule, (w_up, w_down), x, bias, output, grad, dtype)
+        else:
+            b_gamma = None if bias is None else bias + gamma * bias.clamp(min=0)
+            g_x = _row_chunks(_gamma, (w_up,), x, b_gamma, output, grad, dtype)
+        return g_x.to(x.dtype), None, None, None, None, None, None, None
 
 
 def _gamma(x, weights, bias, output, grad) -> torch.Tensor:
@@ -173,3 +178,22 @@ def _gamma(x, weights, bias, output, grad) -> torch.Tensor:
         z_gamma.add_(bias)
     s = safe_divide(output * grad, z_gamma, _TINY, in_place=True)  # _TINY read now: tests can vary it
     return s @ w_gamma
+
+
+def _generalized_gamma(x, weights, bias, output, grad, gamma: float) -> torch.Tensor:
+    """The generalised gamma rule (Andeol et al. 2021, as zennit's ``Gamma``): contributions
+    of the output's sign are amplified. ``weights = (W + gamma W+, W + gamma W-)``, the biases
+    likewise. For ``z_i > 0``: ``D_i = x+ W_up + x- W_down + b_up``, for ``z_i < 0``:
+    ``D_i = x+ W_down + x- W_up + b_down`` (``|D_i| >= |z_i|``: no sign change)."""
+    w_up, w_down = weights
+    positive_x, negative_x = x.clamp(min=0), x.clamp(max=0)
+    relevance = output * grad
+    positive_z, negative_z = (output > 0).to(x.dtype), (output < 0).to(x.dtype)
+    d_pos = positive_x @ w_up.t() + negative_x @ w_down.t()
+    d_neg = positive_x @ w_down.t() + negative_x @ w_up.t()
+    if bias is not None:
+        d_pos, d_neg = d_pos + (bias + gamma * bias.clamp(min=0)), d_neg + (bias + gamma * bias.clamp(max=0))
+    s_pos = safe_divide(relevance * positive_z, d_pos, _TINY)
+    s_neg = safe_divide(relevance * negative_z, d_neg, _TINY)
+    through_up, through_down = s_pos @ w_up + s_neg @ w_down, s_pos @ w_down + s_neg @ w_up
+    return torch.where(x > 0, through_up, through_down)

@@ -17,7 +17,8 @@ Rules (Chefer et al., CVPR 2021, Sec. 3.1-3.2; Achtibat et al., ICML 2024):
   splits relevance in half: the gradient of each operand is halved (``R_a + R_b = R``).
 * ``linear="alpha1beta0_separate"``: the authors' LRP baseline, separate denominators.
 * ``linear="gamma"``: LRP-gamma, ``z_ij = x_j (w_ij + gamma w_ij^+)``, bias ``b + gamma b^+``
-  in the denominator (Ali et al.'s code; ``RuleSet.gamma``).
+  in the denominator (Ali et al.'s code; ``RuleSet.gamma``); ``"generalized_gamma"``: the
+  sign-aware form of zennit's ``Gamma`` (LXT's ViT example).
 * ``pixel_conv="zB"``: the z^B rule on the convolution reading the (leaf) pixel input.
 * ``add="normalized"``: Sec. 3.2 normalisation of ``u + v`` per example,
   ``Rbar_u = R_u |S_u| / (|S_u| + |S_v|) * S / S_u`` with ``S_u = sum R_u``.
@@ -284,8 +285,8 @@ class OperationRules(TorchFunctionMode):
             elif func is torch.addmm and len(args) >= 3 and args[1].requires_grad and not kwargs:
                 # addmm(bias, x, W) with W laid out (in, out), as in GPT-2's Conv1D.
                 layer = (args[1], args[2].t(), args[0])
-            if layer is not None and rules.linear == "gamma":
-                return _LinearGamma.apply(*layer, rules.gamma, func, args, kwargs)
+            if layer is not None and rules.linear in ("gamma", "generalized_gamma"):
+                return _LinearGamma.apply(*layer, rules.gamma, func, args, kwargs, rules.linear == "generalized_gamma")
             if layer is not None:
                 return _LinearAlphaBeta.apply(*layer, rules.linear == "alpha1beta0", func, args, kwargs)
         if rules.pixel_conv == "zB" and func is F.conv2d and isinstance(args[0], torch.Tensor) \

@@ -61,9 +61,10 @@ class RuleSet:
     # relevance flows only through up(x) (LXT's CP-LRP). "gradient": the product's own rule.
     gated_product: GatedProductRule = "gradient"
     # Per-operation rules installed by captum_transformers.propagation.operation_rules:
-    linear: Literal["gradient", "alpha1beta0", "alpha1beta0_separate", "gamma"] = "gradient"
+    linear: Literal["gradient", "alpha1beta0", "alpha1beta0_separate", "gamma", "generalized_gamma"] = "gradient"
     # The gamma of linear="gamma" (LRP-gamma: z_ij = x_j (w_ij + gamma w_ij^+), bias b + gamma b^+;
-    # Ali et al.'s code, LXT's ViT recipe; 0 is LRP-0). Only with linear="gamma".
+    # Ali et al.'s code; 0 is LRP-0) or "generalized_gamma" (contributions of the output's sign
+    # amplified, for signed inputs: zennit's Gamma, which LXT's ViT example uses).
     gamma: float = 0.0
     activation: Literal["gradient", "identity"] = "gradient"
     softmax: Literal["gradient", "identity"] = "gradient"
@@ -81,9 +82,10 @@ class RuleSet:
         gamma = self.gamma
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not gamma >= 0 or gamma == float("inf"):
             raise InputError(f"RuleSet.gamma must be a finite number >= 0, got {gamma!r}.")
-        if gamma != 0 and self.linear != "gamma":
-            raise InputError(f"RuleSet.gamma={gamma!r} acts only with linear='gamma', but linear={self.linear!r}; set "
-                             "linear='gamma' (LRP-gamma on linear layers) or leave gamma at 0.")
+        if gamma != 0 and self.linear not in ("gamma", "generalized_gamma"):
+            raise InputError(f"RuleSet.gamma={gamma!r} acts only with linear='gamma' or 'generalized_gamma', but "
+                             f"linear={self.linear!r}; set linear='gamma' (LRP-gamma on linear layers) or leave gamma "
+                             "at 0.")
     AH = None
     AH_LN = None
     CHEFER = None
