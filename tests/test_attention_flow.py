@@ -125,6 +125,17 @@ def test_catalog_builds_it_by_name_only_on_request():
     assert torch.isfinite(maps[0]).all() and (maps[0] > 0).all()
 
 
+@pytest.mark.parametrize("case", ["timm_vit", "torch_mha_encoder"])
+def test_other_adapters_give_normalised_flows_zero_at_padding(case):
+    from lrp_models import CONSERVATION_CASES
+
+    model, x, kwargs, _ = CONSERVATION_CASES[case]()
+    flow = AttentionFlow(model).attribute(x, forward_kwargs=kwargs, return_tokens=True)
+    torch.testing.assert_close(flow.sum(-1), torch.ones(flow.shape[0], dtype=flow.dtype), rtol=1e-10, atol=1e-10)
+    if kwargs:  # the nn.TransformerEncoder case pads example 1 from position 5
+        assert (flow[1, 5:] == 0).all() and (flow[1, :5] > 0).all()
+
+
 # == 3. the size limit ==========================================================================
 def test_graphs_above_the_limit_are_refused():
     spec = CASES["bert"]

@@ -281,3 +281,11 @@ def test_row_normalized_transformer_relevance_refuses_several_streams():
         TransformerRelevance(nn.MultiheadAttention(4, 1), row_normalize=True).reduce(trace)
     with pytest.raises(InputError, match="row_normalize must be True or False"):
         TransformerRelevance(nn.MultiheadAttention(4, 1), row_normalize="yes")
+
+
+def test_attention_flow_refuses_several_streams():
+    from captum_transformers import AttentionFlow
+
+    trace, _ = _trace(LXMERT_LIKE, ("text",), forward=True)
+    with pytest.raises(InputError, match="AttentionFlow is defined for one token sequence"):
+        AttentionFlow(nn.MultiheadAttention(4, 1)).reduce(trace)
