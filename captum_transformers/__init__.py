@@ -10,10 +10,10 @@ torch_geometric are imported when a model of that family is explained.
 """
 from .adapters import Adapter, HuggingFaceAdapter
 from .errors import CaptumTransformersError, CaptureError, InputError, UnsupportedModelError
-from .methods import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS, AttentionFlow, AttentionGradCAM,
-                      AttentionRollout,
+from .methods import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS, AttentionGradCAM, AttentionRollout,
                       AttnLRP, ConservativeLRP, GenericAttention, PartialLRP, RawAttention, RuleGradientXInput,
                       TraceAttribution, TransformerLRP, TransformerRelevance)
+from .methods import AttentionFlow
 from .propagation.rules import RuleSet
 from .adapters.registry import get_adapter, register_adapter, registered_adapters
 from .capture.trace import AttentionRecord, AttentionTrace, Block, CaptureSpec, InputSpan, StreamLayouts, TokenLayout
