@@ -42,30 +42,23 @@ NormRule = Literal["gradient", "scale_constant", "scale_and_mean_constant", "ide
 class RuleSet:
     """Which propagation rule sits where. The default is plain gradient everywhere.
 
-    LRP-gamma on every linear layer (Ali et al.'s code; LXT's ViT recipe with CP-LRP)::
-
-        >>> rules = dataclasses.replace(RuleSet.AH_LN, name="AH+LN, gamma", linear="gamma", gamma=0.25)
-
     Presets: :attr:`GRADIENT` (Gradient x Input), :attr:`AH` and :attr:`AH_LN`
     (Ali et al. 2022; both hold the gates of gated MLPs constant, as LXT's CP-LRP does, so
     that AH+LN conserves on bias-free gated models too). Example::
 
         >>> with get_adapter(model).propagation(model, RuleSet.AH_LN):
         ...     relevance = LayerGradientXActivation(forward, layer).attribute(x, target=t)
+
+    LRP-gamma on every linear layer (Ali et al.'s code; with CP-LRP, LXT's ViT recipe)::
+
+        >>> rules = dataclasses.replace(RuleSet.AH_LN, name="AH+LN, gamma", linear="gamma", gamma=0.25)
     """
 
     name: str = "gradient"
     attention_gate: GateRule = "gradient"
     norm: NormRule = "gradient"
-    # The activated gate of a gated MLP, act(gate(x)) * up(x): "constant" holds it fixed, so
-    # relevance flows only through up(x) (LXT's CP-LRP). "gradient": the product's own rule.
-    gated_product: GatedProductRule = "gradient"
     # Per-operation rules installed by captum_transformers.propagation.operation_rules:
     linear: Literal["gradient", "alpha1beta0", "alpha1beta0_separate", "gamma", "generalized_gamma"] = "gradient"
-    # The gamma of linear="gamma" (LRP-gamma: z_ij = x_j (w_ij + gamma w_ij^+), bias b + gamma b^+;
-    # Ali et al.'s code; 0 is LRP-0) or "generalized_gamma" (contributions of the output's sign
-    # amplified, for signed inputs: zennit's Gamma, which LXT's ViT example uses).
-    gamma: float = 0.0
     activation: Literal["gradient", "identity"] = "gradient"
     softmax: Literal["gradient", "identity"] = "gradient"
     matmul: Literal["gradient", "uniform"] = "gradient"
@@ -75,8 +68,21 @@ class RuleSet:
     seed: Literal["logit", "one"] = "logit"
     # The convolution reading the pixels (only when relevance is read at the pixels).
     pixel_conv: Literal["gradient", "zB"] = "gradient"
+    # (Fields added later go last: positional construction keeps working.)
+    # The activated gate of a gated MLP, act(gate(x)) * up(x): "constant" holds it fixed, so
+    # relevance flows only through up(x) (LXT's CP-LRP). "gradient": the product's own rule.
+    gated_product: GatedProductRule = "gradient"
+    # The gamma of linear="gamma" (LRP-gamma: z_ij = x_j (w_ij + gamma w_ij^+), bias b + gamma b^+;
+    # Ali et al.'s code; 0 is LRP-0) or "generalized_gamma" (contributions of the output's sign
+    # amplified, for signed inputs: zennit's Gamma, which LXT's ViT example uses).
+    gamma: float = 0.0
 
     GRADIENT = None  # filled in below (dataclass fields cannot hold instances of the class)
+    AH = None
+    AH_LN = None
+    CHEFER = None
+    LRP = None
+    ATTN_LRP = None
 
     def __post_init__(self) -> None:
         gamma = self.gamma
@@ -86,11 +92,6 @@ class RuleSet:
             raise InputError(f"RuleSet.gamma={gamma!r} acts only with linear='gamma' or 'generalized_gamma', but "
                              f"linear={self.linear!r}; set linear='gamma' (LRP-gamma on linear layers) or leave gamma "
                              "at 0.")
-    AH = None
-    AH_LN = None
-    CHEFER = None
-    LRP = None
-    ATTN_LRP = None
 
 
 RuleSet.GRADIENT = RuleSet()
