@@ -113,3 +113,15 @@ def test_generic_attention_is_class_specific():
     assert not torch.allclose(maps[0], maps[1]) and not torch.allclose(maps[1], maps[2])
     raw = [RawAttention(model).attribute(inputs, target=t, return_tokens=True) for t in range(2)]
     torch.testing.assert_close(raw[0], raw[1])  # class-agnostic by construction
+
+
+def test_grad_cam_row_keeps_per_head_maps_only_for_images():
+    # Token inputs have no prefix columns: the row weights are applied as the gradient arrives
+    # and one (B, Q, K) map is kept; images keep (B, 2, H, Q, K) until the patch grid is known.
+    for case, dims in (("bert", 3), ("vit", 5)):
+        spec = CASES[case]
+        model = spec.model("eager")
+        inputs, kwargs = spec.inputs(batch=2)
+        trace = AttentionGradCAM(model).trace(inputs, target=[0, 1], forward_kwargs=kwargs)
+        kept = [r.backward_value for r in trace.records if r.backward_value is not None]
+        assert len(kept) == 1 and kept[0].dim() == dims, case

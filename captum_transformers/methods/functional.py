@@ -63,12 +63,12 @@ def gradcam_heads_by_row(probs: torch.Tensor, grad: torch.Tensor, columns: torch
     (the patch columns of the explained row in the authors' code), ``cam_q =
     (E_h[w_{h,q} A_{h,q,:}])^+`` with ``w_{h,q} = mean_{k in columns} grad(A)_{h,q,k}``.
 
-    ``probs``, ``grad``: (B, H, Q, K); ``columns``: (B, K) booleans, True where a key column
-    counts (a patch token that is not padding). Example: with one head, ``A = [[.5, .5]]``,
+    ``probs``, ``grad``: (B, H, Q, K); ``columns``: (B, K) or per row (B, Q, K) booleans, True
+    where a key column counts (a patch token that is not padding). Example: with one head, ``A = [[.5, .5]]``,
     ``grad = [[2., 4.]]`` and both columns counted, ``w = 3`` and the row is ``[1.5, 1.5]``.
     """
     dtype = _accumulation_dtype(probs)
-    counted = columns.to(dtype)[:, None, None, :]
+    counted = columns.to(dtype)[:, None, None, :] if columns.dim() == 2 else columns.to(dtype)[:, None]
     weights = (grad.to(dtype) * counted).sum(dim=-1, keepdim=True) / counted.sum(dim=-1, keepdim=True).clamp(min=1)
     return (weights * probs.to(dtype)).mean(dim=1).clamp(min=0)
 

@@ -22,6 +22,15 @@ def _heads_and_gradients(probs: torch.Tensor, grad: torch.Tensor, valid=None) ->
     return torch.stack((probs.to(dtype), grad.to(dtype)), dim=1)
 
 
+def _weighted_by_real_keys(probs: torch.Tensor, grad: torch.Tensor, valid=None) -> torch.Tensor:
+    """``"row"`` weights over every real key of each query row (no prefix tokens), fused now."""
+    if valid is None:
+        columns = torch.ones(probs.shape[0], probs.shape[-2], probs.shape[-1], dtype=torch.bool, device=probs.device)
+    else:
+        columns = valid[:, 0].to(torch.bool).expand(probs.shape[0], probs.shape[-2], probs.shape[-1])
+    return functional.gradcam_heads_by_row(probs, grad, columns)
+
+
 class AttentionGradCAM(TraceAttribution):
     r"""Gradient-weighted attention heads of the last layer.
 
@@ -60,10 +69,23 @@ class AttentionGradCAM(TraceAttribution):
         super().__init__(model, adapter)
         self.head_weights = head_weights
 
-    def capture_spec(self) -> CaptureSpec:
+    def capture_spec(self, keep_heads: bool = True) -> CaptureSpec:
+        """``"row"`` with ``keep_heads``: the last map's heads and gradients, weighted once the
+        key streams' prefix tokens are known (images); without: weighted as the gradient
+        arrives, every real key a column (no prefix tokens: token inputs), one (B, Q, K) map."""
         if self.head_weights == "all":
             return CaptureSpec(backward_reduce=functional.gradcam_heads, backward_blocks="last")
-        return CaptureSpec(backward_reduce=_heads_and_gradients, backward_blocks="last")
+        if keep_heads:
+            return CaptureSpec(backward_reduce=_heads_and_gradients, backward_blocks="last")
+        return CaptureSpec(backward_reduce=_weighted_by_real_keys, backward_blocks="last")
+
+    def _trace(self, inputs, target, additional, forward_kwargs) -> AttentionTrace:
+        # Prefix tokens come only with an image's patch grid: token inputs need no (B, 2, H, Q, K)
+        # copy of the last layer (an LLM's last layer over a long prompt would make it large).
+        tensors = [*inputs, *additional, *(forward_kwargs or {}).values()]
+        image = any(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() for t in tensors)
+        return self.adapter.trace(self.model, inputs, additional, target, self.capture_spec(keep_heads=image),
+                                  forward_kwargs)
 
     def reduce(self, trace: AttentionTrace):
         if self.head_weights == "row":
@@ -73,9 +95,16 @@ class AttentionGradCAM(TraceAttribution):
 
     @staticmethod
     def _row_weighted(trace: AttentionTrace, record: AttentionRecord) -> AttentionRecord:
+        layout = trace.streams.layouts.get(record.streams[1])
+        if record.backward_value.dim() == 3:  # weighted as the gradient arrived, with no prefix column
+            if layout is not None and layout.num_prefix_tokens:
+                raise CaptureError(
+                    f"Attention call {record.call_index} ({record.block.name}) was weighted over every real key, but "
+                    f"its key stream {record.streams[1]!r} has {layout.num_prefix_tokens} prefix tokens that the "
+                    "ViT baseline leaves out (no image input was seen). Use head_weights='all', or pass the image.")
+            return record
         probs, grad = record.backward_value.unbind(dim=1)
         batch, keys = probs.shape[0], probs.shape[-1]
-        layout = trace.streams.layouts.get(record.streams[1])
         columns = torch.ones(batch, keys, dtype=torch.bool, device=probs.device)
         if layout is not None:
             columns[:, :layout.num_prefix_tokens] = False
