@@ -13,6 +13,7 @@ from .errors import CaptumTransformersError, CaptureError, InputError, Unsupport
 from .methods import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS, AttentionGradCAM, AttentionRollout,
                       AttnLRP, ConservativeLRP, GenericAttention, PartialLRP, RawAttention, RuleGradientXInput,
                       TraceAttribution, TransformerLRP, TransformerRelevance)
+from .methods import AttentionFlow
 from .propagation.rules import RuleSet
 from .adapters.registry import get_adapter, register_adapter, registered_adapters
 from .capture.trace import AttentionRecord, AttentionTrace, Block, CaptureSpec, InputSpan, StreamLayouts, TokenLayout
@@ -23,6 +24,7 @@ __all__ = [
     "Adapter", "HuggingFaceAdapter", "CaptumTransformersError", "CaptureError", "InputError",
     "UnsupportedModelError", "ATTENTION_METHODS", "RELEVANCE_METHODS", "ConservativeLRP", "RuleSet",
     "LRP_ATTENTION_METHODS", "AttnLRP", "PartialLRP", "RuleGradientXInput", "TransformerLRP", "TransformerRelevance", "AttentionGradCAM", "AttentionRollout", "GenericAttention",
+    "AttentionFlow",
     "RawAttention", "TraceAttribution", "get_adapter", "register_adapter", "registered_adapters",
     "AttentionRecord", "AttentionTrace", "Block", "CaptureSpec", "InputSpan", "StreamLayouts", "TokenLayout", "__version__",
 ]

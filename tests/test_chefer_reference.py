@@ -170,6 +170,20 @@ def _eq14_cls_row(reference: dict, start_layer: int = 0) -> torch.Tensor:
     return product[0]
 
 
+def _bert_generator_cls_row(reference: dict, start_layer: int = 0) -> torch.Tensor:
+    """The authors' BERT generator (``generate_LRP`` and its ``compute_rollout_attention``):
+    ``M_b = E_h[(dA * R_A)+]``; each ``M_b + I`` divided by its row sums; the product of the
+    layers from ``start_layer`` on, later layers on the left; the CLS row (before their
+    CLS-entry overwrite)."""
+    maps = _eq13(reference)
+    eye = torch.eye(maps[0].shape[-1], dtype=maps[0].dtype)
+    augmented = [(m + eye) / (m + eye).sum(dim=-1, keepdim=True) for m in maps]
+    joint = augmented[start_layer]
+    for layer_map in augmented[start_layer + 1:]:
+        joint = layer_map @ joint
+    return joint[0]
+
+
 REFERENCE_TARGETS = [0, 3, 2]
 
 
@@ -212,6 +226,21 @@ def test_transformer_relevance_equals_eq13_14(reference_case):
     expected_1 = torch.stack([_eq14_cls_row(r, start_layer=1) for r in chefer])
     torch.testing.assert_close(maps, expected_1, rtol=1e-6, atol=1e-6 * informative)
     assert (expected_1 - expected).abs().max() > 1e-2 * informative
+
+
+@pytest.mark.parametrize("start_layer", [0, 1])
+def test_row_normalized_transformer_relevance_equals_the_authors_bert_generator(reference_case, start_layer):
+    model, x, chefer, _ = reference_case
+    maps = TransformerRelevance(model, start_layer=start_layer, row_normalize=True).attribute(
+        x, target=REFERENCE_TARGETS, return_tokens=True)
+    expected = torch.stack([_bert_generator_cls_row(r, start_layer) for r in chefer])
+    torch.testing.assert_close(maps, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
+    # Each row of the product sums to 1 (a product of row-stochastic maps) ...
+    torch.testing.assert_close(maps.sum(-1), torch.ones(3, dtype=maps.dtype), rtol=1e-10, atol=1e-10)
+    # ... and over two layers it is not the unnormalised Eq. 14 rescaled (over one layer it is).
+    plain = torch.stack([_eq14_cls_row(r, start_layer) for r in chefer])
+    if start_layer == 0:
+        assert _relative(maps, plain / plain.sum(-1, keepdim=True)) > 1e-3
 
 
 def test_partial_lrp_equals_last_layer_relevance(reference_case):

@@ -93,6 +93,20 @@ def test_gradcam_heads_weights_each_head_by_its_mean_gradient():
     torch.testing.assert_close(F.gradcam_heads(probs, grad)[0], expected.clamp(min=0))
 
 
+def test_gradcam_heads_by_row_weights_each_head_by_its_rows_mean_gradient_over_the_columns():
+    probs = torch.rand(2, 3, 4, 5)
+    grad = torch.randn(2, 3, 4, 5)
+    columns = torch.tensor([[False, True, True, True, True], [False, True, True, False, False]])
+    got = F.gradcam_heads_by_row(probs, grad, columns)
+    for b in range(2):
+        for q in range(4):
+            kept = columns[b].nonzero().squeeze(1)
+            weights = [grad[b, h, q, kept].mean() for h in range(3)]
+            expected = (sum(weights[h] * probs[b, h, q] for h in range(3)) / 3).clamp(min=0)
+            torch.testing.assert_close(got[b, q], expected)
+
+
+
 def test_discard_lowest_is_per_example_and_keeps_the_diagonal():
     maps = _random_maps(layers=1, batch=2, tokens=4)[0]
     out = F.discard_lowest(maps, [0.5, 0.0])

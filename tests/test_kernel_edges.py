@@ -47,7 +47,9 @@ def _gradient(func, rules=None):
     return torch.autograd.grad(y, x, seed)[0]
 
 
-@pytest.mark.parametrize("rules", [RuleSet.CHEFER, RuleSet.LRP], ids=lambda r: r.name)
+@pytest.mark.parametrize("rules", [RuleSet.CHEFER, RuleSet.LRP, RuleSet(name="gamma", linear="gamma", gamma=0.25),
+                                   RuleSet(name="generalized gamma", linear="generalized_gamma", gamma=0.25)],
+                         ids=lambda r: r.name)
 @pytest.mark.parametrize("func", ["linear", "addmm"])
 def test_linear_rule_in_row_chunks_equals_all_rows(monkeypatch, rules, func):
     whole = _gradient(func, rules)

@@ -9,10 +9,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+import functools
+
 from captum_transformers import AttentionGradCAM, AttentionRollout, GenericAttention, RawAttention
 from hf_models import CASES
 
 REFERENCE_CASES = ["bert", "vit", "deit_distilled", "gpt2"]
+PREFIX_TOKENS = {"bert": 0, "vit": 1, "deit_distilled": 2, "gpt2": 0}
+
+
+def _named(name, factory):
+    factory.__name__ = name
+    return factory
+
+
+GRAD_CAM_ALL = _named("AttentionGradCAM_all", functools.partial(AttentionGradCAM, head_weights="all"))
 
 
 def _eager_attentions(model, inputs, kwargs, target, causal):
@@ -55,17 +66,30 @@ def _reference(case, method, model, inputs, kwargs, target):
             relevance = (0.5 * a.mean(0) + 0.5 * eye) @ relevance
     elif method is RawAttention:
         relevance = attentions[-1].mean(0)
-    elif method is AttentionGradCAM:  # CVPR'21 baseline: heads weighted by mean gradient over real tokens
+    elif method is GRAD_CAM_ALL:  # the authors' BERT code: heads weighted by mean gradient over real pairs
         a, g = attentions[-1], grads[-1]
         mask = kwargs.get("attention_mask")
         real = torch.arange(tokens) if mask is None else mask[0].nonzero().squeeze(1)
         relevance = (sum(g[h][real][:, real].mean() * a[h] for h in range(heads)) / heads).clamp(min=0)
+    elif method is AttentionGradCAM:
+        # The authors' ViT baseline (generate_cam_attn): for the explained row r, each head's
+        # weight is its gradient averaged over r's patch columns (after the prefix tokens),
+        # cam = mean_h(w_h * A[h, r, :]), then clamp(min=0); several rows are averaged.
+        a, g = attentions[-1], grads[-1]
+        mask = kwargs.get("attention_mask")
+        columns = [k for k in range(PREFIX_TOKENS[case], tokens) if mask is None or mask[0, k]]
+        rows = _rows(case, inputs, kwargs)
+        cams = []
+        for r in rows:
+            weights = [sum(float(g[h, r, k]) for k in columns) / len(columns) for h in range(heads)]
+            cams.append((sum(weights[h] * a[h, r] for h in range(heads)) / heads).clamp(min=0))
+        return sum(cams) / len(rows)
     rows = _rows(case, inputs, kwargs)
     return sum(relevance[r] for r in rows) / len(rows)
 
 
 @pytest.mark.parametrize("case", REFERENCE_CASES)
-@pytest.mark.parametrize("method", [GenericAttention, AttentionRollout, RawAttention, AttentionGradCAM],
+@pytest.mark.parametrize("method", [GenericAttention, AttentionRollout, RawAttention, AttentionGradCAM, GRAD_CAM_ALL],
                          ids=lambda m: m.__name__)
 def test_vectorised_method_equals_slow_reference(case, method):
     spec = CASES[case]
@@ -89,3 +113,15 @@ def test_generic_attention_is_class_specific():
     assert not torch.allclose(maps[0], maps[1]) and not torch.allclose(maps[1], maps[2])
     raw = [RawAttention(model).attribute(inputs, target=t, return_tokens=True) for t in range(2)]
     torch.testing.assert_close(raw[0], raw[1])  # class-agnostic by construction
+
+
+def test_grad_cam_row_keeps_per_head_maps_only_for_images():
+    # Token inputs have no prefix columns: the row weights are applied as the gradient arrives
+    # and one (B, Q, K) map is kept; images keep (B, 2, H, Q, K) until the patch grid is known.
+    for case, dims in (("bert", 3), ("vit", 5)):
+        spec = CASES[case]
+        model = spec.model("eager")
+        inputs, kwargs = spec.inputs(batch=2)
+        trace = AttentionGradCAM(model).trace(inputs, target=[0, 1], forward_kwargs=kwargs)
+        kept = [r.backward_value for r in trace.records if r.backward_value is not None]
+        assert len(kept) == 1 and kept[0].dim() == dims, case

@@ -248,8 +248,11 @@ def test_rollout_uses_eq_12_between_streams():
 
 @pytest.mark.parametrize("cls,forward", [(RawAttention, True), (AttentionGradCAM, False), (PartialLRP, False)])
 def test_last_map_baselines_read_the_last_map_of_each_stream_pair(cls, forward):
+    # The trace holds fused (B, Q, K) maps: what Grad-CAM's head_weights="all" records.
     trace, steps = _trace(LXMERT_LIKE, ("text",), forward=forward)
-    scores = _method(cls).reduce(trace)
+    method = AttentionGradCAM(nn.MultiheadAttention(4, 1), head_weights="all") if cls is AttentionGradCAM \
+        else _method(cls)
+    scores = method.reduce(trace)
     last = {pair: value for pair, value in steps}
     torch.testing.assert_close(scores["text"], last[("text", "text")][:, 0])
     torch.testing.assert_close(scores["image"], last[("text", "image")][:, 0])
@@ -270,3 +273,19 @@ def test_a_stream_without_a_layout_is_a_clear_error():
                             StreamLayouts({"decoder": trace.streams.layouts["decoder"]}, ("decoder",), ()))
     with pytest.raises(Exception, match="layouts only describe"):
         _method(GenericAttention).reduce(broken)
+
+
+def test_row_normalized_transformer_relevance_refuses_several_streams():
+    trace, _ = _trace(LXMERT_LIKE, ("text",))
+    with pytest.raises(InputError, match="row_normalize=True follows the authors' BERT generator"):
+        TransformerRelevance(nn.MultiheadAttention(4, 1), row_normalize=True).reduce(trace)
+    with pytest.raises(InputError, match="row_normalize must be True or False"):
+        TransformerRelevance(nn.MultiheadAttention(4, 1), row_normalize="yes")
+
+
+def test_attention_flow_refuses_several_streams():
+    from captum_transformers import AttentionFlow
+
+    trace, _ = _trace(LXMERT_LIKE, ("text",), forward=True)
+    with pytest.raises(InputError, match="AttentionFlow is defined for one token sequence"):
+        AttentionFlow(nn.MultiheadAttention(4, 1)).reduce(trace)

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import InputError
 from ..evaluation.pixel_perturbation import PIXEL_PROTOCOLS
-from ..methods.catalog import METHOD_NAMES
+from ..methods.catalog import KNOWN_METHOD_NAMES
 from .output_folder import output_folder
 
 
@@ -21,7 +21,7 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("benchmark", help="faithfulness metrics of methods on a benchmark task",
                                    description=__doc__.splitlines()[0])
     parser.add_argument("--task", required=True, choices=TASKS)
-    parser.add_argument("--methods", nargs="+", choices=METHOD_NAMES + ("all",), default=None,
+    parser.add_argument("--methods", nargs="+", choices=KNOWN_METHOD_NAMES + ("all",), default=None,
                         help="methods to evaluate (default: all)")
     parser.add_argument("--limit", type=int, help="first N test examples only")
     parser.add_argument("--batch-size", type=int, default=32)

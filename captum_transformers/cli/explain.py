@@ -13,7 +13,7 @@ import torch
 
 from ..capture.targets import output_scores
 from ..errors import InputError
-from ..methods.catalog import METHOD_NAMES, build_method, resolve_method_names
+from ..methods.catalog import KNOWN_METHOD_NAMES, build_method, resolve_method_names
 from . import figures
 from .model_loading import LoadedModel, load_model, read_image
 from .output_folder import output_folder
@@ -28,7 +28,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--random-init", action="store_true", help="timm: random weights instead of pretrained")
     parser.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     parser.add_argument("--text", action="append", default=[], help="text to classify (repeatable)")
-    parser.add_argument("--method", action="append", choices=METHOD_NAMES + ("all",), default=None,
+    parser.add_argument("--method", action="append", choices=KNOWN_METHOD_NAMES + ("all",), default=None,
                         help="method to run (repeatable; default: all)")
     parser.add_argument("--target", type=int, help="class to explain (default: the predicted class)")
     parser.add_argument("--samples", type=int, default=4, help="built-in model: number of sample canvases")

@@ -7,6 +7,7 @@ from .generic_attention import GenericAttention
 from .grad_cam import AttentionGradCAM
 from .raw_attention import RawAttention
 from .rollout import AttentionRollout
+from .attention_flow import AttentionFlow
 
 # Every attention method, for tests and tools that iterate over methods.
 ATTENTION_METHODS = (RawAttention, AttentionRollout, AttentionGradCAM, GenericAttention)
@@ -18,4 +19,4 @@ LRP_ATTENTION_METHODS = (TransformerRelevance, PartialLRP)
 
 __all__ = ["ConservativeLRP", "RELEVANCE_METHODS", "LRP_ATTENTION_METHODS", "AttnLRP", "RuleGradientXInput",
            "TransformerLRP", "PartialLRP", "TransformerRelevance", "TraceAttribution", "RawAttention", "AttentionRollout", "AttentionGradCAM", "GenericAttention",
-           "ATTENTION_METHODS"]
+           "AttentionFlow", "ATTENTION_METHODS"]

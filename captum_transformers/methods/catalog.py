@@ -20,6 +20,7 @@ from typing import Callable, Dict, Iterable, List, Tuple
 from torch import nn
 
 from ..errors import InputError
+from .attention_flow import AttentionFlow
 from .captum_baselines import CaptumIntegratedGradients, CaptumSaliency
 from .conservative_lrp import ConservativeLRP
 from .generic_attention import GenericAttention
@@ -32,6 +33,7 @@ from .transformer_relevance import PartialLRP, TransformerRelevance
 METHOD_FACTORIES: Dict[str, Callable[[nn.Module], object]] = {
     "raw-attention": RawAttention,
     "rollout": AttentionRollout,
+    "attention-flow": AttentionFlow,
     "grad-cam": AttentionGradCAM,
     "partial-lrp": PartialLRP,
     "lrp": TransformerLRP,
@@ -44,21 +46,28 @@ METHOD_FACTORIES: Dict[str, Callable[[nn.Module], object]] = {
     "integrated-gradients": CaptumIntegratedGradients,
     "saliency": CaptumSaliency,
 }
-METHOD_NAMES: Tuple[str, ...] = tuple(METHOD_FACTORIES)
+# Run only when named: exact maximum flows cost seconds per example (AttentionFlow), too slow
+# for "all" (the default of the CLI and of benchmark tables).
+ON_REQUEST = frozenset({"attention-flow"})
+# What "all" (or no choice) runs.
+METHOD_NAMES: Tuple[str, ...] = tuple(name for name in METHOD_FACTORIES if name not in ON_REQUEST)
+# Every name build_method accepts.
+KNOWN_METHOD_NAMES: Tuple[str, ...] = tuple(METHOD_FACTORIES)
 
 # Captum's own methods: they need no adapter (no attention is captured), explain pixels
 # or, for token ids, the input embeddings, and have no token scores for float inputs.
 CAPTUM_BASELINES = frozenset({"integrated-gradients", "saliency"})
 # The package's methods, which read the model through an adapter.
-PACKAGE_METHOD_NAMES: Tuple[str, ...] = tuple(name for name in METHOD_NAMES if name not in CAPTUM_BASELINES)
+PACKAGE_METHOD_NAMES: Tuple[str, ...] = tuple(name for name in KNOWN_METHOD_NAMES if name not in CAPTUM_BASELINES)
 
 # Methods whose map does not depend on the explained class (the rest, Captum's gradient
 # baselines included, differentiate the target score).
-CLASS_AGNOSTIC = frozenset({"raw-attention", "rollout"})
+CLASS_AGNOSTIC = frozenset({"raw-attention", "rollout", "attention-flow"})
 
 
 def resolve_method_names(names: Iterable[str] | None) -> List[str]:
-    """Validate ``names`` (``None`` or ``["all"]`` means every method), keeping their order."""
+    """Validate ``names`` (``None`` or ``["all"]`` means ``METHOD_NAMES``: every method but those
+    run only on request), keeping their order."""
     if names is None:
         return list(METHOD_NAMES)
     names = list(names)
@@ -67,11 +76,11 @@ def resolve_method_names(names: Iterable[str] | None) -> List[str]:
     unknown = [name for name in names if name not in METHOD_FACTORIES]
     if unknown:
         raise InputError(f"unknown method {', '.join(map(repr, unknown))}; expected one of "
-                         f"{', '.join(METHOD_NAMES)} (or 'all').")
+                         f"{', '.join(KNOWN_METHOD_NAMES)} (or 'all').")
     return names
 
 
 def build_method(name: str, model: nn.Module):
-    """The attribution ``name`` (see ``METHOD_NAMES``) for ``model``."""
+    """The attribution ``name`` (see ``KNOWN_METHOD_NAMES``) for ``model``."""
     (name,) = resolve_method_names([name])
     return METHOD_FACTORIES[name](model)

@@ -1,6 +1,7 @@
 """Conservative propagation (Ali et al., ICML 2022): the AH and AH+LN rules."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal, Union
 
 from torch import nn
@@ -23,8 +24,10 @@ class ConservativeLRP(RuleGradientXInput):
               y = \frac{x - \mathbb{E}[x]}{[\sqrt{\epsilon + \mathrm{Var}[x]}]_{\text{const}}} \quad\text{(LN)},
               \qquad R(x) = x \odot \frac{\partial f_t}{\partial x}
 
-    With ``variant="AH+LN"`` (default) the relevance of a bias-free model sums to the
-    explained logit; ``"AH"`` applies the attention rule only; ``"GI"`` is plain Gradient x
+    Both variants also hold the activated gate of gated MLPs (SwiGLU, GeGLU:
+    ``act(gate(x)) * up(x)``) constant, as LXT's CP-LRP does (``RuleSet.gated_product``).
+    With ``variant="AH+LN"`` (default) the relevance of a bias-free model, gated or not, sums
+    to the explained logit; ``"AH"`` applies the attention rule only; ``"GI"`` is plain Gradient x
     Input read at the same place, for comparison. LayerNorm- and RMSNorm-like modules are
     found by probing their behaviour (``norm_mean="constant"`` also freezes the mean).
 
@@ -53,6 +56,6 @@ class ConservativeLRP(RuleGradientXInput):
             raise InputError(f"norm_mean must be 'gradient' or 'constant', got {norm_mean!r}.")
         rules = VARIANTS[variant]
         if norm_mean == "constant" and rules.norm != "gradient":
-            rules = RuleSet(rules.name + " (mean constant)", rules.attention_gate, "scale_and_mean_constant")
+            rules = dataclasses.replace(rules, name=rules.name + " (mean constant)", norm="scale_and_mean_constant")
         super().__init__(model, rules, adapter, relevance_at)
         self.variant = variant

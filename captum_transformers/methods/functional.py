@@ -40,7 +40,7 @@ def gradient_weighted_heads(probs: torch.Tensor, grad: torch.Tensor, valid: Opti
 
 
 def gradcam_heads(probs: torch.Tensor, grad: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Grad-CAM on attention heads (the baseline of Chefer et al., CVPR 2021).
+    """Grad-CAM on attention heads as Chefer et al.'s BERT code computes it (their ERASER baseline).
 
     Each head is weighted by its gradient averaged over all (query, key) pairs; the
     weighted heads are averaged and negative values removed:
@@ -54,6 +54,22 @@ def gradcam_heads(probs: torch.Tensor, grad: torch.Tensor, valid: Optional[torch
     else:
         valid = valid.to(dtype)
         weights = (grad * valid).sum(dim=(-2, -1), keepdim=True) / valid.sum(dim=(-2, -1), keepdim=True).clamp(min=1)
+    return (weights * probs.to(dtype)).mean(dim=1).clamp(min=0)
+
+
+def gradcam_heads_by_row(probs: torch.Tensor, grad: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Grad-CAM on attention heads as the CVPR'21 ViT baseline computes it: each head is
+    weighted, per query row, by its gradient averaged over that row's ``columns``
+    (the patch columns of the explained row in the authors' code), ``cam_q =
+    (E_h[w_{h,q} A_{h,q,:}])^+`` with ``w_{h,q} = mean_{k in columns} grad(A)_{h,q,k}``.
+
+    ``probs``, ``grad``: (B, H, Q, K); ``columns``: (B, K) or per row (B, Q, K) booleans, True
+    where a key column counts (a patch token that is not padding). Example: with one head, ``A = [[.5, .5]]``,
+    ``grad = [[2., 4.]]`` and both columns counted, ``w = 3`` and the row is ``[1.5, 1.5]``.
+    """
+    dtype = _accumulation_dtype(probs)
+    counted = columns.to(dtype)[:, None, None, :] if columns.dim() == 2 else columns.to(dtype)[:, None]
+    weights = (grad.to(dtype) * counted).sum(dim=-1, keepdim=True) / counted.sum(dim=-1, keepdim=True).clamp(min=1)
     return (weights * probs.to(dtype)).mean(dim=1).clamp(min=0)
 
 

@@ -40,6 +40,14 @@ class TransformerRelevance(TraceAttribution):
     gradient); class-specific. Later blocks
     multiply on the left, as in the authors' code; ``start_layer`` skips the first blocks.
 
+    ``row_normalize=True`` divides each row of every ``I + Abar`` by its sum before the
+    product, as the authors' BERT generator does (``BERT_explainability/modules/BERT/
+    ExplanationGenerator.py``, ``generate_LRP``; their ERASER movie-review results). With
+    ``start_layer`` = the last layer (their default, 11 for BERT-base) it is their ERASER
+    configuration; their generator then also overwrites the CLS entry of the row with the
+    row's minimum, a ranking step this option leaves to the caller. Their ViT code and the
+    paper's Eq. 14 do not normalise (the default, ``False``). One-sequence models only.
+
     Several streams, as the baseline of Chefer et al., ICCV 2021 (Sec. 4, Eq. 13): each
     explained stream's self-attention maps are chained as above; for any other stream the
     last map of the explained stream over it is taken, its heads fused by Eq. 13.
@@ -49,10 +57,14 @@ class TransformerRelevance(TraceAttribution):
         >>> maps = TransformerRelevance(vit).attribute(pixel_values, target=labels)   # (B, 3, H, W)
     """
 
-    def __init__(self, model, adapter=None, start_layer: StartLayer = 0, rules: RuleSet = RuleSet.CHEFER) -> None:
+    def __init__(self, model, adapter=None, start_layer: StartLayer = 0, rules: RuleSet = RuleSet.CHEFER,
+                 row_normalize: bool = False) -> None:
+        if not isinstance(row_normalize, bool):
+            raise InputError(f"row_normalize must be True or False, got {row_normalize!r}.")
         super().__init__(model, adapter)
         self.start_layer = start_layer
         self.rules = rules
+        self.row_normalize = row_normalize
 
     def capture_spec(self) -> CaptureSpec:  # the relevance pass
         return CaptureSpec(backward_reduce=lambda probs, lrp_grad, valid: _relevance(probs, lrp_grad))
@@ -88,7 +100,15 @@ class TransformerRelevance(TraceAttribution):
         self.layers_from(trace, self.start_layer)
         if self.is_one_sequence(trace):
             maps = [r.backward_value for r in self.records_from(trace, self.start_layer)]
-            return functional.self_attention_relevance_rows(maps, self.start_rows(trace, maps[-1].dtype))
+            start = self.start_rows(trace, maps[-1].dtype)
+            if self.row_normalize:  # the authors' BERT generator: rownorm(I + Abar) at every layer
+                return functional.rollout_rows([functional.add_identity_and_normalize(m) for m in maps], start)
+            return functional.self_attention_relevance_rows(maps, start)
+        if self.row_normalize:
+            raise InputError("row_normalize=True follows the authors' BERT generator, defined for one token sequence "
+                             "attending to itself; this model mixes several streams "
+                             f"({sorted(trace.streams.layouts)}). Use row_normalize=False (ICCV'21 rules between "
+                             "streams).")
         records = self.records_from(trace, self.start_layer)
         steps = [(r.streams, self.without_padding(trace, r, r.backward_value)) for r in records]
         self_steps = [step for step in steps if step[0][0] == step[0][1]]

@@ -1,5 +1,6 @@
-"""The alpha=1, beta=0 rule on linear layers (Chefer et al., CVPR 2021, Eq. 4-5), as an
-autograd Function whose forward is the layer's own and whose backward is the rule.
+"""Rules on linear layers as autograd Functions whose forward is the layer's own and whose
+backward is the rule: alpha=1, beta=0 (Chefer et al., CVPR 2021, Eq. 4-5) and LRP-gamma
+(Montavon et al. 2019, as Ali et al.'s code applies it).
 
 In gradient x input form: the backward receives ``g_out`` with ``R_out = y * g_out`` and
 returns ``g_in`` with ``R_in = x * g_in``. The backward works through chunks of rows, so its
@@ -7,6 +8,7 @@ temporaries do not grow with the batch.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -123,3 +125,75 @@ def _alpha_beta_separate(x, weights, bias, output, grad) -> torch.Tensor:
     s_pos = safe_divide(relevance, F.linear(x.clamp(min=0), w_pos))
     s_neg = safe_divide(relevance, F.linear(x.clamp(max=0), w_neg))
     return torch.where(x >= 0, s_pos @ w_pos, s_neg @ w_neg)
+
+
+class _LinearGamma(torch.autograd.Function):
+    """LRP-gamma on ``y = W x + b`` (Montavon et al., "Layer-Wise Relevance Propagation: An
+    Overview", 2019; the ``gamma`` layers of Ali et al.'s code, ``make_p_layer``):
+
+    .. math:: z_{ij} = x_j (w_{ij} + \\gamma w_{ij}^+), \\quad
+              z_i = \\sum_j z_{ij} + b_i + \\gamma b_i^+, \\quad R_j = \\sum_i \\frac{z_{ij}}{z_i} R_i
+
+    In gradient x input form ``g_x = W_gamma^T (R_y / z)``, ``R_y = y * g_y``, with the
+    sign-aware stabiliser of :func:`safe_divide` (``z_i = 0`` passes nothing). What is conserved,
+    exactly: ``sum_j R_j = sum_i R_i (z_i - b_i - gamma b_i^+) / (z_i + 1e-9 sign(z_i))``;
+    without biases, ``sum_j R_j = sum_i R_i`` up to that stabiliser. ``gamma = 0`` is LRP-0
+    (the plain gradient for a bias-free layer, up to the stabiliser).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gamma, func, args, kwargs, generalized=False):
+        output = func(*args, **kwargs)
+        ctx.save_for_backward(x, weight, bias, output)
+        ctx.gamma, ctx.generalized = gamma, generalized
+        ctx.switch = _SWITCH.get()
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias, output = ctx.saved_tensors
+        if _plain(ctx):
+            return grad @ weight.to(grad.dtype), None, None, None, None, None, None, None
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        weight = weight.to(dtype)
+        gamma = ctx.gamma
+        w_up, w_down = weight + gamma * weight.clamp(min=0), weight + gamma * weight.clamp(max=0)
+        if bias is not None:
+            bias = bias.to(dtype)
+        if ctx.generalized:
+            rule = functools.partial(_generalized_gamma, gamma=gamma)
+            g_x = _row_chunks(rule, (w_up, w_down), x, bias, output, grad, dtype)
+        else:
+            b_gamma = None if bias is None else bias + gamma * bias.clamp(min=0)
+            g_x = _row_chunks(_gamma, (w_up,), x, b_gamma, output, grad, dtype)
+        return g_x.to(x.dtype), None, None, None, None, None, None, None
+
+
+def _gamma(x, weights, bias, output, grad) -> torch.Tensor:
+    """``W_gamma^T (R / z_gamma)`` for rows of a linear layer; ``weights = (W_gamma,)``,
+    ``bias`` = ``b + gamma b+`` (or None)."""
+    (w_gamma,) = weights
+    z_gamma = x @ w_gamma.t()
+    if bias is not None:
+        z_gamma.add_(bias)
+    s = safe_divide(output * grad, z_gamma, _TINY, in_place=True)  # _TINY read now: tests can vary it
+    return s @ w_gamma
+
+
+def _generalized_gamma(x, weights, bias, output, grad, gamma: float) -> torch.Tensor:
+    """The generalised gamma rule (Andeol et al. 2021, as zennit's ``Gamma``): contributions
+    of the output's sign are amplified. ``weights = (W + gamma W+, W + gamma W-)``, the biases
+    likewise. For ``z_i > 0``: ``D_i = x+ W_up + x- W_down + b_up``, for ``z_i < 0``:
+    ``D_i = x+ W_down + x- W_up + b_down`` (``|D_i| >= |z_i|``: no sign change)."""
+    w_up, w_down = weights
+    positive_x, negative_x = x.clamp(min=0), x.clamp(max=0)
+    relevance = output * grad
+    positive_z, negative_z = (output > 0).to(x.dtype), (output < 0).to(x.dtype)
+    d_pos = positive_x @ w_up.t() + negative_x @ w_down.t()
+    d_neg = positive_x @ w_down.t() + negative_x @ w_up.t()
+    if bias is not None:
+        d_pos, d_neg = d_pos + (bias + gamma * bias.clamp(min=0)), d_neg + (bias + gamma * bias.clamp(max=0))
+    s_pos = safe_divide(relevance * positive_z, d_pos, _TINY)
+    s_neg = safe_divide(relevance * negative_z, d_neg, _TINY)
+    through_up, through_down = s_pos @ w_up + s_neg @ w_down, s_pos @ w_down + s_neg @ w_up
+    return torch.where(x > 0, through_up, through_down)

@@ -16,9 +16,18 @@ Rules (Chefer et al., CVPR 2021, Sec. 3.1-3.2; Achtibat et al., ICML 2024):
 * ``matmul="uniform"``: a product (matrix or elementwise) of two relevance-carrying tensors
   splits relevance in half: the gradient of each operand is halved (``R_a + R_b = R``).
 * ``linear="alpha1beta0_separate"``: the authors' LRP baseline, separate denominators.
+* ``linear="gamma"``: LRP-gamma, ``z_ij = x_j (w_ij + gamma w_ij^+)``, bias ``b + gamma b^+``
+  in the denominator (Ali et al.'s code; ``RuleSet.gamma``); ``"generalized_gamma"``: the
+  sign-aware form of zennit's ``Gamma`` (LXT's ViT example).
 * ``pixel_conv="zB"``: the z^B rule on the convolution reading the (leaf) pixel input.
 * ``add="normalized"``: Sec. 3.2 normalisation of ``u + v`` per example,
   ``Rbar_u = R_u |S_u| / (|S_u| + |S_v|) * S / S_u`` with ``S_u = sum R_u``.
+* ``gated_product="constant"`` (CP-LRP's gate rule, as in LXT): in ``act(g) * u`` the
+  activated gate ``act(g)`` is a constant multiplier, ``R_u = R`` and the gate path gets
+  nothing. The gate is found by behaviour: an elementwise product of two relevance-carrying
+  tensors exactly one of which is the output of an activation (a torch activation function,
+  or an activation module found by probing; products *inside* such a module are its own
+  business and are left alone). It takes precedence over ``matmul="uniform"`` on that product.
 
 Only operations whose tensor operands require grad are touched; an operand that does not
 (a mask, a constant) carries no relevance. In-place additions keep the plain gradient.
@@ -39,7 +48,8 @@ from ..capture import patching
 from .activation_discovery import is_activation
 from .backward_switch import _SWITCH, plain_gradient_of
 from .backward_switch import plain_requested as _plain
-from .linear_rule import _LinearAlphaBeta, safe_divide  # noqa: F401  (safe_divide is part of this API)
+from .gated_product import ConstantGateProduct, GateTracker, gate_scopes
+from .linear_rule import _LinearAlphaBeta, _LinearGamma, safe_divide  # noqa: F401  (safe_divide: part of this API)
 
 def identity_ratio(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``y / x`` for the identity rule in gradient x input form, 0 where ``x == 0``.
@@ -245,9 +255,12 @@ class OperationRules(TorchFunctionMode):
         self.rules = rules
         self.batch_size = batch_size
         self._tokens: list = []
+        self.gates = GateTracker(rules.gated_product == "constant")
 
     def __enter__(self):
-        self._tokens.append(_ACTIVE_RULES.set(self))
+        # Published to the attention kernels only when there are per-operation rules for them:
+        # the gate rule alone leaves the kernels on their plain path.
+        self._tokens.append(_ACTIVE_RULES.set(self if needs_operation_rules(self.rules) else _ACTIVE_RULES.get()))
         return super().__enter__()
 
     def __exit__(self, *exc_info):
@@ -259,24 +272,35 @@ class OperationRules(TorchFunctionMode):
         rules = self.rules
         if not torch.is_grad_enabled():
             return func(*args, **kwargs)
-        if rules.linear in ("alpha1beta0", "alpha1beta0_separate") and func in _LINEARS:
-            shared = rules.linear == "alpha1beta0"
+        if rules.linear != "gradient" and func in _LINEARS:
+            # (x, weight (out, in), bias) of the layer, or None.
+            layer = None
             if func is F.linear:
                 # Positional or keyword (EVA and BEiT call F.linear(x, weight=..., bias=...)).
                 x = args[0] if args else kwargs.get("input")
                 weight = args[1] if len(args) > 1 else kwargs.get("weight")
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
                 if isinstance(x, torch.Tensor) and x.requires_grad:
-                    return _LinearAlphaBeta.apply(x, weight, bias, shared, func, args, kwargs)
-            if func is torch.addmm and len(args) >= 3 and args[1].requires_grad and not kwargs:
+                    layer = (x, weight, bias)
+            elif func is torch.addmm and len(args) >= 3 and args[1].requires_grad and not kwargs:
                 # addmm(bias, x, W) with W laid out (in, out), as in GPT-2's Conv1D.
-                return _LinearAlphaBeta.apply(args[1], args[2].t(), args[0], shared, func, args, kwargs)
+                layer = (args[1], args[2].t(), args[0])
+            if layer is not None and rules.linear in ("gamma", "generalized_gamma"):
+                return _LinearGamma.apply(*layer, rules.gamma, func, args, kwargs, rules.linear == "generalized_gamma")
+            if layer is not None:
+                return _LinearAlphaBeta.apply(*layer, rules.linear == "alpha1beta0", func, args, kwargs)
         if rules.pixel_conv == "zB" and func is F.conv2d and isinstance(args[0], torch.Tensor) \
                 and args[0].requires_grad and args[0].is_leaf and args[0].dim() == 4:
             return _PixelBoundedConv.apply(args[0], args[1], func, args, kwargs)
-        if rules.activation == "identity" and func in _ACTIVATIONS and args and isinstance(args[0], torch.Tensor) \
-                and args[0].requires_grad:
-            return _IdentityRule.apply(args[0], _ACTIVATIONS[func](args, kwargs), func, args, kwargs)
+        if func in _ACTIVATIONS and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            if rules.activation == "identity":
+                return self.gates.mark(_IdentityRule.apply(args[0], _ACTIVATIONS[func](args, kwargs), func, args,
+                                                           kwargs))
+            return self.gates.mark(func(*args, **kwargs))
+        if rules.gated_product == "constant" and func in _ELEMENTWISE_PRODUCTS:
+            gated = self.gates.split(args, kwargs)
+            if gated is not None:
+                return ConstantGateProduct.apply(gated[0], gated[1], func, args, kwargs)
         if rules.softmax == "identity" and func in _SOFTMAX and args[0].requires_grad:
             return _IdentityRule.apply(args[0], None, func, args, kwargs)
         if rules.matmul == "uniform" and (func in _PRODUCTS or func in _ELEMENTWISE_PRODUCTS) \
@@ -310,6 +334,9 @@ class OperationRules(TorchFunctionMode):
 
 _ACTIVE_RULES: contextvars.ContextVar[Optional[OperationRules]] = contextvars.ContextVar(
     "captum_transformers_operation_rules", default=None)
+# The mode of the forward running now, whether or not it publishes per-operation rules.
+_ACTIVE_MODE: contextvars.ContextVar[Optional[OperationRules]] = contextvars.ContextVar(
+    "captum_transformers_rule_mode", default=None)
 
 
 def active_rules():
@@ -321,6 +348,12 @@ def active_rules():
 def needs_operation_rules(rules) -> bool:
     return (rules.linear != "gradient" or rules.activation != "gradient" or rules.softmax == "identity"
             or rules.matmul != "gradient" or rules.add != "gradient" or rules.pixel_conv != "gradient")
+
+
+def needs_rule_mode(rules) -> bool:
+    """Whether the forward must run under :class:`OperationRules` (per-operation rules, or the
+    gate rule, which only watches activations and elementwise products)."""
+    return needs_operation_rules(rules) or rules.gated_product != "gradient"
 
 
 class IdentityRelevance(torch.autograd.Function):
@@ -344,14 +377,26 @@ class IdentityRelevance(torch.autograd.Function):
         return identity_ratio(output, x).to(grad.dtype).mul_(grad), None, None
 
 
-def _activation_forward(original):
-    def forward(x, *args, **kwargs):
-        if not torch.is_grad_enabled() or not isinstance(x, torch.Tensor) or not x.requires_grad:
-            return original(x, *args, **kwargs)
-        with torch.no_grad():
-            output = original(x, *args, **kwargs)
-        return IdentityRelevance.apply(x, output, lambda inputs: original(inputs, *args, **kwargs))
-    return forward
+def _activation_forward(identity: bool):
+    """An activation module's forward: the identity rule as a whole (``identity``) and/or its
+    output remembered as a gate candidate; the products inside it are not gates."""
+    def make(original):
+        def forward(x, *args, **kwargs):
+            if not torch.is_grad_enabled() or not isinstance(x, torch.Tensor) or not x.requires_grad:
+                return original(x, *args, **kwargs)
+            mode = _ACTIVE_MODE.get()
+            if identity:
+                with torch.no_grad():
+                    output = original(x, *args, **kwargs)
+                output = IdentityRelevance.apply(x, output, lambda inputs: original(inputs, *args, **kwargs))
+            elif mode is not None:
+                with mode.gates.inside_activation():
+                    output = original(x, *args, **kwargs)
+            else:
+                output = original(x, *args, **kwargs)
+            return output if mode is None else mode.gates.mark(output)
+        return forward
+    return make
 
 
 @contextlib.contextmanager
@@ -361,24 +406,43 @@ def operation_rules(model: nn.Module, rules) -> Iterator[None]:
     With ``activation="identity"``, activation *modules* found by probing (parameter-free,
     elementwise, ``f(0) = 0``) get the identity rule as a whole, so hand-written activations
     whose inner operations are products and sums are covered too.
+
+    With the gate rule as the only rule (``RuleSet.AH``, ``RuleSet.AH_LN``) the mode runs only
+    inside the modules that hold an activation module (the MLPs, where ``act(gate(x)) * up(x)``
+    is computed), so the rest of the forward pays no interception; an activation called as a
+    function in a module without an activation child is then not seen.
     """
-    if not needs_operation_rules(rules):
+    if not needs_rule_mode(rules):
         yield
         return
 
     def make(original):
         def forward(*args: Any, **kwargs: Any):
+            if _ACTIVE_MODE.get() is not None:  # a scope inside another scope: one mode is enough
+                return original(*args, **kwargs)
             first = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
             batch = first.shape[0] if first is not None and first.dim() > 0 else None
-            with OperationRules(rules, batch):
-                return original(*args, **kwargs)
+            mode = OperationRules(rules, batch)
+            token = _ACTIVE_MODE.set(mode)
+            try:
+                with mode:
+                    return original(*args, **kwargs)
+            finally:
+                _ACTIVE_MODE.reset(token)
         return forward
 
     with contextlib.ExitStack() as stack:
-        if rules.activation == "identity":
+        probed = []
+        if rules.activation == "identity" or rules.gated_product == "constant":
             like = next((t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), None)
-            for module in model.modules():
-                if like is not None and is_activation(module, like):
-                    stack.enter_context(patching.instance_forward(module, _activation_forward))
-        stack.enter_context(patching.instance_forward(model, make))
+            probed = [module for module in model.modules() if like is not None and is_activation(module, like)]
+            for module in probed:
+                stack.enter_context(patching.instance_forward(
+                    module, _activation_forward(rules.activation == "identity")))
+        if needs_operation_rules(rules):
+            stack.enter_context(patching.instance_forward(model, make))
+        else:
+            for scope in gate_scopes(model, probed):
+                stack.enter_context(patching.instance_forward(scope, make))
         yield
+

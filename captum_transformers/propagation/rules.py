@@ -7,6 +7,11 @@ original operation computed); only the backward pass changes. Relevance is then
 * ``attention_gate="constant"`` (the AH-rule): the softmax output ``p_ij`` is treated as a
   constant in ``y_j = sum_i x_i p_ij``, i.e. ``p.detach()``; the query/key path receives
   no relevance.
+* ``gated_product="constant"`` (the gate rule of CP-LRP): in a gated MLP
+  ``act(gate(x)) * up(x)`` (SwiGLU, GeGLU: Llama, Qwen, Gemma, Mistral) the activated gate is
+  a constant multiplier, so all relevance of the product flows through ``up``; the gate path
+  receives none. Found by behaviour: an elementwise product whose one operand is the output
+  of an activation (see :mod:`~captum_transformers.propagation.operation_rules`).
 * ``norm="scale_constant"`` (the LN-rule): LayerNorm's / RMSNorm's ``1/sqrt(eps + Var[x])``
   is treated as a constant, so the norm is the linear map ``alpha C x`` (``alpha x`` for
   RMSNorm); ``"scale_and_mean_constant"`` also freezes the mean.
@@ -29,6 +34,7 @@ from ..capture import patching
 from ..errors import InputError
 
 GateRule = Literal["gradient", "constant"]
+GatedProductRule = Literal["gradient", "constant"]
 NormRule = Literal["gradient", "scale_constant", "scale_and_mean_constant", "identity"]
 
 
@@ -37,17 +43,22 @@ class RuleSet:
     """Which propagation rule sits where. The default is plain gradient everywhere.
 
     Presets: :attr:`GRADIENT` (Gradient x Input), :attr:`AH` and :attr:`AH_LN`
-    (Ali et al. 2022). Example::
+    (Ali et al. 2022; both hold the gates of gated MLPs constant, as LXT's CP-LRP does, so
+    that AH+LN conserves on bias-free gated models too). Example::
 
         >>> with get_adapter(model).propagation(model, RuleSet.AH_LN):
         ...     relevance = LayerGradientXActivation(forward, layer).attribute(x, target=t)
+
+    LRP-gamma on every linear layer (Ali et al.'s code; with CP-LRP, LXT's ViT recipe)::
+
+        >>> rules = dataclasses.replace(RuleSet.AH_LN, name="AH+LN, gamma", linear="gamma", gamma=0.25)
     """
 
     name: str = "gradient"
     attention_gate: GateRule = "gradient"
     norm: NormRule = "gradient"
     # Per-operation rules installed by captum_transformers.propagation.operation_rules:
-    linear: Literal["gradient", "alpha1beta0", "alpha1beta0_separate"] = "gradient"
+    linear: Literal["gradient", "alpha1beta0", "alpha1beta0_separate", "gamma", "generalized_gamma"] = "gradient"
     activation: Literal["gradient", "identity"] = "gradient"
     softmax: Literal["gradient", "identity"] = "gradient"
     matmul: Literal["gradient", "uniform"] = "gradient"
@@ -57,6 +68,14 @@ class RuleSet:
     seed: Literal["logit", "one"] = "logit"
     # The convolution reading the pixels (only when relevance is read at the pixels).
     pixel_conv: Literal["gradient", "zB"] = "gradient"
+    # (Fields added later go last: positional construction keeps working.)
+    # The activated gate of a gated MLP, act(gate(x)) * up(x): "constant" holds it fixed, so
+    # relevance flows only through up(x) (LXT's CP-LRP). "gradient": the product's own rule.
+    gated_product: GatedProductRule = "gradient"
+    # The gamma of linear="gamma" (LRP-gamma: z_ij = x_j (w_ij + gamma w_ij^+), bias b + gamma b^+;
+    # Ali et al.'s code; 0 is LRP-0) or "generalized_gamma" (contributions of the output's sign
+    # amplified, for signed inputs: zennit's Gamma, which LXT's ViT example uses).
+    gamma: float = 0.0
 
     GRADIENT = None  # filled in below (dataclass fields cannot hold instances of the class)
     AH = None
@@ -65,10 +84,19 @@ class RuleSet:
     LRP = None
     ATTN_LRP = None
 
+    def __post_init__(self) -> None:
+        gamma = self.gamma
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not gamma >= 0 or gamma == float("inf"):
+            raise InputError(f"RuleSet.gamma must be a finite number >= 0, got {gamma!r}.")
+        if gamma != 0 and self.linear not in ("gamma", "generalized_gamma"):
+            raise InputError(f"RuleSet.gamma={gamma!r} acts only with linear='gamma' or 'generalized_gamma', but "
+                             f"linear={self.linear!r}; set linear='gamma' (LRP-gamma on linear layers) or leave gamma "
+                             "at 0.")
+
 
 RuleSet.GRADIENT = RuleSet()
-RuleSet.AH = RuleSet("AH", attention_gate="constant")
-RuleSet.AH_LN = RuleSet("AH+LN", attention_gate="constant", norm="scale_constant")
+RuleSet.AH = RuleSet("AH", attention_gate="constant", gated_product="constant")
+RuleSet.AH_LN = RuleSet("AH+LN", attention_gate="constant", norm="scale_constant", gated_product="constant")
 # Chefer et al. (CVPR 2021): alpha=1/beta=0 linear layers, identity activations, norms and
 # softmax, halved attention matmuls, normalised residual adds, one-hot seed.
 RuleSet.CHEFER = RuleSet("Chefer2021", norm="identity", linear="alpha1beta0", activation="identity",
