@@ -1,0 +1,147 @@
+"""Methods x examples: one row per example (its image, then each method's overlay).
+
+``ExplanationGrid(images, {method: maps})`` draws every map over its image with one colour
+convention (``colors``) and a scale that is, by ``scale=``:
+
+* ``"per-map"``: each cell scaled by its own largest ``|value|`` (where each map looks);
+* ``"per-method"`` (default): one scale per column, so examples compare within a method;
+* ``"shared"``: one scale for the whole grid (methods of the same units compare too);
+* a number: that limit everywhere.
+
+The grid shows itself in a notebook and ``save``s to PNG, SVG or one self-contained HTML
+file (``to_html(standalone=True)``: images as data: URIs, no script, opens offline).
+``report(model, inputs)`` computes the maps, one ``attribute`` call per method on the batch.
+
+>>> grid = report(load_digit_model(), normalize(canvases), images=canvases, methods=["rollout", "attn-lrp"])  # doctest: +SKIP
+>>> grid.save("report.html")                                                                                   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import InputError
+from .colors import ScaleOption, as_float_tensor, fit_scales
+from .images import add_colorbar, display_image, draw, enlarge, map_to_pixels, zoom_factor
+from .output import Picture, agg_figure, data_uri, escape, legend_html, plain_text, png_bytes
+
+
+class ExplanationGrid(Picture):
+    """Examples as rows, methods as columns. ``cells[method][row]`` is the (H', W', 3) uint8
+    drawing, ``scales[method][row]`` its ``ColorScale``."""
+
+    def __init__(self, images, maps: Mapping[str, object], titles: Optional[Sequence[str]] = None, *,
+                 scale: ScaleOption = "per-method", signed: Optional[bool] = None, percentile: float = 100.0,
+                 opacity: float = 0.85, patch_grid: Optional[Tuple[int, int]] = None, outlines=None,
+                 title: str = "Explanations"):
+        if not isinstance(maps, Mapping) or not maps:
+            raise InputError(f"maps must be a non-empty {{method_name: (B, ...) maps}} dict, got {type(maps).__name__}.")
+        self.images = [display_image(image, f"image {row}") for row, image in enumerate(images)]
+        count = len(self.images)
+        if count == 0:
+            raise InputError("ExplanationGrid needs at least one image.")
+        self.titles = [str(t) for t in titles] if titles is not None else [f"example {row}" for row in range(count)]
+        if len(self.titles) != count:
+            raise InputError(f"got {len(self.titles)} titles for {count} images; expected one title per image.")
+        self.title = str(title)
+        pixel_maps: Dict[str, List[torch.Tensor]] = {}
+        for name, batch in maps.items():
+            values = as_float_tensor(batch, f"maps[{name!r}]")
+            if values.dim() < 3 or values.shape[0] != count:
+                raise InputError(f"maps[{name!r}] has shape {tuple(values.shape)}; expected ({count}, H, W) or "
+                                 f"({count}, C, H, W): one map per image.")
+            pixel_maps[str(name)] = [map_to_pixels(values[row], *self.images[row].shape[:2], f"maps[{name!r}][{row}]")
+                                     for row in range(count)]
+        self.scale_mode = scale
+        self.scales = fit_scales(pixel_maps, scale, signed, percentile)
+        if outlines is not None and len(outlines) != count:
+            raise InputError(f"got {len(outlines)} outlines for {count} images; expected one mask per image.")
+        self.cells = {name: [draw(self.images[row], pixel_maps[name][row], self.scales[name][row], opacity,
+                                  patch_grid, None if outlines is None else outlines[row])
+                             for row in range(count)] for name in pixel_maps}
+
+    @property
+    def methods(self) -> List[str]:
+        return list(self.cells)
+
+    def _image_cell(self, row: int) -> torch.Tensor:
+        image = self.images[row]
+        return enlarge((image * 255).round().to(torch.uint8), zoom_factor(*image.shape[:2]))
+
+    def _body_html(self) -> str:
+        head = "".join(f"<th>{escape(name)}</th>" for name in self.methods)
+        rows = []
+        for row in range(len(self.images)):
+            picture = self._image_cell(row)
+            cells = [f"<td><img src='{data_uri(png_bytes(picture))}' width='{picture.shape[1]}' "
+                     f"alt='{escape(self.titles[row])}'><div>{escape(self.titles[row])}</div></td>"]
+            for name in self.methods:
+                legend = legend_html(self.scales[name][row]) if self.scale_mode == "per-map" else ""
+                cells.append(f"<td><img src='{data_uri(png_bytes(self.cells[name][row]))}' "
+                             f"width='{self.cells[name][row].shape[1]}' alt='{escape(name)}'>{legend}</td>")
+            rows.append("<tr>" + "".join(cells) + "</tr>")
+        if self.scale_mode == "per-map":
+            footer = ""
+        elif self.scale_mode == "per-method":
+            footer = "<tr><td>scale per method</td>" + "".join(
+                f"<td>{legend_html(self.scales[name][0])}</td>" for name in self.methods) + "</tr>"
+        else:
+            footer = (f"<tr><td colspan='{len(self.methods) + 1}'>one scale for every map: "
+                      f"{legend_html(self.scales[self.methods[0]][0])}</td></tr>")
+        return (f"<h3>{escape(self.title)}</h3><table><tr><th>input</th>{head}</tr>{''.join(rows)}{footer}</table>"
+                "<p class='legend'>Overlays: red marks relevance for the explained class, blue against it; a pixel "
+                "of zero relevance shows the image itself.</p>")
+
+    def _figure(self):
+        rows, cols = len(self.images), len(self.methods) + 1
+        bar_space = 0.5 if self.scale_mode != "per-map" else 0.0
+        figure = agg_figure(1.5 * cols, 1.6 * rows + bar_space + 0.3)
+        height = (1.6 * rows) / (1.6 * rows + bar_space + 0.3)
+        top = 1 - 0.3 / (1.6 * rows + bar_space + 0.3)
+        for row in range(rows):
+            for col in range(cols):
+                axis = figure.add_axes((col / cols + 0.005, top - (row + 1) * height / rows + 0.01,
+                                        1 / cols - 0.01, height / rows - 0.04))
+                axis.set_axis_off()
+                if col == 0:
+                    axis.imshow(self._image_cell(row).numpy(), interpolation="nearest")
+                    axis.set_title(plain_text(self.titles[row]), fontsize=6)
+                    continue
+                name = self.methods[col - 1]
+                axis.imshow(self.cells[name][row].numpy(), interpolation="nearest")
+                label = plain_text(name) if row == 0 else ""
+                if self.scale_mode == "per-map":
+                    limit = self.scales[name][row].limit
+                    label = (label + "\n" if label else "") + (f"±{limit:.2g}" if self.scales[name][row].signed
+                                                               else f"0..{limit:.2g}")
+                axis.set_title(label, fontsize=6)
+        if self.scale_mode in ("shared",) or isinstance(self.scale_mode, (int, float)):
+            add_colorbar(figure, (0.3, 0.04, 0.4, 0.02), self.scales[self.methods[0]][0])
+        elif self.scale_mode == "per-method":
+            for col, name in enumerate(self.methods, start=1):
+                add_colorbar(figure, (col / cols + 0.02, 0.04, 1 / cols - 0.04, 0.02), self.scales[name][0])
+        return figure
+
+
+def report(model, inputs, *, methods: Optional[Sequence[str]] = None, target=None, images=None,
+           titles: Optional[Sequence[str]] = None, forward_kwargs=None, **grid_options) -> ExplanationGrid:
+    """Explain ``inputs`` with each method of the catalog (``methods``: short names, default
+    all) in one ``attribute`` call per method, and draw the methods x examples grid.
+
+    ``images`` are what is drawn (in [0, 1]); by default ``inputs`` themselves, which must then
+    be in [0, 1] (a normalised batch is refused by the drawing: pass the raw images).
+    ``target`` takes Captum's forms (None: the predicted class). Other keyword arguments go to
+    ``ExplanationGrid`` (``scale``, ``patch_grid``, ``outlines``, ``title``...).
+    """
+    from ..methods.catalog import METHOD_NAMES, build_method
+
+    names = list(METHOD_NAMES if methods is None else methods)
+    unknown = [name for name in names if name not in METHOD_NAMES]
+    if unknown:
+        raise InputError(f"unknown method(s) {unknown}; expected names of the catalog: {list(METHOD_NAMES)}.")
+    maps = {}
+    for name in names:
+        attribution = build_method(name, model).attribute(inputs, target=target, forward_kwargs=forward_kwargs)
+        maps[name] = (attribution[0] if isinstance(attribution, tuple) else attribution).detach()
+    return ExplanationGrid(inputs if images is None else images, maps, titles, **grid_options)
