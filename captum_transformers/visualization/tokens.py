@@ -190,7 +190,8 @@ class TokenHeatmap(Picture):
         label_chars = max(len(name) for name in names) + 9
         line_chars = label_chars + max(sum(len(token) + 1 for token in line.tokens) for line in self.lines)
         lines = len(self.lines) * (len(names) + (1 if any(line.title for line in self.lines) else 0)) + 1
-        figure = agg_figure(min(0.075 * line_chars + 0.5, 40), 0.28 * lines + 0.3)
+        footer = "blue: against | white: 0 | red: for; range beside each line; dashed: special (not scored)"
+        figure = agg_figure(min(max(0.075 * line_chars, 0.062 * len(footer)) + 0.5, 40), 0.28 * lines + 0.3)
         axis = figure.add_axes((0, 0, 1, 1))
         axis.set_axis_off()
         char, step = 1.0 / line_chars, 1.0 / lines
@@ -212,9 +213,7 @@ class TokenHeatmap(Picture):
                               color=colour, bbox=style)
                     x += (len(token) + 1) * char
                 y -= step
-        axis.text(0.005, step / 2, "blue: against the explained class | white: 0 | red: for it; each line scaled "
-                  "by the range beside it; dashed: special tokens (not scored)", fontsize=6, va="center",
-                  family="monospace", color="#444")
+        axis.text(0.005, step / 2, footer, fontsize=6, va="center", family="monospace", color="#444")
         return figure
 
 
