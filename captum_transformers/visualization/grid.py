@@ -8,6 +8,11 @@ convention (``colors``) and a scale that is, by ``scale=``:
 * ``"shared"``: one scale for the whole grid (methods of the same units compare too);
 * a number: that limit everywhere.
 
+``percentile`` (default 100: the maximum) sets each limit at that percentile of ``|value|``
+instead: per-pixel maps (LRP, gradients) have a few extreme pixels that would wash out the
+rest (Captum's visualizer uses 98). Under the maps the image is drawn in grey
+(``grayscale=False`` keeps its colours); the first column shows it in colour.
+
 The grid shows itself in a notebook and ``save``s to PNG, SVG or one self-contained HTML
 file (``to_html(standalone=True)``: images as data: URIs, no script, opens offline).
 ``report(model, inputs)`` computes the maps, one ``attribute`` call per method on the batch.
@@ -34,7 +39,7 @@ class ExplanationGrid(Picture):
     def __init__(self, images, maps: Mapping[str, object], titles: Optional[Sequence[str]] = None, *,
                  scale: ScaleOption = "per-method", signed: Optional[bool] = None, percentile: float = 100.0,
                  opacity: float = 0.85, patch_grid: Optional[Tuple[int, int]] = None, outlines=None,
-                 title: str = "Explanations"):
+                 title: str = "Explanations", grayscale: bool = True):
         if not isinstance(maps, Mapping) or not maps:
             raise InputError(f"maps must be a non-empty {{method_name: (B, ...) maps}} dict, got {type(maps).__name__}.")
         self.images = [display_image(image, f"image {row}") for row, image in enumerate(images)]
@@ -58,7 +63,7 @@ class ExplanationGrid(Picture):
         if outlines is not None and len(outlines) != count:
             raise InputError(f"got {len(outlines)} outlines for {count} images; expected one mask per image.")
         self.cells = {name: [draw(self.images[row], pixel_maps[name][row], self.scales[name][row], opacity,
-                                  patch_grid, None if outlines is None else outlines[row])
+                                  patch_grid, None if outlines is None else outlines[row], grayscale=grayscale)
                              for row in range(count)] for name in pixel_maps}
 
     @property

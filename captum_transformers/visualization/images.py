@@ -181,34 +181,42 @@ def add_colorbar(figure, rect, scale: ColorScale):
     axis = figure.add_axes(rect)
     bar = figure.colorbar(mappable, cax=axis, orientation="horizontal")
     bar.ax.tick_params(labelsize=6)
-    bar.set_ticks([scale.low, 0.0, scale.limit] if scale.signed else [0.0, scale.limit])
+    ticks = [scale.low, 0.0, scale.limit] if scale.signed else [0.0, scale.limit]
+    bar.set_ticks(ticks)
+    bar.set_ticklabels([f"{tick:.2g}" for tick in ticks])
     return bar
 
 
 def image_overlay(image, attribution, *, title: str = "", caption: str = "", signed: Optional[bool] = None,
                   limit: Optional[float] = None, percentile: float = 100.0, opacity: float = 0.85,
                   patch_grid: Optional[Tuple[int, int]] = None, outline=None, boxes: Sequence = (),
-                  scale: Optional[ColorScale] = None) -> ImageOverlay:
+                  scale: Optional[ColorScale] = None, grayscale: bool = True) -> ImageOverlay:
     """Draw ``attribution`` over ``image`` (see the module docstring for the blend).
 
     ``signed=None`` picks the diverging scale when the map has a negative value; ``limit``
     fixes the scale (default: the ``percentile`` of ``|map|``, 100 = its maximum); ``scale``
     passes a ready ``ColorScale`` (shared by several overlays). ``patch_grid=(rows, cols)``
     draws the patch boundaries, ``outline`` a boolean (H, W) mask's edge in green, ``boxes``
-    rectangles ``(x0, y0, x1, y1)`` in image pixels (e.g. DETR detections).
+    rectangles ``(x0, y0, x1, y1)`` in image pixels (e.g. DETR detections). ``grayscale``
+    (default) draws the image under the map in grey: the colours then mean relevance only.
     """
     pixels = display_image(image)
     height, width = pixels.shape[:2]
     values = map_to_pixels(attribution, height, width)
     if scale is None:
         scale = ColorScale.fit([values], signed=signed, percentile=percentile, limit=limit)
-    return ImageOverlay(draw(pixels, values, scale, opacity, patch_grid, outline, boxes), scale, title, caption)
+    return ImageOverlay(draw(pixels, values, scale, opacity, patch_grid, outline, boxes, grayscale), scale, title,
+                        caption)
 
 
 def draw(pixels: torch.Tensor, values: torch.Tensor, scale: ColorScale, opacity: float,
-         patch_grid=None, outline=None, boxes: Sequence = ()) -> torch.Tensor:
-    """The enlarged overlay drawing with its optional grid, outline and boxes."""
+         patch_grid=None, outline=None, boxes: Sequence = (), grayscale: bool = True) -> torch.Tensor:
+    """The enlarged overlay drawing with its optional grid, outline and boxes. With
+    ``grayscale`` the image under the map is drawn in grey (its mean over the colour
+    channels), so that a red or blue of the image cannot pass for relevance."""
     factor = zoom_factor(*pixels.shape[:2])
+    if grayscale:
+        pixels = pixels.mean(-1, keepdim=True).expand_as(pixels)
     rgb = enlarge(blend(pixels, values, scale, opacity), factor)
     if patch_grid is not None:
         rgb = draw_patch_grid(rgb, tuple(patch_grid))
