@@ -191,10 +191,11 @@ class TokenHeatmap(Picture):
         line_chars = label_chars + max(sum(len(token) + 1 for token in line.tokens) for line in self.lines)
         lines = len(self.lines) * (len(names) + (1 if any(line.title for line in self.lines) else 0)) + 1
         footer = "blue: against | white: 0 | red: for; range beside each line; dashed: special (not scored)"
-        figure = agg_figure(min(max(0.075 * line_chars, 0.062 * len(footer)) + 0.5, 40), 0.28 * lines + 0.3)
+        width = min(max(0.075 * line_chars, 0.062 * len(footer)) + 0.5, 40)
+        figure = agg_figure(width, 0.28 * lines + 0.3)
         axis = figure.add_axes((0, 0, 1, 1))
         axis.set_axis_off()
-        char, step = 1.0 / line_chars, 1.0 / lines
+        char, step = 0.075 / width, 1.0 / lines  # a character's advance: 0.075 inch, as a figure fraction
         y = 1.0 - step / 2
         for row, line in enumerate(self.lines):
             if line.title:
