@@ -182,3 +182,20 @@ def test_report_runs_each_method_once_on_the_batch_and_draws_the_grid():
         report(model, normalize(canvases.images), methods=["rollout"])
     with pytest.raises(InputError, match="unknown method"):
         report(model, canvases.images, methods=["nope"])
+
+
+def test_the_readme_drawing_example_runs_as_printed_and_writes_one_offline_page(tmp_path, monkeypatch):
+    pytest.importorskip("timm")
+    import os
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md"),
+                  encoding="utf-8").read()
+    section = readme[readme.index("## Drawing explanations"):]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "__readme__"}
+    exec(compile(block, "README.md drawing example", "exec"), namespace)
+    page = (tmp_path / "explanations.html").read_text(encoding="utf-8")
+    assert page.count("data:image/png;base64,") == 3 * 4 and "<script" not in page.lower()
+    assert "http://" not in page and "https://" not in page  # nothing fetched
+    assert namespace["grid"].scales["attn-lrp"][0].signed

@@ -14,11 +14,11 @@ from ..visualization import ExplanationGrid, TokenHeatmap
 
 def image_grid(images: Sequence[torch.Tensor], maps: Dict[str, torch.Tensor], titles: Sequence[str],
                folder: Path) -> Tuple[Path, Path]:
-    """One row per image: the image, then each method's (B, H, W) map over it (in grey), one
-    colour scale per method (stated under its column)."""
-    # The 99th percentile of |map| as each method's limit: per-pixel maps (LRP, gradients) have
+    """One row per image: the image, then each method's (B, H, W) map over it (in grey), each
+    map on its own colour scale (its range printed above it)."""
+    # The 99th percentile of |map| as each map's limit: per-pixel maps (LRP, gradients) have
     # a few extreme pixels that would otherwise leave the rest white.
-    grid = ExplanationGrid(images, maps, titles, scale="per-method", percentile=99.0,
+    grid = ExplanationGrid(images, maps, titles, scale="per-map", percentile=99.0,
                            title="captum-transformers explain")
     return grid.save(folder / "explanations.png"), grid.save(folder / "explanations.html")
 

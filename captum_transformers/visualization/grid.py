@@ -3,8 +3,9 @@
 ``ExplanationGrid(images, {method: maps})`` draws every map over its image with one colour
 convention (``colors``) and a scale that is, by ``scale=``:
 
-* ``"per-map"``: each cell scaled by its own largest ``|value|`` (where each map looks);
-* ``"per-method"`` (default): one scale per column, so examples compare within a method;
+* ``"per-map"`` (default): each cell scaled by its own largest ``|value|`` (where each map
+  looks; its range is printed above it);
+* ``"per-method"``: one scale per column, so examples compare within a method;
 * ``"shared"``: one scale for the whole grid (methods of the same units compare too);
 * a number: that limit everywhere.
 
@@ -27,7 +28,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ..errors import InputError
-from .colors import ScaleOption, as_float_tensor, fit_scales
+from .colors import ColorScale, ScaleOption, as_float_tensor, fit_scales
 from .images import add_colorbar, display_image, draw, enlarge, map_to_pixels, zoom_factor
 from .output import Picture, agg_figure, data_uri, escape, legend_html, plain_text, png_bytes
 
@@ -37,7 +38,7 @@ class ExplanationGrid(Picture):
     drawing, ``scales[method][row]`` its ``ColorScale``."""
 
     def __init__(self, images, maps: Mapping[str, object], titles: Optional[Sequence[str]] = None, *,
-                 scale: ScaleOption = "per-method", signed: Optional[bool] = None, percentile: float = 100.0,
+                 scale: ScaleOption = "per-map", signed: Optional[bool] = None, percentile: float = 100.0,
                  opacity: float = 0.85, patch_grid: Optional[Tuple[int, int]] = None, outlines=None,
                  title: str = "Explanations", grayscale: bool = True):
         if not isinstance(maps, Mapping) or not maps:
@@ -100,7 +101,7 @@ class ExplanationGrid(Picture):
 
     def _figure(self):
         rows, cols = len(self.images), len(self.methods) + 1
-        bar_space = 0.5 if self.scale_mode != "per-map" else 0.0
+        bar_space = 0.5
         figure = agg_figure(1.5 * cols, 1.6 * rows + bar_space + 0.3)
         height = (1.6 * rows) / (1.6 * rows + bar_space + 0.3)
         top = 1 - 0.3 / (1.6 * rows + bar_space + 0.3)
@@ -126,6 +127,10 @@ class ExplanationGrid(Picture):
         elif self.scale_mode == "per-method":
             for col, name in enumerate(self.methods, start=1):
                 add_colorbar(figure, (col / cols + 0.02, 0.04, 1 / cols - 0.04, 0.02), self.scales[name][0])
+        else:  # per map: one bar in units of each cell's range (printed above the cell)
+            signed = any(s.signed for group in self.scales.values() for s in group)
+            bar = add_colorbar(figure, (0.3, 0.04, 0.4, 0.02), ColorScale(signed, 1.0))
+            bar.set_ticklabels(["-range", "0", "+range"] if signed else ["0", "range"])
         return figure
 
 
