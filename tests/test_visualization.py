@@ -145,6 +145,9 @@ def test_user_strings_are_escaped_in_html_and_the_page_is_self_contained(tmp_pat
     images = re.findall(r"<img src='([^']+)'", page)
     assert len(images) == 4 and all(src.startswith("data:image/png;base64,") for src in images)
     assert grid._repr_html_().count("<img") == 4
+    formatters = pytest.importorskip("IPython.core.formatters")
+    shown, _ = formatters.DisplayFormatter().format(grid)   # what a notebook does with `grid`
+    assert shown["text/html"] == grid._repr_html_()
     path = grid.save(tmp_path / "grid.html")
     assert path.read_text(encoding="utf-8") == page
 
@@ -155,7 +158,7 @@ def test_save_round_trip_png_svg_and_refusal_of_other_suffixes(tmp_path):
     png = grid.save(tmp_path / "grid.png")
     with PIL.open(png) as image:
         assert image.format == "PNG" and image.width > 200
-    assert grid._repr_png_()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert grid.to_png()[:8] == b"\x89PNG\r\n\x1a\n"
     svg = grid.save(tmp_path / "grid.svg").read_text()
     assert svg.lstrip().startswith("<?xml") and "<svg" in svg
     overlay = image_overlay(GREY, torch.ones(8, 8), title=XSS)

@@ -1,7 +1,7 @@
 """How every picture of this package shows itself and is written to a file.
 
-A ``Picture`` displays itself in Jupyter (``_repr_html_``, and ``_repr_png_`` for front ends
-without HTML) and saves to ``.html`` (one self-contained file: images embedded as ``data:``
+A ``Picture`` displays itself in Jupyter, VS Code and Colab (``_repr_html_``; ``to_png()`` for
+front ends without HTML) and saves to ``.html`` (one self-contained file: images embedded as ``data:``
 URIs, no script, no CDN, opens offline), ``.png`` or ``.svg``. Every user string (titles,
 class names, tokens) goes through ``escape`` before it reaches HTML, and through
 ``plain_text`` before matplotlib draws it (where ``$...$`` would otherwise be read as maths).
@@ -118,10 +118,9 @@ class Picture:
         return figure_bytes(self._figure(), "svg").decode("utf-8")
 
     def _repr_html_(self) -> str:
+        # HTML only: IPython computes every _repr_*_ a displayed object has, and a PNG drawing
+        # (matplotlib) would cost each display a second or so for nothing; to_png() gives it.
         return self.to_html()
-
-    def _repr_png_(self) -> bytes:
-        return self.to_png()
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write to ``path``; the format follows its suffix: ``.html``, ``.png`` or ``.svg``."""
