@@ -99,6 +99,14 @@ def test_normalised_model_inputs_are_refused_as_images_and_uint8_images_are_read
         image_overlay(torch.linspace(-2, 2, 192).reshape(3, 8, 8), torch.ones(8, 8))
     as_bytes = torch.full((8, 8, 3), 128, dtype=torch.uint8)  # channel-last uint8
     assert image_overlay(as_bytes, torch.zeros(8, 8)).rgb[0, 0].tolist() == [128, 128, 128]
+    pil_image = PIL.fromarray(as_bytes.numpy())
+    assert image_overlay(pil_image, torch.zeros(8, 8)).rgb[0, 0].tolist() == [128, 128, 128]
+
+
+def test_a_notebook_fragment_styles_only_its_own_elements():
+    fragment = image_overlay(GREY, torch.ones(8, 8))._repr_html_()
+    style = re.search(r"<style>(.*?)</style>", fragment).group(1)
+    assert all(rule.strip().startswith(".ctv") for rule in style.split("}") if rule.strip())
 
 
 def _two_maps():

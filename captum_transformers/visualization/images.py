@@ -31,8 +31,12 @@ GRID_LINE = (128, 128, 128)
 
 def display_image(image, what: str = "image") -> torch.Tensor:
     """``image`` as (H, W, 3) floats in [0, 1]. Takes (3, H, W), (1, H, W), (H, W, 3), (H, W, 1)
-    or (H, W); uint8 (0..255) or floats in [0, 1]. Normalised model inputs are refused: their
+    or (H, W) tensors or arrays, uint8 (0..255) or floats in [0, 1], or a PIL image. Normalised model inputs are refused: their
     colours would be made up."""
+    if hasattr(image, "getbands") and hasattr(image, "convert"):  # a PIL image
+        import numpy
+
+        image = numpy.asarray(image.convert("RGB"))
     is_bytes = (isinstance(image, torch.Tensor) and image.dtype == torch.uint8) or \
         getattr(getattr(image, "dtype", None), "name", "") == "uint8"
     tensor = as_float_tensor(image, what)

@@ -19,8 +19,9 @@ import torch
 from ..errors import InputError
 from .colors import ColorScale, css_gradient
 
+BODY_STYLE = "body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:16px;color:#222}"
+# Every rule below is scoped to .ctv, so that a fragment shown in a notebook restyles nothing else.
 PAGE_STYLE = (
-    "body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:16px;color:#222}"
     ".ctv{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;font-size:13px}"
     ".ctv table{border-collapse:collapse} .ctv td,.ctv th{padding:3px;vertical-align:top;text-align:center}"
     ".ctv th{font-weight:600;font-size:12px} .ctv img{image-rendering:pixelated;display:block;margin:auto}"
@@ -70,7 +71,7 @@ def standalone_page(body: str, title: str) -> str:
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'>"
             "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; img-src data:; "
             "style-src 'unsafe-inline'\">"
-            f"<title>{escape(title)}</title><style>{PAGE_STYLE}</style></head><body>{body}</body></html>")
+            f"<title>{escape(title)}</title><style>{BODY_STYLE}{PAGE_STYLE}</style></head><body>{body}</body></html>")
 
 
 def agg_figure(width: float, height: float):
