@@ -99,37 +99,53 @@ class ExplanationGrid(Picture):
                 "<p class='legend'>Overlays: red marks relevance for the explained class, blue against it; a pixel "
                 "of zero relevance shows the image itself.</p>")
 
-    def _figure(self):
+    def _cell_label(self, name: str, row: int) -> str:
+        label = plain_text(name) if row == 0 else ""
+        if self.scale_mode == "per-map":
+            scale = self.scales[name][row]
+            label = (label + "\n" if label else "") + (f"±{scale.limit:.2g}" if scale.signed else f"0..{scale.limit:.2g}")
+        return label
+
+    def mosaic(self, gutter: int = 8, band: int = 30) -> torch.Tensor:
+        """Every cell on one white (H, W, 3) uint8 sheet: ``band`` pixels above each row for its
+        labels, ``gutter`` pixels between cells (one image drawn once: fast to save)."""
+        cells = [[self._image_cell(row)] + [self.cells[name][row] for name in self.methods]
+                 for row in range(len(self.images))]
+        height = max(cell.shape[0] for line in cells for cell in line)
+        width = max(cell.shape[1] for line in cells for cell in line)
+        sheet = torch.full((len(cells) * (height + band), len(cells[0]) * (width + gutter), 3), 255, dtype=torch.uint8)
+        for row, line in enumerate(cells):
+            for col, cell in enumerate(line):
+                top, left = row * (height + band) + band, col * (width + gutter) + gutter // 2
+                sheet[top:top + cell.shape[0], left:left + cell.shape[1]] = cell
+        return sheet
+
+    def _figure(self, dpi: int = 110):
+        gutter, band = 8, 30
+        sheet = self.mosaic(gutter, band)
         rows, cols = len(self.images), len(self.methods) + 1
-        bar_space = 0.5
-        figure = agg_figure(1.5 * cols, 1.6 * rows + bar_space + 0.3)
-        height = (1.6 * rows) / (1.6 * rows + bar_space + 0.3)
-        top = 1 - 0.3 / (1.6 * rows + bar_space + 0.3)
+        cell_height, cell_width = sheet.shape[0] // rows - band, sheet.shape[1] // cols - gutter
+        bar_pixels = 60
+        figure = agg_figure(sheet.shape[1] / dpi, (sheet.shape[0] + bar_pixels) / dpi)
+        axis = figure.add_axes((0, bar_pixels / (sheet.shape[0] + bar_pixels), 1,
+                                sheet.shape[0] / (sheet.shape[0] + bar_pixels)))
+        axis.imshow(sheet.numpy(), interpolation="nearest")
+        axis.set_axis_off()
         for row in range(rows):
             for col in range(cols):
-                axis = figure.add_axes((col / cols + 0.005, top - (row + 1) * height / rows + 0.01,
-                                        1 / cols - 0.01, height / rows - 0.04))
-                axis.set_axis_off()
-                if col == 0:
-                    axis.imshow(self._image_cell(row).numpy(), interpolation="nearest")
-                    axis.set_title(plain_text(self.titles[row]), fontsize=6)
-                    continue
-                name = self.methods[col - 1]
-                axis.imshow(self.cells[name][row].numpy(), interpolation="nearest")
-                label = plain_text(name) if row == 0 else ""
-                if self.scale_mode == "per-map":
-                    limit = self.scales[name][row].limit
-                    label = (label + "\n" if label else "") + (f"±{limit:.2g}" if self.scales[name][row].signed
-                                                               else f"0..{limit:.2g}")
-                axis.set_title(label, fontsize=6)
+                label = plain_text(self.titles[row]) if col == 0 else self._cell_label(self.methods[col - 1], row)
+                centre = col * (cell_width + gutter) + gutter // 2 + cell_width / 2
+                axis.text(centre, row * (cell_height + band) + band - 3, label, ha="center", va="bottom", fontsize=6)
+        total = sheet.shape[0] + bar_pixels
+        bottom, thickness = 30 / total, 10 / total  # the colour bars: 10 pixels high, 30 above the edge
         if self.scale_mode in ("shared",) or isinstance(self.scale_mode, (int, float)):
-            add_colorbar(figure, (0.3, 0.04, 0.4, 0.02), self.scales[self.methods[0]][0])
+            add_colorbar(figure, (0.3, bottom, 0.4, thickness), self.scales[self.methods[0]][0])
         elif self.scale_mode == "per-method":
             for col, name in enumerate(self.methods, start=1):
-                add_colorbar(figure, (col / cols + 0.02, 0.04, 1 / cols - 0.04, 0.02), self.scales[name][0])
+                add_colorbar(figure, (col / cols + 0.02, bottom, 1 / cols - 0.04, thickness), self.scales[name][0])
         else:  # per map: one bar in units of each cell's range (printed above the cell)
             signed = any(s.signed for group in self.scales.values() for s in group)
-            bar = add_colorbar(figure, (0.3, 0.04, 0.4, 0.02), ColorScale(signed, 1.0))
+            bar = add_colorbar(figure, (0.3, bottom, 0.4, thickness), ColorScale(signed, 1.0))
             bar.set_ticklabels(["-range", "0", "+range"] if signed else ["0", "range"])
         return figure
 
