@@ -50,6 +50,8 @@ def test_percentile_limits_ignore_a_few_extreme_values():
     values = torch.cat([torch.ones(99), torch.tensor([100.0])])
     assert ColorScale.fit([values]).limit == 100.0
     assert ColorScale.fit([values], percentile=98).limit == pytest.approx(1.0)
+    many = torch.arange(1, 2 ** 24 + 101, dtype=torch.float32)  # more than torch.quantile accepts
+    assert ColorScale.fit([many], percentile=50).limit == pytest.approx(2 ** 23 + 50, rel=1e-6)
 
 
 def test_overlay_is_the_image_where_the_map_is_zero_red_where_positive_blue_where_negative():

@@ -93,8 +93,9 @@ class ColorScale:
                 limit = 1.0
             elif percentile == 100:
                 limit = float(magnitude.max())
-            else:
-                limit = float(torch.quantile(magnitude.double(), percentile / 100.0))
+            else:  # the k-th smallest |value| (torch.quantile refuses more than 2**24 values)
+                rank = min(max(math.ceil(percentile / 100.0 * magnitude.numel()), 1), magnitude.numel())
+                limit = float(torch.kthvalue(magnitude, rank).values)
             if limit <= 0:
                 limit = float(magnitude.max()) or 1.0
         return cls(bool(signed), float(limit))
