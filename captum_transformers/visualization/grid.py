@@ -83,7 +83,7 @@ class ExplanationGrid(Picture):
             cells = [f"<td><img src='{data_uri(png_bytes(picture))}' width='{picture.shape[1]}' "
                      f"alt='{escape(self.titles[row])}'><div>{escape(self.titles[row])}</div></td>"]
             for name in self.methods:
-                legend = legend_html(self.scales[name][row]) if self.scale_mode == "per-map" else ""
+                legend = legend_html(self.scales[name][row], compact=True) if self.scale_mode == "per-map" else ""
                 cells.append(f"<td><img src='{data_uri(png_bytes(self.cells[name][row]))}' "
                              f"width='{self.cells[name][row].shape[1]}' alt='{escape(name)}'>{legend}</td>")
             rows.append("<tr>" + "".join(cells) + "</tr>")
@@ -91,7 +91,7 @@ class ExplanationGrid(Picture):
             footer = ""
         elif self.scale_mode == "per-method":
             footer = "<tr><td>scale per method</td>" + "".join(
-                f"<td>{legend_html(self.scales[name][0])}</td>" for name in self.methods) + "</tr>"
+                f"<td>{legend_html(self.scales[name][0], compact=True)}</td>" for name in self.methods) + "</tr>"
         else:
             footer = (f"<tr><td colspan='{len(self.methods) + 1}'>one scale for every map: "
                       f"{legend_html(self.scales[self.methods[0]][0])}</td></tr>")

@@ -58,12 +58,15 @@ def data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def legend_html(scale: ColorScale, note: str = "") -> str:
-    """A colour bar with its numbers: the scale stated next to the picture."""
+def legend_html(scale: ColorScale, note: str = "", compact: bool = False) -> str:
+    """A colour bar with its numbers: the scale stated next to the picture (``compact``: a short
+    bar without the words, for one cell of a grid whose footer says what the colours mean)."""
     low = f"-{scale.limit:.3g}" if scale.signed else "0"
+    words = " (blue against, white 0, red for)" if scale.signed and not compact else ""
     text = f" {escape(note)}" if note else ""
-    return (f"<div class='legend'>{low} <span class='bar' style='background:{css_gradient(scale)}'></span> "
-            f"+{scale.limit:.3g}{' (blue against, white 0, red for)' if scale.signed else ''}{text}</div>")
+    width = " style='width:70px'" if compact else ""
+    return (f"<div class='legend'>{low} <span class='bar'{width}><span style='display:block;height:100%;"
+            f"background:{css_gradient(scale)}'></span></span> +{scale.limit:.3g}{words}{text}</div>")
 
 
 def standalone_page(body: str, title: str) -> str:
