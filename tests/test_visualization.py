@@ -212,3 +212,26 @@ def test_the_readme_drawing_example_runs_as_printed_and_writes_one_offline_page(
     assert page.count("data:image/png;base64,") == 3 * 4 and "<script" not in page.lower()
     assert "http://" not in page and "https://" not in page  # nothing fetched
     assert namespace["grid"].scales["attn-lrp"][0].signed
+
+
+def test_a_saved_page_renders_offline_in_headless_chromium(tmp_path):
+    """The file alone, opened by a browser with no network: its data: images are drawn (the page's
+    Content-Security-Policy allows nothing else)."""
+    import shutil
+    import subprocess
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no chromium on this machine (Debian package chromium)")
+    red = torch.ones(1, 8, 8)
+    page = ExplanationGrid(torch.full((1, 3, 8, 8), 0.5), {"all positive": red}, opacity=1.0).save(tmp_path / "g.html")
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=600,500",
+                    page.as_uri()], capture_output=True, timeout=120)
+    if not shot.exists():
+        pytest.skip("chromium could not take a screenshot here")
+    with PIL.open(shot) as image:
+        pixels = torch.as_tensor(list(image.convert("RGB").getdata()), dtype=torch.int32)
+    full_red = ((pixels[:, 0] > 150) & (pixels[:, 1] < 60) & (pixels[:, 2] < 80)).sum()
+    assert full_red > 100 * 100  # the overlay cell (about 160 x 160 pixels of the scale's red) is drawn
