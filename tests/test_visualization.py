@@ -193,6 +193,8 @@ def test_report_runs_each_method_once_on_the_batch_and_draws_the_grid():
     assert grid.scales["attn-lrp"][0].signed and not grid.scales["rollout"][0].signed
     with pytest.raises(InputError, match="before normalisation"):
         report(model, normalize(canvases.images), methods=["rollout"])
+    with pytest.raises(InputError, match="TokenHeatmap"):
+        report(model, torch.ones(2, 5, dtype=torch.long), methods=["rollout"])
     with pytest.raises(InputError, match="unknown method"):
         report(model, canvases.images, methods=["nope"])
 

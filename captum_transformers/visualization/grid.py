@@ -162,6 +162,9 @@ def report(model, inputs, *, methods: Optional[Sequence[str]] = None, target=Non
     """
     from ..methods.catalog import METHOD_NAMES, build_method
 
+    if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point():
+        raise InputError(f"report draws image models; got {inputs.dtype} inputs of shape {tuple(inputs.shape)} "
+                         "(token ids?). For text, draw return_tokens=True scores with TokenHeatmap.")
     names = list(METHOD_NAMES if methods is None else methods)
     unknown = [name for name in names if name not in METHOD_NAMES]
     if unknown:
