@@ -36,18 +36,14 @@
 import os
 import tempfile
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display needed; figures are saved to files
-
-import matplotlib.pyplot as plt
 import torch
 from captum.attr import IntegratedGradients, Saliency
 
-from captum_transformers.evaluation import ClassSpecificity, PixelPerturbation, SegmentationScores, plot_curves
+from captum_transformers.evaluation import ClassSpecificity, PixelPerturbation, SegmentationScores
 from captum_transformers.methods.catalog import METHOD_NAMES, build_method
 from captum_transformers.tasks.digit_canvas import digit_canvases, normalize
 from captum_transformers.tasks.digit_model import digit_model_record, load_digit_model
+from captum_transformers.visualization import CurvePlot, ExplanationGrid
 
 torch.manual_seed(0)
 OUT = os.environ.get("QUICKSTART_OUT") or tempfile.mkdtemp(prefix="digit_canvas_vit_")
@@ -87,8 +83,8 @@ print("shown canvases: labels", shown.labels.tolist(), "predicted", predicted[:4
 # signed relevance per pixel and channel. We sum the channels to one map per canvas, and add
 # Captum's own `IntegratedGradients` and `Saliency` on the same model.
 #
-# Each map is explained for the model's predicted class and drawn over the grey canvas,
-# scaled by the 98th percentile of its absolute values: **red is positive relevance, blue negative**
+# Each map is explained for the model's predicted class and drawn over the grey canvas:
+# **red is positive relevance, blue negative, and zero shows the canvas itself**
 # (attention-based maps are never negative). The green line is the digit's mask.
 
 
@@ -116,38 +112,17 @@ shown_inputs, shown_target = normalize(shown.images), predicted[:4]
 shown_maps = {name: pixel_maps(explain(shown_inputs, target=shown_target)) for name, explain in explainers.items()}
 
 
-def draw_overlay(axis, image, heat, mask=None, title=None):
-    """The canvas in grey with ``heat`` on top (red +, blue -), scaled by the 98th percentile of |heat|."""
-    axis.imshow(image.mean(dim=0), cmap="gray", vmin=0, vmax=1)
-    # A percentile, not the maximum (Captum's visualizer does the same): per-pixel maps have a
-    # few extreme pixels that would otherwise wash out the rest.
-    scale = torch.quantile(heat.abs().flatten(), 0.98).clamp(min=1e-12)
-    scaled = (heat / scale).clamp(-1, 1)
-    # Opacity grows with |relevance|, so pixels of no relevance show the canvas itself.
-    axis.imshow(scaled, cmap="bwr", vmin=-1, vmax=1, alpha=(0.9 * scaled.abs()).numpy())
-    if mask is not None:
-        axis.contour(mask.float(), levels=[0.5], colors="lime", linewidths=0.6)
-    axis.set_xticks([])
-    axis.set_yticks([])
-    if title:
-        axis.set_title(title, fontsize=7)
-
-
-names = list(shown_maps)
-figure, axes = plt.subplots(len(shown), len(names) + 1, figsize=(1.3 * (len(names) + 1), 1.45 * len(shown)))
-for row in range(len(shown)):
-    axes[row, 0].imshow(shown.images[row].permute(1, 2, 0))
-    axes[row, 0].set_xticks([])
-    axes[row, 0].set_yticks([])
-    axes[row, 0].set_title(f"label {shown.labels[row]}, pred {predicted[row]}", fontsize=7)
-    for column, name in enumerate(names, start=1):
-        draw_overlay(axes[row, column], shown.images[row], shown_maps[name][row], shown.masks[row],
-                     name if row == 0 else None)
-figure.tight_layout()
-methods_png = os.path.join(OUT, "digit_methods.png")
-figure.savefig(methods_png, dpi=110)
-plt.close(figure)
-print("saved", methods_png)
+# `ExplanationGrid` draws the methods x examples view: each map over its canvas (in grey, so that
+# only relevance is coloured), with the digit's mask outlined. `scale="per-map"` scales each cell
+# by its own 98th percentile of |map|, not the maximum (Captum's visualizer does the same):
+# per-pixel maps have a few extreme pixels that would otherwise wash out the rest. In a
+# notebook the grid shows itself; `save` writes PNG, SVG or one self-contained HTML file.
+grid = ExplanationGrid(shown.images, shown_maps,
+                       [f"label {label}, pred {pred}" for label, pred in zip(shown.labels.tolist(), predicted[:4].tolist())],
+                       scale="per-map", percentile=98, outlines=shown.masks, title="Every method on four test canvases")
+methods_png = str(grid.save(os.path.join(OUT, "digit_methods.png")))
+methods_html = str(grid.save(os.path.join(OUT, "digit_methods.html")))  # opens offline, images embedded
+print("saved", methods_png, "and", methods_html)
 
 # %% [markdown]
 # ## 3. How much of each map lies on the digit?
@@ -222,12 +197,14 @@ print(f"{'method':22s} {'positive AUC':>13s} {'negative AUC':>13s} {'pixAcc':>7s
 for name, (positive, negative, segmentation) in results.items():
     print(f"{name:22s} {positive.auc:13.1f} {negative.auc:13.1f} {segmentation.pixel_accuracy:7.3f} "
           f"{segmentation.miou:6.3f} {segmentation.mean_ap:6.3f}")
-curves_png = os.path.join(OUT, "digit_positive_perturbation.png")
-plot_curves({name: positive for name, (positive, _, _) in results.items()}, curves_png,
-            title="Removing the most relevant pixels first (lower is better)")
-negative_curves_png = os.path.join(OUT, "digit_negative_perturbation.png")
-plot_curves({name: negative for name, (_, negative, _) in results.items()}, negative_curves_png,
-            title="Removing the least relevant pixels first (higher is better)")
+# `CurvePlot` draws the curves (in a notebook it shows itself with a table of the areas);
+# `curve_plots("results.json")` does the same from a benchmark's results file.
+positive_plot = CurvePlot({name: positive for name, (positive, _, _) in results.items()},
+                          title="Removing the most relevant pixels first (lower is better)")
+curves_png = str(positive_plot.save(os.path.join(OUT, "digit_positive_perturbation.png")))
+negative_plot = CurvePlot({name: negative for name, (_, negative, _) in results.items()},
+                          title="Removing the least relevant pixels first (higher is better)")
+negative_curves_png = str(negative_plot.save(os.path.join(OUT, "digit_negative_perturbation.png")))
 print("saved", curves_png, "and", negative_curves_png)
 
 # %% [markdown]
@@ -268,30 +245,21 @@ for name in contrasted:
 
 # %% [markdown]
 # The figure shows three canvases on which both digits are the model's top two classes.
-# Each map pair explains the first, then the second label (green: that label's digit).
+# Each map pair explains the first, then the second label (green: both digits' masks).
 
 # %%
 drawn = [name for name in contrasted if name != "integrated-gradients"]
-examples = both_found.nonzero().flatten()[:3].tolist()
-figure, axes = plt.subplots(len(examples), 1 + 2 * len(drawn), figsize=(1.3 * (1 + 2 * len(drawn)),
-                                                                        1.75 * len(examples)))
-for row, index in enumerate(examples):
-    axes[row, 0].imshow(pairs.images[index].permute(1, 2, 0))
-    axes[row, 0].set_xticks([])
-    axes[row, 0].set_yticks([])
-    axes[row, 0].set_title(f"digits {pairs.labels[index, 0]} and {pairs.labels[index, 1]}", fontsize=7)
-    for column, name in enumerate(drawn):
-        for which in (0, 1):
-            label = int(pairs.labels[index, which])
-            draw_overlay(axes[row, 1 + 2 * column + which], pairs.images[index], pair_maps[name][which][index],
-                         pairs.masks[index, which], f"{name}\nclass {label}")
-figure.tight_layout()
-two_png = os.path.join(OUT, "digit_two_classes.png")
-figure.savefig(two_png, dpi=110)
-plt.close(figure)
+examples = both_found.nonzero().flatten()[:3]
+pair_columns = {f"{name}, {which} label": pair_maps[name][index][examples]
+                for name in drawn for index, which in enumerate(("1st", "2nd"))}
+two_grid = ExplanationGrid(pairs.images[examples], pair_columns,
+                           [f"digits {a} and {b}" for a, b in pairs.labels[examples].tolist()],
+                           scale="per-map", percentile=98, outlines=pairs.masks[examples].any(dim=1),
+                           title="Each label of two-digit canvases explained (green: both digits)")
+two_png = str(two_grid.save(os.path.join(OUT, "digit_two_classes.png")))
 print("saved", two_png)
 
-FIGURES = [methods_png, curves_png, negative_curves_png, two_png]
+FIGURES = [methods_png, methods_html, curves_png, negative_curves_png, two_png]
 
 # %% [markdown]
 # ## What to take away

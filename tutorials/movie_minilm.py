@@ -31,7 +31,6 @@
 # `QUICKSTART_OUT`, or to a fresh temporary directory.
 
 # %%
-import html
 import os
 import tempfile
 import time
@@ -43,6 +42,7 @@ from captum_transformers import AttnLRP, ConservativeLRP, GenericAttention, Tran
 from captum_transformers.tasks.movie_model import (REPORT_FILE, FineTuneConfig, evaluate, fine_tune,
                                                    load_movie_model, load_pretrained_minilm, movie_model_dir)
 from captum_transformers.tasks.movie_snippets import encode, load_movie_snippets
+from captum_transformers.visualization import TokenHeatmap
 
 OUT = os.environ.get("QUICKSTART_OUT") or tempfile.mkdtemp(prefix="movie_minilm_")
 os.makedirs(OUT, exist_ok=True)
@@ -170,54 +170,31 @@ print("token scores:", {name: tuple(token_scores[name, 1].shape) for name in MET
 # %% [markdown]
 # ## 4. A signed heat map in HTML
 #
-# One table per sentence, one row per (method, explained class). Each row is scaled by its
-# largest |score| over the word pieces, so colours compare within a row: red supports the
-# explained class, blue speaks against it, white is neutral. Hover a cell for its score.
+# `TokenHeatmap` draws one line per (method, explained class) for each sentence: red supports
+# the explained class, blue speaks against it, white is neutral. Each line is scaled by its
+# largest |score| over the words (its range is printed beside it); the special tokens are
+# shown grey and left out of the scale, padding is dropped with the attention mask, and
+# `merge_word_pieces=True` joins the WordPiece pieces of a word into one cell whose score is
+# the sum of theirs. Hover a cell for its score. In a notebook the heatmap shows itself;
+# `save` writes one self-contained HTML file (or PNG/SVG).
 
 # %%
 tokens = [tokenizer.convert_ids_to_tokens(row) for row in input_ids.tolist()]
-
-
-def cell_style(value: float) -> str:
-    """Diverging background for a score in [-1, 1]: white at 0, red for +1, blue for -1."""
-    strength = min(abs(value), 1.0)
-    fade = round(255 * (1.0 - strength))
-    background = f"rgb(255,{fade},{fade})" if value >= 0 else f"rgb({fade},{fade},255)"
-    text = "white" if value < -0.6 else "black"  # black text is unreadable on deep blue
-    return f"background:{background};color:{text}"
-
-
-NEGATIVE_CELLS = {name: 0 for name in METHODS}  # cells drawn blue, per method (both classes)
-parts = ["<html><head><meta charset='utf-8'><title>MiniLM token relevance</title><style>",
-         "body{font-family:sans-serif} table{border-collapse:collapse;margin-bottom:18px}",
-         "td{padding:3px 4px;border:1px solid #ddd;font-size:13px} td.m{white-space:nowrap;font-size:12px}",
-         "</style></head><body><h2>Token relevance of the fine-tuned MiniLM</h2>",
-         f"<p>Model: {html.escape(MODEL_SOURCE)}; held-out accuracy {HELD_OUT_ACCURACY:.3f}. Each row is scaled "
-         "by its largest |score|: <span style='background:rgb(255,60,60)'>&nbsp;red: for the explained "
-         "class&nbsp;</span> <span style='background:rgb(60,60,255);color:white'>&nbsp;blue: against it&nbsp;"
-         "</span>.</p>"]
-for row, sentence in enumerate(sentences):
-    label = true_labels[row]
-    parts.append(f"<h3>{html.escape(sentence)}</h3><p>p(positive) = {probabilities[row, 1]:.3f}; true class: "
-                 f"{CLASS_NAMES[label] if label is not None else 'none (written for this tutorial)'}</p><table>")
-    pieces = is_word_piece[row].nonzero().flatten().tolist()
-    parts.append("<tr><td class='m'></td>" + "".join(f"<td>{html.escape(tokens[row][i])}</td>" for i in pieces)
-                 + "</tr>")
-    for name in METHODS:
-        for target in (1, 0):
-            scores = token_scores[name, target][row, pieces]
-            scaled = scores / scores.abs().max().clamp(min=1e-12)
-            NEGATIVE_CELLS[name] += int((scaled < 0).sum())
-            cells = "".join(f"<td style='{cell_style(v)}' title='{s:+.4g}'>{html.escape(tokens[row][i])}"
-                            f"</td>" for i, v, s in zip(pieces, scaled.tolist(), scores.tolist()))
-            parts.append(f"<tr><td class='m'>{name} &rarr; {CLASS_NAMES[target]}</td>{cells}</tr>")
-    parts.append("</table>")
-parts.append("</body></html>")
-html_path = os.path.join(OUT, "movie_token_relevance.html")
-with open(html_path, "w", encoding="utf-8") as handle:
-    handle.write("\n".join(parts))
+heatmap = TokenHeatmap(
+    tokens, {f"{name} → {CLASS_NAMES[target]}": token_scores[name, target] for name in METHODS for target in (1, 0)},
+    titles=[f"{sentence}  (p(positive) = {probabilities[row, 1]:.3f}; true class: "
+            f"{CLASS_NAMES[true_labels[row]] if true_labels[row] is not None else 'none, written for this tutorial'})"
+            for row, sentence in enumerate(sentences)],
+    attention_mask=attention_mask, special_tokens=set(tokenizer.all_special_tokens), merge_word_pieces=True,
+    title=f"Token relevance of the fine-tuned MiniLM ({MODEL_SOURCE}; held-out accuracy {HELD_OUT_ACCURACY:.3f})")
+html_path = str(heatmap.save(os.path.join(OUT, "movie_token_relevance.html")))
 print("saved", html_path)
-print("cells drawn blue (negative), per method:", NEGATIVE_CELLS)
+
+# Word pieces with a negative score, per method (both classes): what a colour scale that maps
+# negative to neutral would hide.
+NEGATIVE_CELLS = {name: sum(int((token_scores[name, target][is_word_piece] < 0).sum()) for target in (1, 0))
+                  for name in METHODS}
+print("word pieces with negative relevance, per method:", NEGATIVE_CELLS)
 
 # %% [markdown]
 # ## 5. The same sentence, explained for each class

@@ -28,15 +28,12 @@
 import os
 import tempfile
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import torch
 import transformers
 
 from captum_transformers import (AttentionGradCAM, AttentionRollout, GenericAttention, RawAttention,
                                  explain_detections)
+from captum_transformers.visualization import detection_view, text_image_view, text_regions_view
 
 OUT = os.environ.get("QUICKSTART_OUT") or tempfile.mkdtemp(prefix="multimodal_")
 os.makedirs(OUT, exist_ok=True)
@@ -69,6 +66,22 @@ for method in (RawAttention, AttentionRollout, AttentionGradCAM, GenericAttentio
           f"padding scored {float(text[1, 5:].abs().sum()):.1f}")
 
 # %% [markdown]
+# `text_regions_view` draws both streams of each example: the question's tokens, the region
+# scores as a strip, and each region's box over the image in its relevance colour (boxes as
+# `(x0, y0, x1, y1)` fractions of the image, the form of a real LXMERT's `visual_pos`). Each
+# stream has its own colour scale, stated beside it. Here the "image" is grey, the tokens are
+# the ids, and the boxes are made from the random `visual_pos` (which are not valid boxes).
+
+# %%
+lxmert_text, lxmert_regions = GenericAttention(lxmert).attribute(
+    (input_ids, visual_feats, visual_pos), target=[1, 3], forward_kwargs={"attention_mask": attention_mask},
+    return_tokens=True)[:2]
+boxes = torch.cat([visual_pos[..., :2].clamp(max=0.6), visual_pos[..., :2].clamp(max=0.6) + 0.4], dim=-1)
+lxmert_view = text_regions_view([[f"id{i}" for i in row] for row in input_ids.tolist()], lxmert_text, lxmert_regions,
+                                attention_mask=attention_mask, images=torch.full((2, 3, 48, 64), 0.6), boxes=boxes)
+lxmert_view.save(os.path.join(OUT, "lxmert_streams.html"))
+
+# %% [markdown]
 # ## CLIP: which words and which patches make an image match a text
 #
 # The score is `logits_per_image[b, target_b]`: image `b` against the text `target_b`. Both
@@ -88,6 +101,11 @@ texts[:, -1] = 2                                               # the end-of-text
 pictures = torch.randn(2, 3, 32, 32)
 on_text, on_image = GenericAttention(clip).attribute((texts, pictures))
 print("CLIP text map", tuple(on_text.shape), "image map", tuple(on_image.shape))
+# Both towers side by side: each text's tokens and its image's map (random pixels shown in [0, 1]).
+shown_pictures = (pictures - pictures.min()) / (pictures.max() - pictures.min())
+clip_view = text_image_view([[f"id{i}" for i in row] for row in texts.tolist()], on_text, shown_pictures, on_image,
+                            patch_grid=(4, 4))
+clip_view.save(os.path.join(OUT, "clip_streams.png"))
 
 # %% [markdown]
 # ## BART: source and prefix relevance for a generated token
@@ -126,14 +144,14 @@ found = explain_detections(GenericAttention(detr), images, threshold=0.5)
 print(f"{len(found)} detections: images {found.image_index.tolist()}, queries {found.query_index.tolist()}, "
       f"classes {found.label.tolist()}")
 
+# %% [markdown]
+# `detection_view` draws each explained detection's map over its image with the detection's
+# box (from the model's `pred_boxes`), one row per image.
+
 # %%
-shown = min(len(found), 4)
-if shown:
-    figure, axes = plt.subplots(1, shown, figsize=(3 * shown, 3), squeeze=False)
-    for column in range(shown):
-        axes[0, column].imshow(found.maps[column, 0].numpy(), cmap="inferno")
-        axes[0, column].set_title(f"image {int(found.image_index[column])}, query {int(found.query_index[column])}")
-        axes[0, column].axis("off")
-    figure.savefig(os.path.join(OUT, "detr_detections.png"), bbox_inches="tight")
-    plt.close(figure)
+if len(found):
+    with torch.no_grad():
+        predicted_boxes = detr(images).pred_boxes
+    shown_images = (images - images.min()) / (images.max() - images.min())
+    detection_view(shown_images, found, pred_boxes=predicted_boxes).save(os.path.join(OUT, "detr_detections.png"))
 print("figures in", OUT)

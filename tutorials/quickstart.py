@@ -44,16 +44,12 @@
 import os
 import tempfile
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display needed; figures are saved to files
-
 import torch
 from captum.attr import IntegratedGradients, NoiseTunnel, Saliency
-from captum.attr import visualization as viz
 from transformers import BertConfig, BertForSequenceClassification, ViTConfig, ViTForImageClassification
 
 from captum_transformers import AttentionGradCAM, AttentionRollout, GenericAttention, RawAttention
+from captum_transformers.visualization import TokenHeatmap, image_overlay
 
 torch.manual_seed(0)
 OUT = os.environ.get("QUICKSTART_OUT") or tempfile.mkdtemp(prefix="captum_transformers_quickstart_")
@@ -153,20 +149,19 @@ smooth_rollout = NoiseTunnel(AttentionRollout(vit)).attribute(
 print("smoothed GenericAttention", tuple(smooth_generic.shape), "| smoothed rollout", tuple(smooth_rollout.shape))
 
 # %% [markdown]
-# ## 4. Drawing a map with Captum's visualizer
+# ## 4. Drawing a map
 #
-# `visualize_image_attr` wants channel-last numpy arrays. All channels of an attention
-# map are equal, so one channel is enough for the attribution.
+# `captum_transformers.visualization.image_overlay` draws a map over its image: the image in
+# grey, relevance on top (red for the explained class, blue against it, the image itself where
+# the relevance is zero) and a colour bar with the scale. A (C, H, W) map is summed over its
+# channels, and `patch_grid` marks the 4x4 patches. The image must be in [0, 1] (what you
+# would show), so we rescale the random input for display. In a notebook the overlay shows
+# itself; `save` writes PNG, SVG or HTML.
 
 # %%
-image_np = images[0].permute(1, 2, 0).numpy()
-image_np = (image_np - image_np.min()) / (image_np.max() - image_np.min())  # to [0, 1] for display
-figure, _ = viz.visualize_image_attr(
-    generic[0, :1].permute(1, 2, 0).detach().numpy(), image_np, method="blended_heat_map",
-    sign="positive", show_colorbar=True, title="GenericAttention (random weights)", use_pyplot=False,
-)
-heatmap_path = os.path.join(OUT, "vit_generic_attention.png")
-figure.savefig(heatmap_path)
+shown_image = (images[0] - images[0].min()) / (images[0].max() - images[0].min())  # to [0, 1] for display
+overlay = image_overlay(shown_image, generic[0], title="GenericAttention (random weights)", patch_grid=(4, 4))
+heatmap_path = str(overlay.save(os.path.join(OUT, "vit_generic_attention.png")))
 print("saved", heatmap_path)
 
 # %% [markdown]
@@ -252,31 +247,16 @@ for sentence_tokens, scores in zip(tokens, token_scores):
     print("  " + " ".join(f"{t}:{s:.2f}" for t, s in zip(sentence_tokens[1:-1], words.tolist())))
 
 # %% [markdown]
-# Captum's `visualize_text` renders token scores as an HTML table (in a notebook it also
-# displays it). The colours need scores in [-1, 1]: we scale each sentence's word scores by
-# their maximum and leave CLS and SEP at 0.
+# `TokenHeatmap` renders token scores as signed colours in HTML (in a notebook it shows
+# itself). The padding is dropped with the attention mask; [CLS] and [SEP] are drawn grey and
+# left out of the colour scale (CLS's self-relevance of about 1 would otherwise wash out
+# every word), and each line is scaled by its largest |score|.
 
 # %%
-records = []
-for row, sentence_tokens in enumerate(tokens):
-    scores = token_scores[row, :len(sentence_tokens)].detach().clone()
-    scores[0] = scores[-1] = 0.0
-    scores = scores / scores.abs().max().clamp(min=1e-12)
-    label = int(text_target[row])
-    records.append(viz.VisualizationDataRecord(
-        word_attributions=scores,
-        pred_prob=float(probabilities[row, label]),
-        pred_class=label,
-        true_class=label,  # no ground truth in this toy example
-        attr_class=label,
-        attr_score=float(scores.sum()),
-        raw_input_ids=sentence_tokens,
-        convergence_score=0.0,
-    ))
-html = viz.visualize_text(records)
-html_path = os.path.join(OUT, "bert_generic_attention.html")
-with open(html_path, "w") as handle:
-    handle.write(html.data)
+words_view = TokenHeatmap(tokens, {"GenericAttention": token_scores}, attention_mask=attention_mask,
+                          special_tokens={"[CLS]", "[SEP]"}, titles=sentences,
+                          title="GenericAttention on a random BERT")
+html_path = str(words_view.save(os.path.join(OUT, "bert_generic_attention.html")))
 print("saved", html_path)
 
 # %% [markdown]

@@ -2,7 +2,10 @@
 
 With no arguments it explains sample DigitCanvas test canvases with the built-in model,
 offline, in seconds. ``--model`` takes a HF directory or hub id, a timm name, or a
-checkpoint (see ``model_loading``); ``--image`` / ``--text`` give the inputs.
+checkpoint (see ``model_loading``); ``--image`` / ``--text`` give the inputs. The pictures
+(``explanations.png`` and a self-contained ``explanations.html``) are drawn by
+``captum_transformers.visualization``; ``--save-scores`` adds the raw scores as
+``scores.json`` (schema in ``scores_file``).
 """
 from __future__ import annotations
 
@@ -17,10 +20,11 @@ from ..methods.catalog import KNOWN_METHOD_NAMES, build_method, resolve_method_n
 from . import figures
 from .model_loading import LoadedModel, load_model, read_image
 from .output_folder import output_folder
+from .scores_file import write_scores
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("explain", help="explain inputs with every method, write a PNG grid",
+    parser = subparsers.add_parser("explain", help="explain inputs with every method, write a PNG grid and HTML page",
                                    description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="HF model directory or hub id, timm model name, or checkpoint file "
                                         "(default: the built-in DigitCanvas ViT)")
@@ -35,6 +39,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--motifs", type=int, metavar="N",
                         help="explain N BA-2Motifs test graphs with the built-in graph model (PyG TransformerConv); "
                              "default methods: those that apply to it")
+    parser.add_argument("--save-scores", action="store_true",
+                        help="also write every method's raw scores (signed, not rescaled) to OUT/scores.json")
     parser.add_argument("--out", default="captum_transformers_explain",
                         help="output folder (default: %(default)s); one that holds an earlier explanations.png is "
                              "never overwritten: the run goes to OUT-2, OUT-3, ... and says so")
@@ -75,6 +81,9 @@ def run(args) -> int:
 
         if args.model or args.image or args.text:
             raise InputError("--motifs explains the built-in graph model; drop --model, --image and --text.")
+        if args.save_scores:
+            raise InputError("--save-scores writes image and token scores; graph node scores are not written yet. "
+                             "Drop --save-scores, or use captum_transformers.graph.TransformerExplainer in Python.")
         methods = resolve_method_names(args.method or list(GRAPH_METHODS))
         out = output_folder(args.out, "explanations.png", "explain")
         print(f"wrote {explain_motifs(args.motifs, methods, args.target, out)}")
@@ -93,43 +102,71 @@ def run(args) -> int:
     probabilities = logits.softmax(-1)
     predicted = probabilities.argmax(-1)
     target = predicted if args.target is None else torch.full_like(predicted, args.target)
-    titles = []
+    titles, examples = [], []
     for index in range(len(displays)):
         title = (f"pred {loaded.class_name(int(predicted[index]))} "
                  f"({float(probabilities[index, predicted[index]]):.2f})")
         if labels is not None:
             title += f", true {loaded.class_name(int(labels[index]))}"
         titles.append(title)
+        examples.append(_example_record(loaded, index, title, predicted, probabilities, target, labels, displays))
         print(f"input {index}: {title}")
     print(f"explaining class {'predicted' if args.target is None else loaded.class_name(args.target)} "
           f"with {len(methods)} method(s) on {loaded.name}")
     scores: Dict[str, torch.Tensor] = {}
+    raw_scores: Dict[str, object] = {}
     for name in methods:
         start = time.perf_counter()
         attribution = build_method(name, loaded.model).attribute(
             inputs[0] if len(inputs) == 1 else inputs, target=target, forward_kwargs=forward_kwargs or None,
             return_tokens=loaded.modality == "text")
+        attribution = (attribution[0] if isinstance(attribution, tuple) else attribution).detach().float()
+        raw_scores[name] = _raw_scores(loaded, attribution, forward_kwargs.get("attention_mask"))
         scores[name] = _display_scores(loaded, attribution, displays, forward_kwargs.get("attention_mask"))
         print(f"  {name:>22}: {(time.perf_counter() - start) * 1000:7.0f} ms")
     if loaded.modality == "image":
-        path = figures.image_grid(displays, scores, titles, out / "explanations.png")
+        paths = figures.image_grid(displays, scores, titles, out)
     else:
-        path = figures.token_strips(displays, scores, titles, out / "explanations.png")
-    print(f"wrote {path}")
+        paths = figures.token_strips(displays, scores, titles, loaded.special_tokens, out)
+    if args.save_scores:
+        paths += (write_scores(out / "scores.json", model=loaded.name, modality=loaded.modality, target=args.target,
+                               examples=examples, scores=raw_scores),)
+    for path in paths:
+        print(f"wrote {path}")
     return 0
 
 
-def _display_scores(loaded: LoadedModel, attribution, displays: List, mask) -> torch.Tensor:
+def _example_record(loaded: LoadedModel, index: int, title: str, predicted, probabilities, target, labels,
+                    displays) -> dict:
+    """One example's entry of scores.json (see ``scores_file``)."""
+    record = {"index": index, "title": title, "predicted": int(predicted[index]),
+              "predicted_name": loaded.class_name(int(predicted[index])),
+              "probability": float(probabilities[index, predicted[index]]), "explained_class": int(target[index]),
+              "true": None if labels is None else int(labels[index])}
+    if loaded.modality == "text":
+        record["tokens"] = list(displays[index])
+        record["special"] = [token in loaded.special_tokens for token in displays[index]]
+    return record
+
+
+def _raw_scores(loaded: LoadedModel, attribution: torch.Tensor, mask):
+    """What scores.json keeps: the attribution as returned (images), or per example the scores
+    of its real tokens, special tokens included (text)."""
+    if loaded.modality == "image":
+        return attribution
+    if mask is None:
+        return list(attribution)
+    return [row[keep.bool()] for row, keep in zip(attribution, mask)]
+
+
+def _display_scores(loaded: LoadedModel, attribution: torch.Tensor, displays: List, mask) -> torch.Tensor:
     """Image maps summed over channels (B, H, W); for text, the scores of each example's real
-    tokens (left- or right-padding alike), special tokens zeroed, padded to (B, longest)."""
-    if isinstance(attribution, tuple):
-        attribution = attribution[0]
-    attribution = attribution.detach().float()
+    tokens (left- or right-padding alike), padded after them to (B, longest). Special tokens
+    keep their scores: the token strips draw them uncoloured and leave them out of the scale."""
     if loaded.modality == "image":
         return attribution.sum(1) if attribution.dim() == 4 else attribution
     scores = torch.zeros(len(displays), max(len(tokens) for tokens in displays))
     for row, tokens in enumerate(displays):  # display only: a few short examples
         real = attribution[row] if mask is None else attribution[row][mask[row].bool()]
-        special = torch.tensor([token in loaded.special_tokens for token in tokens], dtype=torch.bool)
-        scores[row, :len(tokens)] = real[:len(tokens)].masked_fill(special, 0.0)
+        scores[row, :len(tokens)] = real[:len(tokens)]
     return scores

@@ -1,0 +1,30 @@
+"""Pictures of explanations, with one colour convention everywhere (``colors``: white at zero,
+red for the explained class, blue against it, signed scales symmetric about zero and stated in
+a colour bar) and objects that show themselves in notebooks and ``save`` to PNG, SVG or one
+self-contained HTML file (``output``).
+
+=====================  ==============================================================
+image_overlay          one map over its image (opacity, patch grid, mask outline, boxes)
+ExplanationGrid        methods x examples; ``report(model, inputs)`` computes it
+TokenHeatmap           signed token colours; special tokens; word pieces merged (sum)
+text_image_view        CLIP: text tokens beside the image overlay
+text_regions_view      LXMERT / VisualBERT: text tokens, region strip, region boxes
+detection_view         DETR: each explained detection's map and box
+CurvePlot, curve_plots perturbation curves from results or a benchmark's results.json
+=====================  ==============================================================
+
+>>> from captum_transformers.visualization import report
+>>> report(model, normalize(images), images=images, methods=["rollout", "attn-lrp"])  # doctest: +SKIP
+"""
+from .colors import ColorScale
+from .curves import CurvePlot, curve_plots, plot_curves
+from .grid import ExplanationGrid, report
+from .images import ImageOverlay, image_overlay
+from .streams import StreamView, detection_view, text_image_view, text_regions_view
+from .tokens import TokenHeatmap, merge_word_pieces
+
+__all__ = [
+    "ColorScale", "CurvePlot", "curve_plots", "plot_curves", "ExplanationGrid", "report", "ImageOverlay",
+    "image_overlay", "StreamView", "detection_view", "text_image_view", "text_regions_view", "TokenHeatmap",
+    "merge_word_pieces",
+]

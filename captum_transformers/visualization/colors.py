@@ -1,0 +1,168 @@
+"""Colour scales of relevance: signed (diverging) and sequential, with their limits.
+
+One convention everywhere in this package's pictures, so that colours mean the same thing in
+an image overlay, a token heatmap and the CLI's strips:
+
+* **signed** maps use a diverging scale symmetric about zero, ``[-limit, +limit]``: white at
+  0, red for positive relevance (evidence for the explained class), blue for negative;
+* **sequential** maps (non-negative, e.g. attention-based methods) use ``[0, limit]``: white
+  at 0 and the same red at the limit, i.e. the positive half of the signed scale.
+
+``limit`` is the largest ``|value|`` (or a percentile of ``|value|``: a few extreme pixels
+would otherwise wash out a per-pixel map), taken over one map (``scale="per-map"``) or over
+all maps drawn together (``scale="shared"``), or given as a number. Values beyond the limit
+are drawn at full colour. NaN and infinite values are refused: no colour would be honest.
+
+>>> scale = ColorScale.fit([torch.tensor([-2.0, 0.0, 1.0])])
+>>> scale.signed, scale.limit
+(True, 2.0)
+>>> scale.rgb(torch.tensor([0.0]))[0].tolist()                    # zero is white
+[255, 255, 255]
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional, Union
+
+import torch
+
+from ..errors import InputError
+
+WHITE = (255.0, 255.0, 255.0)
+RED = (178.0, 24.0, 43.0)     # the ends of ColorBrewer's RdBu scale
+BLUE = (33.0, 102.0, 172.0)
+
+ScaleOption = Union[str, float, int]
+
+
+def as_float_tensor(values, what: str) -> torch.Tensor:
+    """``values`` (a tensor, numpy array or nested list) as a detached float32 CPU tensor,
+    refused with the positions of the first bad values if any is NaN or infinite."""
+    if isinstance(values, torch.Tensor):
+        tensor = values.detach().to("cpu", torch.float32)
+    else:
+        try:
+            tensor = torch.as_tensor(values, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise InputError(f"{what}: expected a tensor or array of numbers, got {type(values).__name__} "
+                             f"({error}).") from None
+    bad = ~torch.isfinite(tensor)
+    if bool(bad.any()):
+        where = bad.nonzero()[:3].tolist()
+        raise InputError(f"{what} holds {int(bad.sum())} NaN or infinite value(s) (first at index {where}); "
+                         "a colour for them would be made up. Fix the attribution (e.g. a float16 overflow: "
+                         "explain in float32) or replace them explicitly with torch.nan_to_num.")
+    return tensor
+
+
+@dataclass(frozen=True)
+class ColorScale:
+    """A colour scale: ``signed`` (diverging, ``[-limit, limit]``) or sequential (``[0, limit]``)."""
+
+    signed: bool
+    limit: float
+
+    def __post_init__(self):
+        if not (math.isfinite(self.limit) and self.limit > 0):
+            raise InputError(f"a colour scale limit must be a positive finite number, got {self.limit!r}.")
+
+    @classmethod
+    def fit(cls, maps: Iterable[torch.Tensor], signed: Optional[bool] = None, percentile: float = 100.0,
+            limit: Optional[float] = None) -> "ColorScale":
+        """The scale of ``maps`` drawn together: signed if ``signed`` or (when None) if any value
+        is negative; ``limit`` given, or the ``percentile`` of ``|values|`` over all maps.
+
+        An all-zero set of maps gets limit 1 (every value drawn white, the neutral colour:
+        zero relevance is what it shows, and the colour bar says the scale)."""
+        maps = [m.detach().float().flatten() for m in maps]
+        if not maps:
+            raise InputError("a colour scale needs at least one map.")
+        values = torch.cat(maps)
+        has_negative = bool((values < 0).any())
+        if signed is None:
+            signed = has_negative
+        elif not signed and has_negative:
+            raise InputError(f"signed=False but the map has negative values (min {float(values.min()):.4g}); "
+                             "a sequential scale would draw them as zero. Use signed=True (or None).")
+        if limit is None:
+            if not 0 < percentile <= 100:
+                raise InputError(f"percentile must be in (0, 100], got {percentile!r}.")
+            magnitude = values.abs()
+            if magnitude.numel() == 0:
+                limit = 1.0
+            elif percentile == 100:
+                limit = float(magnitude.max())
+            else:  # the k-th smallest |value| (torch.quantile refuses more than 2**24 values)
+                rank = min(max(math.ceil(percentile / 100.0 * magnitude.numel()), 1), magnitude.numel())
+                limit = float(torch.kthvalue(magnitude, rank).values)
+            if limit <= 0:
+                limit = float(magnitude.max()) or 1.0
+        return cls(bool(signed), float(limit))
+
+    @property
+    def low(self) -> float:
+        return -self.limit if self.signed else 0.0
+
+    def normalized(self, values: torch.Tensor) -> torch.Tensor:
+        """Values divided by the limit and clipped to [-1, 1] (signed) or [0, 1]."""
+        scaled = values.float() / self.limit
+        return scaled.clamp(-1.0 if self.signed else 0.0, 1.0)
+
+    def rgb(self, values: torch.Tensor) -> torch.Tensor:
+        """Colours of ``values`` (any shape) as uint8 RGB, shape ``values.shape + (3,)``."""
+        return ramp(self.normalized(values))
+
+    def describe(self) -> str:
+        """The legend's words: the range and what each end means."""
+        if self.signed:
+            return f"blue -{self.limit:.3g} (against)  |  white 0  |  red +{self.limit:.3g} (for)"
+        return f"white 0  |  red {self.limit:.3g}"
+
+
+def ramp(normalized: torch.Tensor) -> torch.Tensor:
+    """uint8 RGB of values in [-1, 1]: white at 0, towards red for +1 and blue for -1."""
+    strength = normalized.abs().unsqueeze(-1)
+    end = torch.where(normalized.unsqueeze(-1) >= 0, torch.tensor(RED), torch.tensor(BLUE))
+    colour = torch.tensor(WHITE) * (1 - strength) + end * strength
+    return colour.round().clamp(0, 255).to(torch.uint8)
+
+
+def css_rgb(colour: torch.Tensor) -> str:
+    """``rgb(r,g,b)`` of one uint8 colour."""
+    r, g, b = (int(c) for c in colour.tolist())
+    return f"rgb({r},{g},{b})"
+
+
+def text_colour(normalized: float) -> str:
+    """Black text, or white on strongly coloured backgrounds (black is unreadable on deep blue/red)."""
+    return "#fff" if abs(normalized) > 0.65 else "#000"
+
+
+def css_gradient(scale: ColorScale) -> str:
+    """The CSS ``linear-gradient`` of ``scale``, for a colour bar."""
+    stops = torch.linspace(-1.0 if scale.signed else 0.0, 1.0, 9)
+    return "linear-gradient(to right, " + ", ".join(css_rgb(c) for c in ramp(stops)) + ")"
+
+
+def fit_scales(maps: dict, scale: ScaleOption, signed: Optional[bool], percentile: float) -> dict:
+    """One ``ColorScale`` per key of ``maps`` ({key: list of tensors}): ``"shared"`` fits one over all,
+    ``"per-map"`` one per tensor (returned as a list per key), a number fixes the limit."""
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        every = [m for group in maps.values() for m in group]
+        fixed = ColorScale.fit(every, signed=signed, limit=float(scale))
+        return {key: [fixed] * len(group) for key, group in maps.items()}
+    if scale == "shared":
+        every = [m for group in maps.values() for m in group]
+        common = ColorScale.fit(every, signed=signed, percentile=percentile)
+        return {key: [common] * len(group) for key, group in maps.items()}
+    if scale == "per-map":
+        return {key: [ColorScale.fit([m], signed=signed, percentile=percentile) for m in group]
+                for key, group in maps.items()}
+    if scale == "per-method":
+        out = {}
+        for key, group in maps.items():
+            fitted = ColorScale.fit(group, signed=signed, percentile=percentile)
+            out[key] = [fitted] * len(group)
+        return out
+    raise InputError(f"scale={scale!r}: expected 'shared', 'per-method', 'per-map' or a positive number (the limit).")

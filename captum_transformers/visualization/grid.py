@@ -1,0 +1,176 @@
+"""Methods x examples: one row per example (its image, then each method's overlay).
+
+``ExplanationGrid(images, {method: maps})`` draws every map over its image with one colour
+convention (``colors``) and a scale that is, by ``scale=``:
+
+* ``"per-map"`` (default): each cell scaled by its own largest ``|value|`` (where each map
+  looks; its range is printed above it);
+* ``"per-method"``: one scale per column, so examples compare within a method;
+* ``"shared"``: one scale for the whole grid (methods of the same units compare too);
+* a number: that limit everywhere.
+
+``percentile`` (default 100: the maximum) sets each limit at that percentile of ``|value|``
+instead: per-pixel maps (LRP, gradients) have a few extreme pixels that would wash out the
+rest (Captum's visualizer uses 98). Under the maps the image is drawn in grey
+(``grayscale=False`` keeps its colours); the first column shows it in colour.
+
+The grid shows itself in a notebook and ``save``s to PNG, SVG or one self-contained HTML
+file (``to_html(standalone=True)``: images as data: URIs, no script, opens offline).
+``report(model, inputs)`` computes the maps, one ``attribute`` call per method on the batch.
+
+>>> grid = report(load_digit_model(), normalize(canvases), images=canvases, methods=["rollout", "attn-lrp"])  # doctest: +SKIP
+>>> grid.save("report.html")                                                                                   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import InputError
+from .colors import ColorScale, ScaleOption, as_float_tensor, fit_scales
+from .images import add_colorbar, display_image, draw, enlarge, map_to_pixels, zoom_factor
+from .output import Picture, agg_figure, data_uri, escape, legend_html, plain_text, png_bytes
+
+
+class ExplanationGrid(Picture):
+    """Examples as rows, methods as columns. ``cells[method][row]`` is the (H', W', 3) uint8
+    drawing, ``scales[method][row]`` its ``ColorScale``."""
+
+    def __init__(self, images, maps: Mapping[str, object], titles: Optional[Sequence[str]] = None, *,
+                 scale: ScaleOption = "per-map", signed: Optional[bool] = None, percentile: float = 100.0,
+                 opacity: float = 0.85, patch_grid: Optional[Tuple[int, int]] = None, outlines=None,
+                 title: str = "Explanations", grayscale: bool = True):
+        if not isinstance(maps, Mapping) or not maps:
+            raise InputError(f"maps must be a non-empty {{method_name: (B, ...) maps}} dict, got {type(maps).__name__}.")
+        self.images = [display_image(image, f"image {row}") for row, image in enumerate(images)]
+        count = len(self.images)
+        if count == 0:
+            raise InputError("ExplanationGrid needs at least one image.")
+        self.titles = [str(t) for t in titles] if titles is not None else [f"example {row}" for row in range(count)]
+        if len(self.titles) != count:
+            raise InputError(f"got {len(self.titles)} titles for {count} images; expected one title per image.")
+        self.title = str(title)
+        pixel_maps: Dict[str, List[torch.Tensor]] = {}
+        for name, batch in maps.items():
+            values = as_float_tensor(batch, f"maps[{name!r}]")
+            if values.dim() < 3 or values.shape[0] != count:
+                raise InputError(f"maps[{name!r}] has shape {tuple(values.shape)}; expected ({count}, H, W) or "
+                                 f"({count}, C, H, W): one map per image.")
+            pixel_maps[str(name)] = [map_to_pixels(values[row], *self.images[row].shape[:2], f"maps[{name!r}][{row}]")
+                                     for row in range(count)]
+        self.scale_mode = scale
+        self.scales = fit_scales(pixel_maps, scale, signed, percentile)
+        if outlines is not None and len(outlines) != count:
+            raise InputError(f"got {len(outlines)} outlines for {count} images; expected one mask per image.")
+        self.cells = {name: [draw(self.images[row], pixel_maps[name][row], self.scales[name][row], opacity,
+                                  patch_grid, None if outlines is None else outlines[row], grayscale=grayscale)
+                             for row in range(count)] for name in pixel_maps}
+
+    @property
+    def methods(self) -> List[str]:
+        return list(self.cells)
+
+    def _image_cell(self, row: int) -> torch.Tensor:
+        image = self.images[row]
+        return enlarge((image * 255).round().to(torch.uint8), zoom_factor(*image.shape[:2]))
+
+    def _body_html(self) -> str:
+        head = "".join(f"<th>{escape(name)}</th>" for name in self.methods)
+        rows = []
+        for row in range(len(self.images)):
+            picture = self._image_cell(row)
+            cells = [f"<td><img src='{data_uri(png_bytes(picture))}' width='{picture.shape[1]}' "
+                     f"alt='{escape(self.titles[row])}'><div>{escape(self.titles[row])}</div></td>"]
+            for name in self.methods:
+                legend = legend_html(self.scales[name][row], compact=True) if self.scale_mode == "per-map" else ""
+                cells.append(f"<td><img src='{data_uri(png_bytes(self.cells[name][row]))}' "
+                             f"width='{self.cells[name][row].shape[1]}' alt='{escape(name)}'>{legend}</td>")
+            rows.append("<tr>" + "".join(cells) + "</tr>")
+        if self.scale_mode == "per-map":
+            footer = ""
+        elif self.scale_mode == "per-method":
+            footer = "<tr><td>scale per method</td>" + "".join(
+                f"<td>{legend_html(self.scales[name][0], compact=True)}</td>" for name in self.methods) + "</tr>"
+        else:
+            footer = (f"<tr><td colspan='{len(self.methods) + 1}'>one scale for every map: "
+                      f"{legend_html(self.scales[self.methods[0]][0])}</td></tr>")
+        return (f"<h3>{escape(self.title)}</h3><table><tr><th>input</th>{head}</tr>{''.join(rows)}{footer}</table>"
+                "<p class='legend'>Overlays: red marks relevance for the explained class, blue against it; a pixel "
+                "of zero relevance shows the image itself.</p>")
+
+    def _cell_label(self, name: str, row: int) -> str:
+        label = plain_text(name) if row == 0 else ""
+        if self.scale_mode == "per-map":
+            scale = self.scales[name][row]
+            label = (label + "\n" if label else "") + (f"±{scale.limit:.2g}" if scale.signed else f"0..{scale.limit:.2g}")
+        return label
+
+    def mosaic(self, gutter: int = 8, band: int = 30) -> torch.Tensor:
+        """Every cell on one white (H, W, 3) uint8 sheet: ``band`` pixels above each row for its
+        labels, ``gutter`` pixels between cells (one image drawn once: fast to save)."""
+        cells = [[self._image_cell(row)] + [self.cells[name][row] for name in self.methods]
+                 for row in range(len(self.images))]
+        height = max(cell.shape[0] for line in cells for cell in line)
+        width = max(cell.shape[1] for line in cells for cell in line)
+        sheet = torch.full((len(cells) * (height + band), len(cells[0]) * (width + gutter), 3), 255, dtype=torch.uint8)
+        for row, line in enumerate(cells):
+            for col, cell in enumerate(line):
+                top, left = row * (height + band) + band, col * (width + gutter) + gutter // 2
+                sheet[top:top + cell.shape[0], left:left + cell.shape[1]] = cell
+        return sheet
+
+    def _figure(self, dpi: int = 110):
+        gutter, band = 8, 30
+        sheet = self.mosaic(gutter, band)
+        rows, cols = len(self.images), len(self.methods) + 1
+        cell_height, cell_width = sheet.shape[0] // rows - band, sheet.shape[1] // cols - gutter
+        bar_pixels = 60
+        figure = agg_figure(sheet.shape[1] / dpi, (sheet.shape[0] + bar_pixels) / dpi)
+        axis = figure.add_axes((0, bar_pixels / (sheet.shape[0] + bar_pixels), 1,
+                                sheet.shape[0] / (sheet.shape[0] + bar_pixels)))
+        axis.imshow(sheet.numpy(), interpolation="nearest")
+        axis.set_axis_off()
+        for row in range(rows):
+            for col in range(cols):
+                label = plain_text(self.titles[row]) if col == 0 else self._cell_label(self.methods[col - 1], row)
+                centre = col * (cell_width + gutter) + gutter // 2 + cell_width / 2
+                axis.text(centre, row * (cell_height + band) + band - 3, label, ha="center", va="bottom", fontsize=6)
+        total = sheet.shape[0] + bar_pixels
+        bottom, thickness = 30 / total, 10 / total  # the colour bars: 10 pixels high, 30 above the edge
+        if self.scale_mode in ("shared",) or isinstance(self.scale_mode, (int, float)):
+            add_colorbar(figure, (0.3, bottom, 0.4, thickness), self.scales[self.methods[0]][0])
+        elif self.scale_mode == "per-method":
+            for col, name in enumerate(self.methods, start=1):
+                add_colorbar(figure, (col / cols + 0.02, bottom, 1 / cols - 0.04, thickness), self.scales[name][0])
+        else:  # per map: one bar in units of each cell's range (printed above the cell)
+            signed = any(s.signed for group in self.scales.values() for s in group)
+            bar = add_colorbar(figure, (0.3, bottom, 0.4, thickness), ColorScale(signed, 1.0))
+            bar.set_ticklabels(["-range", "0", "+range"] if signed else ["0", "range"])
+        return figure
+
+
+def report(model, inputs, *, methods: Optional[Sequence[str]] = None, target=None, images=None,
+           titles: Optional[Sequence[str]] = None, forward_kwargs=None, **grid_options) -> ExplanationGrid:
+    """Explain ``inputs`` with each method of the catalog (``methods``: short names, default
+    all) in one ``attribute`` call per method, and draw the methods x examples grid.
+
+    ``images`` are what is drawn (in [0, 1]); by default ``inputs`` themselves, which must then
+    be in [0, 1] (a normalised batch is refused by the drawing: pass the raw images).
+    ``target`` takes Captum's forms (None: the predicted class). Other keyword arguments go to
+    ``ExplanationGrid`` (``scale``, ``patch_grid``, ``outlines``, ``title``...).
+    """
+    from ..methods.catalog import METHOD_NAMES, build_method
+
+    if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point():
+        raise InputError(f"report draws image models; got {inputs.dtype} inputs of shape {tuple(inputs.shape)} "
+                         "(token ids?). For text, draw return_tokens=True scores with TokenHeatmap.")
+    names = list(METHOD_NAMES if methods is None else methods)
+    unknown = [name for name in names if name not in METHOD_NAMES]
+    if unknown:
+        raise InputError(f"unknown method(s) {unknown}; expected names of the catalog: {list(METHOD_NAMES)}.")
+    maps = {}
+    for name in names:
+        attribution = build_method(name, model).attribute(inputs, target=target, forward_kwargs=forward_kwargs)
+        maps[name] = (attribution[0] if isinstance(attribution, tuple) else attribution).detach()
+    return ExplanationGrid(inputs if images is None else images, maps, titles, **grid_options)
