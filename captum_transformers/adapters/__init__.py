@@ -9,12 +9,13 @@ from .base import Adapter
 from .detr import DetrAdapter
 from .huggingface import HuggingFaceAdapter
 from .inline_attention import InlineAttentionAdapter
+from .swin import SwinAdapter
 from ..capture.recorder import Recorder
 from .timm import TimmAdapter
 from .torch_mha import TorchMHAAdapter
 
 __all__ = ["Adapter", "Recorder", "HuggingFaceAdapter", "TimmAdapter", "TorchMHAAdapter", "InlineAttentionAdapter",
-           "DetrAdapter"]
+           "DetrAdapter", "SwinAdapter"]
 
 # (adapter, dotted class names it serves). The registry walks a model's MRO, so the entries
 # for LXMERT, VisualBERT and DETR win over the generic PreTrainedModel one.
@@ -27,6 +28,7 @@ _BUILT_IN = (
     (InlineAttentionAdapter(), ("transformers.models.lxmert.modeling_lxmert.LxmertPreTrainedModel",
                                 "transformers.models.visual_bert.modeling_visual_bert.VisualBertPreTrainedModel")),
     (DetrAdapter(), ("transformers.models.detr.modeling_detr.DetrPreTrainedModel",)),
+    (SwinAdapter(), ("transformers.models.swin.modeling_swin.SwinPreTrainedModel",)),
 )
 for _adapter, _keys in _BUILT_IN:
     for _key in _keys:

@@ -29,10 +29,12 @@ class Family(NamedTuple):
     module: str  # the class's module, or a prefix of it
     class_prefix: str  # "" for every class of that module
     why: str
+    # The built-in adapter that does handle the family ("" for none): any other is refused.
+    served_by: str = ""
 
 
 UNSUPPORTED: Tuple[Family, ...] = (
-    Family("Swin", "transformers.models.swin.", "", _SWIN),
+    Family("Swin", "transformers.models.swin.", "", _SWIN, served_by="swin"),
     Family("Swinv2", "transformers.models.swinv2.", "", _SWIN),
     Family("Donut-Swin", "transformers.models.donut.modeling_donut_swin", "", _SWIN),
     Family("MaskFormer-Swin", "transformers.models.maskformer.modeling_maskformer_swin", "", _SWIN),
@@ -90,6 +92,14 @@ def refuse_unsupported(model: nn.Module, adapter: object = None) -> None:
     family = unsupported_family(model)
     if family is None:
         return
+    if family.served_by:
+        if getattr(adapter, "name", None) == family.served_by:
+            return
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is (or contains) a {family.name} model ({family.why}), which only the "
+            f"{family.served_by!r} adapter explains; the {getattr(adapter, 'name', adapter)!r} adapter would read its "
+            f"window maps as one token sequence. Omit adapter= (or pass adapter={family.served_by!r})."
+        )
     raise UnsupportedModelError(
         f"{type(model).__name__} is (or contains) a {family.name} model, which is not supported yet: "
         f"{family.why}, so its attention maps do not chain over one token grid as these methods require. "
