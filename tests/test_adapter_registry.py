@@ -51,6 +51,12 @@ def _inline_attention():
     return model.eval(), ids, {"attention_mask": mask, "visual_embeds": torch.randn(3, 4, 8)}
 
 
+def _swin():
+    from swin_models import hf_swin
+
+    return hf_swin(), torch.randn(3, 3, 36, 44), {}
+
+
 def _detr():
     from detr_models import detr, images
 
@@ -58,7 +64,7 @@ def _detr():
 
 
 EXAMPLES = {"huggingface": _huggingface, "timm": _timm, "torch_mha": _torch_mha, "inline_attention": _inline_attention,
-            "detr": _detr}
+            "detr": _detr, "swin": _swin}
 # Targets per example when the output is not (B, classes): DETR's are (query, class) pairs.
 TARGETS = {"detr": [(0, 1), (4, 2), (2, 0)]}
 ADAPTERS = sorted(a.name for a in registered_adapters())
