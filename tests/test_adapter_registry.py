@@ -57,6 +57,12 @@ def _swin():
     return hf_swin(), torch.randn(3, 3, 36, 44), {}
 
 
+def _timm_swin():
+    from swin_models import timm_swin
+
+    return timm_swin(image=(36, 44), fused=True), torch.randn(3, 3, 36, 44), {}
+
+
 def _detr():
     from detr_models import detr, images
 
@@ -64,7 +70,8 @@ def _detr():
 
 
 EXAMPLES = {"huggingface": _huggingface, "timm": _timm, "torch_mha": _torch_mha, "inline_attention": _inline_attention,
-            "detr": _detr, "swin": _swin}
+            "detr": _detr, "swin": _swin,
+            "timm_swin": _timm_swin}
 # Targets per example when the output is not (B, classes): DETR's are (query, class) pairs.
 TARGETS = {"detr": [(0, 1), (4, 2), (2, 0)]}
 ADAPTERS = sorted(a.name for a in registered_adapters())

@@ -12,10 +12,12 @@ from .inline_attention import InlineAttentionAdapter
 from .swin import SwinAdapter
 from ..capture.recorder import Recorder
 from .timm import TimmAdapter
+from .timm_swin import TimmSwinAdapter
 from .torch_mha import TorchMHAAdapter
 
 __all__ = ["Adapter", "Recorder", "HuggingFaceAdapter", "TimmAdapter", "TorchMHAAdapter", "InlineAttentionAdapter",
-           "DetrAdapter", "SwinAdapter"]
+           "DetrAdapter", "SwinAdapter",
+           "TimmSwinAdapter"]
 
 # (adapter, dotted class names it serves). The registry walks a model's MRO, so the entries
 # for LXMERT, VisualBERT and DETR win over the generic PreTrainedModel one.
@@ -29,6 +31,7 @@ _BUILT_IN = (
                                 "transformers.models.visual_bert.modeling_visual_bert.VisualBertPreTrainedModel")),
     (DetrAdapter(), ("transformers.models.detr.modeling_detr.DetrPreTrainedModel",)),
     (SwinAdapter(), ("transformers.models.swin.modeling_swin.SwinPreTrainedModel",)),
+    (TimmSwinAdapter(), ("timm.models.swin_transformer.SwinTransformer",)),
 )
 for _adapter, _keys in _BUILT_IN:
     for _key in _keys:
