@@ -13,13 +13,16 @@ F64 = torch.float64
 
 
 def hf_swin(image=32, patch=4, embed=16, depths=(2, 2), heads=(2, 2), window=4, classes=3, dtype=torch.float32,
-            seed=0, **extra):
-    from transformers import SwinConfig, SwinForImageClassification
+            seed=0, version=1, **extra):
+    """A tiny HF ``SwinForImageClassification`` (``version=2``: ``Swinv2ForImageClassification``)."""
+    import transformers
 
     torch.manual_seed(seed)
-    config = SwinConfig(image_size=image, patch_size=patch, num_channels=3, embed_dim=embed, depths=list(depths),
-                        num_heads=list(heads), window_size=window, num_labels=classes, **extra)
-    model = SwinForImageClassification(config).to(dtype).eval()
+    config_class, model_class = ((transformers.SwinConfig, transformers.SwinForImageClassification) if version == 1
+                                 else (transformers.Swinv2Config, transformers.Swinv2ForImageClassification))
+    config = config_class(image_size=image, patch_size=patch, num_channels=3, embed_dim=embed, depths=list(depths),
+                          num_heads=list(heads), window_size=window, num_labels=classes, **extra)
+    model = model_class(config).to(dtype).eval()
     with torch.no_grad():  # a relative position bias that is not zero: the maps differ per position
         for module in model.modules():
             table = getattr(module, "relative_position_bias_table", None)

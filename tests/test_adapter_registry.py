@@ -57,6 +57,12 @@ def _swin():
     return hf_swin(), torch.randn(3, 3, 36, 44), {}
 
 
+def _swinv2():
+    from swin_models import hf_swin
+
+    return hf_swin(version=2), torch.randn(3, 3, 36, 44), {}
+
+
 def _timm_swin():
     from swin_models import timm_swin
 
@@ -70,7 +76,7 @@ def _detr():
 
 
 EXAMPLES = {"huggingface": _huggingface, "timm": _timm, "torch_mha": _torch_mha, "inline_attention": _inline_attention,
-            "detr": _detr, "swin": _swin,
+            "detr": _detr, "swin": _swin, "swinv2": _swinv2,
             "timm_swin": _timm_swin}
 # Targets per example when the output is not (B, classes): DETR's are (query, class) pairs.
 TARGETS = {"detr": [(0, 1), (4, 2), (2, 0)]}

@@ -1,4 +1,4 @@
-"""Swin (HuggingFace): windowed attention as token-to-token maps (docs/windowed-attention.md).
+"""Swin and Swin v2 (HuggingFace): windowed attention as token-to-token maps (docs/windowed-attention.md).
 
 What is proved here, on tiny models built from configs:
 
@@ -72,10 +72,14 @@ def _as_vit_trace(trace):
     return AttentionTrace(trace.records, plain, trace.logits, trace.target)
 
 
+VERSIONS = pytest.mark.parametrize("version", [1, 2], ids=["swin", "swinv2"])
+
+
+@VERSIONS
 @pytest.mark.parametrize("method", ATTENTION, ids=lambda m: m.__name__)
-def test_degenerate_swin_is_the_vit_path(method):
+def test_degenerate_swin_is_the_vit_path(method, version):
     # One stage, window 4 on a 4x4 grid: one window of every token, no shift (HF clamps it), no merging.
-    model = hf_swin(image=16, depths=(3,), heads=(2,), window=4, dtype=F64)
+    model = hf_swin(image=16, depths=(3,), heads=(2,), window=4, dtype=F64, version=version)
     x = _images(size=(16, 16), dtype=F64)
     explainer, trace = _trace(method, model, x, [0, 1, 2])
     assert all(g.num_windows == 1 and g.shift == (0, 0) for g in trace.layout.windows)
@@ -86,11 +90,12 @@ def test_degenerate_swin_is_the_vit_path(method):
     assert tokens.abs().sum() > 0
 
 
+@VERSIONS
 @pytest.mark.parametrize("method", ATTENTION, ids=lambda m: m.__name__)
 @pytest.mark.parametrize("size", [(32, 32), (36, 44)], ids=["multiple", "padded"])
-def test_windowed_rows_equal_the_dense_reference(method, size):
+def test_windowed_rows_equal_the_dense_reference(method, size, version):
     # Two stages (a patch merging), shifted windows, and for 36x44 a 9x11 grid padded to windows of 4.
-    model = hf_swin(depths=(2, 2), heads=(2, 2), window=4, dtype=F64)
+    model = hf_swin(depths=(2, 2), heads=(2, 2), window=4, dtype=F64, version=version)
     x = _images(size=size, dtype=F64)
     explainer, trace = _trace(method, model, x, [0, 1, 2])
     geometries = trace.layout.windows
@@ -116,10 +121,11 @@ def test_windowed_rows_equal_the_dense_reference(method, size):
 
 
 # == 3. contract ===================================================================================
+@VERSIONS
 @pytest.mark.parametrize("method", ATTENTION, ids=lambda m: m.__name__)
-def test_batch_single_input_size_and_restore(method):
-    model = hf_swin()
-    assert get_adapter(model).name == "swin"
+def test_batch_single_input_size_and_restore(method, version):
+    model = hf_swin(version=version)
+    assert get_adapter(model).name == ("swin" if version == 1 else "swinv2")
     x = _images(size=(36, 44))
     explainer = method(model)
     maps = explainer.attribute(x, target=[0, 1, 2])
@@ -166,9 +172,10 @@ def test_refusals():
 RULE_SETS = [RuleSet.GRADIENT, RuleSet.AH, RuleSet.AH_LN, RuleSet.CHEFER, RuleSet.LRP, RuleSet.ATTN_LRP]
 
 
+@VERSIONS
 @pytest.mark.parametrize("rules", RULE_SETS, ids=lambda r: r.name)
-def test_forward_bit_identical_under_rules(rules):
-    model = hf_swin()
+def test_forward_bit_identical_under_rules(rules, version):
+    model = hf_swin(version=version)
     x = _images(size=(36, 44))
     with torch.enable_grad():
         plain = model(x).logits
@@ -177,8 +184,9 @@ def test_forward_bit_identical_under_rules(rules):
     assert torch.equal(plain, inside)
 
 
-def _bias_free_relu_swin():
-    model = hf_swin(depths=(2, 2), heads=(2, 2), window=4, dtype=F64, hidden_act="relu", qkv_bias=False)
+def _bias_free_relu_swin(version=1):
+    model = hf_swin(depths=(2, 2), heads=(2, 2), window=4, dtype=F64, hidden_act="relu", qkv_bias=False,
+                    version=version)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("bias"):
@@ -215,9 +223,21 @@ def test_ah_ln_conserves_on_a_bias_free_swin():
     assert ((gi - logits).abs() / logits.abs()).median() > 1e-3
 
 
+def test_ah_ln_conserves_on_a_bias_free_swinv2():
+    # Swin v2's continuous position bias and cosine scores sit behind the constant gate (AH).
+    model = _bias_free_relu_swin(version=2)
+    x = _images(batch=4, size=(36, 44), dtype=F64)
+    logits = model(x).logits[:, 1].detach()
+    relevance, delta = ConservativeLRP(model).attribute(x, target=1, return_tokens=True,
+                                                        return_convergence_delta=True)
+    assert ((relevance.sum(-1) - logits).abs() / logits.abs()).max() <= 1e-12
+    assert (delta.abs() / logits.abs()).max() <= 1e-12
+
+
+@VERSIONS
 @pytest.mark.parametrize("method", [AttnLRP, TransformerLRP, ConservativeLRP], ids=lambda m: m.__name__)
-def test_lrp_methods_map_onto_pixels_and_batch(method):
-    model = hf_swin()
+def test_lrp_methods_map_onto_pixels_and_batch(method, version):
+    model = hf_swin(version=version)
     x = _images(size=(36, 44))
     maps = method(model).attribute(x, target=[0, 1, 2])
     assert maps.shape == x.shape and torch.isfinite(maps).all()

@@ -9,14 +9,14 @@ from .base import Adapter
 from .detr import DetrAdapter
 from .huggingface import HuggingFaceAdapter
 from .inline_attention import InlineAttentionAdapter
-from .swin import SwinAdapter
+from .swin import SwinAdapter, Swinv2Adapter
 from ..capture.recorder import Recorder
 from .timm import TimmAdapter
 from .timm_swin import TimmSwinAdapter
 from .torch_mha import TorchMHAAdapter
 
 __all__ = ["Adapter", "Recorder", "HuggingFaceAdapter", "TimmAdapter", "TorchMHAAdapter", "InlineAttentionAdapter",
-           "DetrAdapter", "SwinAdapter",
+           "DetrAdapter", "SwinAdapter", "Swinv2Adapter",
            "TimmSwinAdapter"]
 
 # (adapter, dotted class names it serves). The registry walks a model's MRO, so the entries
@@ -31,6 +31,7 @@ _BUILT_IN = (
                                 "transformers.models.visual_bert.modeling_visual_bert.VisualBertPreTrainedModel")),
     (DetrAdapter(), ("transformers.models.detr.modeling_detr.DetrPreTrainedModel",)),
     (SwinAdapter(), ("transformers.models.swin.modeling_swin.SwinPreTrainedModel",)),
+    (Swinv2Adapter(), ("transformers.models.swinv2.modeling_swinv2.Swinv2PreTrainedModel",)),
     (TimmSwinAdapter(), ("timm.models.swin_transformer.SwinTransformer",)),
 )
 for _adapter, _keys in _BUILT_IN:

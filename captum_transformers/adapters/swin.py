@@ -1,4 +1,4 @@
-"""HuggingFace Swin (``SwinForImageClassification``, ``SwinModel``): windowed attention.
+"""HuggingFace Swin and Swin v2 (``Swin*``, ``Swinv2*``): windowed attention.
 
 HF Swin dispatches its window attention through ``AttentionInterface`` (the relative position
 bias and the shift mask arrive as the additive mask), so the HuggingFace kernel observes every
@@ -6,6 +6,10 @@ call; this adapter adds what a windowed model needs: the geometry of each call (
 layer after it ran: its grid, window and shift, which HF clamps for grids smaller than the
 window) and the layout of :class:`~.windowed.WindowedAdapterMixin`. See
 ``docs/windowed-attention.md`` for how the calls become token-to-token maps.
+
+Swin v2 computes its cosine attention inline (``softmax`` then ``self.dropout``, no
+``AttentionInterface``): :class:`Swinv2Adapter` records the dropout's input, the probabilities
+autograd differentiates, and applies the AH gate at the dropout's output (as for LXMERT).
 
 Example::
 
@@ -25,7 +29,9 @@ from ..capture import patching
 from ..capture.recorder import Recorder
 from ..capture.windows import WindowGeometry
 from ..errors import CaptureError
-from .huggingface import HuggingFaceAdapter
+from ..propagation.operation_rules import operation_rules
+from ..propagation.rules import RuleSet, gate, norm_rules
+from .huggingface import HuggingFaceAdapter, _gradient_checkpointing_off
 from .windowed import WindowedAdapterMixin, note_geometry, start_geometries
 
 
@@ -66,7 +72,60 @@ class SwinAdapter(WindowedAdapterMixin, HuggingFaceAdapter):
                                                    (shift, shift), pad_first=True))
 
         with contextlib.ExitStack() as stack:
-            stack.enter_context(super().capture(model, recorder))
+            stack.enter_context(self.attention_capture(model, recorder))
             for layer in layers:
                 stack.enter_context(patching.forward_hook(layer, observe, with_kwargs=True))
             yield
+
+    def attention_capture(self, model: nn.Module, recorder: Recorder):
+        """The context in which every window attention call reports to ``recorder``."""
+        return HuggingFaceAdapter.capture(self, model, recorder)
+
+
+class Swinv2Adapter(SwinAdapter):
+    """Adapter for HuggingFace Swin v2 (``Swinv2ForImageClassification``, ``Swinv2Model``).
+
+    Cosine attention ``softmax(cos(Q, K) * tau + 16 sigmoid(CPB) + M)``: the continuous position
+    bias and the shift mask are inside the scores, as Swin v1's bias (``docs/windowed-attention.md``).
+    """
+
+    name = "swinv2"
+    families = "HuggingFace Swin v2 (Swinv2ForImageClassification, Swinv2Model)"
+
+    @contextlib.contextmanager
+    def attention_capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_gradient_checkpointing_off(model))
+            for block in self.blocks(model):
+                def tap(module, args, kwargs):
+                    # The anchor tap: gradients reach this call's map even in a frozen model.
+                    if args:
+                        return (recorder.connect(args[0]), *args[1:]), kwargs
+                    return args, {**kwargs, "hidden_states": recorder.connect(kwargs["hidden_states"])}
+
+                def record(dropout, args, output, block=block):
+                    recorder.record(block, args[0])  # the softmax output, inside the graph
+
+                stack.enter_context(patching.forward_hook(block.module, tap, pre=True, with_kwargs=True))
+                stack.enter_context(patching.forward_hook(_dropout_of(block.module), record))
+            yield
+
+    @contextlib.contextmanager
+    def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_gradient_checkpointing_off(model))
+            if rules.attention_gate != "gradient":
+                for block in self.blocks(model):  # A V sees A as a constant (same values)
+                    stack.enter_context(patching.forward_hook(
+                        _dropout_of(block.module), lambda module, args, output: gate(output, rules)))
+            stack.enter_context(norm_rules(model, rules))
+            stack.enter_context(operation_rules(model, rules))
+            yield
+
+
+def _dropout_of(attention: nn.Module) -> nn.Module:
+    dropout = getattr(attention, "dropout", None)
+    if not isinstance(dropout, nn.Dropout):
+        raise CaptureError(f"{type(attention).__name__} has no `dropout` child after its softmax; its attention "
+                           "cannot be observed. Pass a custom adapter with adapter=.")
+    return dropout

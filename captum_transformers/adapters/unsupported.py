@@ -35,7 +35,7 @@ class Family(NamedTuple):
 
 UNSUPPORTED: Tuple[Family, ...] = (
     Family("Swin", "transformers.models.swin.", "", _SWIN, served_by="swin"),
-    Family("Swinv2", "transformers.models.swinv2.", "", _SWIN),
+    Family("Swinv2", "transformers.models.swinv2.", "", _SWIN, served_by="swinv2"),
     Family("Donut-Swin", "transformers.models.donut.modeling_donut_swin", "", _SWIN),
     Family("MaskFormer-Swin", "transformers.models.maskformer.modeling_maskformer_swin", "", _SWIN),
     Family("Swin2SR", "transformers.models.swin2sr.", "", _SWIN),
