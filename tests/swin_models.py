@@ -74,16 +74,20 @@ def dense_rows(trace, values, layer_matrix) -> torch.Tensor:
 
 
 def timm_swin(image=(32, 32), patch=4, embed=16, depths=(2, 2), heads=(2, 2), window=4, classes=3,
-              dtype=torch.float32, seed=0, fused=None, **extra):
-    """A tiny timm SwinTransformer (``fused``: force every attention's SDPA path on or off)."""
+              dtype=torch.float32, seed=0, fused=None, version=1, **extra):
+    """A tiny timm SwinTransformer (``fused``: force every attention's SDPA path on or off;
+    ``version=2``: SwinTransformerV2, explicit attention only, its zero-initialised head randomised)."""
     from timm.models.swin_transformer import SwinTransformer
+    from timm.models.swin_transformer_v2 import SwinTransformerV2
 
     torch.manual_seed(seed)
-    model = SwinTransformer(img_size=image, patch_size=patch, embed_dim=embed, depths=depths, num_heads=heads,
+    model = (SwinTransformer if version == 1 else SwinTransformerV2)(img_size=image, patch_size=patch, embed_dim=embed, depths=depths, num_heads=heads,
                             window_size=window, num_classes=classes, drop_path_rate=0.0, **extra).to(dtype).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("relative_position_bias_table"):
+                parameter.normal_(0, 0.5)
+            if name.startswith("head.") and version == 2:
                 parameter.normal_(0, 0.5)
     if fused is not None:
         for module in model.modules():

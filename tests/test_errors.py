@@ -161,12 +161,14 @@ def _windowed_models():
         "PVT": lambda: transformers.PvtForImageClassification(transformers.PvtConfig(
             image_size=32, num_encoder_blocks=2, depths=[1, 1], sequence_reduction_ratios=[2, 1], hidden_sizes=[16, 32],
             patch_sizes=[4, 2], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2], num_labels=3)),
+        "Swin v2 CR (timm)": lambda: timm.models.swin_transformer_v2_cr.SwinTransformerV2Cr(
+            img_size=(32, 32), window_size=4, embed_dim=16, depths=(1, 1), num_heads=(1, 2), num_classes=3),
         "Swin (timm)": lambda: timm.models.swin_transformer.SwinTransformer(
             img_size=32, patch_size=4, embed_dim=16, depths=(1, 1), num_heads=(1, 2), window_size=4, num_classes=3),
     }
 
 
-@pytest.mark.parametrize("family", ["Donut-Swin", "PVT"])
+@pytest.mark.parametrize("family", ["Donut-Swin", "PVT", "Swin v2 CR (timm)"])
 @pytest.mark.parametrize("method", [GenericAttention, ct.AttnLRP], ids=lambda m: m.__name__)
 def test_windowed_hierarchical_models_are_refused_by_name(family, method):
     """Not a grid-mismatch CaptureError at attribute time: refused when the method is built."""

@@ -1,4 +1,4 @@
-"""Swin (timm): the same definitions as tests/test_swin.py through the timm hooks.
+"""Swin and Swin v2 (timm): the same definitions as tests/test_swin.py through the timm hooks.
 
 timm shifts the real grid and then pads (HF pads, then shifts): the geometry is checked
 against timm's own roll, pad and partition; the methods against the dense reference of
@@ -42,10 +42,14 @@ def test_geometry_is_timms_own_partition(grid, window, shift):
     assert torch.equal(geometry.token_index(), expected)
 
 
+VERSIONS = pytest.mark.parametrize("version", [1, 2], ids=["swin", "swinv2"])
+
+
+@VERSIONS
 @pytest.mark.parametrize("method", ATTENTION, ids=lambda m: m.__name__)
-def test_windowed_rows_equal_the_dense_reference(method):
+def test_windowed_rows_equal_the_dense_reference(method, version):
     # A 9x11 grid in windows of 4 (padded), shifted, merged once.
-    model = timm_swin(image=(36, 44), dtype=F64)
+    model = timm_swin(image=(36, 44), dtype=F64, version=version)
     x = _images(size=(36, 44), dtype=F64)
     explainer = method(model)
     trace = explainer.trace(x, target=[0, 1, 2])
@@ -104,8 +108,9 @@ def test_forward_bit_identical_under_rules(rules):
     assert torch.equal(plain, inside)
 
 
-def test_ah_ln_conserves_on_a_bias_free_relu_swin():
-    model = timm_swin(image=(36, 44), dtype=F64, qkv_bias=False)
+@VERSIONS
+def test_ah_ln_conserves_on_a_bias_free_relu_swin(version):
+    model = timm_swin(image=(36, 44), dtype=F64, qkv_bias=False, version=version)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("bias"):
@@ -122,6 +127,21 @@ def test_ah_ln_conserves_on_a_bias_free_relu_swin():
     assert (delta.abs() / logits.abs()).max() <= 1e-12
     gi = ConservativeLRP(model, "GI").attribute(x, target=1, return_tokens=True).sum(-1)
     assert ((gi - logits).abs() / logits.abs()).median() > 1e-3
+
+
+@pytest.mark.parametrize("rules", RULE_SETS, ids=lambda r: r.name)
+def test_swinv2_forward_bit_identical_and_batch(rules):
+    model = timm_swin(version=2)
+    assert get_adapter(model).name == "timm_swin"
+    x = _images()
+    with torch.enable_grad():
+        plain = model(x)
+        with get_adapter(model).propagation(model, rules):
+            inside = model(x)
+    assert torch.equal(plain, inside)
+    tokens = TransformerRelevance(model).attribute(x, target=[0, 1, 2], return_tokens=True)
+    single = TransformerRelevance(model).attribute(x[2:3], target=2, return_tokens=True)
+    torch.testing.assert_close(tokens[2:3], single, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("method", [AttnLRP, TransformerLRP, ConservativeLRP], ids=lambda m: m.__name__)

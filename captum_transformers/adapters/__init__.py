@@ -32,7 +32,8 @@ _BUILT_IN = (
     (DetrAdapter(), ("transformers.models.detr.modeling_detr.DetrPreTrainedModel",)),
     (SwinAdapter(), ("transformers.models.swin.modeling_swin.SwinPreTrainedModel",)),
     (Swinv2Adapter(), ("transformers.models.swinv2.modeling_swinv2.Swinv2PreTrainedModel",)),
-    (TimmSwinAdapter(), ("timm.models.swin_transformer.SwinTransformer",)),
+    (TimmSwinAdapter(), ("timm.models.swin_transformer.SwinTransformer",
+                          "timm.models.swin_transformer_v2.SwinTransformerV2")),
 )
 for _adapter, _keys in _BUILT_IN:
     for _key in _keys:

@@ -1,4 +1,4 @@
-"""timm Swin (``swin_*``, ``SwinTransformer``): windowed attention through the timm hooks.
+"""timm Swin (``swin_*``, ``swinv2_*``): windowed attention through the timm hooks.
 
 timm's ``WindowAttention`` has the same two paths as its ViT attention (``fused_attn``: SDPA,
 or an explicit softmax passed through ``attn_drop``), so :class:`~.timm.TimmAdapter`'s capture
@@ -27,6 +27,8 @@ from ..capture.recorder import Recorder
 from ..capture.trace import Block
 from ..capture.windows import WindowGeometry
 from ..errors import CaptureError
+from ..propagation.operation_rules import operation_rules
+from ..propagation.rules import RuleSet, gate, norm_rules
 from .timm import TimmAdapter, _is_attention
 from .windowed import WindowedAdapterMixin, note_geometry, start_geometries
 
@@ -52,12 +54,13 @@ def _pair(value) -> tuple:
 
 
 class TimmSwinAdapter(WindowedAdapterMixin, TimmAdapter):
-    """Adapter for timm ``SwinTransformer`` (``swin_*``): every attention and relevance method,
+    """Adapter for timm ``SwinTransformer`` (``swin_*``) and ``SwinTransformerV2`` (``swinv2_*``, cosine
+    attention, explicit path only): every attention and relevance method,
     explained at the first stage's patch grid. The head must average the last stage's tokens
     (``global_pool='avg'``, timm's default); other pools are refused."""
 
     name = "timm_swin"
-    families = "timm SwinTransformer (swin_*)"
+    families = "timm SwinTransformer (swin_*) and SwinTransformerV2 (swinv2_*)"
 
     def backbone(self, model: nn.Module) -> nn.Module:
         return _swin_backbone(model)
@@ -66,7 +69,7 @@ class TimmSwinAdapter(WindowedAdapterMixin, TimmAdapter):
         names = {id(m): name for name, m in model.named_modules()}
         blocks = []
         for layer in _swin_blocks(_swin_backbone(model)):
-            if not _is_attention(layer.attn):
+            if not (_is_attention(layer.attn) or isinstance(getattr(layer.attn, "attn_drop", None), nn.Dropout)):
                 raise CaptureError(f"{type(layer.attn).__name__} in {names[id(layer)]!r} is not a timm window "
                                    "attention with a `fused_attn` flag and `attn_drop`; pass a custom adapter.")
             blocks.append(Block(names[id(layer.attn)], layer.attn, "self"))
@@ -96,6 +99,24 @@ class TimmSwinAdapter(WindowedAdapterMixin, TimmAdapter):
             stack.enter_context(super().capture(model, recorder))
             for layer in _swin_blocks(_swin_backbone(model)):
                 stack.enter_context(patching.forward_hook(layer, observe))
+            yield
+
+    @contextlib.contextmanager
+    def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
+        """timm's rules (:meth:`TimmAdapter.propagation`); Swin v2's window attention has only the
+        explicit path (no ``fused_attn``): the AH gate detaches its ``attn_drop`` output."""
+        blocks = self.blocks(model)
+        if all(hasattr(block.module, "fused_attn") for block in blocks):
+            with TimmAdapter.propagation(self, model, rules):
+                yield
+            return
+        with contextlib.ExitStack() as stack:
+            if rules.attention_gate != "gradient":
+                for block in blocks:
+                    stack.enter_context(patching.forward_hook(
+                        block.module.attn_drop, lambda module, args, output: gate(output, rules)))
+            stack.enter_context(norm_rules(model, rules))
+            stack.enter_context(operation_rules(model, rules))
             yield
 
     def first_layer(self, model: nn.Module) -> nn.Module:

@@ -40,7 +40,9 @@ UNSUPPORTED: Tuple[Family, ...] = (
     Family("MaskFormer-Swin", "transformers.models.maskformer.modeling_maskformer_swin", "", _SWIN),
     Family("Swin2SR", "transformers.models.swin2sr.", "", _SWIN),
     Family("CLAP audio (HTS-AT, Swin)", "transformers.models.clap.", "ClapAudio", _SWIN),
-    Family("Swin (timm)", "timm.models.swin_transformer", "", _SWIN, served_by="timm_swin"),
+    Family("Swin v2 CR (timm)", "timm.models.swin_transformer_v2_cr", "", _SWIN + " (the CR variant's stages are "
+           "not read by the timm_swin adapter)"),
+    Family("Swin (timm)", "timm.models.swin_transformer", "", _SWIN, served_by="timm_swin"),  # and swin_transformer_v2
     Family("MaxViT", "timm.models.maxxvit", "",
            "block and grid attention over partitions of the feature map, between downsampling MBConv stages"),
     Family("PVT", "transformers.models.pvt.", "", _PYRAMID),
