@@ -1,4 +1,5 @@
-"""Model families the built-in adapters are known not to fit, refused by name.
+"""Model families the built-in adapters are known not to fit, refused by name (and the Swin
+families, which only their own adapter may explain).
 
 The attention methods chain the maps of one token sequence through every layer, with the
 patch tokens of an image forming one fixed grid. Windowed and hierarchical vision models
@@ -8,8 +9,9 @@ mismatch, at worst give maps that look plausible and are wrong, so such a model 
 before anything runs. A user adapter (``adapter=MyAdapter()``, or one registered for the
 model's class) is trusted to handle it.
 
-Example: ``GenericAttention(SwinForImageClassification(config))`` raises
-``UnsupportedModelError`` naming Swin and why.
+Example: ``GenericAttention(PvtForImageClassification(config))`` raises
+``UnsupportedModelError`` naming PVT and why; ``GenericAttention(swin, adapter="huggingface")``
+raises naming the ``swin`` adapter, which explains HF Swin (``docs/windowed-attention.md``).
 """
 from __future__ import annotations
 
