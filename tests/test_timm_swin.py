@@ -159,3 +159,13 @@ def test_other_pools_are_refused():
     model.reset_classifier(3, global_pool="max")
     with pytest.raises(Exception, match="global_pool='max'"):
         GenericAttention(model).attribute(_images(), target=0)
+
+
+def test_gradient_checkpointing_gives_the_plain_maps():
+    model = timm_swin(fused=True)
+    x = _images()
+    plain = GenericAttention(model).attribute(x, target=[0, 1, 2], return_tokens=True)
+    model.set_grad_checkpointing(True)
+    checkpointed = GenericAttention(model).attribute(x, target=[0, 1, 2], return_tokens=True)
+    torch.testing.assert_close(checkpointed, plain)
+    assert all(stage.grad_checkpointing for stage in model.layers)

@@ -96,6 +96,11 @@ class TimmSwinAdapter(WindowedAdapterMixin, TimmAdapter):
                                                    pad_first=False))
 
         with contextlib.ExitStack() as stack:
+            for stage in original_module(_swin_backbone(model).layers).children():
+                if getattr(stage, "grad_checkpointing", False):
+                    # timm checkpoints per stage (in eval mode too): a checkpointed stage re-runs its
+                    # blocks in the backward pass, outside this capture. Run them plainly.
+                    stack.enter_context(patching.flag(stage, "grad_checkpointing", False))
             stack.enter_context(super().capture(model, recorder))
             for layer in _swin_blocks(_swin_backbone(model)):
                 stack.enter_context(patching.forward_hook(layer, observe))
