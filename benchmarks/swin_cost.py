@@ -14,12 +14,14 @@ after warm-up, median over ``--repeats``):
   logits with respect to every parameter (a training step without the update); every
   gradient method is compared with it.
 
-Peak memory: each op in a fresh subprocess, above what was live before the call (model and
-inputs excluded), read as in ``peak_memory.py`` (CPU: VmHWM after resetting the counter;
-CUDA: ``max_memory_allocated``). Printed as a Markdown table.
+Peak memory: above what was live before the call (model and inputs excluded), read as in
+``peak_memory.py`` (CPU: VmHWM after resetting the counter; CUDA: ``max_memory_allocated``):
+each op in a fresh subprocess (``--memory subprocess``, the default), or after the timing runs
+in the same process (``--memory inprocess``: glibc set to return freed buffers at once, the op
+already warm, one more run each; cheaper on a busy machine). Printed as a Markdown table.
 
 Run: ``OMP_NUM_THREADS=1 python benchmarks/swin_cost.py [--model timm|hf] [--repeats 3]
-[--batch 8] [--image 224] [--memory subprocess|off]``.
+[--warmup 1] [--batch 8] [--image 224] [--memory subprocess|inprocess|off]``.
 """
 from __future__ import annotations
 
@@ -101,7 +103,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--image", type=int, default=224)
-    parser.add_argument("--memory", choices=("subprocess", "off"), default="subprocess")
+    parser.add_argument("--memory", choices=("subprocess", "inprocess", "off"), default="subprocess")
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._child:
@@ -110,12 +113,18 @@ def main(argv=None) -> None:
     model = build(args.model, args.image)
     x = torch.randn(args.batch, 3, args.image, args.image)
     ops = make_ops(model, x)
-    times = time_ops(ops, repeats=args.repeats, warmup=1)
+    times = time_ops(ops, repeats=args.repeats, warmup=args.warmup)
     median = {name: statistics.median(t["wall"]) for name, t in times.items()}
     cpu = {name: statistics.median(t["cpu"]) for name, t in times.items()}
-    peaks = {name: _peak(args.model, name, args.batch, args.image) for name in ops} if args.memory != "off" else {}
+    peaks = {}
+    if args.memory == "subprocess":
+        peaks = {name: _peak(args.model, name, args.batch, args.image) for name in ops}
+    elif args.memory == "inprocess":
+        _tight_malloc()
+        peaks = {name: peak_bytes(op, warmup=False)[0] for name, op in ops.items()}
     print(f"{args.model} Swin-T sizes, {args.image}x{args.image}, batch {args.batch}, threads "
-          f"{torch.get_num_threads()}, median of {args.repeats} (wall / process CPU)")
+          f"{torch.get_num_threads()}, median of {args.repeats} after {args.warmup} warm-up (wall / process CPU), "
+          f"memory {args.memory}")
     print("| op | wall s | CPU s | time ratio | reference | peak MiB | memory ratio |")
     print("|---|---|---|---|---|---|---|")
     for name in ops:
