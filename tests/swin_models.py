@@ -81,8 +81,9 @@ def timm_swin(image=(32, 32), patch=4, embed=16, depths=(2, 2), heads=(2, 2), wi
     from timm.models.swin_transformer_v2 import SwinTransformerV2
 
     torch.manual_seed(seed)
-    model = (SwinTransformer if version == 1 else SwinTransformerV2)(img_size=image, patch_size=patch, embed_dim=embed, depths=depths, num_heads=heads,
-                            window_size=window, num_classes=classes, drop_path_rate=0.0, **extra).to(dtype).eval()
+    model_class = SwinTransformer if version == 1 else SwinTransformerV2
+    model = model_class(img_size=image, patch_size=patch, embed_dim=embed, depths=depths, num_heads=heads,
+                        window_size=window, num_classes=classes, drop_path_rate=0.0, **extra).to(dtype).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("relative_position_bias_table"):

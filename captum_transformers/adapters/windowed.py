@@ -37,7 +37,8 @@ def stacked_windows(maps: torch.Tensor, batch: int) -> torch.Tensor:
     if total % batch:
         raise CaptureError(f"A windowed attention call computed {total} maps, not a multiple of the batch of {batch}.")
     windows = total // batch
-    return maps.reshape(batch, windows, heads, queries, keys).transpose(1, 2).reshape(batch, heads, windows * queries, keys)
+    stacked = maps.reshape(batch, windows, heads, queries, keys).transpose(1, 2)
+    return stacked.reshape(batch, heads, windows * queries, keys)
 
 
 def per_example_windows(spec: Optional[CaptureSpec], batch: int) -> Optional[CaptureSpec]:
