@@ -57,7 +57,7 @@ def build(kind: str, image: int) -> torch.nn.Module:
                                                  num_heads=[3, 6, 12, 24], window_size=7, num_labels=1000)).eval()
 
 
-def make_ops(model: torch.nn.Module, x: torch.Tensor) -> Dict[str, Callable[[], object]]:
+def make_ops(model: torch.nn.Module, x: torch.Tensor, methods=METHODS) -> Dict[str, Callable[[], object]]:
     target = [0] * x.shape[0]
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -74,7 +74,7 @@ def make_ops(model: torch.nn.Module, x: torch.Tensor) -> Dict[str, Callable[[], 
             return torch.autograd.grad(score, params)
 
     ops = {"forward": forward, "forward+backward": forward_backward}
-    for name in METHODS:
+    for name in methods:
         explainer = getattr(ct, name)(model)
         ops[name] = (lambda e: lambda: e.attribute(x, target=target))(explainer)
     return ops
@@ -105,6 +105,9 @@ def main(argv=None) -> None:
     parser.add_argument("--image", type=int, default=224)
     parser.add_argument("--memory", choices=("subprocess", "inprocess", "off"), default="subprocess")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                        help="methods to measure (the two reference passes always run); on a busy machine run "
+                             "several processes with a few methods each")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._child:
@@ -112,7 +115,7 @@ def main(argv=None) -> None:
         return
     model = build(args.model, args.image)
     x = torch.randn(args.batch, 3, args.image, args.image)
-    ops = make_ops(model, x)
+    ops = make_ops(model, x, args.methods)
     times = time_ops(ops, repeats=args.repeats, warmup=args.warmup)
     median = {name: statistics.median(t["wall"]) for name, t in times.items()}
     cpu = {name: statistics.median(t["cpu"]) for name, t in times.items()}
