@@ -24,7 +24,8 @@ from torch import nn
 from ..capture.recorder import Recorder
 from ..capture.trace import CaptureSpec, StreamLayouts
 from ..capture.windows import WindowedLayout, WindowGeometry, merge_parents, merged_grid
-from ..errors import CaptureError
+from ..errors import CaptureError, InputError
+from .input_checks import model_dtype
 
 # Geometries per running capture, keyed by its recorder (one adapter instance serves every thread).
 _GEOMETRIES: "weakref.WeakKeyDictionary[Recorder, List[WindowGeometry]]" = weakref.WeakKeyDictionary()
@@ -77,8 +78,36 @@ class WindowedAdapterMixin:
 
     name = "windowed"
 
+    #: Half-precision dtypes whose forward pass of this family is itself unreliable (refused).
+    refused_dtypes: Tuple[torch.dtype, ...] = ()
+
+    def refuse_precision(self, model: nn.Module, rules) -> None:
+        """Refuse what measured as wrong on tiny Swins: float16 under the rules with separate
+        alpha-beta denominators (``RuleSet.LRP``: PartialLRP, TransformerLRP; correlation with
+        the float32 map of the same weights 0.19-0.33, TransformerLRP -0.85), and the dtypes in
+        :attr:`refused_dtypes`."""
+        dtype = model_dtype(model)
+        if dtype in self.refused_dtypes:
+            raise InputError(
+                f"{type(model).__name__} in {dtype} is not explained by the {self.name} adapter: its own forward pass "
+                "is unreliable in that precision (HF Swin v2 in float16 returns NaN logits on tiny models). Explain a "
+                "float32 copy (model.float())."
+            )
+        if rules is not None and dtype == torch.float16 and rules.linear == "alpha1beta0_separate":
+            raise InputError(
+                f"The {rules.name!r} rules (alpha-beta with separate denominators) on a float16 Swin gave maps unrelated "
+                "to the float32 map of the same weights (correlation 0.19 to 0.33; TransformerLRP -0.85), so they are "
+                "not run in float16. Explain a float32 copy (model.float()), or use AttnLRP, ConservativeLRP or "
+                "TransformerRelevance, which hold in float16."
+            )
+
+    def relevance(self, model, inputs, additional_forward_args, target, rules, at="tokens", forward_kwargs=None):
+        self.refuse_precision(model, rules)
+        return super().relevance(model, inputs, additional_forward_args, target, rules, at, forward_kwargs)
+
     def trace(self, model, inputs, additional_forward_args, target, spec, forward_kwargs=None, rules=None,
               plain_spec=None):
+        self.refuse_precision(model, rules)
         batch = inputs[0].shape[0] if inputs and inputs[0].dim() else 0
         return super().trace(model, inputs, additional_forward_args, target, per_example_windows(spec, batch),
                              forward_kwargs, rules, per_example_windows(plain_spec, batch))
