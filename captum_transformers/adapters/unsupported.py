@@ -23,6 +23,10 @@ from ..errors import UnsupportedModelError
 
 _SWIN = "windowed attention with cyclic shift and patch merging (each call attends within one window of tokens, " \
         "windows shift between layers, and stages merge patches into coarser grids)"
+# Swin blocks inside other models: the swin, swinv2 and timm_swin adapters read HF Swin / Swin v2 and timm
+# swin_* / swinv2_* layouts only (docs/windowed-attention.md).
+_SWIN_ELSEWHERE = _SWIN + " inside a model whose stages and head the Swin adapters do not read (they explain HF " \
+    "Swin, Swin v2 and timm swin_* / swinv2_* classifiers)"
 _PYRAMID = "spatial-reduction attention (keys and values from a downsampled grid) in stages of decreasing resolution"
 
 
@@ -38,12 +42,11 @@ class Family(NamedTuple):
 UNSUPPORTED: Tuple[Family, ...] = (
     Family("Swin", "transformers.models.swin.", "", _SWIN, served_by="swin"),
     Family("Swinv2", "transformers.models.swinv2.", "", _SWIN, served_by="swinv2"),
-    Family("Donut-Swin", "transformers.models.donut.modeling_donut_swin", "", _SWIN),
-    Family("MaskFormer-Swin", "transformers.models.maskformer.modeling_maskformer_swin", "", _SWIN),
-    Family("Swin2SR", "transformers.models.swin2sr.", "", _SWIN),
-    Family("CLAP audio (HTS-AT, Swin)", "transformers.models.clap.", "ClapAudio", _SWIN),
-    Family("Swin v2 CR (timm)", "timm.models.swin_transformer_v2_cr", "", _SWIN + " (the CR variant's stages are "
-           "not read by the timm_swin adapter)"),
+    Family("Donut-Swin", "transformers.models.donut.modeling_donut_swin", "", _SWIN_ELSEWHERE),
+    Family("MaskFormer-Swin", "transformers.models.maskformer.modeling_maskformer_swin", "", _SWIN_ELSEWHERE),
+    Family("Swin2SR", "transformers.models.swin2sr.", "", _SWIN_ELSEWHERE),
+    Family("CLAP audio (HTS-AT, Swin)", "transformers.models.clap.", "ClapAudio", _SWIN_ELSEWHERE),
+    Family("Swin v2 CR (timm)", "timm.models.swin_transformer_v2_cr", "", _SWIN_ELSEWHERE),
     Family("Swin (timm)", "timm.models.swin_transformer", "", _SWIN, served_by="timm_swin"),  # and swin_transformer_v2
     Family("MaxViT", "timm.models.maxxvit", "",
            "block and grid attention over partitions of the feature map, between downsampling MBConv stages"),
