@@ -51,6 +51,24 @@ def _inline_attention():
     return model.eval(), ids, {"attention_mask": mask, "visual_embeds": torch.randn(3, 4, 8)}
 
 
+def _swin():
+    from swin_models import hf_swin
+
+    return hf_swin(), torch.randn(3, 3, 36, 44), {}
+
+
+def _swinv2():
+    from swin_models import hf_swin
+
+    return hf_swin(version=2), torch.randn(3, 3, 36, 44), {}
+
+
+def _timm_swin():
+    from swin_models import timm_swin
+
+    return timm_swin(image=(36, 44), fused=True), torch.randn(3, 3, 36, 44), {}
+
+
 def _detr():
     from detr_models import detr, images
 
@@ -77,7 +95,8 @@ def _graphormer():
 
 
 EXAMPLES = {"huggingface": _huggingface, "timm": _timm, "torch_mha": _torch_mha, "inline_attention": _inline_attention,
-            "detr": _detr, "graphormer": _graphormer}
+            "detr": _detr, "graphormer": _graphormer, "swin": _swin, "swinv2": _swinv2,
+            "timm_swin": _timm_swin}
 # Graph batches are not sliced along dimension 0 of the node features: their contract (lookup,
 # shapes, batch == graphs one at a time, restore) is checked in tests/test_pyg_attention.py
 # and tests/test_pyg_gps.py.

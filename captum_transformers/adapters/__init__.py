@@ -10,15 +10,18 @@ from .detr import DetrAdapter
 from .graphormer import MODEL_KEYS as _GRAPHORMER_KEYS, GraphormerAdapter
 from .huggingface import HuggingFaceAdapter
 from .inline_attention import InlineAttentionAdapter
+from .swin import SwinAdapter, Swinv2Adapter
 from ..capture.recorder import Recorder
 from .timm import TimmAdapter
+from .timm_swin import TimmSwinAdapter
 from .torch_mha import TorchMHAAdapter
 from .pyg_attention import PyGAttentionAdapter
 from .pyg_gps import PyGGPSAdapter
 from .graph_refusal import GPS, PYG_ATTENTION
 
 __all__ = ["Adapter", "Recorder", "HuggingFaceAdapter", "TimmAdapter", "TorchMHAAdapter", "InlineAttentionAdapter",
-           "DetrAdapter", "PyGAttentionAdapter", "PyGGPSAdapter", "GraphormerAdapter"]
+           "DetrAdapter", "PyGAttentionAdapter", "PyGGPSAdapter", "GraphormerAdapter", "SwinAdapter",
+           "Swinv2Adapter", "TimmSwinAdapter"]
 
 # (adapter, dotted class names it serves). The registry walks a model's MRO, so the entries
 # for LXMERT, VisualBERT and DETR win over the generic PreTrainedModel one.
@@ -35,6 +38,10 @@ _BUILT_IN = (
     (PyGAttentionAdapter(), PYG_ATTENTION),
     (PyGGPSAdapter(), GPS),
     (GraphormerAdapter(), _GRAPHORMER_KEYS),  # the package's Graphormer and transformers 4.x's
+    (SwinAdapter(), ("transformers.models.swin.modeling_swin.SwinPreTrainedModel",)),
+    (Swinv2Adapter(), ("transformers.models.swinv2.modeling_swinv2.Swinv2PreTrainedModel",)),
+    (TimmSwinAdapter(), ("timm.models.swin_transformer.SwinTransformer",
+                          "timm.models.swin_transformer_v2.SwinTransformerV2")),
 )
 for _adapter, _keys in _BUILT_IN:
     for _key in _keys:

@@ -197,6 +197,11 @@ class Adapter(abc.ABC):
             rows, weights = rows
         return TokenLayout(num_tokens, rows, token_mask, num_prefix, grid, weights)
 
+    def token_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The first layer's input (or its relevance) as (B, N, ...) tokens; adapters of models
+        whose layers take (B, H, W, C) grids (timm Swin) flatten the grid."""
+        return hidden
+
     # -- output ---------------------------------------------------------------------
     def check_output(self, model: nn.Module, output: Any, target: Any) -> None:
         """Refuse an output that ``target`` cannot explain (default: accept every output).
@@ -397,6 +402,7 @@ class Adapter(abc.ABC):
             for stream, hidden in zip(read, products):
                 if hidden.shape[0] != scores.shape[0] and hidden.shape[1] == scores.shape[0]:
                     hidden = hidden.transpose(0, 1)  # sequence-first layers
+                hidden = self.token_states(hidden)
                 token_relevance = hidden.reshape(hidden.shape[0], hidden.shape[1], -1).sum(-1)
                 mask = streams.layouts[stream].token_mask if stream in streams.layouts else None
                 if mask is not None and mask.shape == token_relevance.shape:

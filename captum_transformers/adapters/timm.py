@@ -119,9 +119,13 @@ class TimmAdapter(Adapter):
             )
         return blocks
 
+    def backbone(self, model: nn.Module) -> nn.Module:
+        """The timm model whose attention is captured (overridden for other timm families)."""
+        return _backbone(model)
+
     @contextlib.contextmanager
     def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
-        backbone = _backbone(model)
+        backbone = self.backbone(model)
         self._check_pooling(backbone)
         blocks = self.blocks(model)
         # Number of records made by each attention call still running (keyed by module id).

@@ -1,4 +1,5 @@
-"""Model families the built-in adapters are known not to fit, refused by name.
+"""Model families the built-in adapters are known not to fit, refused by name (and the Swin
+families, which only their own adapter may explain).
 
 The attention methods chain the maps of one token sequence through every layer, with the
 patch tokens of an image forming one fixed grid. Windowed and hierarchical vision models
@@ -8,8 +9,9 @@ mismatch, at worst give maps that look plausible and are wrong, so such a model 
 before anything runs. A user adapter (``adapter=MyAdapter()``, or one registered for the
 model's class) is trusted to handle it.
 
-Example: ``GenericAttention(SwinForImageClassification(config))`` raises
-``UnsupportedModelError`` naming Swin and why.
+Example: ``GenericAttention(PvtForImageClassification(config))`` raises
+``UnsupportedModelError`` naming PVT and why; ``GenericAttention(swin, adapter="huggingface")``
+raises naming the ``swin`` adapter, which explains HF Swin (``docs/windowed-attention.md``).
 """
 from __future__ import annotations
 
@@ -21,6 +23,10 @@ from ..errors import UnsupportedModelError
 
 _SWIN = "windowed attention with cyclic shift and patch merging (each call attends within one window of tokens, " \
         "windows shift between layers, and stages merge patches into coarser grids)"
+# Swin blocks inside other models: the swin, swinv2 and timm_swin adapters read HF Swin / Swin v2 and timm
+# swin_* / swinv2_* layouts only (docs/windowed-attention.md).
+_SWIN_ELSEWHERE = _SWIN + " inside a model whose stages and head the Swin adapters do not read (they explain HF " \
+    "Swin, Swin v2 and timm swin_* / swinv2_* classifiers)"
 _PYRAMID = "spatial-reduction attention (keys and values from a downsampled grid) in stages of decreasing resolution"
 
 
@@ -29,16 +35,19 @@ class Family(NamedTuple):
     module: str  # the class's module, or a prefix of it
     class_prefix: str  # "" for every class of that module
     why: str
+    # The built-in adapter that does handle the family ("" for none): any other is refused.
+    served_by: str = ""
 
 
 UNSUPPORTED: Tuple[Family, ...] = (
-    Family("Swin", "transformers.models.swin.", "", _SWIN),
-    Family("Swinv2", "transformers.models.swinv2.", "", _SWIN),
-    Family("Donut-Swin", "transformers.models.donut.modeling_donut_swin", "", _SWIN),
-    Family("MaskFormer-Swin", "transformers.models.maskformer.modeling_maskformer_swin", "", _SWIN),
-    Family("Swin2SR", "transformers.models.swin2sr.", "", _SWIN),
-    Family("CLAP audio (HTS-AT, Swin)", "transformers.models.clap.", "ClapAudio", _SWIN),
-    Family("Swin (timm)", "timm.models.swin_transformer", "", _SWIN),
+    Family("Swin", "transformers.models.swin.", "", _SWIN, served_by="swin"),
+    Family("Swinv2", "transformers.models.swinv2.", "", _SWIN, served_by="swinv2"),
+    Family("Donut-Swin", "transformers.models.donut.modeling_donut_swin", "", _SWIN_ELSEWHERE),
+    Family("MaskFormer-Swin", "transformers.models.maskformer.modeling_maskformer_swin", "", _SWIN_ELSEWHERE),
+    Family("Swin2SR", "transformers.models.swin2sr.", "", _SWIN_ELSEWHERE),
+    Family("CLAP audio (HTS-AT, Swin)", "transformers.models.clap.", "ClapAudio", _SWIN_ELSEWHERE),
+    Family("Swin v2 CR (timm)", "timm.models.swin_transformer_v2_cr", "", _SWIN_ELSEWHERE),
+    Family("Swin (timm)", "timm.models.swin_transformer", "", _SWIN, served_by="timm_swin"),  # and swin_transformer_v2
     Family("MaxViT", "timm.models.maxxvit", "",
            "block and grid attention over partitions of the feature map, between downsampling MBConv stages"),
     Family("PVT", "transformers.models.pvt.", "", _PYRAMID),
@@ -90,6 +99,14 @@ def refuse_unsupported(model: nn.Module, adapter: object = None) -> None:
     family = unsupported_family(model)
     if family is None:
         return
+    if family.served_by:
+        if getattr(adapter, "name", None) == family.served_by:
+            return
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is (or contains) a {family.name} model ({family.why}), which only the "
+            f"{family.served_by!r} adapter explains; the {getattr(adapter, 'name', adapter)!r} adapter would read its "
+            f"window maps as one token sequence. Omit adapter= (or pass adapter={family.served_by!r})."
+        )
     raise UnsupportedModelError(
         f"{type(model).__name__} is (or contains) a {family.name} model, which is not supported yet: "
         f"{family.why}, so its attention maps do not chain over one token grid as these methods require. "

@@ -257,7 +257,8 @@ class TraceAttribution(Attribution):
         for name in streams.explained:  # a padded explained row would zero the example's whole map
             layout = streams.layouts[name]
             refuse_masked_explained_rows(layout.query_rows, layout.query_weights, layout.token_mask, name)
-        scores = self.reduce(trace)
+        from .windowed import is_windowed, windowed_scores  # Swin: rows carried through the windows
+        scores = windowed_scores(self, trace) if is_windowed(trace) else self.reduce(trace)
         if not isinstance(scores, dict):
             scores = {streams.explained[0]: scores}
         reference = next(iter(scores.values()))

@@ -17,6 +17,8 @@ _COLUMNS: Dict[str, List[Tuple[str, str, str, str]]] = {
                ("mIoU", "segmentation", "miou", "{:.3f}"),
                ("mAP", "segmentation", "mean_ap", "{:.3f}")],
     "digits-two": [("class-specific share (0.5 = agnostic)", "class_specificity", "specificity", "{:.3f}")],
+    "digits-swin": None,  # the same columns as their ViT tasks (below)
+    "digits-two-swin": None,
     "movies": [("AUAC (higher better)", "auac", "auc", "{:.3f}"),
                ("AU-MSE (lower better)", "au_mse", "auc", "{:.3f}"),
                ("token F1, silver rationales (macro)", "rationale_f1_topgold", "macro_f1", "{:.3f}")],
@@ -27,6 +29,7 @@ _COLUMNS: Dict[str, List[Tuple[str, str, str, str]]] = {
                ("fid- top-5 (lower better)", "fidelity_minus", "value", "{:.3f}"),
                ("class-specific share, two motifs (0.5 = agnostic)", "class_specificity", "specificity", "{:.3f}")],
 }
+_COLUMNS["digits-swin"], _COLUMNS["digits-two-swin"] = _COLUMNS["digits"], _COLUMNS["digits-two"]
 
 
 def table(report: BenchmarkReport) -> str:

@@ -13,6 +13,8 @@ Tasks (``TASKS``):
 * ``motifs``: BA-2Motifs graphs (house vs 5-cycle, generated offline), built-in TransformerConv
   model; node AUROC against the motif, AUAC / AU-MSE over nodes, PyG fidelity of the top-5
   nodes, and the class-specific share on graphs holding both motifs (``tasks.motif_evaluation``).
+* ``digits-swin``, ``digits-two-swin``: the same two tasks on the DigitCanvas Swin
+  (:mod:`.digit_swin`) instead of the ViT.
 * ``movies``: Rotten Tomatoes snippets, fine-tuned MiniLM. Token relevance explains the true
   class (Ali et al.'s AUAC measures p(true class)); AUAC, AU-MSE, and token F1 of the top
   words against silver VADER-lexicon rationales.
@@ -29,6 +31,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -43,7 +46,10 @@ from ..evaluation.pixel_perturbation import PIXEL_PROTOCOLS
 from ..evaluation.results import ResultRecord
 from ..methods.catalog import build_method, resolve_method_names
 
-TASKS = ("digits", "digits-two", "movies", "motifs")
+TASKS = ("digits", "digits-two", "digits-swin", "digits-two-swin", "movies", "motifs")
+# Tasks with pixel perturbation, and the two-digit tasks (both labels explained).
+_PIXEL_TASKS = ("digits", "digits-swin")
+_TWO_DIGIT_TASKS = ("digits-two", "digits-two-swin")
 
 
 @dataclass(frozen=True)
@@ -98,12 +104,20 @@ def _image_scores(attribution) -> torch.Tensor:
     return attribution.detach().to(torch.float64).sum(1)
 
 
-def _run_digits(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps):
-    from .digit_canvas import digit_canvases, normalize
+def _digit_classifier(swin: bool):
+    """The built-in DigitCanvas ViT, or the DigitCanvas Swin."""
+    if swin:
+        from .digit_swin import load_digit_swin
+        return load_digit_swin()
     from .digit_model import load_digit_model
+    return load_digit_model()
+
+
+def _run_digits(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps, swin=False):
+    from .digit_canvas import digit_canvases, normalize
 
     data = digit_canvases(split="test", variant="one", n=limit, seed=0)
-    model = load_digit_model().to(device)
+    model = _digit_classifier(swin).to(device)
     forward = lambda images: model(images.to(device))  # noqa: E731 - the metrics' model callable
     metrics: Dict[str, List[Accumulator]] = {
         name: [PixelPerturbation(forward, "positive", fractions=pixel_steps, normalize=normalize),
@@ -124,12 +138,11 @@ def _run_digits(method_names, limit, batch_size, progress, device, explain, cach
     return metrics, len(data)
 
 
-def _run_digits_two(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps):
+def _run_digits_two(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps, swin=False):
     from .digit_canvas import digit_canvases, normalize
-    from .digit_model import load_digit_model
 
     data = digit_canvases(split="test", variant="two", n=limit, seed=0)
-    model = load_digit_model().to(device)
+    model = _digit_classifier(swin).to(device)
     metrics = {name: [ClassSpecificity()] for name in method_names}
     explainers = {name: build_method(name, model) for name in method_names}
     for chunk in _my_batches(len(data), batch_size, "digits-two", progress):
@@ -218,6 +231,8 @@ def _device_of(inputs) -> torch.device:
 _RUNNERS: Dict[str, Tuple[Callable, str]] = {
     "digits": (_run_digits, "predicted"),
     "digits-two": (_run_digits_two, "both labels"),
+    "digits-swin": (functools.partial(_run_digits, swin=True), "predicted"),
+    "digits-two-swin": (functools.partial(_run_digits_two, swin=True), "both labels"),
     "movies": (_run_movies, "label"),
     "motifs": (_run_motifs, "label"),
 }
@@ -249,11 +264,11 @@ def run_benchmark(task: str, methods: Optional[Sequence[str]] = None, limit: Opt
         raise InputError(f"batch size {batch_size}: expected a positive integer.")
     runner, default_explain = _RUNNERS[task]
     explain = explain or default_explain
-    if task != "digits-two" and explain not in ("predicted", "label"):
+    if task not in _TWO_DIGIT_TASKS and explain not in ("predicted", "label"):
         raise InputError(f"explain={explain!r}: expected 'predicted' or 'label'.")
     if pixel_steps not in PIXEL_PROTOCOLS:
         raise InputError(f"pixel_steps={pixel_steps!r}: expected one of {', '.join(PIXEL_PROTOCOLS)}.")
-    if task != "digits" and pixel_steps != "fine":
+    if task not in _PIXEL_TASKS and pixel_steps != "fine":
         raise InputError(f"pixel_steps={pixel_steps!r} applies to the digits task only (pixel perturbation); "
                          f"task {task!r} has no pixel perturbation. Drop the option.")
     names = resolve_method_names(methods if methods is not None else _DEFAULT_METHODS.get(task))
@@ -264,8 +279,8 @@ def run_benchmark(task: str, methods: Optional[Sequence[str]] = None, limit: Opt
     rows = tuple((name, metric.compute()) for name in names for metric in metrics[name])
     _, world_size = _distributed()
     return BenchmarkReport(task, tuple(names), rows, examples, world_size, time.perf_counter() - start,
-                           explain if task != "digits-two" else default_explain,
-                           pixel_steps if task == "digits" else None)
+                           explain if task not in _TWO_DIGIT_TASKS else default_explain,
+                           pixel_steps if task in _PIXEL_TASKS else None)
 
 
 __all__ = ["TASKS", "BenchmarkReport", "run_benchmark"]

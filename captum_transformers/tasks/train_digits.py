@@ -2,7 +2,9 @@
 
 Run::
 
-    python -m captum_transformers.tasks.train_digits [--out PATH] [--epochs N] [--seed S]
+    python -m captum_transformers.tasks.train_digits [--out PATH] [--epochs N] [--seed S] [--model vit|swin]
+
+(``--model swin``: the DigitCanvas Swin of :mod:`.digit_swin`, shipped as ``assets/digit_swin.pt``.)
 
 Recipe: every epoch draws *fresh* train canvases (half one-digit, half two-digit, new
 layouts, textures and colours from the train source digits only; this is the augmentation;
@@ -40,7 +42,12 @@ import torch
 
 from ..errors import InputError
 from .digit_canvas import DigitCanvasSet, digit_canvases, normalize
+from . import digit_swin
 from .digit_model import MODEL_CONFIG, RECORD_FILE, WEIGHTS_FILE, build_digit_model
+
+# --model: (builder, weights file, configuration recorded).
+ARCHITECTURES = {"vit": (build_digit_model, WEIGHTS_FILE, MODEL_CONFIG),
+                 "swin": (digit_swin.build_digit_swin, digit_swin.WEIGHTS_FILE, digit_swin.MODEL_CONFIG)}
 
 DEFAULT_EPOCHS = 200  # the shipped model (assets/digit_vit.json); 80 epochs reached 0.874 / 38 %
 DEFAULT_SEED = 0
@@ -149,7 +156,8 @@ def _scores(model: torch.nn.Module, split: str, seed: int, n: int) -> Dict[str, 
 
 
 def train(epochs: int = DEFAULT_EPOCHS, seed: int = DEFAULT_SEED, canvases_per_epoch: Optional[int] = None,
-          max_steps: Optional[int] = None, evaluate_n: Optional[int] = None, log=None) -> Dict[str, Any]:
+          max_steps: Optional[int] = None, evaluate_n: Optional[int] = None, log=None,
+          architecture: str = "vit") -> Dict[str, Any]:
     """Train a DigitCanvas ViT from scratch; returns the best-on-val model (float16-rounded) and its record.
 
     Returns a dict with ``model`` (eval mode), ``losses`` (per step), ``best_epoch``,
@@ -165,7 +173,7 @@ def train(epochs: int = DEFAULT_EPOCHS, seed: int = DEFAULT_SEED, canvases_per_e
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        model = build_digit_model()
+        model = ARCHITECTURES[architecture][0]()
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
         steps_per_epoch = math.ceil(canvases_per_epoch / BATCH_SIZE)
         total = epochs * steps_per_epoch if max_steps is None else min(max_steps, epochs * steps_per_epoch)
@@ -201,7 +209,8 @@ def train(epochs: int = DEFAULT_EPOCHS, seed: int = DEFAULT_SEED, canvases_per_e
             "train_seconds": train_seconds, "evaluate_n": evaluate_n}
 
 
-def save(result: Dict[str, Any], out: Path, command: str, epochs: int, seed: int) -> Path:
+def save(result: Dict[str, Any], out: Path, command: str, epochs: int, seed: int,
+         model_config: Optional[Dict[str, Any]] = None) -> Path:
     """Write the float16 state dict to ``out`` and its JSON record beside it (same stem, ``.json``)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save({k: v.half() for k, v in result["model"].state_dict().items()}, out)
@@ -214,7 +223,7 @@ def save(result: Dict[str, Any], out: Path, command: str, epochs: int, seed: int
         "val_top2_set_two_digit": round(result["val"]["top2_two"], 4),
         "best_epoch": result["best_epoch"], "epochs": epochs, "seed": seed,
         "train_seconds": round(result["train_seconds"], 1), "threads": torch.get_num_threads(),
-        "command": command, "model_config": MODEL_CONFIG, "storage": "float16 state dict, loaded as float32",
+        "command": command, "model_config": MODEL_CONFIG if model_config is None else model_config, "storage": "float16 state dict, loaded as float32",
         "versions": {"torch": torch.__version__, "timm": timm.__version__},
     }
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
@@ -224,18 +233,24 @@ def save(result: Dict[str, Any], out: Path, command: str, epochs: int, seed: int
 def main(argv=None) -> int:
     default_out = Path(__file__).resolve().parent.parent / "assets" / WEIGHTS_FILE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=default_out, help=f"weights path (default: {default_out}); "
-                        f"the record goes beside it with suffix .json ({RECORD_FILE} for the default)")
+    parser.add_argument("--out", type=Path, default=None, help=f"weights path (default: {default_out}, or "
+                        f"{digit_swin.WEIGHTS_FILE} beside it for --model swin); the record goes beside it with "
+                        f"suffix .json ({RECORD_FILE} for the default)")
+    parser.add_argument("--model", choices=sorted(ARCHITECTURES), default="vit")
     parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads (the same seed and thread count give the same weights)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    _, weights_file, model_config = ARCHITECTURES[args.model]
+    out = args.out if args.out is not None else default_out.with_name(weights_file)
     command = "python -m captum_transformers.tasks.train_digits " + " ".join(
         f"--{name} {getattr(args, name)}" for name in ("epochs", "seed", "threads"))
-    result = train(args.epochs, args.seed, log=lambda line: print(line, flush=True))
-    path = save(result, args.out, command, args.epochs, args.seed)
+    if args.model != "vit":
+        command += f" --model {args.model}"
+    result = train(args.epochs, args.seed, log=lambda line: print(line, flush=True), architecture=args.model)
+    path = save(result, out, command, args.epochs, args.seed, model_config)
     print(f"test top-1 (one digit) {result['test']['top1_one']:.4f}, top-2 set (two digits) "
           f"{result['test']['top2_two']:.4f}, best epoch {result['best_epoch']}, "
           f"{result['train_seconds']:.0f} s -> {path} ({os.path.getsize(path) / 1024:.0f} KiB)")

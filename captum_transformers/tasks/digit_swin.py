@@ -1,0 +1,62 @@
+"""The DigitCanvas Swin: a tiny timm Swin Transformer next to the built-in ViT, and its weights.
+
+Architecture: ``SwinTransformer(img_size=32, patch_size=4, embed_dim=48, depths=(2, 2),
+num_heads=(2, 4), window_size=4, mlp_ratio=2, num_classes=10)``: an 8x8 patch grid (the ViT's)
+in four 4x4 windows, shifted in every second layer, merged once into a 4x4 grid (one window),
+averaged by the head. Same input (``digit_canvas.normalize(images)``), classes and training
+recipe as the ViT (:mod:`captum_transformers.tasks.train_digits` with ``--model swin``).
+
+The weights ship as ``captum_transformers/assets/digit_swin.pt`` (float16 state dict, loaded
+back into float32) next to ``digit_swin.json`` (accuracies, training time, seed, command).
+
+Example::
+
+    >>> from captum_transformers.tasks.digit_swin import load_digit_swin
+    >>> swin = load_digit_swin()
+    >>> swin(torch.zeros(1, 3, 32, 32)).shape
+    torch.Size([1, 10])
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from ..errors import InputError
+from .digit_model import _asset
+
+WEIGHTS_FILE = "digit_swin.pt"
+RECORD_FILE = "digit_swin.json"
+MODEL_CONFIG: Dict[str, Any] = dict(img_size=32, patch_size=4, in_chans=3, num_classes=10, embed_dim=48,
+                                    depths=(2, 2), num_heads=(2, 4), window_size=4, mlp_ratio=2.0,
+                                    drop_path_rate=0.0, global_pool="avg")
+
+
+def build_digit_swin():
+    """A randomly initialised DigitCanvas Swin (``MODEL_CONFIG``), in train mode.
+
+    Example::
+
+        >>> build_digit_swin()(torch.zeros(1, 3, 32, 32)).shape
+        torch.Size([1, 10])
+    """
+    from timm.models.swin_transformer import SwinTransformer
+    return SwinTransformer(**MODEL_CONFIG)
+
+
+def load_digit_swin():
+    """The shipped DigitCanvas Swin in eval mode, float32 (weights stored as float16).
+
+    Raises :class:`InputError` naming the expected path when the weights file is missing.
+    """
+    path = _asset(WEIGHTS_FILE)
+    if not path.is_file():
+        raise InputError(f"The DigitCanvas Swin weights {path} are missing (expected a float16 state dict shipped in "
+                         "captum_transformers/assets/). Recreate them with "
+                         "`python -m captum_transformers.tasks.train_digits --model swin`.")
+    import importlib.resources
+    with importlib.resources.as_file(path) as file:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    model = build_digit_swin()
+    model.load_state_dict({name: tensor.float() for name, tensor in state.items()})
+    return model.eval()
