@@ -9,7 +9,7 @@ house and a cycle on each; seed 2, as the task's benchmark): each method explain
 "cycle" on the same graph; the share of positive relevance on the explained motif
 (``evaluation.ClassSpecificity``; above 0.5: the map follows the class).
 
-    OMP_NUM_THREADS=1 python benchmarks/graphormer_motifs_auroc.py [weights folder]
+    OMP_NUM_THREADS=1 python benchmarks/graphormer_motifs.py [weights folder]
 
 Measured on one CPU thread: see docs/graphs.md.
 """
@@ -51,7 +51,7 @@ def main() -> None:
             tokens = explainer.attribute(inputs, target=part.labels, return_tokens=True)
             seconds += time.perf_counter() - started
             real = inputs["input_nodes"][:, :, 0] != 0
-            scores = tokens[:, 1:][real]  # nodes in the flat batch's order, the graph token dropped
+            scores = tokens[real]  # nodes in the flat batch's order
             signed.update(scores, part.node_truth, part.batch)
             absolute.update(scores.abs(), part.node_truth, part.batch)
             activation.update(part.x, part.edge_index, part.batch, scores, part.labels)
@@ -61,7 +61,7 @@ def main() -> None:
             real = inputs["input_nodes"][:, :, 0] != 0
             motif = torch.full(real.shape, -1, dtype=torch.long)
             motif[real] = both.motif
-            maps = [explainer.attribute(inputs, target=torch.full((both.num_graphs,), cls), return_tokens=True)[:, 1:]
+            maps = [explainer.attribute(inputs, target=torch.full((both.num_graphs,), cls), return_tokens=True)
                     for cls in (0, 1)]
             specificity.update(maps[0][..., None], maps[1][..., None], (motif == 0).double()[..., None],
                                (motif == 1).double()[..., None])
