@@ -27,6 +27,7 @@ _COLUMNS: Dict[str, List[Tuple[str, str, str, str]]] = {
                ("fid- top-5 (lower better)", "fidelity_minus", "value", "{:.3f}"),
                ("class-specific share, two motifs (0.5 = agnostic)", "class_specificity", "specificity", "{:.3f}")],
 }
+_COLUMNS["motifs-graphormer"] = _COLUMNS["motifs"]  # the same graphs and metrics, the built-in Graphormer
 
 
 def table(report: BenchmarkReport) -> str:
