@@ -14,7 +14,8 @@ Tasks (``TASKS``):
   model; node AUROC against the motif, AUAC / AU-MSE over nodes, PyG fidelity of the top-5
   nodes, and the class-specific share on graphs holding both motifs (``tasks.motif_evaluation``).
 * ``motifs-graphormer``: the same graphs and metrics, the built-in Graphormer
-  (``tasks.graphormer_motifs``), every package method (Chefer et al.'s rule sets apply to it).
+  (``tasks.graphormer_motifs``), every package method; no PyG fidelity (it masks node
+  features only, which this model's predictions do not depend on: ``motif_metrics``).
 * ``movies``: Rotten Tomatoes snippets, fine-tuned MiniLM. Token relevance explains the true
   class (Ali et al.'s AUAC measures p(true class)); AUAC, AU-MSE, and token F1 of the top
   words against silver VADER-lexicon rationales.
@@ -195,7 +196,7 @@ def _run_motifs(method_names, limit, batch_size, progress, device, explain, cach
 
         explained = model = load_motif_model().to(device)
         arguments = pyg_arguments
-    metrics = motif_metrics(model, method_names)
+    metrics = motif_metrics(model, method_names, fidelity=not graphormer)  # see motif_metrics
     explainers = {name: build_method(name, explained) for name in method_names}
     task = "motifs-graphormer" if graphormer else "motifs"
     for chunk in _my_batches(n, batch_size, task, progress):
@@ -238,10 +239,10 @@ _RUNNERS: Dict[str, Tuple[Callable, str]] = {
     "motifs": (_run_motifs, "label"),
     "motifs-graphormer": (_run_motifs_graphormer, "label"),
 }
-# The methods a task runs by default where not every catalog method applies (graph models:
-# the identity-softmax rule sets and Captum's baselines do not, see adapters/pyg_attention.py).
+# The methods a task runs by default where not every catalog method applies (PyG graph models:
+# TransformerRelevance's normalised adds and Captum's baselines do not, see adapters/pyg_attention.py).
 _DEFAULT_METHODS = {"motifs": ("raw-attention", "rollout", "grad-cam", "generic-attention", "gradient-x-input",
-                               "conservative-lrp-ah", "conservative-lrp", "attn-lrp"),
+                               "conservative-lrp-ah", "conservative-lrp", "attn-lrp", "partial-lrp", "lrp"),
                     "motifs-graphormer": PACKAGE_METHOD_NAMES}
 
 
