@@ -140,3 +140,22 @@ def test_cases_the_rule_cannot_reach_are_refused(case):
         model, name, match = graph_classifier("TransformerConv"), "transformer-relevance", "normalises residual adds"
     with pytest.raises(CaptureError, match=match):
         METHOD_FACTORIES[name](model).attribute(x, additional_forward_args=(edge_index, batch), target=TARGETS)
+
+
+@pytest.mark.parametrize("name", ["lrp", "partial-lrp"])
+def test_exact_restore_after_an_error_mid_forward(name):
+    from restore import assert_same, raising_after, snapshot
+
+    model = graph_classifier("TransformerConv")
+    _, (x, edge_index, batch) = graphs()
+    with torch.no_grad():
+        before_output = model(x, edge_index, batch)
+    hooks = lambda: [(len(conv._message_forward_hooks), len(conv._propagate_forward_hooks)) for conv in model.convs]  # noqa: E731
+    before, before_hooks = snapshot(model), hooks()
+    with raising_after(model.convs[1], KeyboardInterrupt()):
+        with pytest.raises(KeyboardInterrupt):
+            METHOD_FACTORIES[name](model).attribute(x, additional_forward_args=(edge_index, batch), target=TARGETS)
+    assert_same(before, snapshot(model))
+    assert hooks() == before_hooks
+    with torch.no_grad():
+        assert torch.equal(before_output, model(x, edge_index, batch))
