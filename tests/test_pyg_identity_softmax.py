@@ -159,3 +159,39 @@ def test_exact_restore_after_an_error_mid_forward(name):
     assert hooks() == before_hooks
     with torch.no_grad():
         assert torch.equal(before_output, model(x, edge_index, batch))
+
+
+def test_another_thread_gets_the_plain_gradient_while_one_explains():
+    import threading
+
+    model = graph_classifier("TransformerConv")
+    _, (x, edge_index, batch) = graphs()
+
+    def plain_gradient():
+        leaf = x.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(model(leaf, edge_index, batch)[torch.arange(3), TARGETS].sum(), leaf)
+        return grad
+
+    expected_gradient = plain_gradient()
+    explainer = METHOD_FACTORIES["lrp"](model)
+    expected_relevance = explainer.attribute(x, additional_forward_args=(edge_index, batch), target=TARGETS)
+    gradients, relevances, stop = [], [], threading.Event()
+
+    def bystander():
+        while not stop.is_set():
+            gradients.append(plain_gradient())
+
+    def explain():
+        for _ in range(5):
+            relevances.append(explainer.attribute(x, additional_forward_args=(edge_index, batch), target=TARGETS))
+
+    reader, writer = threading.Thread(target=bystander), threading.Thread(target=explain)
+    reader.start()
+    writer.start()
+    writer.join()
+    stop.set()
+    reader.join()
+    assert gradients and all(torch.equal(g, expected_gradient) for g in gradients)
+    assert all(torch.equal(r, expected_relevance) for r in relevances)
+    # The test can fail: the rule's relevance is not the plain Gradient x Input.
+    assert not torch.allclose(expected_relevance, x * expected_gradient, rtol=1e-3, atol=1e-6)
