@@ -9,7 +9,7 @@ house and a cycle on each; seed 2, as the task's benchmark): each method explain
 "cycle" on the same graph; the share of positive relevance on the explained motif
 (``evaluation.ClassSpecificity``; above 0.5: the map follows the class).
 
-    OMP_NUM_THREADS=1 python benchmarks/graphormer_motifs_auroc.py [weights folder]
+    OMP_NUM_THREADS=1 python benchmarks/graphormer_motifs.py [weights folder]
 
 Measured on one CPU thread: see docs/graphs.md.
 """
@@ -22,7 +22,7 @@ import torch
 
 from captum_transformers.evaluation import ClassSpecificity
 from captum_transformers.evaluation.node_perturbation import NodeActivation, NodeAUROC, NodePruning
-from captum_transformers.methods.catalog import PACKAGE_METHOD_NAMES, build_method
+from captum_transformers.methods.catalog import METHOD_NAMES, PACKAGE_METHOD_NAMES, build_method
 from captum_transformers.tasks.graph_motifs import motif_graphs
 from captum_transformers.tasks.graphormer_motifs import graphormer_forward, graphormer_inputs, load_motif_graphormer
 from captum_transformers.tasks.train_motifs import TEST_GRAPHS, TEST_SEED
@@ -39,7 +39,7 @@ def main() -> None:
     print(f"test accuracy {accuracy.item():.3f} on {TEST_GRAPHS} graphs")
     pairs = motif_graphs(TEST_GRAPHS, seed=TEST_SEED + 1, two_motifs=True)
     print(f"{'method':22s} {'AUROC':>7s} {'|AUROC|':>8s} {'AUAC':>7s} {'AU-MSE':>8s} {'share':>7s} {'seconds':>8s}")
-    for name in PACKAGE_METHOD_NAMES:
+    for name in [name for name in PACKAGE_METHOD_NAMES if name in METHOD_NAMES]:  # not the on-request ones
         explainer = build_method(name, model)
         signed, absolute, activation, pruning = NodeAUROC(), NodeAUROC(), NodeActivation(forward), NodePruning(forward)
         specificity = ClassSpecificity()
@@ -51,7 +51,7 @@ def main() -> None:
             tokens = explainer.attribute(inputs, target=part.labels, return_tokens=True)
             seconds += time.perf_counter() - started
             real = inputs["input_nodes"][:, :, 0] != 0
-            scores = tokens[:, 1:][real]  # nodes in the flat batch's order, the graph token dropped
+            scores = tokens[real]  # nodes in the flat batch's order
             signed.update(scores, part.node_truth, part.batch)
             absolute.update(scores.abs(), part.node_truth, part.batch)
             activation.update(part.x, part.edge_index, part.batch, scores, part.labels)
@@ -61,7 +61,7 @@ def main() -> None:
             real = inputs["input_nodes"][:, :, 0] != 0
             motif = torch.full(real.shape, -1, dtype=torch.long)
             motif[real] = both.motif
-            maps = [explainer.attribute(inputs, target=torch.full((both.num_graphs,), cls), return_tokens=True)[:, 1:]
+            maps = [explainer.attribute(inputs, target=torch.full((both.num_graphs,), cls), return_tokens=True)
                     for cls in (0, 1)]
             specificity.update(maps[0][..., None], maps[1][..., None], (motif == 0).double()[..., None],
                                (motif == 1).double()[..., None])

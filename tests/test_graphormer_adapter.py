@@ -70,18 +70,20 @@ def test_batch_equals_graphs_one_at_a_time_and_padding_scores_zero(name):
     explainer = build_method(name, net)
     maps = explainer.attribute(nodes, target=TARGETS, forward_kwargs=rest)
     tokens = explainer.attribute(nodes, target=TARGETS, forward_kwargs=rest, return_tokens=True)
-    assert maps.shape == nodes.shape and tokens.shape == (len(SIZES), 1 + max(SIZES))
+    # Node scores (B, N_max), as the PyG adapters give them: the graph token is left out.
+    assert maps.shape == nodes.shape and tokens.shape == (len(SIZES), max(SIZES))
     assert torch.isfinite(tokens).all()
-    # The input map holds each node's token score over its features.
-    assert torch.equal(maps, tokens[:, 1:, None].expand_as(maps))
+    # The input map holds each node's score over its features.
+    assert torch.equal(maps, tokens[:, :, None].expand_as(maps))
     for b, (graph, n) in enumerate(zip(graph_list, SIZES)):
-        assert torch.equal(tokens[b, 1 + n:], torch.zeros_like(tokens[b, 1 + n:]))  # exactly 0
+        assert torch.equal(tokens[b, n:], torch.zeros_like(tokens[b, n:]))  # exactly 0
         if name != "grad-cam":  # its ReLU may clear a whole map of an untrained model
-            assert tokens[b, 1:1 + n].abs().sum() > 0
+            assert tokens[b, :n].abs().sum() > 0
         single_nodes, single_rest = batch([graph])
         single = explainer.attribute(single_nodes, target=TARGETS[b], forward_kwargs=single_rest,
                                      return_tokens=True)
-        torch.testing.assert_close(tokens[b:b + 1, :1 + n], single, rtol=1e-4, atol=1e-6)
+        assert single.shape == (1, n)
+        torch.testing.assert_close(tokens[b:b + 1, :n], single, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", PACKAGE_METHOD_NAMES)
@@ -119,7 +121,12 @@ def test_ah_ln_conserves_relevance_on_a_bias_free_graphormer(options):
     logits = net(nodes, **rest).logits.detach()
     chosen = logits[torch.arange(len(SIZES)), torch.tensor(TARGETS)]
     assert chosen.abs().min() > 1e-3
-    torch.testing.assert_close(relevance.sum(-1), chosen, rtol=0, atol=1e-12)
+    # The graph token (a learned embedding, not a node) takes its share: with the nodes the
+    # tokens sum to the logit. return_tokens gives the nodes alone; the adapter's result all tokens.
+    every_token = get_adapter(net).relevance(net, (nodes,), (), TARGETS, RuleSet.AH_LN, forward_kwargs=rest).tokens
+    assert relevance.shape == (len(SIZES), max(SIZES)) and every_token.shape == (len(SIZES), 1 + max(SIZES))
+    assert torch.equal(relevance, every_token[:, 1:])
+    torch.testing.assert_close(every_token.sum(-1), chosen, rtol=0, atol=1e-12)
     assert delta.abs().max() < 1e-12
     # The test can fail: plain Gradient x Input on the same model does not conserve.
     _, gi_delta = ConservativeLRP(net, variant="GI").attribute(nodes, target=TARGETS, forward_kwargs=rest,
@@ -232,7 +239,7 @@ def test_the_docs_example_runs():
     section = text.split("## Graphormer\n", 1)[1]
     exec(section.split("```python\n")[1].split("```")[0], namespace)  # noqa: S102 - our own documentation
     assert namespace["node_scores"].shape == (2, 3) and namespace["node_scores"][1, 2] == 0
-    assert namespace["tokens"].shape == (2, 4)
+    assert namespace["tokens"].shape == (2, 3) and namespace["tokens"][1, 2] == 0
 
 
 class _MeanPooled(nn.Module):

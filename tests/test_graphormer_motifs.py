@@ -39,3 +39,28 @@ def test_flat_batches_become_graphormer_inputs_graph_by_graph():
         assert torch.equal(alone["input_nodes"][0, :, 0], part.x.argmax(-1) + 4)
     masked = task.node_categories(torch.zeros(2, 6))
     assert masked.tolist() == [[0], [0]]
+
+
+def test_benchmark_task_runs_the_graphormer_from_the_command_line(tmp_path, capsys):
+    from captum_transformers.cli import main
+    from captum_transformers.evaluation.node_perturbation import NodeAUROC
+    from captum_transformers.methods.catalog import build_method
+    from captum_transformers.tasks.runner import run_benchmark
+
+    methods = ["rollout", "conservative-lrp", "transformer-relevance"]  # the last is refused on TransformerConv
+    assert main(["benchmark", "--task", "motifs-graphormer", "--methods", *methods, "--limit", "4",
+                 "--batch-size", "2", "--no-progress", "--out", str(tmp_path / "run")]) == 0
+    printed = capsys.readouterr().out
+    assert "task motifs-graphormer: 4 test examples, 3 methods" in printed and "| transformer-relevance |" in printed
+    assert (tmp_path / "run" / "results.json").stat().st_size > 0
+    # The runner's node scores are the Graphormer's own (B, N_max) node scores in the flat batch's order.
+    report = run_benchmark("motifs-graphormer", methods=["conservative-lrp"], limit=4, batch_size=2)
+    data = motif_graphs(4, seed=1)
+    model = task.load_motif_graphormer()
+    expected = NodeAUROC()
+    for start in (0, 2):
+        part = data.graphs(start, start + 2)
+        inputs = task.graphormer_inputs(part.x, part.edge_index, part.batch)
+        tokens = build_method("conservative-lrp", model).attribute(inputs, target=part.labels, return_tokens=True)
+        expected.update(tokens[inputs["input_nodes"][:, :, 0] != 0].double(), part.node_truth, part.batch)
+    assert report.result("conservative-lrp", "node_auroc").value == expected.compute().value

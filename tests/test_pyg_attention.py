@@ -25,17 +25,17 @@ from pyg_models import graph_classifier, graphs  # noqa: E402
 from restore import assert_same, raising_after, snapshot  # noqa: E402
 
 KINDS = ["TransformerConv", "GATConv", "GATv2Conv"]
-# The methods whose math applies to PyG layers (the identity-softmax rule sets are refused,
-# AttnLRP on GAT layers too: see test_refused_rule_sets).
+# The methods whose math applies to PyG layers (TransformerRelevance's normalised adds are refused
+# on graphs; the identity-softmax rule sets and AttnLRP on GAT layers: see the refusal tests).
 APPLIES = {
     "TransformerConv": ["raw-attention", "rollout", "grad-cam", "generic-attention", "gradient-x-input",
-                        "conservative-lrp-ah", "conservative-lrp", "attn-lrp"],
+                        "conservative-lrp-ah", "conservative-lrp", "attn-lrp", "partial-lrp", "lrp"],
     "GATConv": ["raw-attention", "rollout", "grad-cam", "generic-attention", "gradient-x-input",
                 "conservative-lrp-ah", "conservative-lrp"],
 }
 APPLIES["GATv2Conv"] = APPLIES["GATConv"]
 TARGETS = [0, 1, 1]
-RELEVANCE_METHODS = {"gradient-x-input", "conservative-lrp-ah", "conservative-lrp", "attn-lrp"}
+RELEVANCE_METHODS = {"gradient-x-input", "conservative-lrp-ah", "conservative-lrp", "attn-lrp", "lrp"}
 
 
 def _hand_softmax_maps(model, x, edge_index, batch):
@@ -177,10 +177,11 @@ def test_exact_restore_after_an_error_mid_forward(kind, method):
 
 
 @pytest.mark.parametrize("name", ["transformer-relevance", "partial-lrp", "lrp"])
-def test_identity_softmax_rule_sets_are_refused(name):
-    model = graph_classifier("TransformerConv")
+def test_identity_softmax_rule_sets_are_refused_on_gat_layers(name):
+    # On TransformerConv they apply (tests/test_pyg_identity_softmax.py).
+    model = graph_classifier("GATConv")
     _, (x, edge_index, batch) = graphs()
-    with pytest.raises(CaptureError, match="identity rule.*scatter"):
+    with pytest.raises(CaptureError, match="identity rule.*TransformerConv layers only|normalises residual adds"):
         METHOD_FACTORIES[name](model).attribute(x, additional_forward_args=(edge_index, batch), target=TARGETS)
 
 

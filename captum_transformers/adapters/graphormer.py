@@ -6,8 +6,9 @@ Tokens. One sequence of ``T = 1 + N_max`` tokens per graph: the graph token at p
 whose last state feeds the head (the explained row), then the nodes; padded nodes (first
 feature index 0) are padding keys. ``attribute(input_nodes, ...)`` returns a map shaped like
 ``input_nodes`` (B, N_max, F), each node's score repeated over its F features (read
-``[..., 0]`` for (B, N_max)); ``return_tokens=True`` gives (B, 1 + N_max) with the graph token in
-column 0. Padded nodes score exactly 0. The collator's dict is a mapping input (its
+``[..., 0]`` for (B, N_max)); ``return_tokens=True`` gives the same (B, N_max) node scores, as the
+PyG adapters do (the layout's ``returned_tokens`` leaves the graph token out). Padded nodes
+score exactly 0. The collator's dict is a mapping input (its
 ``input_nodes`` explained, every entry passed by name), or the other inputs go by name::
 
     >>> batch = GraphormerCollator()(graphs)
@@ -169,7 +170,9 @@ class GraphormerAdapter(Adapter):
         mask = recorder.stream_mask(TOKENS)
         device = inputs[0].device
         rows = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        layout = TokenLayout(num_tokens, rows, mask)
+        # return_tokens=True gives the nodes (B, N_max), like the PyG adapters: the graph token
+        # is the explained row, a learned parameter, not a node of the input.
+        layout = TokenLayout(num_tokens, rows, mask, returned_tokens=(1, None))
         entered = self._entered.get(recorder)
         nodes = entered.tensor if entered is not None else None
         spans = []

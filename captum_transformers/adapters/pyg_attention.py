@@ -21,8 +21,9 @@ node) explains one node per graph, named by a ``(node, class)`` target pair; its
 
 LRP. Under a constant attention gate (AH, AH+LN) the gradient reaching ``alpha`` is zeroed
 (the softmax output is a constant of ``A V``); norms and per-operation rules are installed as
-for every adapter. The identity-softmax rule sets (TransformerRelevance, PartialLRP, LRP) are
-refused: PyG's softmax is a scatter computation the rule cannot replace. ``GATConv`` /
+for every adapter. The identity-softmax rule sets (PartialLRP, TransformerLRP) reach
+``TransformerConv``'s scatter softmax through its messages (:mod:`.pyg_softmax_rule`); on GAT
+layers they are refused. ``GATConv`` /
 ``GATv2Conv`` under the uniform product rule (AttnLRP) are refused too: their attention
 scores multiply activations by a parameter vector, which that rule would halve as if both
 carried relevance.
@@ -56,6 +57,7 @@ from .base import Adapter
 from .graph_nodes import GraphBatch, batch_argument
 from .graph_readout import READOUTS, graph_readout, node_targets
 from .input_checks import model_dtype, refuse_unexplainable_batch, relevance_carrying
+from .pyg_softmax_rule import identity_softmax, refuse_identity_softmax, rerouted_alpha
 from .relevance_reading import RelevanceResult, seeded
 
 # Layer class (dotted key) -> where alpha is found after propagate: an attribute or a kwarg.
@@ -172,13 +174,8 @@ class PyGAttentionAdapter(Adapter):
                     "variant='AH') or GI on this model, or per-node norms (torch.nn.LayerNorm, PyG LayerNorm with "
                     "mode='node')."
                 )
-        if rules.softmax != "gradient" and blocks:
-            raise CaptureError(
-                f"The rule set {rules.name} passes relevance through the softmax by the identity rule, but PyG layers "
-                "compute their softmax over incoming edges by scatter operations the rule cannot replace. Use "
-                "ConservativeLRP (AH, AH+LN), AttnLRP on TransformerConv, or the attention methods "
-                "(GenericAttention, AttentionRollout, AttentionGradCAM, RawAttention)."
-            )
+        if rules.softmax != "gradient":
+            refuse_identity_softmax(blocks, layer_key, rules.name)
         gat = [b.name for b in blocks if layer_key(b.module) in _GAT_LIKE]
         if rules.matmul != "gradient" and gat:
             raise CaptureError(
@@ -201,6 +198,8 @@ class PyGAttentionAdapter(Adapter):
                 for block in self.blocks(model):
                     stack.enter_context(patching.message_passing_hook(block.module, "propagate",
                                                                       _recording(block, None)))
+            if rules.softmax == "identity":
+                stack.enter_context(identity_softmax(self.blocks(model)))
             stack.enter_context(norm_rules(model, rules))
             stack.enter_context(operation_rules(model, rules))
             yield
@@ -408,6 +407,7 @@ def _recording(block: Block, recorder: Optional[Recorder]):
     def hook(_module, inputs, _out):
         edge_index, _size, kwargs = inputs
         alpha = getattr(module, name, None) if where == "attribute" else kwargs.get(name)
+        alpha = rerouted_alpha(module) if rerouted_alpha(module) is not None else alpha  # identity softmax rule
         if not isinstance(edge_index, torch.Tensor) or edge_index.dim() != 2:
             raise CaptureError(f"{block.name!r} propagated over a {type(edge_index).__name__}; the pyg_attention "
                                "adapter reads edge_index tensors (2, E), not sparse adjacency matrices.")

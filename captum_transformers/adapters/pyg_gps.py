@@ -34,6 +34,7 @@ from ..errors import CaptureError, InputError
 from ..propagation.rules import RuleSet
 from .graph_nodes import GraphBatch
 from .pyg_attention import PyGAttentionAdapter, _recording, _tapped_input, layer_key
+from .pyg_softmax_rule import identity_softmax
 from .torch_mha import TorchMHAAdapter, _recording_forward
 
 GPS_KEY = "torch_geometric.nn.conv.gps_conv.GPSConv"
@@ -133,6 +134,8 @@ class PyGGPSAdapter(PyGAttentionAdapter):
         self.refuse_rules(model, sparse, rules)
         with contextlib.ExitStack() as stack:
             stack.enter_context(TorchMHAAdapter().propagation(model, rules))
+            if rules.softmax == "identity" and sparse:  # TransformerConv in a local branch (others refused above)
+                stack.enter_context(identity_softmax(sparse))
             if rules.attention_gate != "gradient":
                 for block in sparse:
                     stack.enter_context(patching.message_passing_hook(block.module, "propagate",

@@ -98,6 +98,9 @@ class TokenLayout:
     to 1), e.g. a mean over a different number of real tokens per example.
     ``token_mask`` (B, N) is False at padding. ``num_prefix_tokens`` counts the non-patch
     tokens in front of an image's patch grid ``grid`` (rows, cols).
+    ``returned_tokens`` (start, stop) are the positions ``return_tokens=True`` returns
+    (``stop=None``: to the end): every token by default; a Graphormer's nodes, ``(1, None)``,
+    since its graph token at position 0 is the explained row, not a node of the input.
     """
 
     num_tokens: int
@@ -106,10 +109,17 @@ class TokenLayout:
     num_prefix_tokens: int = 0
     grid: Optional[Tuple[int, int]] = None
     query_weights: Optional[torch.Tensor] = None
+    returned_tokens: Tuple[int, Optional[int]] = (0, None)
 
     @property
     def is_image(self) -> bool:
         return self.grid is not None
+
+    def returned(self, scores: torch.Tensor) -> torch.Tensor:
+        """The (B, N) scores of this stream as ``return_tokens=True`` gives them: the
+        ``returned_tokens`` positions, e.g. (B, N_max) nodes of (B, 1 + N_max) Graphormer tokens."""
+        start, stop = self.returned_tokens
+        return scores if (start, stop) == (0, None) else scores[:, start:stop]
 
 
 @dataclass(frozen=True)

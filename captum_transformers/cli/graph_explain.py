@@ -20,7 +20,7 @@ from .figures import _pyplot
 
 # The catalog methods the motif model's TransformerConv layers support (docs/graphs.md).
 GRAPH_METHODS = ("raw-attention", "rollout", "grad-cam", "generic-attention", "gradient-x-input",
-                 "conservative-lrp-ah", "conservative-lrp", "attn-lrp")
+                 "conservative-lrp-ah", "conservative-lrp", "attn-lrp", "partial-lrp", "lrp")
 
 
 def graph_grid(data, scores: Dict[str, torch.Tensor], titles: Sequence[str], path: Path) -> Path:

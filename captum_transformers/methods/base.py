@@ -233,9 +233,8 @@ class TraceAttribution(Attribution):
         per_stream = self.stream_scores(trace)
         streams = trace.streams
         if return_tokens:
-            if streams.is_single:
-                return finished(per_stream[next(iter(streams.layouts))], self.model)
-            return finished(tuple(per_stream[name] for name in streams.layouts), self.model)
+            returned = tuple(layout.returned(per_stream[name]) for name, layout in streams.layouts.items())
+            return finished(returned[0] if streams.is_single else returned, self.model)
         if len(streams.inputs) != len(formatted):
             raise CaptureError(
                 f"The {self.adapter.name} adapter described {len(streams.inputs)} input(s) but {len(formatted)} were "

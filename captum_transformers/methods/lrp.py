@@ -80,7 +80,10 @@ class RuleGradientXInput(GradientAttribution):
         if result.tokens is not None:
             per_stream = result.stream_tokens
             if return_tokens:
-                attributions: TensorOrTuple = result.tokens if len(per_stream) == 1 else tuple(per_stream.values())
+                layouts = result.streams.layouts if result.streams is not None else {}
+                returned = tuple(layouts[name].returned(tokens) if name in layouts else tokens
+                                 for name, tokens in per_stream.items())
+                attributions: TensorOrTuple = returned[0] if len(returned) == 1 else returned
             else:
                 mapped = tuple(self._to_input(per_stream, span, t) for span, t in zip(result.streams.inputs, formatted))
                 attributions = mapped if is_tuple else mapped[0]

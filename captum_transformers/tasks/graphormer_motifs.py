@@ -27,6 +27,7 @@ import time
 from typing import Callable, Dict, List, Optional
 
 import torch
+from torch import nn
 
 from .graph_motifs import motif_graphs
 from .train_motifs import BATCH_GRAPHS, TEST_GRAPHS, TEST_SEED, TRAIN_GRAPHS
@@ -61,9 +62,31 @@ def graphormer_inputs(x: torch.Tensor, edge_index: torch.Tensor, batch: torch.Te
     return {key: value.to(x.device) for key, value in collated.items()}
 
 
+class GraphormerOnFlatBatches(nn.Module):
+    """A Graphormer called as the task's PyG models are, ``forward(x, edge_index, batch) -> logits``:
+    the node metrics' forward (masked nodes included) and the model PyG's fidelity runs. It is
+    not what is explained: the methods explain the Graphormer itself (:func:`graphormer_arguments`)."""
+
+    def __init__(self, graphormer: nn.Module) -> None:
+        super().__init__()
+        self.graphormer = graphormer
+        # In the Graphormer's mode: PyG's Explainer restores the mode it found on this module,
+        # which would otherwise put an eval-mode Graphormer into training mode.
+        self.train(graphormer.training)
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        return self.graphormer(**graphormer_inputs(x, edge_index, batch)).logits
+
+
 def graphormer_forward(model) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """``forward(x, edge_index, batch) -> logits`` for the node metrics (masked nodes included)."""
-    return lambda x, edge_index, batch: model(**graphormer_inputs(x, edge_index, batch)).logits
+    return GraphormerOnFlatBatches(model)
+
+
+def graphormer_arguments(data, device) -> Dict[str, Dict[str, torch.Tensor]]:
+    """The ``attribute`` arguments of one batch of the task's graphs (``tasks.motif_evaluation``):
+    the collated inputs as a mapping, ``input_nodes`` explained, giving (B, N_max) node scores."""
+    return dict(inputs=graphormer_inputs(data.x.to(device), data.edge_index.to(device), data.batch.to(device)))
 
 
 def _accuracy(model, data) -> float:

@@ -11,11 +11,12 @@
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 
 from ..adapters.graph_nodes import GraphBatch
+from ..errors import CaptureError
 from ..evaluation import ClassSpecificity
 from ..evaluation.accumulator import Accumulator, exact_sum
 from ..evaluation.node_perturbation import NodeActivation, NodeAUROC, NodePruning
@@ -61,22 +62,44 @@ class Fidelity(Accumulator):
         return ScalarResult(name=f"fidelity_{self.sign}", value=float(self._value("sum")) / count, count=count)
 
 
-def motif_metrics(model, method_names) -> Dict[str, List[Accumulator]]:
+def motif_metrics(model, method_names, fidelity: bool = True) -> Dict[str, List[Accumulator]]:
+    """The metrics per method. ``fidelity=False`` leaves PyG's fidelity out: it masks node
+    features and keeps every edge, which says nothing about a model that reads the structure
+    alone (the built-in Graphormer: zeroing every node feature changes none of its 200 test
+    predictions, through its degree and distance encodings)."""
     forward = lambda x, edge_index, batch: model(x, edge_index, batch)  # noqa: E731
-    return {name: [NodeAUROC(), NodeActivation(forward), NodePruning(forward), Fidelity(model, name, "plus"),
-                   Fidelity(model, name, "minus"), ClassSpecificity()] for name in method_names}
+    fidelities = lambda name: [Fidelity(model, name, "plus"), Fidelity(model, name, "minus")] if fidelity else []  # noqa: E731
+    return {name: [NodeAUROC(), NodeActivation(forward), NodePruning(forward), *fidelities(name), ClassSpecificity()]
+            for name in method_names}
 
 
-def _node_scores(explainer, data, target, device) -> torch.Tensor:
-    tokens = explainer.attribute(data.x.to(device), target=target,
-                                 additional_forward_args=(data.edge_index.to(device), data.batch.to(device)),
+#: How a model takes one batch of graphs for ``attribute``: ``arguments(data, device)`` -> keyword arguments.
+AttributeArguments = Callable[[Any, torch.device], Dict[str, Any]]
+
+
+def pyg_arguments(data, device) -> Dict[str, Any]:
+    """A PyG model's ``attribute`` arguments: the node features explained, edges and batch passed on."""
+    return dict(inputs=data.x.to(device), additional_forward_args=(data.edge_index.to(device), data.batch.to(device)))
+
+
+def _node_scores(explainer, data, target, device, arguments: AttributeArguments) -> torch.Tensor:
+    # (B, N_max) node scores per graph (every adapter of a graph model returns them so), read
+    # back in the flat batch's node order.
+    tokens = explainer.attribute(**arguments(data, device), target=target,
                                  return_tokens=True).detach().to(torch.float64).cpu()
     graphs = GraphBatch.of(data.batch, data.x.shape[0])
+    if tokens.shape != (graphs.num_graphs, graphs.max_nodes):
+        raise CaptureError(f"node scores of shape {tuple(tokens.shape)} for {graphs.num_graphs} graphs of at most "
+                         f"{graphs.max_nodes} nodes; expected ({graphs.num_graphs}, {graphs.max_nodes}).")
     return tokens[graphs.graph, graphs.position]
 
 
-def update_motif_metrics(model, explainers, metrics, data, pairs, explain: str, device) -> None:
-    """Explain one batch of single-motif graphs (``data``) and two-motif graphs (``pairs``)."""
+def update_motif_metrics(model, explainers, metrics, data, pairs, explain: str, device,
+                         arguments: AttributeArguments = pyg_arguments) -> None:
+    """Explain one batch of single-motif graphs (``data``) and two-motif graphs (``pairs``).
+
+    ``model(x, edge_index, batch)`` gives the logits (the metrics' forward); ``arguments`` turns
+    a batch of graphs into the explainers' ``attribute`` arguments (default: a PyG model's)."""
     with torch.no_grad():
         predicted = model(data.x.to(device), data.edge_index.to(device), data.batch.to(device)).argmax(-1).cpu()
     target = data.labels if explain == "label" else predicted
@@ -85,13 +108,15 @@ def update_motif_metrics(model, explainers, metrics, data, pairs, explain: str, 
     cycle = pair_graphs.dense_nodes((pairs.motif == 1).double())[..., None]
     classes = torch.zeros(pairs.num_graphs, dtype=torch.long)
     for name, explainer in explainers.items():
-        auroc, activation, pruning, plus, minus, specificity = metrics[name]
-        scores = _node_scores(explainer, data, target.to(device), device)
+        auroc, activation, pruning, *fidelities, specificity = metrics[name]
+        scores = _node_scores(explainer, data, target.to(device), device, arguments)
         auroc.update(scores, data.node_truth, data.batch)
         activation.update(data.x, data.edge_index, data.batch, scores, data.labels)
         pruning.update(data.x, data.edge_index, data.batch, scores)
-        plus.update(data.x, data.edge_index, data.batch, scores, predicted)
-        minus.update(data.x, data.edge_index, data.batch, scores, predicted)
-        for_house = pair_graphs.dense_nodes(_node_scores(explainer, pairs, classes.to(device), device))[..., None]
-        for_cycle = pair_graphs.dense_nodes(_node_scores(explainer, pairs, (classes + 1).to(device), device))[..., None]
+        for fidelity in fidelities:
+            fidelity.update(data.x, data.edge_index, data.batch, scores, predicted)
+        for_house = pair_graphs.dense_nodes(_node_scores(explainer, pairs, classes.to(device), device,
+                                                         arguments))[..., None]
+        for_cycle = pair_graphs.dense_nodes(_node_scores(explainer, pairs, (classes + 1).to(device), device,
+                                                         arguments))[..., None]
         specificity.update(for_house, for_cycle, house, cycle)

@@ -30,6 +30,8 @@ _COLUMNS: Dict[str, List[Tuple[str, str, str, str]]] = {
                ("class-specific share, two motifs (0.5 = agnostic)", "class_specificity", "specificity", "{:.3f}")],
 }
 _COLUMNS["digits-swin"], _COLUMNS["digits-two-swin"] = _COLUMNS["digits"], _COLUMNS["digits-two"]
+# The same graphs and metrics with the built-in Graphormer, without PyG's fidelity (tasks.motif_evaluation).
+_COLUMNS["motifs-graphormer"] = [column for column in _COLUMNS["motifs"] if not column[1].startswith("fidelity")]
 
 
 def table(report: BenchmarkReport) -> str:

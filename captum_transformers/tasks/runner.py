@@ -15,6 +15,9 @@ Tasks (``TASKS``):
   nodes, and the class-specific share on graphs holding both motifs (``tasks.motif_evaluation``).
 * ``digits-swin``, ``digits-two-swin``: the same two tasks on the DigitCanvas Swin
   (:mod:`.digit_swin`) instead of the ViT.
+* ``motifs-graphormer``: the same graphs and metrics, the built-in Graphormer
+  (``tasks.graphormer_motifs``), every package method; no PyG fidelity (it masks node
+  features only, which this model's predictions do not depend on: ``motif_metrics``).
 * ``movies``: Rotten Tomatoes snippets, fine-tuned MiniLM. Token relevance explains the true
   class (Ali et al.'s AUAC measures p(true class)); AUAC, AU-MSE, and token F1 of the top
   words against silver VADER-lexicon rationales.
@@ -44,9 +47,9 @@ from ..evaluation import (ClassSpecificity, PixelPerturbation, RationaleF1, Segm
 from ..evaluation.accumulator import Accumulator
 from ..evaluation.pixel_perturbation import PIXEL_PROTOCOLS
 from ..evaluation.results import ResultRecord
-from ..methods.catalog import build_method, resolve_method_names
+from ..methods.catalog import METHOD_NAMES, PACKAGE_METHOD_NAMES, build_method, resolve_method_names
 
-TASKS = ("digits", "digits-two", "digits-swin", "digits-two-swin", "movies", "motifs")
+TASKS = ("digits", "digits-two", "digits-swin", "digits-two-swin", "movies", "motifs", "motifs-graphormer")
 # Tasks with pixel perturbation, and the two-digit tasks (both labels explained).
 _PIXEL_TASKS = ("digits", "digits-swin")
 _TWO_DIGIT_TASKS = ("digits-two", "digits-two-swin")
@@ -188,21 +191,35 @@ def _run_movies(method_names, limit, batch_size, progress, device, explain, cach
     return metrics, len(data)
 
 
-def _run_motifs(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps):
+def _run_motifs(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps,
+                graphormer: bool = False):
     from .graph_motifs import motif_graphs
-    from .motif_evaluation import motif_metrics, update_motif_metrics
-    from .motif_model import load_motif_model
+    from .motif_evaluation import motif_metrics, pyg_arguments, update_motif_metrics
     from .train_motifs import TEST_GRAPHS, TEST_SEED
 
     n = limit or TEST_GRAPHS
     data, pairs = motif_graphs(n, seed=TEST_SEED), motif_graphs(n, seed=TEST_SEED + 1, two_motifs=True)
-    model = load_motif_model().to(device)
-    metrics = motif_metrics(model, method_names)
-    explainers = {name: build_method(name, model) for name in method_names}
-    for chunk in _my_batches(n, batch_size, "motifs", progress):
+    if graphormer:
+        from .graphormer_motifs import graphormer_arguments, graphormer_forward, load_motif_graphormer
+
+        explained = load_motif_graphormer().to(device)
+        model, arguments = graphormer_forward(explained), graphormer_arguments  # metrics: the flat-batch form
+    else:
+        from .motif_model import load_motif_model
+
+        explained = model = load_motif_model().to(device)
+        arguments = pyg_arguments
+    metrics = motif_metrics(model, method_names, fidelity=not graphormer)  # see motif_metrics
+    explainers = {name: build_method(name, explained) for name in method_names}
+    task = "motifs-graphormer" if graphormer else "motifs"
+    for chunk in _my_batches(n, batch_size, task, progress):
         update_motif_metrics(model, explainers, metrics, data.graphs(chunk.start, chunk.stop),
-                             pairs.graphs(chunk.start, chunk.stop), explain, device)
+                             pairs.graphs(chunk.start, chunk.stop), explain, device, arguments)
     return metrics, n
+
+
+def _run_motifs_graphormer(*args):
+    return _run_motifs(*args, graphormer=True)
 
 
 def _word_rationales(rationales: Sequence[Sequence[bool]]) -> torch.Tensor:
@@ -235,11 +252,14 @@ _RUNNERS: Dict[str, Tuple[Callable, str]] = {
     "digits-two-swin": (functools.partial(_run_digits_two, swin=True), "both labels"),
     "movies": (_run_movies, "label"),
     "motifs": (_run_motifs, "label"),
+    "motifs-graphormer": (_run_motifs_graphormer, "label"),
 }
-# The methods a task runs by default where not every catalog method applies (graph models:
-# the identity-softmax rule sets and Captum's baselines do not, see adapters/pyg_attention.py).
+# The methods a task runs by default where not every catalog method applies (PyG graph models:
+# TransformerRelevance's normalised adds and Captum's baselines do not, see adapters/pyg_attention.py).
 _DEFAULT_METHODS = {"motifs": ("raw-attention", "rollout", "grad-cam", "generic-attention", "gradient-x-input",
-                               "conservative-lrp-ah", "conservative-lrp", "attn-lrp")}
+                               "conservative-lrp-ah", "conservative-lrp", "attn-lrp", "partial-lrp", "lrp"),
+                    # Every package method the catalog runs by default (Chefer et al.'s rule sets apply).
+                    "motifs-graphormer": tuple(name for name in PACKAGE_METHOD_NAMES if name in METHOD_NAMES)}
 
 
 def run_benchmark(task: str, methods: Optional[Sequence[str]] = None, limit: Optional[int] = None,
