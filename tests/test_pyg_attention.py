@@ -29,9 +29,10 @@ KINDS = ["TransformerConv", "GATConv", "GATv2Conv"]
 # on graphs; the identity-softmax rule sets and AttnLRP on GAT layers: see the refusal tests).
 APPLIES = {
     "TransformerConv": ["raw-attention", "rollout", "grad-cam", "generic-attention", "gradient-x-input",
-                        "conservative-lrp-ah", "conservative-lrp", "attn-lrp", "partial-lrp", "lrp"],
+                        "conservative-lrp-ah", "conservative-lrp", "attn-lrp", "partial-lrp", "lrp",
+                        "attention-flow"],
     "GATConv": ["raw-attention", "rollout", "grad-cam", "generic-attention", "gradient-x-input",
-                "conservative-lrp-ah", "conservative-lrp"],
+                "conservative-lrp-ah", "conservative-lrp", "attention-flow"],
 }
 APPLIES["GATv2Conv"] = APPLIES["GATConv"]
 TARGETS = [0, 1, 1]

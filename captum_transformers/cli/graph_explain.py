@@ -16,7 +16,7 @@ import torch
 from ..adapters.graph_nodes import GraphBatch
 from ..errors import InputError
 from ..methods.catalog import build_method
-from .figures import _pyplot
+from ..visualization.output import agg_figure
 
 # The catalog methods the motif model's TransformerConv layers support (docs/graphs.md).
 GRAPH_METHODS = ("raw-attention", "rollout", "grad-cam", "generic-attention", "gradient-x-input",
@@ -29,9 +29,9 @@ def graph_grid(data, scores: Dict[str, torch.Tensor], titles: Sequence[str], pat
         import networkx as nx
     except ImportError:
         raise InputError("drawing graphs needs networkx: pip install 'captum_transformers[graph]'.") from None
-    plt = _pyplot()
     rows, cols = data.num_graphs, len(scores)
-    figure, axes = plt.subplots(rows, cols, figsize=(2.0 * cols, 2.0 * rows), squeeze=False)
+    figure = agg_figure(2.0 * cols, 2.0 * rows)  # its own canvas: the session's pyplot is left alone
+    axes = figure.subplots(rows, cols, squeeze=False)
     for row in range(rows):
         nodes = (data.batch == row).nonzero().flatten()
         first = int(nodes[0])
@@ -56,7 +56,6 @@ def graph_grid(data, scores: Dict[str, torch.Tensor], titles: Sequence[str], pat
         axes[row][0].text(0.0, 1.02, titles[row], transform=axes[row][0].transAxes, fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
-    plt.close(figure)
     return path
 
 
