@@ -10,6 +10,7 @@ from . import functional
 from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec
 from ..errors import CaptureError, InputError
 from .base import TraceAttribution
+from ..adapters.windowed import WindowedAdapterMixin
 
 HeadWeights = Literal["row", "all"]
 HEAD_WEIGHTS = ("row", "all")
@@ -50,6 +51,10 @@ class AttentionGradCAM(TraceAttribution):
       generator does (``generate_attn_gradcam``), the Grad-CAM row of their ERASER
       movie-review table.
 
+    On windowed models (Swin) ``"row"`` weighs each query row over its window's keys (the
+    padding positions of a padded grid included: the model attends to them), and ``"all"``
+    over every (query, key) pair of the layer's windows.
+
     Class-specific through the gradient of the target score ``y_t``. With several explained
     rows, each row is weighted and rectified on its own, then the rows are mixed. With several
     streams, the last map of each (explained stream, stream) pair is used (ICCV 2021, Sec. 4);
@@ -82,9 +87,12 @@ class AttentionGradCAM(TraceAttribution):
     def _trace(self, inputs, target, additional, forward_kwargs) -> AttentionTrace:
         # Prefix tokens come only with an image's patch grid: token inputs need no (B, 2, H, Q, K)
         # copy of the last layer (an LLM's last layer over a long prompt would make it large).
+        # Windowed models (Swin) have no prefix tokens and stack each example's windows into one
+        # map: each row is weighted over its own window's keys as the gradient arrives.
         tensors = [*inputs, *additional, *(forward_kwargs or {}).values()]
         image = any(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() for t in tensors)
-        return self.adapter.trace(self.model, inputs, additional, target, self.capture_spec(keep_heads=image),
+        keep_heads = image and not isinstance(self.adapter, WindowedAdapterMixin)
+        return self.adapter.trace(self.model, inputs, additional, target, self.capture_spec(keep_heads=keep_heads),
                                   forward_kwargs)
 
     def reduce(self, trace: AttentionTrace):
