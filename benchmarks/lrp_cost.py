@@ -1,0 +1,235 @@
+"""The cost of an LRP explanation on decoder LLMs, as ratios to a plain forward + backward.
+
+For each random HF decoder (built from a config, no hub) and attention implementation, one
+process times, interleaved (each round runs every operation once, rotated), medians of
+``--repeats``:
+
+* ``reference``: the model's forward on input embeddings that require grad, and
+  ``autograd.grad`` of the explained logits (last token, arg-max) to those embeddings;
+* the package's ``AttnLRP`` and ``ConservativeLRP`` (AH+LN) token relevance of the same logits;
+* LXT's AttnLRP and CP-LRP (``lxt.efficient``, Achtibat et al.) when ``import lxt`` works and
+  the family has an LXT patch map (Llama, Qwen2). LXT patches transformers' classes for the whole
+  process and never undoes it; here its patches are applied around each of its calls and the
+  originals put back after, so the package's runs see the library's own classes.
+
+Peak memory (above what was live before the call, peak RSS on CPU) is measured after the
+timings, once per operation. Ratios are to the reference of the same model, so values below
+1.0x are cheaper than one forward + backward.
+
+Command (one thread, the README's table)::
+
+    OMP_NUM_THREADS=1 PYTHONPATH=.:/tmp/lxt python benchmarks/lrp_cost.py --threads 1
+
+``--quick`` runs one small size for a smoke test; ``--sizes``/``--families``/``--impls``
+select rows.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peak_memory import _tight_malloc, peak_bytes  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class LlmSize:
+    name: str
+    layers: int
+    width: int
+    tokens: int
+    heads: int = 4
+    kv_heads: int = 2
+    batch: int = 8
+    vocab: int = 1024
+
+    @property
+    def intermediate(self) -> int:
+        return 3 * self.width
+
+
+SIZES = {
+    "small": LlmSize("4 layers, width 128, 128 tokens", 4, 128, 128),
+    "big": LlmSize("6 layers, width 256, 256 tokens", 6, 256, 256),
+    "1k": LlmSize("4 layers, width 128, 1024 tokens", 4, 128, 1024),
+}
+QUICK = LlmSize("2 layers, width 32, 16 tokens", 2, 32, 16, batch=2, vocab=64)
+FAMILIES = ("llama", "qwen2", "gemma", "mistral")
+
+
+def build_llm(family: str, size: LlmSize, attn_implementation: str, seed: int = 0) -> torch.nn.Module:
+    """A random causal LM of ``family`` at ``size`` (grouped-query heads, untied head)."""
+    import transformers
+
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[family]
+    config = config_class(vocab_size=size.vocab, hidden_size=size.width, intermediate_size=size.intermediate,
+                          num_hidden_layers=size.layers, num_attention_heads=size.heads,
+                          num_key_value_heads=size.kv_heads, head_dim=size.width // size.heads,
+                          max_position_embeddings=max(2048, size.tokens), tie_word_embeddings=False,
+                          attn_implementation=attn_implementation)
+    torch.manual_seed(seed)
+    return model_class(config).eval()
+
+
+# --------------------------------------------------------------------------- LXT
+
+def lxt_available() -> Optional[str]:
+    """None when LXT's efficient module imports, else why not."""
+    try:
+        import lxt.efficient  # noqa: F401
+    except Exception as error:  # LXT 2.1 from PyPI fails to import with transformers 5
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _lxt_maps(family: str):
+    """(AttnLRP map, CP-LRP map) of LXT for ``family``, or None when LXT has none."""
+    import importlib
+
+    try:
+        module = importlib.import_module(f"lxt.efficient.models.{family}")
+    except ImportError:
+        return None
+    return module.attnLRP, module.cp_LRP
+
+
+@contextlib.contextmanager
+def lxt_patched(patch_map) -> None:
+    """LXT's monkey_patch for the duration of the block, undone after (LXT itself never undoes it)."""
+    import types
+
+    from lxt.efficient import monkey_patch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    saved = []
+    for target in patch_map:
+        if isinstance(target, types.ModuleType):
+            saved.append((target, "eager_attention_forward", target.__dict__.get("eager_attention_forward")))
+        else:
+            saved.append((target, "forward", target.__dict__.get("forward")))
+    mappings = [getattr(ALL_ATTENTION_FUNCTIONS, name) for name in ("_global_mapping", "_local_mapping")]
+    saved_mappings = [dict(mapping) for mapping in mappings]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        monkey_patch(None, patch_map)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+        for mapping, content in zip(mappings, saved_mappings):
+            mapping.clear()
+            mapping.update(content)
+
+
+# --------------------------------------------------------------------------- operations
+
+def make_ops(model: torch.nn.Module, family: str, size: LlmSize, with_lxt: bool) -> Dict[str, Callable[[], object]]:
+    from captum_transformers import AttnLRP, ConservativeLRP
+
+    torch.manual_seed(1)
+    ids = torch.randint(0, size.vocab, (size.batch, size.tokens))
+    with torch.no_grad():
+        target = model(ids).logits[:, -1].argmax(-1)
+    embed = model.get_input_embeddings()
+
+    def gradient_to_embeddings() -> torch.Tensor:
+        embeddings = embed(ids).detach().requires_grad_()
+        logits = model(inputs_embeds=embeddings).logits[:, -1]
+        score = logits.gather(1, target[:, None]).sum()
+        (grad,) = torch.autograd.grad(score, embeddings)
+        return (grad * embeddings).sum(-1).detach()
+
+    attn_lrp, cp_lrp = AttnLRP(model), ConservativeLRP(model)
+    ops = {
+        "reference": gradient_to_embeddings,
+        "AttnLRP": lambda: attn_lrp.attribute(ids, target=target, return_tokens=True),
+        "ConservativeLRP": lambda: cp_lrp.attribute(ids, target=target, return_tokens=True),
+    }
+    maps = _lxt_maps(family) if with_lxt else None
+    if maps is not None:
+        def lxt(patch_map):
+            def op():
+                with lxt_patched(patch_map):
+                    return gradient_to_embeddings()
+            return op
+
+        ops["LXT AttnLRP"], ops["LXT CP-LRP"] = lxt(maps[0]), lxt(maps[1])
+    return ops
+
+
+def time_interleaved(ops: Dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> Dict[str, float]:
+    """Median wall seconds per op over ``repeats`` rounds; each round runs every op once, rotated."""
+    names = list(ops)
+    for _ in range(warmup):
+        for name in names:
+            ops[name]()
+    seconds: Dict[str, List[float]] = {name: [] for name in names}
+    for round_index in range(repeats):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            gc.collect()
+            start = time.perf_counter()
+            ops[name]()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in seconds.items()}
+
+
+def measure(family: str, size: LlmSize, impl: str, repeats: int, with_lxt: bool, memory: bool) -> Dict[str, tuple]:
+    model = build_llm(family, size, impl)
+    ops = make_ops(model, family, size, with_lxt)
+    times = time_interleaved(ops, repeats)
+    peaks = {name: peak_bytes(op)[0] for name, op in ops.items()} if memory else {}
+    return {name: (times[name], peaks.get(name)) for name in ops}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--impls", nargs="+", default=["sdpa", "eager"], choices=["sdpa", "eager"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="one tiny size, two repeats (smoke test)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    _tight_malloc()
+    why_not = lxt_available()
+    print(f"torch {torch.__version__}, {args.threads} thread(s); LXT: "
+          + ("imported (run from its repository's source)" if why_not is None else f"not importable ({why_not})"))
+    sizes = [QUICK] if args.quick else [SIZES[name] for name in args.sizes]
+    repeats = 2 if args.quick else args.repeats
+    print("| model | size | attention | method | time / reference | peak memory / reference |")
+    print("|---|---|---|---|---|---|")
+    for size in sizes:
+        for family in args.families:
+            for impl in args.impls:
+                results = measure(family, size, impl, repeats, why_not is None, not args.no_memory)
+                base_time, base_peak = results.pop("reference")
+                for name, (seconds, peak) in results.items():
+                    memory = f"{peak / base_peak:.2f}x" if peak is not None and base_peak else "-"
+                    print(f"| {family} | {size.name}, batch {size.batch} | {impl} | {name} | "
+                          f"{seconds / base_time:.2f}x | {memory} |", flush=True)
+                print(f"| {family} | {size.name}, batch {size.batch} | {impl} | (reference) | "
+                      f"{base_time * 1000:.0f} ms | {base_peak / 2**20 if base_peak else 0:.0f} MiB |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
