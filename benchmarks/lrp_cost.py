@@ -174,21 +174,23 @@ def make_ops(model: torch.nn.Module, family: str, size: LlmSize, with_lxt: bool)
     return ops
 
 
-def time_interleaved(ops: Dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> Dict[str, float]:
-    """Median wall seconds per op over ``repeats`` rounds; each round runs every op once, rotated."""
+def time_interleaved(ops: Dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> Dict[str, tuple]:
+    """Median (wall, CPU) seconds per op over ``repeats`` rounds; each round runs every op once,
+    rotated. CPU time (this process) is the steadier measure on a shared machine."""
     names = list(ops)
     for _ in range(warmup):
         for name in names:
             ops[name]()
-    seconds: Dict[str, List[float]] = {name: [] for name in names}
+    seconds: Dict[str, List[tuple]] = {name: [] for name in names}
     for round_index in range(repeats):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             gc.collect()
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             ops[name]()
-            seconds[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in seconds.items()}
+            seconds[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return {name: (statistics.median(v[0] for v in values), statistics.median(v[1] for v in values))
+            for name, values in seconds.items()}
 
 
 def measure(family: str, size: LlmSize, impl: str, repeats: int, with_lxt: bool, memory: bool) -> Dict[str, tuple]:
@@ -216,20 +218,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
           + ("imported (run from its repository's source)" if why_not is None else f"not importable ({why_not})"))
     sizes = [QUICK] if args.quick else [SIZES[name] for name in args.sizes]
     repeats = 2 if args.quick else args.repeats
-    print("| model | size | attention | method | time / reference | peak memory / reference |")
+    print("| model | size | attention | method | time / reference (wall; CPU) | peak memory / reference |")
     print("|---|---|---|---|---|---|")
     for size in sizes:
         for family in args.families:
             for impl in args.impls:
                 results = measure(family, size, impl, repeats, why_not is None, not args.no_memory)
-                base_time, base_peak = results.pop("reference")
-                for name, (seconds, peak) in results.items():
+                (base_wall, base_cpu), base_peak = results.pop("reference")
+                for name, ((wall, cpu), peak) in results.items():
                     memory = f"{peak / base_peak:.2f}x" if peak is not None and base_peak else "-"
                     print(f"| {family} | {size.name}, batch {size.batch} | {impl} | {name} | "
-                          f"{seconds / base_time:.2f}x | {memory} |", flush=True)
+                          f"{wall / base_wall:.2f}x; {cpu / base_cpu:.2f}x | {memory} |", flush=True)
                 print(f"| {family} | {size.name}, batch {size.batch} | {impl} | (reference) | "
-                      f"{base_time * 1000:.0f} ms | {base_peak / 2**20 if base_peak else 0:.0f} MiB |", flush=True)
-
+                      f"{base_wall * 1000:.0f} ms; {base_cpu * 1000:.0f} ms | "
+                      f"{base_peak / 2**20 if base_peak else 0:.0f} MiB |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -93,11 +93,24 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         query = active[0].connect(query)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    softcap = kwargs.get("softcap")
+    position_bias = kwargs.get("position_bias")
+    rules = _RULES.get()
+    wants_map = active is not None and active[0].wants_maps
+    # Where no map is wanted and the rules are a scaling of the operands' gradients (AttnLRP,
+    # the AH gate, plain gradients; see fused_attention), the operations run plainly over those
+    # operands: what the model's eager attention costs (autograd keeps A, nothing is recomputed).
+    operands = None
+    if not wants_map and rules is not None and softcap is None and _SWITCH.get() is None \
+            and (dropout == 0.0 or not module.training):
+        operands = fused_operands(rules, query, key, value, position_bias is not None and position_bias.requires_grad)
+    if operands is not None:
+        query, key, value, bias_factor = operands
+        if position_bias is not None:
+            position_bias = position_bias.detach() if bias_factor is None else scaled_gradient(position_bias, bias_factor)
     groups = query.shape[1] // key.shape[1]
     key_states = _repeat_kv(key, groups)
     value_states = _repeat_kv(value, groups)
-    softcap = kwargs.get("softcap")
-    position_bias = kwargs.get("position_bias")
 
     mask = attention_mask[:, :, :, : key_states.shape[-2]] if attention_mask is not None else None
 
@@ -116,32 +129,27 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         return scores
 
     extras = tuple(t for t in (position_bias, mask) if t is not None)
-    rules = _RULES.get()
     # float32 at least (half-precision scores), float64 for float64 models: the model's own
     # precision, so float64 maps equal its eager attention's, not a float32 rounding of them.
     softmax_dtype = torch.promote_types(query.dtype, torch.float32)
-    wants_map = active is not None and active[0].wants_maps
-    # Where no map is wanted and the rules leave the softmax's Jacobian alone (AttnLRP, the AH
-    # gate, plain gradients), the separate operations cost what the model's eager attention
-    # costs: autograd keeps A (as eager does) and recomputes nothing. Otherwise one Function.
-    separate = (not wants_map and rules is not None and rules.softmax == "gradient" and _SWITCH.get() is None)
-    if (rules is None or rules.attention_gate == "gradient") and (dropout == 0.0 or not module.training) \
-            and not separate:
+    observer = None
+    if operands is not None:
+        # The rules live in the operands' gradients: no rule Function may act on these operations.
+        with torch._C.DisableTorchFunction():
+            probs = torch.softmax(scores(query, key_states, *extras), dim=-1, dtype=softmax_dtype).to(query.dtype)
+            output = torch.matmul(probs, value_states)
+    elif (rules is None or rules.attention_gate == "gradient") and (dropout == 0.0 or not module.training):
         # One Function for softmax(S) V that recomputes S and A in its backward pass: no
         # (B, H, Q, K) tensor is kept per layer (see attention_core).
         observer = SiteObserver() if active is not None else None
         output, probs = softmax_attention(scores, query, key_states, value_states, *extras,
                                           softmax_dtype=softmax_dtype, observer=observer)
-    else:  # separate operations; or a constant gate or training-mode dropout between the map and the product
-        observer = None
+    else:  # a constant gate or training-mode dropout between the map and the product
         if rules is not None and rules.softmax == "identity":
             # The identity rule needs the scores: recompute them in the backward pass.
             probs = softmax_of_recomputed_scores(scores, query, key_states, *extras, dim=-1, dtype=softmax_dtype)
         else:
-            # A constant gate with no map wanted: nothing differentiates the map, so no graph for it.
-            constant = rules is not None and rules.attention_gate == "constant" and not wants_map
-            with torch.no_grad() if constant else contextlib.nullcontext():
-                probs = torch.softmax(scores(query, key_states, *extras), dim=-1, dtype=softmax_dtype)
+            probs = torch.softmax(scores(query, key_states, *extras), dim=-1, dtype=softmax_dtype)
         probs = probs.to(query.dtype)
         dropped = nn.functional.dropout(gate(probs, rules), p=dropout, training=module.training)
         output = torch.matmul(dropped, value_states)
