@@ -20,8 +20,12 @@ Command (one thread, the README's table)::
 
     OMP_NUM_THREADS=1 PYTHONPATH=.:/tmp/lxt python benchmarks/lrp_cost.py --threads 1
 
-``--quick`` runs one small size for a smoke test; ``--sizes``/``--families``/``--impls``
-select rows.
+A second table times the attention methods on a 6-layer ViT (HF eager, HF sdpa, timm; width
+256, 224 px, batch 16): ``AttentionRollout`` against the forward pass, ``GenericAttention``
+against a forward + backward to the pixels, ``TransformerRelevance`` against a training step.
+
+``--quick`` runs one small size for a smoke test; ``--sizes``/``--families``/``--impls``/
+``--tables`` select rows.
 """
 from __future__ import annotations
 
@@ -62,6 +66,8 @@ SIZES = {
     "big": LlmSize("6 layers, width 256, 256 tokens", 6, 256, 256),
     "1k": LlmSize("4 layers, width 128, 1024 tokens", 4, 128, 1024),
 }
+# The 1k-token rows are long on a CPU: Llama only unless --families says otherwise.
+SIZE_FAMILIES = {"1k": ("llama",)}
 QUICK = LlmSize("2 layers, width 32, 16 tokens", 2, 32, 16, batch=2, vocab=64)
 FAMILIES = ("llama", "qwen2", "gemma", "mistral")
 
@@ -201,6 +207,62 @@ def measure(family: str, size: LlmSize, impl: str, repeats: int, with_lxt: bool,
     return {name: (times[name], peaks.get(name)) for name in ops}
 
 
+# --------------------------------------------------------------------------- ViT attention methods
+
+VIT_MODELS = (("HF ViT", "vit", "eager"), ("HF ViT", "vit", "sdpa"), ("timm ViT", "timm_vit", None))
+# method -> (reference, target ratio)
+VIT_TARGETS = {"AttentionRollout": ("forward", 1.05), "GenericAttention": ("fwd+bwd to pixels", 1.10),
+               "TransformerRelevance": ("training step", 2.2)}
+
+
+def vit_ops(model: torch.nn.Module, batch) -> Dict[str, Callable[[], object]]:
+    import captum_transformers as ct
+    from benchmark_models import _logits
+
+    pixels, target = batch.inputs, batch.target
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def score(logits: torch.Tensor) -> torch.Tensor:
+        return logits.gather(1, target[:, None]).sum()
+
+    def forward():
+        with torch.no_grad():
+            return _logits(model(pixels))
+
+    def fwd_bwd_pixels():
+        leaf = pixels.detach().requires_grad_()
+        return torch.autograd.grad(score(_logits(model(leaf))), leaf)
+
+    def training_step():
+        return torch.autograd.grad(score(_logits(model(pixels))), params)
+
+    rollout, generic, relevance = ct.AttentionRollout(model), ct.GenericAttention(model), ct.TransformerRelevance(model)
+    return {"forward": forward, "fwd+bwd to pixels": fwd_bwd_pixels, "training step": training_step,
+            "AttentionRollout": lambda: rollout.attribute(pixels),
+            "GenericAttention": lambda: generic.attribute(pixels, target=target),
+            "TransformerRelevance": lambda: relevance.attribute(pixels, target=target)}
+
+
+def vit_table(repeats: int, quick: bool) -> None:
+    from benchmark_models import FULL, QUICK as VIT_QUICK, build_model, make_batch
+
+    sizes = VIT_QUICK if quick else FULL
+    print(f"\nViT attention methods ({sizes.layers} layers, width {sizes.hidden}, {sizes.image}px, patch "
+          f"{sizes.patch}, batch {sizes.batch}); ratios to the reference named, median wall; CPU time")
+    print("| model | attention | method | reference | time / reference (wall; CPU) | target |")
+    print("|---|---|---|---|---|---|")
+    for label, name, impl in VIT_MODELS:
+        model = build_model(name, sizes, attn_implementation=impl)
+        times = time_interleaved(vit_ops(model, make_batch(name, sizes)), repeats)
+        for method, (reference, target) in VIT_TARGETS.items():
+            (wall, cpu), (base_wall, base_cpu) = times[method], times[reference]
+            print(f"| {label} | {impl or 'fused_attn (SDPA)'} | {method} | {reference} | "
+                  f"{wall / base_wall:.2f}x; {cpu / base_cpu:.2f}x | <= {target}x |", flush=True)
+        print(f"| {label} | {impl or 'fused_attn (SDPA)'} | (references) | | "
+              + ", ".join(f"{r} {times[r][0] * 1000:.0f} ms" for r in ("forward", "fwd+bwd to pixels", "training step"))
+              + " | |", flush=True)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
@@ -210,7 +272,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--quick", action="store_true", help="one tiny size, two repeats (smoke test)")
+    parser.add_argument("--tables", nargs="+", default=["llm", "vit"], choices=["llm", "vit"])
     args = parser.parse_args(argv)
+    args.families_given = any(a.startswith("--families") for a in (argv if argv is not None else sys.argv[1:]))
     torch.set_num_threads(args.threads)
     _tight_malloc()
     why_not = lxt_available()
@@ -220,8 +284,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     repeats = 2 if args.quick else args.repeats
     print("| model | size | attention | method | time / reference (wall; CPU) | peak memory / reference |")
     print("|---|---|---|---|---|---|")
-    for size in sizes:
-        for family in args.families:
+    for size_name, size in zip(["quick"] if args.quick else args.sizes, sizes) if "llm" in args.tables else ():
+        families = args.families if args.families_given else SIZE_FAMILIES.get(size_name, args.families)
+        for family in families:
             for impl in args.impls:
                 results = measure(family, size, impl, repeats, why_not is None, not args.no_memory)
                 (base_wall, base_cpu), base_peak = results.pop("reference")
@@ -232,6 +297,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 print(f"| {family} | {size.name}, batch {size.batch} | {impl} | (reference) | "
                       f"{base_wall * 1000:.0f} ms; {base_cpu * 1000:.0f} ms | "
                       f"{base_peak / 2**20 if base_peak else 0:.0f} MiB |", flush=True)
+    if "vit" in args.tables:
+        vit_table(repeats, args.quick)
 
 if __name__ == "__main__":
     main()
