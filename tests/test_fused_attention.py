@@ -166,10 +166,12 @@ def test_sdpa_model_runs_transformers_sdpa(method, counted):
     assert counted == {"sdpa": 2, "scaled": 2}  # one call per layer
 
 
-@pytest.mark.parametrize("method", [AttnLRP, ConservativeLRP])
-def test_eager_model_runs_scaled_operands_without_sdpa(method, counted):
+@pytest.mark.parametrize("method, scaled", [(AttnLRP, 2), (ConservativeLRP, 0)])
+def test_eager_model_runs_scaled_operands_without_sdpa(method, scaled, counted):
+    # Eager models: AttnLRP's operations run plainly over scaled operands; the AH gate keeps its
+    # branch (detached map times V), which costs the same.
     _maps(_llm("llama", "eager"), method)
-    assert counted == {"sdpa": 0, "scaled": 2}
+    assert counted == {"sdpa": 0, "scaled": scaled}
 
 
 def test_no_fused_path_where_a_map_is_wanted_or_the_softmax_rule_needs_scores(counted):
@@ -212,3 +214,23 @@ def test_trace_under_fusable_rules_on_sdpa_model_equals_eager(padded):
         torch.testing.assert_close(sdpa_record.forward_value, eager_record.forward_value, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(sdpa_record.backward_value, eager_record.backward_value, rtol=1e-12, atol=1e-12)
     assert any(r.backward_value.abs().max() > 0 for r in traces["eager"].records)
+
+
+# == 6. a score that reads the returned attention weights =======================================
+def _relevance_with_weights_in_score(model):
+    ids, kwargs = _ids()
+    embeddings = model.get_input_embeddings()(ids).detach().requires_grad_()
+    with get_adapter(model).propagation(model, RuleSet.ATTN_LRP):
+        out = model(inputs_embeds=embeddings, output_attentions=True, **kwargs)
+        bonus = sum(weights[:, :, -1, :3].sum() for weights in out.attentions)
+        (grad,) = torch.autograd.grad(out.logits[:, -1, 5].sum() + bonus, embeddings)
+    return grad * embeddings.detach()
+
+
+def test_gradient_through_returned_weights_equals_explicit_path(monkeypatch, counted):
+    model = _llm("llama", "eager", F64)
+    fused = _relevance_with_weights_in_score(model)
+    assert counted["scaled"] == 2
+    _disable(monkeypatch)
+    explicit = _relevance_with_weights_in_score(model)
+    torch.testing.assert_close(fused, explicit, rtol=1e-12, atol=1e-12)

@@ -98,11 +98,12 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     rules = _RULES.get()
     wants_map = active is not None and active[0].wants_maps
     # Where no map is wanted and the rules are a scaling of the operands' gradients (AttnLRP,
-    # the AH gate, plain gradients; see fused_attention), the operations run plainly over those
-    # operands: what the model's eager attention costs (autograd keeps A, nothing is recomputed).
+    # plain gradients; see fused_attention), the operations run plainly over those operands:
+    # what the model's eager attention costs (autograd keeps A, nothing is recomputed). The AH
+    # gate takes the branch below, which costs the same (A kept for the product with V).
     operands = None
-    if not wants_map and rules is not None and softcap is None and _SWITCH.get() is None \
-            and (dropout == 0.0 or not module.training):
+    if not wants_map and rules is not None and rules.attention_gate == "gradient" and softcap is None \
+            and _SWITCH.get() is None and (dropout == 0.0 or not module.training):
         operands = fused_operands(rules, query, key, value, position_bias is not None and position_bias.requires_grad)
     if operands is not None:
         query, key, value, bias_factor = operands
@@ -138,6 +139,9 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         with torch._C.DisableTorchFunction():
             probs = torch.softmax(scores(query, key_states, *extras), dim=-1, dtype=softmax_dtype).to(query.dtype)
             output = torch.matmul(probs, value_states)
+        # A gradient reaching the returned map from outside (a model that uses its attention
+        # weights) skips the halving of A V, so it is undone for it: as attention_core adds it.
+        probs = scaled_gradient(probs, 1.0 / bias_factor)
     elif (rules is None or rules.attention_gate == "gradient") and (dropout == 0.0 or not module.training):
         # One Function for softmax(S) V that recomputes S and A in its backward pass: no
         # (B, H, Q, K) tensor is kept per layer (see attention_core).
