@@ -3,7 +3,10 @@
 transformers >= 5 dispatches attention through ``ALL_ATTENTION_FUNCTIONS`` keyed by
 ``config._attn_implementation``. :func:`captum_attention` is registered there under a
 private key (:data:`ATTENTION_KEY`), together with the eager mask function under the same
-key (without it, padding masks would be silently dropped). The adapter points a model's
+key (without it, padding masks would be silently dropped). Models that run "sdpa" get a second
+key (:data:`SDPA_KEY`, SDPA's masks): under rules that are a scaling of the attention operands'
+gradients and with no map wanted, :func:`captum_sdpa_attention` runs transformers' own SDPA
+call over those operands (propagation/fused_attention.py). The adapter points a model's
 configs at the key only inside its contexts; the kernel reads the active recorder and rule
 set from context variables (:func:`active_recorder`, :func:`active_rules`) and is inert
 outside them. Entering either checks the registries: a foreign function under our key is
