@@ -37,7 +37,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -114,7 +114,7 @@ def _lxt_maps(family: str):
 
 
 @contextlib.contextmanager
-def lxt_patched(patch_map) -> None:
+def lxt_patched(patch_map) -> Iterator[None]:
     """LXT's monkey_patch for the duration of the block, undone after (LXT itself never undoes it)."""
     import types
 
