@@ -3,7 +3,10 @@
 transformers >= 5 dispatches attention through ``ALL_ATTENTION_FUNCTIONS`` keyed by
 ``config._attn_implementation``. :func:`captum_attention` is registered there under a
 private key (:data:`ATTENTION_KEY`), together with the eager mask function under the same
-key (without it, padding masks would be silently dropped). The adapter points a model's
+key (without it, padding masks would be silently dropped). Models that run "sdpa" get a second
+key (:data:`SDPA_KEY`, SDPA's masks): under rules that are a scaling of the attention operands'
+gradients and with no map wanted, :func:`captum_sdpa_attention` runs transformers' own SDPA
+call over those operands (propagation/fused_attention.py). The adapter points a model's
 configs at the key only inside its contexts; the kernel reads the active recorder and rule
 set from context variables (:func:`active_recorder`, :func:`active_rules`) and is inert
 outside them. Entering either checks the registries: a foreign function under our key is
@@ -22,12 +25,17 @@ from torch import nn
 
 from ..errors import CaptureError
 from ..propagation.attention_core import softmax_attention
+from ..propagation.backward_switch import _SWITCH
+from ..propagation.fused_attention import fused_operands, scaled_gradient
 from ..propagation.recomputed_softmax import softmax_of_recomputed_scores
 from ..propagation.rules import RuleSet, gate
 from ..capture.trace import Block
 from ..capture.recorder import Recorder, SiteObserver
 
 ATTENTION_KEY = "captum_transformers"
+# The key of models whose own implementation is "sdpa": SDPA's masks, and the fused kernel where
+# the rules allow it (captum_sdpa_attention).
+SDPA_KEY = "captum_transformers_sdpa"
 
 _ACTIVE: contextvars.ContextVar[Optional[Tuple[Recorder, Dict[int, Block]]]] = contextvars.ContextVar(
     "captum_transformers_hf_recorder", default=None
@@ -88,11 +96,25 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         query = active[0].connect(query)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    softcap = kwargs.get("softcap")
+    position_bias = kwargs.get("position_bias")
+    rules = _RULES.get()
+    wants_map = active is not None and active[0].wants_maps
+    # Where no map is wanted and the rules are a scaling of the operands' gradients (AttnLRP,
+    # plain gradients; see fused_attention), the operations run plainly over those operands:
+    # what the model's eager attention costs (autograd keeps A, nothing is recomputed). The AH
+    # gate takes the branch below, which costs the same (A kept for the product with V).
+    operands = None
+    if not wants_map and rules is not None and rules.attention_gate == "gradient" and softcap is None \
+            and _SWITCH.get() is None and (dropout == 0.0 or not module.training):
+        operands = fused_operands(rules, query, key, value, position_bias is not None and position_bias.requires_grad)
+    if operands is not None:
+        query, key, value, bias_factor = operands
+        if position_bias is not None:
+            position_bias = position_bias.detach() if bias_factor is None else scaled_gradient(position_bias, bias_factor)
     groups = query.shape[1] // key.shape[1]
     key_states = _repeat_kv(key, groups)
     value_states = _repeat_kv(value, groups)
-    softcap = kwargs.get("softcap")
-    position_bias = kwargs.get("position_bias")
 
     mask = attention_mask[:, :, :, : key_states.shape[-2]] if attention_mask is not None else None
 
@@ -111,18 +133,25 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         return scores
 
     extras = tuple(t for t in (position_bias, mask) if t is not None)
-    rules = _RULES.get()
     # float32 at least (half-precision scores), float64 for float64 models: the model's own
     # precision, so float64 maps equal its eager attention's, not a float32 rounding of them.
     softmax_dtype = torch.promote_types(query.dtype, torch.float32)
-    if (rules is None or rules.attention_gate == "gradient") and (dropout == 0.0 or not module.training):
+    observer = None
+    if operands is not None:
+        # The rules live in the operands' gradients: no rule Function may act on these operations.
+        with torch._C.DisableTorchFunction():
+            probs = torch.softmax(scores(query, key_states, *extras), dim=-1, dtype=softmax_dtype).to(query.dtype)
+            output = torch.matmul(probs, value_states)
+        # A gradient reaching the returned map from outside (a model that uses its attention
+        # weights) skips the halving of A V, so it is undone for it: as attention_core adds it.
+        probs = scaled_gradient(probs, 1.0 / bias_factor)
+    elif (rules is None or rules.attention_gate == "gradient") and (dropout == 0.0 or not module.training):
         # One Function for softmax(S) V that recomputes S and A in its backward pass: no
         # (B, H, Q, K) tensor is kept per layer (see attention_core).
         observer = SiteObserver() if active is not None else None
         output, probs = softmax_attention(scores, query, key_states, value_states, *extras,
                                           softmax_dtype=softmax_dtype, observer=observer)
     else:  # a constant gate or training-mode dropout between the map and the product
-        observer = None
         if rules is not None and rules.softmax == "identity":
             # The identity rule needs the scores: recompute them in the backward pass.
             probs = softmax_of_recomputed_scores(scores, query, key_states, *extras, dim=-1, dtype=softmax_dtype)
@@ -132,14 +161,73 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         dropped = nn.functional.dropout(gate(probs, rules), p=dropout, training=module.training)
         output = torch.matmul(dropped, value_states)
     if active is not None:
-        recorder, blocks = active
-        block = blocks.get(id(module)) or Block(type(module).__name__, module, block_kind(module))
-        # The recorder keeps the first mask per key stream: later calls need not derive theirs.
-        known = block.default_streams[1] in recorder.stream_valid
-        recorder.record(block, probs, key_valid=None if known else _key_valid_from_mask(attention_mask),
-                        causal=bool(getattr(module, "is_causal", False)) and block.kind == "self",
-                        observer=observer)
+        _record(active, module, probs, attention_mask, observer)
     return output.transpose(1, 2).contiguous(), probs
+
+
+def _record(active, module: nn.Module, probs: torch.Tensor, attention_mask: Optional[torch.Tensor],
+            observer: Optional[SiteObserver]) -> None:
+    recorder, blocks = active
+    block = blocks.get(id(module)) or Block(type(module).__name__, module, block_kind(module))
+    # The recorder keeps the first mask per key stream: later calls need not derive theirs.
+    known = block.default_streams[1] in recorder.stream_valid
+    recorder.record(block, probs, key_valid=None if known else _key_valid_from_mask(attention_mask),
+                    causal=bool(getattr(module, "is_causal", False)) and block.kind == "self",
+                    observer=observer)
+
+
+def captum_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                          scaling: Optional[float] = None, is_causal: Optional[bool] = None, **kwargs: Any):
+    """The kernel of models that run ``"sdpa"`` (under :data:`SDPA_KEY`, with transformers'
+    SDPA masks: boolean, or None for a causal or unpadded sequence).
+
+    When no map is wanted (relevance under rules that are a scaling of the operands, see
+    :mod:`~captum_transformers.propagation.fused_attention`: the AH gate, AttnLRP, plain
+    gradients), transformers' own ``sdpa_attention_forward`` runs over operands whose gradients
+    carry the rules: the forward is the model's own, and the backward pass is the fused kernel's,
+    which keeps nothing of size (B, H, Q, K). Otherwise (a map to record or differentiate, the
+    softmax identity rule, training-mode dropout, soft-capping) :func:`captum_attention` runs with
+    the mask SDPA was given, the causal one made explicit.
+    """
+    active = _ACTIVE.get()
+    rules = _RULES.get()
+    position_bias = kwargs.get("position_bias")
+    operands = None
+    if (active is None or not active[0].wants_maps) and _SWITCH.get() is None \
+            and (dropout == 0.0 or not module.training) \
+            and all(kwargs.get(name) is None for name in ("softcap", *_UNSUPPORTED_KERNEL_ARGS)):
+        bias_carries = position_bias is not None and position_bias.requires_grad
+        operands = fused_operands(rules, query, key, value, bias_carries)
+    if operands is None:
+        if attention_mask is None:
+            attention_mask = _causal_mask_of_sdpa(module, query, key, is_causal)
+        return captum_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    query, key, value, bias_factor = operands
+    if position_bias is not None:
+        kwargs["position_bias"] = (position_bias.detach() if bias_factor is None
+                                   else scaled_gradient(position_bias, bias_factor))
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                       is_causal=is_causal, **kwargs)
+    if active is not None:
+        # No map is made: the recorder reads only its shape (B, H, Q, K), from a zero-stride stand-in.
+        shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        _record(active, module, query.new_zeros(()).expand(shape), attention_mask, None)
+    return output, None
+
+
+def _causal_mask_of_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                         is_causal: Optional[bool]) -> Optional[torch.Tensor]:
+    """The boolean mask (1, 1, Q, K) that ``sdpa_attention_forward`` applies through
+    ``is_causal`` when it is given no mask (None when it applies none): the same decision
+    (the call's flag, else the module's, default True; more than one query), upper-left aligned."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if not (query.shape[2] > 1 and causal):
+        return None
+    rows = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril_()
+    return rows[None, None]
 
 
 def block_kind(module: nn.Module, name: str = "") -> str:
@@ -154,11 +242,13 @@ def _register_kernel() -> None:
     if _REGISTERED:
         return
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
     AttentionInterface.register(ATTENTION_KEY, captum_attention)
-    # The shipped eager mask by name: the "eager" entry may have been replaced already.
+    AttentionInterface.register(SDPA_KEY, captum_sdpa_attention)
+    # The shipped masks by name: the "eager" and "sdpa" entries may have been replaced already.
     AttentionMaskInterface.register(ATTENTION_KEY, eager_mask)
+    AttentionMaskInterface.register(SDPA_KEY, sdpa_mask)
     _REGISTERED = True
 
 
@@ -188,19 +278,24 @@ def _check_registry() -> None:
 
     registries = (("ALL_ATTENTION_FUNCTIONS", "AttentionInterface", ALL_ATTENTION_FUNCTIONS),
                   ("ALL_MASK_ATTENTION_FUNCTIONS", "AttentionMaskInterface", ALL_MASK_ATTENTION_FUNCTIONS))
+    expected = {("ALL_ATTENTION_FUNCTIONS", ATTENTION_KEY): captum_attention,
+                ("ALL_ATTENTION_FUNCTIONS", SDPA_KEY): captum_sdpa_attention,
+                ("ALL_MASK_ATTENTION_FUNCTIONS", ATTENTION_KEY): "eager_mask",
+                ("ALL_MASK_ATTENTION_FUNCTIONS", SDPA_KEY): "sdpa_mask"}
     for registry, interface, functions in registries:
-        ours = functions[ATTENTION_KEY]
-        expected_ours = (ours is captum_attention if registry == "ALL_ATTENTION_FUNCTIONS"
-                         else _shipped(ours) and getattr(ours, "__qualname__", "") == "eager_mask")
-        if not expected_ours:
-            raise CaptureError(
-                f"{registry}[{ATTENTION_KEY!r}] is {_describe(ours)}, not captum_transformers' own entry: another "
-                "library replaced it, so captured attention would be computed by that code. Undo it with "
-                f"`del {registry}[{ATTENTION_KEY!r}]` (a per-instance override) or do not re-register the key."
-            )
+        for our_key in (ATTENTION_KEY, SDPA_KEY):
+            ours, wanted = functions[our_key], expected[(registry, our_key)]
+            expected_ours = (ours is wanted if callable(wanted)
+                             else _shipped(ours) and getattr(ours, "__qualname__", "") == wanted)
+            if not expected_ours:
+                raise CaptureError(
+                    f"{registry}[{our_key!r}] is {_describe(ours)}, not captum_transformers' own entry: another "
+                    "library replaced it, so captured attention would be computed by that code. Undo it with "
+                    f"`del {registry}[{our_key!r}]` (a per-instance override) or do not re-register the key."
+                )
         for key in list(functions):
             function = functions[key]
-            if key == ATTENTION_KEY or _shipped(function) or (registry, key, id(function)) in _WARNED_FOREIGN:
+            if key in (ATTENTION_KEY, SDPA_KEY) or _shipped(function) or (registry, key, id(function)) in _WARNED_FOREIGN:
                 continue
             _WARNED_FOREIGN.add((registry, key, id(function)))
             local = key in getattr(functions, "_local_mapping", {})

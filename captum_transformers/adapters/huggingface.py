@@ -18,10 +18,11 @@ from torch import nn
 from ..capture import patching
 from ..errors import CaptureError, InputError
 from ..propagation.operation_rules import operation_rules
+from ..propagation.fused_attention import fusable
 from ..propagation.rules import RuleSet, norm_rules
 from ..capture.trace import CONTEXT, Block, InputSpan, StreamLayouts, Streams, TokenLayout
 from .base import Adapter
-from .hf_kernel import ATTENTION_KEY, active_recorder, active_rules, block_kind
+from .hf_kernel import ATTENTION_KEY, SDPA_KEY, active_recorder, active_rules, block_kind
 from .query_rows import QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen_rows
 from ..capture.recorder import Recorder
 
@@ -80,6 +81,13 @@ def _gradient_checkpointing_off(model: nn.Module) -> Iterator[None]:
             if getattr(module, "gradient_checkpointing", False) is True:
                 stack.enter_context(patching.flag(module, "gradient_checkpointing", False))  # this thread only
         yield
+
+
+def _runs_sdpa(model: nn.Module) -> bool:
+    """Whether every HF config of ``model`` stores the "sdpa" implementation (read past any
+    context that points it at the package's kernels)."""
+    configs = patching._reachable_configs(model)  # the configs the kernel key is switched on
+    return bool(configs) and all(getattr(c, "_attn_implementation_internal", None) == "sdpa" for c in configs)
 
 
 def _takes_decoder_inputs(model: nn.Module) -> bool:
@@ -198,7 +206,10 @@ class HuggingFaceAdapter(Adapter):
 
     @contextlib.contextmanager
     def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
-        with active_rules(rules), patching.hf_attention_implementation(model, ATTENTION_KEY), \
+        # Models that run SDPA keep it where the rules are a scaling of its operands (the AH gate,
+        # AttnLRP, plain gradients): their kernel key (see hf_kernel.captum_sdpa_attention).
+        key = SDPA_KEY if _runs_sdpa(model) and fusable(rules) else ATTENTION_KEY
+        with active_rules(rules), patching.hf_attention_implementation(model, key), \
                 _gradient_checkpointing_off(model), norm_rules(model, rules), operation_rules(model, rules):
             yield
 

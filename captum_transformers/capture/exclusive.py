@@ -31,8 +31,22 @@ def exclusive(model: nn.Module) -> Iterator[None]:
     All modules are taken at once (or none), so two explanations of overlapping models
     cannot deadlock; the holding thread may re-enter (the package nests its own contexts).
     """
-    ids = [id(module) for module in model.modules()]
     me = threading.get_ident()
+    with _HOLDERS_CHANGED:
+        root = _HOLDERS.get(id(model))
+        nested = root is not None and root[0] == me
+        if nested:  # this thread took every module of model already: count the root only
+            root[1] += 1
+    if nested:
+        # Each explanation enters several nested contexts; walking the modules for each cost a
+        # small model's explanation as much as its forward pass.
+        try:
+            yield
+        finally:
+            with _HOLDERS_CHANGED:
+                root[1] -= 1
+        return
+    ids = [id(module) for module in model.modules()]
     with _HOLDERS_CHANGED:
         _HOLDERS_CHANGED.wait_for(lambda: all(_HOLDERS.get(i, (me,))[0] == me for i in ids))
         for i in ids:

@@ -114,6 +114,12 @@ class Recorder:
         # The spec of the previous backward pass through the same graph (None in the first).
         self.first_spec: Optional[CaptureSpec] = None
 
+    @property
+    def wants_maps(self) -> bool:
+        """Whether any attention map is reduced (in the forward or the backward pass): when not,
+        a kernel need not make one, and :meth:`record` reads only the shape of ``probs``."""
+        return self.spec.forward_reduce is not None or self.spec.needs_gradient
+
     def connect(self, tensor: torch.Tensor) -> torch.Tensor:
         """Tap a block's floating-point input so gradients reach this block's attention."""
         if not self.spec.needs_gradient or not torch.is_grad_enabled() or not tensor.is_floating_point():

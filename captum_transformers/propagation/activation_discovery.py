@@ -8,17 +8,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .probe_cache import probed
+
 # Not activations, or activations whose torch function the mode already rules (closed-form ratio).
 _NOT_ACTIVATIONS = (nn.Dropout, nn.Identity, nn.Softmax, nn.LogSoftmax, nn.Flatten, nn.Unflatten,
                     nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Mish)
 
 
-@torch.no_grad()
 def is_activation(module: nn.Module, like: torch.Tensor) -> bool:
     """An elementwise, parameter-free map with ``f(0) = 0`` that is not the identity:
-    found by probing what it computes (hand-written GELUs such as GPT-2's ``gelu_new``)."""
+    found by probing what it computes (hand-written GELUs such as GPT-2's ``gelu_new``);
+    the answer is remembered while the module's state is unchanged (probe_cache)."""
     if isinstance(module, _NOT_ACTIVATIONS) or any(True for _ in module.children()):
         return False
+    return probed(module, ("activation", like.dtype, like.device), lambda: _probe_activation(module, like))
+
+
+@torch.no_grad()
+def _probe_activation(module: nn.Module, like: torch.Tensor) -> bool:
     if any(True for _ in module.parameters()) or any(b.is_floating_point() for b in module.buffers()):
         return False
     x = torch.linspace(-6, 6, 241, dtype=like.dtype, device=like.device).reshape(1, 241)

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..capture import patching
 from ..errors import InputError
+from .probe_cache import probed
 
 GateRule = Literal["gradient", "constant"]
 GatedProductRule = Literal["gradient", "constant"]
@@ -232,7 +233,8 @@ def find_norms(model: nn.Module) -> List[NormSite]:
         eps = _eps(module)
         if eps is None:
             continue
-        fitted = _probe(module, size, eps, like)
+        fitted = probed(module, ("norm", size, eps, like.dtype, like.device),
+                        lambda: _probe(module, size, eps, like))
         if fitted is not None:
             sites.append(NormSite(name, module, fitted[0], eps, fitted[1]))
     return sites
