@@ -62,8 +62,13 @@ def deletion_insertion(workspace, index: int, scores: torch.Tensor, target: int)
             copies.append(pixels * kept if step < len(counts) else pixels * (1 - kept))
         return torch.cat(copies)
 
-    probabilities = _probabilities(workspace, index, 2 * len(counts), build)[:, target].tolist()
-    deletion, insertion = probabilities[:len(counts)], probabilities[len(counts):]
+    return _curves(_probabilities(workspace, index, 2 * len(counts), build)[:, target].tolist(), target)
+
+
+def _curves(probabilities, target: int) -> dict:
+    """The deletion (first half of the steps) and insertion (second half) curves and their AUCs."""
+    half = len(probabilities) // 2
+    deletion, insertion = probabilities[:half], probabilities[half:]
     return {"x": list(FRACTIONS), "target": target,
             "deletion": {"y": deletion, "auc": trapezoid(deletion, FRACTIONS)},
             "insertion": {"y": insertion, "auc": trapezoid(insertion, FRACTIONS)}}
@@ -117,8 +122,4 @@ def _token_curves(workspace, index: int, scores: torch.Tensor, target: int) -> D
             copies.append(copy)
         return torch.cat(copies)
 
-    probabilities = _probabilities(workspace, index, 2 * len(counts), build)[:, target].tolist()
-    deletion, insertion = probabilities[:len(counts)], probabilities[len(counts):]
-    return {"x": list(FRACTIONS), "target": target,
-            "deletion": {"y": deletion, "auc": trapezoid(deletion, FRACTIONS)},
-            "insertion": {"y": insertion, "auc": trapezoid(insertion, FRACTIONS)}}
+    return _curves(_probabilities(workspace, index, 2 * len(counts), build)[:, target].tolist(), target)

@@ -25,9 +25,9 @@ import importlib.resources
 import json
 from typing import Any, Dict
 
-import torch
 
 from ..errors import InputError
+from .shipped_weights import load_shipped_weights
 
 WEIGHTS_FILE = "digit_vit.pt"
 RECORD_FILE = "digit_vit.json"
@@ -75,13 +75,5 @@ def load_digit_model():
         >>> load_digit_model().training
         False
     """
-    path = weights_path()
-    if not path.is_file():
-        raise InputError(f"The DigitCanvas weights {path} are missing (expected a float16 state dict shipped in "
-                         "captum_transformers/assets/). Reinstall captum_transformers, or recreate them with "
-                         "`python -m captum_transformers.tasks.train_digits`.")
-    with importlib.resources.as_file(path) as file:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    model = build_digit_model()
-    model.load_state_dict({name: tensor.float() for name, tensor in state.items()})
-    return model.eval()
+    return load_shipped_weights(build_digit_model(), weights_path(), "The DigitCanvas weights",
+                                "python -m captum_transformers.tasks.train_digits")

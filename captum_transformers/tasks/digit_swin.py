@@ -20,10 +20,8 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-import torch
-
-from ..errors import InputError
 from .digit_model import _asset
+from .shipped_weights import load_shipped_weights
 
 WEIGHTS_FILE = "digit_swin.pt"
 RECORD_FILE = "digit_swin.json"
@@ -49,14 +47,5 @@ def load_digit_swin():
 
     Raises :class:`InputError` naming the expected path when the weights file is missing.
     """
-    path = _asset(WEIGHTS_FILE)
-    if not path.is_file():
-        raise InputError(f"The DigitCanvas Swin weights {path} are missing (expected a float16 state dict shipped in "
-                         "captum_transformers/assets/). Recreate them with "
-                         "`python -m captum_transformers.tasks.train_digits --model swin`.")
-    import importlib.resources
-    with importlib.resources.as_file(path) as file:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    model = build_digit_swin()
-    model.load_state_dict({name: tensor.float() for name, tensor in state.items()})
-    return model.eval()
+    return load_shipped_weights(build_digit_swin(), _asset(WEIGHTS_FILE), "The DigitCanvas Swin weights",
+                                "python -m captum_transformers.tasks.train_digits --model swin")

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..errors import InputError
 from .graph_motifs import CLASSES, FEATURES
+from .shipped_weights import load_shipped_weights
 
 WEIGHTS_FILE = "motif_transformer.pt"
 RECORD_FILE = "motif_transformer.json"
@@ -71,12 +72,5 @@ def motif_model_record() -> Dict[str, Any]:
 
 def load_motif_model() -> MotifTransformer:
     """The shipped BA-2Motifs TransformerConv model in eval mode."""
-    path = _asset(WEIGHTS_FILE)
-    if not path.is_file():
-        raise InputError(f"The motif model weights {path} are missing (expected in captum_transformers/assets/). "
-                         "Recreate them with `python -m captum_transformers.tasks.train_motifs`.")
-    with importlib.resources.as_file(path) as file:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    model = MotifTransformer()
-    model.load_state_dict(state)
-    return model.eval()
+    return load_shipped_weights(MotifTransformer(), _asset(WEIGHTS_FILE), "The motif model weights",
+                                "python -m captum_transformers.tasks.train_motifs")

@@ -88,6 +88,13 @@ def _titles(titles: Optional[Sequence[str]], count: int) -> List[str]:
     return titles
 
 
+def _text_row(tokens, text_scores, row: int, special_tokens, attention_mask, merge_word_pieces) -> TokenHeatmap:
+    """The token heatmap of example ``row`` (its own padding mask)."""
+    mask = None if attention_mask is None else torch.as_tensor(attention_mask)[row:row + 1]
+    return TokenHeatmap([list(tokens[row])], {"text": text_scores[row:row + 1]}, special_tokens=special_tokens,
+                        attention_mask=mask, merge_word_pieces=merge_word_pieces, title="text")
+
+
 def text_image_view(tokens: Sequence[Sequence[str]], text_scores, images, image_maps, *,
                     titles: Optional[Sequence[str]] = None, special_tokens=(), attention_mask=None,
                     merge_word_pieces: bool = False, patch_grid=None, title: str = "Text and image relevance"
@@ -99,9 +106,7 @@ def text_image_view(tokens: Sequence[Sequence[str]], text_scores, images, image_
     titles = _titles(titles, count)
     rows = []
     for row in range(count):
-        mask = None if attention_mask is None else torch.as_tensor(attention_mask)[row:row + 1]
-        text = TokenHeatmap([list(tokens[row])], {"text": text_scores[row:row + 1]}, special_tokens=special_tokens,
-                            attention_mask=mask, merge_word_pieces=merge_word_pieces, title="text")
+        text = _text_row(tokens, text_scores, row, special_tokens, attention_mask, merge_word_pieces)
         rows.append([text, image_overlay(images[row], image_maps[row], title="image", patch_grid=patch_grid)])
     return StreamView(rows, titles, title)
 
@@ -143,9 +148,7 @@ def text_regions_view(tokens: Sequence[Sequence[str]], text_scores, region_score
     titles = _titles(titles, count)
     rows = []
     for row in range(count):
-        mask = None if attention_mask is None else torch.as_tensor(attention_mask)[row:row + 1]
-        text = TokenHeatmap([list(tokens[row])], {"text": text_scores[row:row + 1]}, special_tokens=special_tokens,
-                            attention_mask=mask, merge_word_pieces=merge_word_pieces, title="text")
+        text = _text_row(tokens, text_scores, row, special_tokens, attention_mask, merge_word_pieces)
         names = [f"region {index}" for index in range(region_scores.shape[1])]
         regions = TokenHeatmap([names], {"regions": region_scores[row:row + 1]}, title="regions")
         parts: List[Picture] = [text, regions]
