@@ -21,13 +21,9 @@ Example::
 """
 from __future__ import annotations
 
-import importlib.resources
-import json
 from typing import Any, Dict
 
-
-from ..errors import InputError
-from .shipped_weights import load_shipped_weights
+from .shipped_weights import asset, load_shipped_record, load_shipped_weights
 
 WEIGHTS_FILE = "digit_vit.pt"
 RECORD_FILE = "digit_vit.json"
@@ -47,8 +43,7 @@ def build_digit_model():
     return VisionTransformer(**MODEL_CONFIG)
 
 
-def _asset(name: str):
-    return importlib.resources.files("captum_transformers").joinpath("assets", name)
+_asset = asset  # the shipped file by name (kept for the Swin module and tests)
 
 
 def weights_path():
@@ -58,11 +53,8 @@ def weights_path():
 
 def digit_model_record() -> Dict[str, Any]:
     """The JSON record of the shipped weights: test accuracies, seed, training time, command."""
-    record = _asset(RECORD_FILE)
-    if not record.is_file():
-        raise InputError(f"The DigitCanvas model record {record} is missing; expected it next to {WEIGHTS_FILE}. "
-                         "Reinstall captum_transformers or run `python -m captum_transformers.tasks.train_digits`.")
-    return json.loads(record.read_text())
+    return load_shipped_record(RECORD_FILE, "The DigitCanvas model record",
+                               "python -m captum_transformers.tasks.train_digits")
 
 
 def load_digit_model():

@@ -18,16 +18,13 @@ Example::
 """
 from __future__ import annotations
 
-import importlib.resources
-import json
 from typing import Any, Dict
 
 import torch
 from torch import nn
 
-from ..errors import InputError
 from .graph_motifs import CLASSES, FEATURES
-from .shipped_weights import load_shipped_weights
+from .shipped_weights import asset, load_shipped_record, load_shipped_weights
 
 WEIGHTS_FILE = "motif_transformer.pt"
 RECORD_FILE = "motif_transformer.json"
@@ -57,20 +54,12 @@ class MotifTransformer(nn.Module):
         return self.head(global_mean_pool(hidden, batch))
 
 
-def _asset(name: str):
-    return importlib.resources.files("captum_transformers").joinpath("assets", name)
-
-
 def motif_model_record() -> Dict[str, Any]:
     """The JSON record of the shipped weights: test accuracies, seed, training time, command."""
-    record = _asset(RECORD_FILE)
-    if not record.is_file():
-        raise InputError(f"The motif model record {record} is missing; run "
-                         "`python -m captum_transformers.tasks.train_motifs` to recreate it.")
-    return json.loads(record.read_text())
+    return load_shipped_record(RECORD_FILE, "The motif model record", "python -m captum_transformers.tasks.train_motifs")
 
 
 def load_motif_model() -> MotifTransformer:
     """The shipped BA-2Motifs TransformerConv model in eval mode."""
-    return load_shipped_weights(MotifTransformer(), _asset(WEIGHTS_FILE), "The motif model weights",
+    return load_shipped_weights(MotifTransformer(), asset(WEIGHTS_FILE), "The motif model weights",
                                 "python -m captum_transformers.tasks.train_motifs")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import sys
@@ -44,6 +43,7 @@ from ..errors import InputError
 from .digit_canvas import DigitCanvasSet, digit_canvases, normalize
 from . import digit_swin
 from .digit_model import MODEL_CONFIG, RECORD_FILE, WEIGHTS_FILE, build_digit_model
+from .shipped_weights import save_shipped
 
 # --model: (builder, weights file, configuration recorded).
 ARCHITECTURES = {"vit": (build_digit_model, WEIGHTS_FILE, MODEL_CONFIG),
@@ -212,8 +212,6 @@ def train(epochs: int = DEFAULT_EPOCHS, seed: int = DEFAULT_SEED, canvases_per_e
 def save(result: Dict[str, Any], out: Path, command: str, epochs: int, seed: int,
          model_config: Optional[Dict[str, Any]] = None) -> Path:
     """Write the float16 state dict to ``out`` and its JSON record beside it (same stem, ``.json``)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.half() for k, v in result["model"].state_dict().items()}, out)
     import timm
     record = {
         "test_top1_one_digit": round(result["test"]["top1_one"], 4),
@@ -226,8 +224,7 @@ def save(result: Dict[str, Any], out: Path, command: str, epochs: int, seed: int
         "command": command, "model_config": MODEL_CONFIG if model_config is None else model_config, "storage": "float16 state dict, loaded as float32",
         "versions": {"torch": torch.__version__, "timm": timm.__version__},
     }
-    out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
-    return out
+    return save_shipped({k: v.half() for k, v in result["model"].state_dict().items()}, out, record)
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,6 +29,7 @@ import torch
 
 from .graph_motifs import motif_graphs
 from .motif_model import HEADS, HIDDEN, LAYERS, RECORD_FILE, WEIGHTS_FILE, MotifTransformer
+from .shipped_weights import save_shipped
 
 TRAIN_GRAPHS = 1000
 TEST_GRAPHS = 200
@@ -101,8 +101,6 @@ def save(result: Dict[str, Any], out: Path, command: str, epochs: int, seed: int
     """Write the state dict to ``out`` and its JSON record beside it (same stem, ``.json``)."""
     import torch_geometric
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(result["model"].state_dict(), out)
     record = {
         "test_accuracy": round(result["test_accuracy"], 4), "test_graphs": TEST_GRAPHS, "test_seed": TEST_SEED,
         "train_graphs": TRAIN_GRAPHS, "epochs": epochs, "seed": seed, "final_loss": round(result["losses"][-1], 4),
@@ -110,8 +108,7 @@ def save(result: Dict[str, Any], out: Path, command: str, epochs: int, seed: int
         "model": {"hidden": HIDDEN, "heads": HEADS, "layers": LAYERS},
         "versions": {"torch": torch.__version__, "torch_geometric": torch_geometric.__version__},
     }
-    out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
-    return out
+    return save_shipped(result["model"].state_dict(), out, record)
 
 
 def main(argv=None) -> int:
