@@ -57,6 +57,9 @@ class Adapter(abc.ABC):
 
     name: str = "adapter"
     families: str = ""
+    # Whether one token grid, possibly led by prefix tokens (CLS, registers), holds an image's
+    # patches in every attention call. False where calls see windows of several grids (Swin).
+    single_token_grid: bool = True
     #: The explained rows the user chose (adapters taking ``query_rows``); None: the adapter's default.
     query_rows_choice: QueryRows = None
 

@@ -77,6 +77,7 @@ class WindowedAdapterMixin:
     hook on each windowed layer during :meth:`capture`."""
 
     name = "windowed"
+    single_token_grid = False
 
     #: Half-precision dtypes whose forward pass of this family is itself unreliable (refused).
     refused_dtypes: Tuple[torch.dtype, ...] = ()

@@ -10,7 +10,6 @@ from . import functional
 from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec
 from ..errors import CaptureError, InputError
 from .base import TraceAttribution
-from ..adapters.windowed import WindowedAdapterMixin
 
 HeadWeights = Literal["row", "all"]
 HEAD_WEIGHTS = ("row", "all")
@@ -91,7 +90,7 @@ class AttentionGradCAM(TraceAttribution):
         # map: each row is weighted over its own window's keys as the gradient arrives.
         tensors = [*inputs, *additional, *(forward_kwargs or {}).values()]
         image = any(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() for t in tensors)
-        keep_heads = image and not isinstance(self.adapter, WindowedAdapterMixin)
+        keep_heads = image and self.adapter.single_token_grid
         return self.adapter.trace(self.model, inputs, additional, target, self.capture_spec(keep_heads=keep_heads),
                                   forward_kwargs)
 
