@@ -12,8 +12,10 @@ process times, interleaved (each round runs every operation once, rotated), medi
   process and never undoes it; here its patches are applied around each of its calls and the
   originals put back after, so the package's runs see the library's own classes.
 
+Timing runs with glibc keeping freed buffers (``--allocator reuse``, the steady state of an
+evaluation loop; ``fresh`` maps every buffer of 64 KiB or more anew, as earlier runs did).
 Peak memory (above what was live before the call, peak RSS on CPU) is measured after the
-timings, once per operation. Ratios are to the reference of the same model, so values below
+timings, once per operation, with every buffer mapped anew. Ratios are to the reference of the same model, so values below
 1.0x are cheaper than one forward + backward.
 
 Command (one thread, the README's table)::
@@ -42,7 +44,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peak_memory import _tight_malloc, peak_bytes  # noqa: E402
+from peak_memory import _reusing_malloc, _tight_malloc, peak_bytes  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +182,20 @@ def make_ops(model: torch.nn.Module, family: str, size: LlmSize, with_lxt: bool)
     return ops
 
 
+# How glibc allocates while timing: "reuse" keeps freed buffers (the steady state of an evaluation
+# loop; see peak_memory._reusing_malloc), "fresh" maps every buffer of 64 KiB or more anew.
+# Memory is always measured under "fresh".
+ALLOCATOR = {"mode": "reuse"}
+
+
+def _timing_allocator() -> None:
+    (_reusing_malloc if ALLOCATOR["mode"] == "reuse" else _tight_malloc)()
+
+
 def time_interleaved(ops: Dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> Dict[str, tuple]:
     """Median (wall, CPU) seconds per op over ``repeats`` rounds; each round runs every op once,
     rotated. CPU time (this process) is the steadier measure on a shared machine."""
+    _timing_allocator()
     names = list(ops)
     for _ in range(warmup):
         for name in names:
@@ -203,6 +216,7 @@ def measure(family: str, size: LlmSize, impl: str, repeats: int, with_lxt: bool,
     model = build_llm(family, size, impl)
     ops = make_ops(model, family, size, with_lxt)
     times = time_interleaved(ops, repeats)
+    _tight_malloc()
     peaks = {name: peak_bytes(op)[0] for name, op in ops.items()} if memory else {}
     return {name: (times[name], peaks.get(name)) for name in ops}
 
@@ -273,12 +287,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--quick", action="store_true", help="one tiny size, two repeats (smoke test)")
     parser.add_argument("--tables", nargs="+", default=["llm", "vit"], choices=["llm", "vit"])
+    parser.add_argument("--allocator", default="reuse", choices=["reuse", "fresh"],
+                        help="glibc while timing: keep freed buffers (reuse) or map each anew (fresh)")
     args = parser.parse_args(argv)
+    ALLOCATOR["mode"] = args.allocator
     args.families_given = any(a.startswith("--families") for a in (argv if argv is not None else sys.argv[1:]))
     torch.set_num_threads(args.threads)
-    _tight_malloc()
     why_not = lxt_available()
-    print(f"torch {torch.__version__}, {args.threads} thread(s); LXT: "
+    print(f"torch {torch.__version__}, {args.threads} thread(s), timed with the {args.allocator!r} allocator; LXT: "
           + ("imported (run from its repository's source)" if why_not is None else f"not importable ({why_not})"))
     sizes = [QUICK] if args.quick else [SIZES[name] for name in args.sizes]
     repeats = 2 if args.quick else args.repeats

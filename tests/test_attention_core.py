@@ -181,3 +181,54 @@ def test_without_gradients_it_is_the_two_operations():
     expected = _separate(query, key, value, bias, mask, None)
     assert torch.equal(output, expected[0]) and torch.equal(probs, expected[1])
     assert output.grad_fn is None
+
+
+def _scores_by_hand(query, key, mask):
+    scores = torch.matmul(query, key.transpose(-1, -2))
+    return (scores * 0.5 + mask) if torch.is_grad_enabled() else scores.mul_(0.5).add_(mask)
+
+
+_scores_by_hand.plain_gradient = lambda g, query, key: (torch.matmul(g.mul_(0.5), key),
+                                                        torch.matmul(g.transpose(-1, -2), query))
+
+
+@pytest.mark.parametrize("softmax_dtype", [None, torch.float32], ids=["same-dtype", "float32-softmax"])
+def test_a_scores_function_differentiated_by_hand_gives_autograds_gradients(softmax_dtype):
+    """A scores function carrying ``plain_gradient`` (S = scale Q K^T + a constant mask) is
+    recomputed without a graph and differentiated by hand in the plain backward pass: the
+    gradients and the map's gradient handed to the observer are autograd's, to 1e-12."""
+    query, key, value, _, mask = _tensors()
+    calls = []
+
+    class Observer:
+        wanted, deferred = True, False
+
+        def __call__(self, probs, grad):
+            calls.append((probs.clone(), grad.clone()))
+
+    weights = torch.linspace(-1, 2, B * H * Q * D, dtype=torch.float64).reshape(B, H, Q, D)
+    output, _ = softmax_attention(_scores_by_hand, query, key, value, mask, softmax_dtype=softmax_dtype,
+                                  observer=Observer())
+    fused = torch.autograd.grad((output * weights).sum(), (query, key, value))
+    expected_output, probs = _separate(query, key, value, torch.zeros(()), mask, softmax_dtype)
+    probs.retain_grad()
+    (expected_output * weights).sum().backward(inputs=[query, key, value, probs])
+    assert torch.equal(output, expected_output)
+    for mine, theirs in zip(fused, (query.grad, key.grad, value.grad)):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-12)
+    (seen_probs, seen_grad), = calls
+    torch.testing.assert_close(seen_probs, probs.detach(), rtol=0, atol=1e-15)
+    torch.testing.assert_close(seen_grad, probs.grad, rtol=0, atol=1e-12)
+
+
+def test_a_hand_gradient_is_not_used_where_an_extra_needs_a_gradient():
+    """A bias that needs its gradient takes autograd's path: its gradient is returned."""
+    query, key, value, bias, mask = _tensors()
+
+    def scores(query, key, bias):
+        return torch.matmul(query, key.transpose(-1, -2)) * 0.5 + bias
+
+    scores.plain_gradient = lambda g, query, key: pytest.fail("the hand gradient ignores the bias")
+    output, _ = softmax_attention(scores, query, key, value, bias)
+    (g_bias,) = torch.autograd.grad(output.sum(), (bias,))
+    assert g_bias.abs().sum() > 0

@@ -66,6 +66,15 @@ def _key_valid_from_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]
     return rows.amax(dim=1) > torch.finfo(rows.dtype).min / 2
 
 
+def _add_in_place(scores: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
+    """``scores + addend``, in ``scores``'s buffer where that gives the same tensor (same dtype
+    and shape after broadcasting); a new tensor otherwise."""
+    if torch.result_type(scores, addend) == scores.dtype \
+            and torch.broadcast_shapes(scores.shape, addend.shape) == scores.shape:
+        return scores.add_(addend)
+    return scores + addend
+
+
 def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
     if groups == 1:
         return states
@@ -120,17 +129,38 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
     def scores(query: torch.Tensor, key_states: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor:
         extras = iter(extras)
-        scores = torch.matmul(query, key_states.transpose(-1, -2)) * scaling
+        scores = torch.matmul(query, key_states.transpose(-1, -2))
+        if torch.is_grad_enabled():
+            scores = scores * scaling
+            if position_bias is not None:
+                scores = scores + next(extras)
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            if mask is not None:
+                if mask.dtype == torch.bool:
+                    scores = scores.masked_fill(~next(extras), torch.finfo(scores.dtype).min)
+                else:
+                    scores = scores + next(extras)
+            return scores
+        # Nothing to differentiate: the same operations, in the product's fresh buffer.
+        scores.mul_(scaling)
         if position_bias is not None:
-            scores = scores + next(extras)
+            scores = _add_in_place(scores, next(extras))
         if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
+            scores.div_(softcap).tanh_().mul_(softcap)
         if mask is not None:
             if mask.dtype == torch.bool:
-                scores = scores.masked_fill(~next(extras), torch.finfo(scores.dtype).min)
+                scores.masked_fill_(~next(extras), torch.finfo(scores.dtype).min)
             else:
-                scores = scores + next(extras)
+                scores = _add_in_place(scores, next(extras))
         return scores
+
+    if softcap is None:
+        def plain_gradient(g_scores: torch.Tensor, query: torch.Tensor, key_states: torch.Tensor):
+            g_scores = g_scores.mul_(scaling)
+            return torch.matmul(g_scores, key_states), torch.matmul(g_scores.transpose(-1, -2), query)
+
+        scores.plain_gradient = plain_gradient
 
     extras = tuple(t for t in (position_bias, mask) if t is not None)
     # float32 at least (half-precision scores), float64 for float64 models: the model's own

@@ -60,6 +60,12 @@ def sdpa_as_softmax_attention(query: torch.Tensor, key: torch.Tensor, value: tor
     def scores(query: torch.Tensor, key: torch.Tensor, *mask: torch.Tensor) -> torch.Tensor:
         return _with_mask((query * scale) @ key.transpose(-2, -1), mask[0] if mask else None, is_causal)
 
+    def plain_gradient(g_scores: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        """``S = (scale Q) K^T`` differentiated by hand (see attention_core)."""
+        return torch.matmul(g_scores, key).mul_(scale), torch.matmul(g_scores.transpose(-1, -2), query * scale)
+
+    scores.plain_gradient = plain_gradient
+
     if dropout_p > 0.0:
         probs = torch.softmax(scores(query, key, *extras), dim=-1)
         if report is not None:

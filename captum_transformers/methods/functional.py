@@ -36,7 +36,7 @@ def gradient_weighted_heads(probs: torch.Tensor, grad: torch.Tensor, valid: Opti
     ``valid`` is accepted for a uniform signature; padded keys already have ``A = 0``.
     """
     dtype = _accumulation_dtype(probs)
-    return (grad.to(dtype) * probs.to(dtype)).clamp(min=0).mean(dim=1)
+    return (grad.to(dtype) * probs.to(dtype)).clamp_(min=0).mean(dim=1)  # the product is fresh: clamped in place
 
 
 def gradcam_heads(probs: torch.Tensor, grad: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -139,7 +139,7 @@ class PartialLRP(TraceAttribution):
         self.rules = rules
 
     def capture_spec(self) -> CaptureSpec:
-        return CaptureSpec(backward_reduce=lambda probs, grad, valid: _relevance(probs, grad).clamp(min=0).mean(1),
+        return CaptureSpec(backward_reduce=lambda probs, grad, valid: _relevance(probs, grad).clamp_(min=0).mean(1),
                            backward_blocks="last")
 
     def _trace(self, inputs, target, additional, forward_kwargs) -> AttentionTrace:

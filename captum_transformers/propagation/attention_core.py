@@ -40,8 +40,17 @@ class MapObserver(Protocol):
 
 
 def _attend(scores_fn, query, key, value, extras, softmax_dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The two operations, ``(A V, A)``, exactly as the explicit attention computes them."""
-    probs = torch.softmax(scores_fn(query, key, *extras), dim=-1, dtype=softmax_dtype).to(query.dtype)
+    """The two operations, ``(A V, A)``, exactly as the explicit attention computes them.
+
+    Without gradients the softmax overwrites the scores (same values: it reads each row before
+    writing it): one (B, H, Q, K) buffer per layer instead of two, and no fresh pages to fault in.
+    """
+    scores = scores_fn(query, key, *extras)
+    if not torch.is_grad_enabled() and scores._base is None and all(scores is not t for t in (query, key, *extras)):
+        probs = _softmax_in_place(scores, softmax_dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype)
+    probs = probs.to(query.dtype)
     return torch.matmul(probs, value), probs
 
 
@@ -68,9 +77,17 @@ class _SoftmaxAttention(torch.autograd.Function):
         query, key, value, *extras = ctx.saved_tensors
         plain = ctx.mode is None or (ctx.switch is not None and ctx.switch.plain)
         rules = None if ctx.mode is None else ctx.mode.rules
-        leaves = [t.detach().requires_grad_(t.requires_grad) for t in (query, key, *extras)]
-        scores = recompute_under_rules(ctx.scores_fn, leaves, None if plain else ctx.mode, ctx.switch)
-        soft = torch.softmax(scores.detach(), dim=-1, dtype=ctx.softmax_dtype)
+        plain_gradient = _plain_gradient_of_scores(ctx, plain, extras)
+        if plain_gradient is not None:
+            # The scores and the map again, without a graph, the softmax in the scores' buffer.
+            with torch.no_grad():
+                scores = ctx.scores_fn(query, key, *extras)
+            soft = _softmax_in_place(scores, ctx.softmax_dtype)
+            leaves = ()
+        else:
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in (query, key, *extras)]
+            scores = recompute_under_rules(ctx.scores_fn, leaves, None if plain else ctx.mode, ctx.switch)
+            soft = torch.softmax(scores.detach(), dim=-1, dtype=ctx.softmax_dtype)
         probs = soft.to(query.dtype)
         if g_output is None:
             g_output = torch.zeros((*probs.shape[:-1], value.shape[-1]), dtype=value.dtype, device=value.device)
@@ -94,14 +111,37 @@ class _SoftmaxAttention(torch.autograd.Function):
         elif report == "now":
             ctx.observer(probs, g_probs)
         g_scores = scores_gradient(soft, scores.detach(), g_probs.to(soft.dtype), -1,
-                                   identity=not plain and rules.softmax == "identity", owned=owns_buffer(scores))
+                                   identity=not plain and rules.softmax == "identity",
+                                   owned=plain_gradient is None and owns_buffer(scores))
         del soft, probs, g_probs
+        if plain_gradient is not None:
+            g_query, g_key = plain_gradient(g_scores.to(query.dtype), query, key)
+            g_value = g_value.sum_to_size(value.shape) if value.requires_grad else None
+            return (None, None, None, None, None, g_query if query.requires_grad else None,
+                    g_key if key.requires_grad else None, g_value, *[None for _ in extras])
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
         grads = iter(torch.autograd.grad(scores, wanted, g_scores.to(scores.dtype), allow_unused=True)
                      if wanted else ())
         g_query, g_key, *g_extras = [next(grads) if leaf.requires_grad else None for leaf in leaves]
         g_value = g_value.sum_to_size(value.shape) if value.requires_grad else None
         return (None, None, None, None, None, g_query, g_key, g_value, *g_extras)
+
+
+def _plain_gradient_of_scores(ctx, plain: bool, extras) -> Optional[Callable]:
+    """``scores_fn.plain_gradient`` (``(g_S, Q, K) -> (g_Q, g_K)``, which a scores function
+    of the form ``S = scale Q K^T`` plus constant masks may carry) where the plain gradient is
+    wanted and no extra operand (a bias, a mask) needs one: the backward then recomputes
+    ``S`` without a graph and differentiates the product by hand (no scaled copy of the
+    (B, H, Q, K) gradient, no autograd pass)."""
+    if not plain or any(t.requires_grad for t in extras):
+        return None
+    return getattr(ctx.scores_fn, "plain_gradient", None)
+
+
+def _softmax_in_place(scores: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    if scores.dtype == (dtype or scores.dtype):
+        return torch.softmax(scores, dim=-1, out=scores)
+    return torch.softmax(scores, dim=-1, dtype=dtype)
 
 
 def _uniform(ctx) -> bool:
