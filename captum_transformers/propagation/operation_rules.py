@@ -125,6 +125,9 @@ class _IdentityRule(torch.autograd.Function):
                 dim = ctx.kwargs.get("dim", ctx.args[1] if len(ctx.args) > 1 else None)
                 if isinstance(dim, int):
                     return torch._softmax_backward_data(grad, output, dim, x.dtype), None, None, None, None
+            by_hand = _PLAIN_ACTIVATION_GRADIENTS.get(ctx.func)
+            if by_hand is not None and ctx.args and ctx.args[0] is x and grad.dtype == x.dtype:
+                return by_hand(grad, x, ctx.args, ctx.kwargs), None, None, None, None
             return plain_gradient_of(ctx.func, ctx.args, ctx.kwargs, x, grad), None, None, None, None
         ratio = ctx.ratio_fn(x, output) if ctx.ratio_fn is not None else identity_ratio(output, x)
         return ratio.to(grad.dtype).mul_(grad), None, None, None, None
@@ -218,12 +221,16 @@ def _gelu_ratio(approximate: str) -> Callable:
     def ratio(x, output):
         if approximate == "tanh":
             return 0.5 * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x.pow(3))))
-        return 0.5 * (1 + torch.erf(x * 0.7071067811865476))
+        return torch.special.ndtr(x)  # 0.5 (1 + erf(x / sqrt 2)) in one pass (the same values)
     return ratio
 
 
+def _gelu_approximation(args, kwargs) -> str:
+    return kwargs.get("approximate", args[1] if len(args) > 1 else "none")
+
+
 _ACTIVATIONS = {
-    F.gelu: lambda args, kwargs: _gelu_ratio(kwargs.get("approximate", args[1] if len(args) > 1 else "none")),
+    F.gelu: lambda args, kwargs: _gelu_ratio(_gelu_approximation(args, kwargs)),
     F.silu: lambda args, kwargs: (lambda x, y: torch.sigmoid(x)),
     F.relu: lambda args, kwargs: (lambda x, y: (x > 0).to(x.dtype)),
     torch.relu: lambda args, kwargs: (lambda x, y: (x > 0).to(x.dtype)),
@@ -231,6 +238,13 @@ _ACTIVATIONS = {
     torch.Tensor.tanh: lambda args, kwargs: None,
     torch.sigmoid: lambda args, kwargs: None,
     F.mish: lambda args, kwargs: None,
+}
+# The plain gradient of an activation from its input, as autograd computes it, without
+# running the activation again (the backward switch's plain pass).
+_PLAIN_ACTIVATION_GRADIENTS = {
+    F.gelu: lambda grad, x, args, kwargs: torch.ops.aten.gelu_backward(grad, x,
+                                                                       approximate=_gelu_approximation(args, kwargs)),
+    F.silu: lambda grad, x, args, kwargs: torch.ops.aten.silu_backward(grad, x),
 }
 _SOFTMAX = (torch.softmax, F.softmax, torch.Tensor.softmax)
 _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm)
