@@ -72,8 +72,9 @@ class _LinearAlphaBeta(torch.autograd.Function):
 
 
 # Rows per chunk of a linear rule's backward: its temporaries (a few (rows, features)
-# buffers) stay near this many elements instead of growing with the batch.
-_CHUNK_ELEMENTS = 1 << 20
+# buffers) stay near this many elements instead of growing with the batch (16 MiB in float32:
+# a ViT-S batch of 16 is one chunk).
+_CHUNK_ELEMENTS = 1 << 22
 
 
 def _row_chunks(rule: Callable, weights: tuple, x, bias, output, grad, dtype: torch.dtype) -> torch.Tensor:
@@ -95,14 +96,18 @@ def _row_chunks(rule: Callable, weights: tuple, x, bias, output, grad, dtype: to
     for start in range(0, rows_x.shape[0], step):
         rows = slice(start, start + step)
         chunk_bias = bias[rows] if bias is not None and bias.dim() > 1 else bias
-        g_x[rows] = rule(rows_x[rows].to(dtype), weights, chunk_bias, rows_out[rows].to(dtype),
-                         rows_grad[rows].to(dtype))
+        # The rule writes its last product into the gradient buffer where the dtypes allow.
+        out = g_x[rows] if g_x.dtype == dtype else None
+        chunk = rule(rows_x[rows].to(dtype), weights, chunk_bias, rows_out[rows].to(dtype), rows_grad[rows].to(dtype),
+                     out=out)
+        if chunk is not out:
+            g_x[rows] = chunk
     return g_x.view(x.shape)
 
 
-def _alpha_beta_shared(x, weights, bias, output, grad) -> torch.Tensor:
+def _alpha_beta_shared(x, weights, bias, output, grad, out=None) -> torch.Tensor:
     """Eq. 5 of Chefer et al. in three matmuls (see :class:`_LinearAlphaBeta`);
-    ``weights = (W, |W|)``."""
+    ``weights = (W, |W|)``; the result is written into ``out`` when given."""
     weight, magnitude = weights
     relevance = output * grad
     # 2 z+ = 2 (x+ W+ + x- W-) = x W + |x| |W|, with x W = output - bias already known.
@@ -114,10 +119,10 @@ def _alpha_beta_shared(x, weights, bias, output, grad) -> torch.Tensor:
     # Not torch.where: on CPU it is several times slower than sign and multiply-add.
     half_s = safe_divide(relevance, twice_z_pos, 2 * _TINY, in_place=True)
     signed = (half_s @ magnitude).mul_(x.sign())
-    return (half_s @ weight).add_(signed)
+    return torch.matmul(half_s, weight, out=out).add_(signed)
 
 
-def _alpha_beta_separate(x, weights, bias, output, grad) -> torch.Tensor:
+def _alpha_beta_separate(x, weights, bias, output, grad, out=None) -> torch.Tensor:
     """Eq. 4 applied to the (x+, W+) and (x-, W-) pairs separately (the authors' LRP baseline);
     ``weights = (W+, W-)``."""
     w_pos, w_neg = weights
@@ -169,18 +174,18 @@ class _LinearGamma(torch.autograd.Function):
         return g_x.to(x.dtype), None, None, None, None, None, None, None
 
 
-def _gamma(x, weights, bias, output, grad) -> torch.Tensor:
+def _gamma(x, weights, bias, output, grad, out=None) -> torch.Tensor:
     """``W_gamma^T (R / z_gamma)`` for rows of a linear layer; ``weights = (W_gamma,)``,
-    ``bias`` = ``b + gamma b+`` (or None)."""
+    ``bias`` = ``b + gamma b+`` (or None); written into ``out`` when given."""
     (w_gamma,) = weights
     z_gamma = x @ w_gamma.t()
     if bias is not None:
         z_gamma.add_(bias)
     s = safe_divide(output * grad, z_gamma, _TINY, in_place=True)  # _TINY read now: tests can vary it
-    return s @ w_gamma
+    return torch.matmul(s, w_gamma, out=out)
 
 
-def _generalized_gamma(x, weights, bias, output, grad, gamma: float) -> torch.Tensor:
+def _generalized_gamma(x, weights, bias, output, grad, gamma: float, out=None) -> torch.Tensor:
     """The generalised gamma rule (Andeol et al. 2021, as zennit's ``Gamma``): contributions
     of the output's sign are amplified. ``weights = (W + gamma W+, W + gamma W-)``, the biases
     likewise. For ``z_i > 0``: ``D_i = x+ W_up + x- W_down + b_up``, for ``z_i < 0``:
