@@ -27,6 +27,8 @@ from ..errors import CaptureError
 from ..propagation.attention_core import softmax_attention
 from ..propagation.backward_switch import _SWITCH
 from ..propagation.fused_attention import fused_operands, scaled_gradient
+from ..propagation.head_products import heads_matmul
+from ..propagation.constant_map_attention import attention_over_constant_map
 from ..propagation.recomputed_softmax import softmax_of_recomputed_scores
 from ..propagation.rules import RuleSet, gate
 from ..capture.trace import Block
@@ -129,7 +131,7 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
     def scores(query: torch.Tensor, key_states: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor:
         extras = iter(extras)
-        scores = torch.matmul(query, key_states.transpose(-1, -2))
+        scores = heads_matmul(query, key_states.transpose(-1, -2))
         if torch.is_grad_enabled():
             scores = scores * scaling
             if position_bias is not None:
@@ -239,8 +241,19 @@ def captum_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
                                    else scaled_gradient(position_bias, bias_factor))
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                       is_causal=is_causal, **kwargs)
+    def run(value: torch.Tensor) -> torch.Tensor:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)[0]
+
+    if bias_factor is None and kwargs.get("position_bias") is None and kwargs.get("cache") is None \
+            and torch.is_grad_enabled() and value.requires_grad:
+        # A constant map (the AH rule): the model's own call forward, g_V = A^T g_O backward.
+        mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None \
+            else _causal_mask_of_sdpa(module, query, key, is_causal)
+        output = attention_over_constant_map(run, query, key, value, mask,
+                                             query.shape[-1] ** -0.5 if scaling is None else scaling)
+    else:
+        output = run(value)
     if active is not None:
         # No map is made: the recorder reads only its shape (B, H, Q, K), from a zero-stride stand-in.
         shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])

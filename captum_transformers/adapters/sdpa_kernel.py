@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..capture import patching
 from ..propagation.attention_core import softmax_attention
+from ..propagation.head_products import heads_matmul
 from ..capture.recorder import SiteObserver
 
 # Called with the map (B, H, Q, K) and the observer that will report its gradient.
@@ -58,7 +59,7 @@ def sdpa_as_softmax_attention(query: torch.Tensor, key: torch.Tensor, value: tor
     extras = () if attn_mask is None or is_causal else (attn_mask,)
 
     def scores(query: torch.Tensor, key: torch.Tensor, *mask: torch.Tensor) -> torch.Tensor:
-        return _with_mask((query * scale) @ key.transpose(-2, -1), mask[0] if mask else None, is_causal)
+        return _with_mask(heads_matmul(query * scale, key.transpose(-2, -1)), mask[0] if mask else None, is_causal)
 
     def plain_gradient(g_scores: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
         """``S = (scale Q) K^T`` differentiated by hand (see attention_core)."""

@@ -20,6 +20,7 @@ from typing import Callable, Optional, Protocol, Tuple
 import torch
 
 from .backward_switch import _SWITCH
+from .head_products import heads_matmul
 from .operation_rules import _ACTIVE_RULES
 from .recomputed_softmax import owns_buffer, recompute_under_rules, scores_gradient
 
@@ -51,7 +52,7 @@ def _attend(scores_fn, query, key, value, extras, softmax_dtype) -> Tuple[torch.
     else:
         probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype)
     probs = probs.to(query.dtype)
-    return torch.matmul(probs, value), probs
+    return heads_matmul(probs, value), probs
 
 
 class _SoftmaxAttention(torch.autograd.Function):

@@ -263,8 +263,9 @@ class _ScaleConstantNorm(torch.autograd.Function):
         dtype = torch.promote_types(x.dtype, torch.float32)
         x = x.to(dtype)
         centred = x - x.mean(dim=-1, keepdim=True) if ctx.centered else x
-        sigma = torch.sqrt(centred.pow(2).mean(dim=-1, keepdim=True) + ctx.eps)
-        scaled = grad.to(dtype) * scale.to(dtype) / sigma
+        # sigma = sqrt(mean(centred^2) + eps), from the norm of each row: no squared copy of x.
+        sigma = torch.linalg.vector_norm(centred, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(ctx.eps).sqrt_()
+        scaled = (grad.to(dtype) * scale.to(dtype)).div_(sigma)
         if ctx.centered and not ctx.freeze_mean:
             scaled = scaled - scaled.mean(dim=-1, keepdim=True)
         return scaled.to(grad.dtype), None, None, None, None, None, None
