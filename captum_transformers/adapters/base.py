@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..capture import patching
+from ..capture import module_walk
 from ..capture.compiled import uncompiled
 from ..capture.exclusive import exclusive, holding_the_model
 from ..errors import CaptureError, InputError
@@ -35,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def find_patch_size(model: nn.Module) -> Optional[Tuple[int, int]]:
     """The patch size of the first patch-embedding convolution (kernel == stride)."""
-    for module in model.modules():
+    for module in module_walk.modules(model):
         if isinstance(module, nn.Conv2d) and tuple(module.kernel_size) == tuple(module.stride):
             return tuple(module.kernel_size)
     return None
@@ -363,6 +364,11 @@ class Adapter(abc.ABC):
         stream (:meth:`first_layers`), summed over the hidden size, (B, N) per stream.
         ``at="inputs"``: ``x * dy/dx`` for every floating-point input.
         """
+        with exclusive(model):  # held from the start: every question about the modules reads one walk
+            return self._relevance(model, inputs, additional_forward_args, target, rules, at, forward_kwargs)
+
+    def _relevance(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
+                   target: Any, rules: "RuleSet", at: str, forward_kwargs: Optional[dict]) -> "RelevanceResult":
         refuse_unexplainable_batch(inputs)
         refuse_rounding_sensitive(rules, model_dtype(model))
         if at not in ("tokens", "inputs"):

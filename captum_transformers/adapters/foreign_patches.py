@@ -25,6 +25,7 @@ from typing import Dict, Iterator, Optional, Tuple
 from torch import nn
 
 from ..errors import CaptureError
+from ..capture import module_walk
 
 # Libraries whose classes are checked, and whose functions their methods may be.
 _LIBRARIES = ("transformers", "torch", "timm")
@@ -79,7 +80,7 @@ def _unchanged(owner: type) -> bool:
 def check_library_classes(model: nn.Module) -> None:
     """Raise :class:`CaptureError` if a method of a transformers / torch / timm class used by
     ``model`` is a function from elsewhere (replaced in this process by another library)."""
-    owners = {owner for cls in {type(module) for module in model.modules()} for owner in _library_owners(cls)}
+    owners = {owner for cls in {type(module) for module in module_walk.modules(model)} for owner in _library_owners(cls)}
     for owner in owners:
         if _unchanged(owner):
             continue

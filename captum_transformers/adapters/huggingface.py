@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..capture import patching
+from ..capture import module_walk
 from ..errors import CaptureError, InputError
 from ..propagation.operation_rules import operation_rules
 from ..propagation.fused_attention import fusable
@@ -58,7 +59,7 @@ _SCORE_FIELDS = ("logits", "logits_per_image")
 def _pretrained(model: nn.Module) -> nn.Module:
     from transformers import PreTrainedModel
 
-    for module in model.modules():
+    for module in module_walk.modules(model):
         if isinstance(module, PreTrainedModel):
             return module
     raise CaptureError(f"{type(model).__name__} contains no transformers PreTrainedModel.")
@@ -77,7 +78,7 @@ def _gradient_checkpointing_off(model: nn.Module) -> Iterator[None]:
     its forward in the backward pass, outside the capture, with another attention kernel
     (torch raises CheckpointError). Each module's own flag is restored on exit."""
     with contextlib.ExitStack() as stack:
-        for module in model.modules():
+        for module in module_walk.modules(model):
             if getattr(module, "gradient_checkpointing", False) is True:
                 stack.enter_context(patching.flag(module, "gradient_checkpointing", False))  # this thread only
         yield
@@ -178,7 +179,7 @@ class HuggingFaceAdapter(Adapter):
         self.query_rows_choice = checked_query_rows(query_rows)
 
     def blocks(self, model: nn.Module) -> List[Block]:
-        found = [(name, m, block_kind(m, name)) for name, m in model.named_modules() if _is_attention_module(m)]
+        found = [(name, m, block_kind(m, name)) for name, m in module_walk.named_modules(model) if _is_attention_module(m)]
         streams = [self.block_streams(name, kind) for name, _, kind in found]
         if len({s[0] for s in streams if s is not None}) < 2:
             streams = [None] * len(found)  # one sequence: the default "tokens" stream
@@ -231,7 +232,7 @@ class HuggingFaceAdapter(Adapter):
         device = inputs[0].device
         if self.query_rows_choice is not None:
             return chosen_rows(self.query_rows_choice, num_tokens, token_mask, batch, device)
-        for module in model.modules():
+        for module in module_walk.modules(model):
             rows = _CLASS_ROWS.get(type(module).__name__)
             if rows is not None:
                 return torch.tensor(rows, device=device).expand(batch, -1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Tuple
 
+import itertools
 import torch
 from torch import nn
 
@@ -23,7 +24,7 @@ def relevance_carrying(inputs: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor, 
 
 def model_dtype(model: nn.Module) -> torch.dtype:
     """The dtype of the model's first floating-point parameter or buffer (float32 if none)."""
-    return next((t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), torch.float32)
+    return next((t.dtype for t in itertools.chain(model.parameters(), model.buffers()) if t.is_floating_point()), torch.float32)
 
 
 def refuse_integer_pixels(inputs: Tuple[torch.Tensor, ...]) -> None:

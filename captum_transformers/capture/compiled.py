@@ -23,6 +23,7 @@ from typing import Iterator, List
 from torch import nn
 
 from . import patching
+from . import module_walk
 
 _WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
@@ -39,7 +40,7 @@ def original_module(module: nn.Module) -> nn.Module:
 
 
 def _compiled_parts(model: nn.Module) -> List[nn.Module]:
-    return [module for module in model.modules()
+    return [module for module in module_walk.modules(model)
             if _is_optimized(module) or getattr(module, "_compiled_call_impl", None) is not None]
 
 

@@ -18,6 +18,7 @@ import threading
 from typing import Any, Callable, Dict, Iterator, List
 
 from torch import nn
+from .module_walk import walked
 
 # id(module) -> [thread holding it, how many nested exclusive() contexts of that thread].
 _HOLDERS: Dict[int, List[int]] = {}
@@ -46,14 +47,16 @@ def exclusive(model: nn.Module) -> Iterator[None]:
             with _HOLDERS_CHANGED:
                 root[1] -= 1
         return
-    ids = [id(module) for module in model.modules()]
+    walk = list(model.named_modules())
+    ids = [id(module) for _, module in walk]
     with _HOLDERS_CHANGED:
         _HOLDERS_CHANGED.wait_for(lambda: all(_HOLDERS.get(i, (me,))[0] == me for i in ids))
         for i in ids:
             holder = _HOLDERS.setdefault(i, [me, 0])
             holder[1] += 1
     try:
-        yield
+        with walked(model, walk):  # the explanation's other questions about the modules read this walk
+            yield
     finally:
         with _HOLDERS_CHANGED:
             for i in ids:

@@ -30,6 +30,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import InputError
+from . import module_walk
 
 _MISSING = object()
 
@@ -206,10 +207,22 @@ def eval_view(module: nn.Module) -> nn.Module:
     return view
 
 
+def _floating_parameters(model: nn.Module) -> List[nn.Parameter]:
+    """``[p for p in model.parameters() if p.is_floating_point()]``, over the published walk."""
+    seen, found = set(), []
+    for module in module_walk.modules(model):
+        for parameter in module._parameters.values():
+            if parameter is not None and id(parameter) not in seen:
+                seen.add(id(parameter))
+                if parameter.is_floating_point():
+                    found.append(parameter)
+    return found
+
+
 def _reachable_configs(model: nn.Module) -> List[Any]:
     """Every HF config object used by ``model``'s PreTrainedModels, sub-configs included."""
     seen: Dict[int, Any] = {}
-    stack = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation_internal")]
+    stack = [m.config for m in module_walk.modules(model) if hasattr(m, "config") and hasattr(m.config, "_attn_implementation_internal")]
     while stack:
         config = stack.pop()
         if id(config) in seen:
@@ -323,7 +336,7 @@ def mha_fastpath_disabled(model: nn.Module) -> Iterator[None]:
     the fast path; ``torch.backends.mha``'s process-wide flag is never written.
     """
     held = _WITHOUT_FAST_PATH.get()
-    modules = list(model.modules())
+    modules = module_walk.modules(model)
     with contextlib.ExitStack() as stack:
         for module in modules:
             if id(module) in held:  # an enclosing context of this thread already holds it off
@@ -381,7 +394,7 @@ def parameters_require_grad(model: nn.Module) -> Iterator[None]:
     meanwhile would see its frozen parameters require grad (explanations are serialised per
     module by :mod:`..capture.exclusive`, training is not).
     """
-    parameters = [p for p in model.parameters() if p.is_floating_point()]
+    parameters = _floating_parameters(model)
     entered: List[nn.Parameter] = []
     try:
         with _FORCED_GRAD_LOCK:

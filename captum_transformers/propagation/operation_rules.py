@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import operator
 from typing import Any, Callable, Iterator, Optional
 
@@ -45,6 +46,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..capture import patching
+from ..capture import module_walk
 from .activation_discovery import is_activation
 from .backward_switch import _SWITCH, plain_gradient_of
 from .backward_switch import plain_requested as _plain
@@ -157,11 +159,15 @@ class _UniformProduct(torch.autograd.Function):
                 output = _call_with(func, args, ctx.kwargs, a, b, a_, b_)
                 g_a, g_b = torch.autograd.grad(output, (a_, b_), grad, allow_unused=True)
         plain = _plain(ctx)
+        fresh = func in _ELEMENTWISE_PRODUCTS or func in _MATMULS  # g_a, g_b made above: halved in place
 
         def share(g, like):
             if g is None:
                 return torch.zeros_like(like)
-            return g.sum_to_size(like.shape) if plain else 0.5 * g.sum_to_size(like.shape)
+            summed = g.sum_to_size(like.shape)
+            if plain:
+                return summed
+            return summed.mul_(0.5) if fresh or summed is not g else 0.5 * summed
 
         return share(g_a, a), share(g_b, b), None, None, None
 
@@ -449,8 +455,8 @@ def operation_rules(model: nn.Module, rules) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         probed = []
         if rules.activation == "identity" or rules.gated_product == "constant":
-            like = next((t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), None)
-            probed = [module for module in model.modules() if like is not None and is_activation(module, like)]
+            like = next((t for t in itertools.chain(model.parameters(), model.buffers()) if t.is_floating_point()), None)
+            probed = [module for module in module_walk.modules(model) if like is not None and is_activation(module, like)]
             for module in probed:
                 stack.enter_context(patching.instance_forward(
                     module, _activation_forward(rules.activation == "identity")))

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from typing import Iterator, List, Literal, Optional
 
 import torch
 from torch import nn
 
 from ..capture import patching
+from ..capture import module_walk
 from ..errors import InputError
 from .probe_cache import probed
 
@@ -214,8 +216,8 @@ def find_norms(model: nn.Module) -> List[NormSite]:
     sites = []
     # Norms without a weight (nn.LayerNorm / nn.RMSNorm with elementwise_affine=False) are
     # probed in the dtype and device of the model's first floating-point tensor.
-    reference = next((t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), None)
-    for name, module in model.named_modules():
+    reference = next((t for t in itertools.chain(model.parameters(), model.buffers()) if t.is_floating_point()), None)
+    for name, module in module_walk.named_modules(model):
         if any(True for _ in module.children()):
             continue
         weight = getattr(module, "weight", None)

@@ -1,0 +1,50 @@
+"""One walk of a model's modules per explanation.
+
+An explanation asks about the model's modules a dozen times (which classes a library patched,
+which modules are compiled, where the configs, norms, activations and attention blocks are);
+each ``model.modules()`` walks the whole tree in Python, which on a small model cost about as
+much as a few percent of its forward pass, per call. :func:`exclusive` holds the model while
+an explanation runs and publishes the walk it makes anyway; :func:`named_modules` answers
+from it for that model in this thread, and walks afresh otherwise. The tree is not changed by
+anything while the model is held (patches replace attributes, not children).
+
+Example::
+
+    >>> with walked(model, list(model.named_modules())):
+    ...     named_modules(model)        # the list above, no walk
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator, List, Optional, Tuple
+
+from torch import nn
+
+NamedModules = List[Tuple[str, nn.Module]]
+
+_WALK: contextvars.ContextVar[Optional[Tuple[nn.Module, NamedModules]]] = contextvars.ContextVar(
+    "captum_transformers_module_walk", default=None)
+
+
+@contextlib.contextmanager
+def walked(model: nn.Module, walk: NamedModules) -> Iterator[None]:
+    """Answer :func:`named_modules` for ``model`` from ``walk`` inside the context (this thread)."""
+    token = _WALK.set((model, walk))
+    try:
+        yield
+    finally:
+        _WALK.reset(token)
+
+
+def named_modules(model: nn.Module) -> NamedModules:
+    """``list(model.named_modules())``, from the walk published for ``model`` when there is one."""
+    current = _WALK.get()
+    if current is not None and current[0] is model:
+        return current[1]
+    return list(model.named_modules())
+
+
+def modules(model: nn.Module) -> List[nn.Module]:
+    """``list(model.modules())``, from the published walk when there is one."""
+    return [module for _, module in named_modules(model)]

@@ -1,0 +1,56 @@
+"""One walk of the modules per explanation: exclusive() publishes it, the questions read it."""
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from captum_transformers import AttnLRP
+from captum_transformers.capture import module_walk
+from captum_transformers.capture.exclusive import exclusive
+
+
+def test_exclusive_publishes_the_walk_to_this_thread_only():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    seen_elsewhere = []
+    with exclusive(model):
+        inside = module_walk.named_modules(model)
+        assert module_walk.named_modules(model) is inside           # no second walk
+        assert [m for _, m in inside] == list(model.modules())
+        other = threading.Thread(target=lambda: seen_elsewhere.append(module_walk.named_modules(model)))
+        other.start()
+        other.join()
+    assert seen_elsewhere[0] is not inside                          # another thread walks for itself
+    assert module_walk.named_modules(model) is not inside           # and so does this one afterwards
+    assert module_walk.named_modules(model[0]) == list(model[0].named_modules())   # another model: walked
+
+
+def test_an_explanation_walks_the_model_once(monkeypatch):
+    """Every module the explanation's questions read comes from one walk (plus the first few
+    modules of the lazy searches for a floating-point parameter)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from captum_transformers.adapters import base
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    ids = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(0))
+    explainer = AttnLRP(model)
+    explainer.attribute(ids, target=3, return_tokens=True)        # probes and caches warm up
+    count = len(list(model.modules()))
+    yielded = []
+    real = nn.Module.named_modules
+
+    def counting(self, *args, **kwargs):
+        for item in real(self, *args, **kwargs):
+            if self is model:
+                yielded.append(item)
+            yield item
+
+    # The foreign-patch check would (rightly) refuse the counting patch itself.
+    monkeypatch.setattr(base, "check_library_classes", lambda model: None)
+    monkeypatch.setattr(nn.Module, "named_modules", counting)
+    explainer.attribute(ids, target=3, return_tokens=True)
+    monkeypatch.undo()
+    assert len(yielded) < 1.5 * count, f"{len(yielded) / count:.1f} walks of the whole model in one explanation"
