@@ -152,3 +152,13 @@ def test_half_precision_accumulates_in_float32():
     probs = torch.rand(1, 2, 3, 3).half()
     assert F.fuse_heads(probs).dtype == torch.float32
     assert F.gradient_weighted_heads(probs, probs).dtype == torch.float32
+
+
+@pytest.mark.parametrize("discard", [0.0, 0.5])
+def test_rollout_rows_from_the_attention_equal_the_corrected_chain(discard):
+    """(r / s) A + r / s, s = rowsum(A) + 1, equals r rownorm(I + A) layer by layer, also for
+    maps whose rows do not sum to one (after discarding)."""
+    maps = [F.discard_lowest(m, discard) for m in _random_maps(layers=4, batch=3, tokens=6, seed=3)]
+    start = F.query_vectors(torch.tensor([[0], [2], [5]]), 6, torch.float64)
+    expected = F.rollout_rows([F.add_identity_and_normalize(m) for m in maps], start)
+    torch.testing.assert_close(F.rollout_rows_of_attention(maps, start), expected, rtol=0, atol=1e-14)

@@ -26,6 +26,10 @@ def test_equals_matmul_bit_for_bit(layout, dtype):
         assert torch.equal(scores, torch.matmul(query, key.transpose(-1, -2)))
         probs = torch.softmax(scores, -1)
         assert torch.equal(heads_matmul(probs, key), torch.matmul(probs, key))
+        output = heads_matmul(probs, key, tokens_major=True)
+        assert torch.equal(output, torch.matmul(probs, key))
+        if layout == "timm":  # the head-by-head path: (B, H, N, D) over a (B, N, H, D) buffer
+            assert output.transpose(1, 2).is_contiguous()
 
 
 def test_strided_heads_run_head_by_head_and_the_rest_is_matmul(monkeypatch):

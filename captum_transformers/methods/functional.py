@@ -143,6 +143,21 @@ def rollout_rows(maps: Sequence[torch.Tensor], start: torch.Tensor) -> torch.Ten
     return row
 
 
+def rollout_rows_of_attention(maps: Sequence[torch.Tensor], start: torch.Tensor) -> torch.Tensor:
+    r""":func:`rollout_rows` of the residual-corrected maps, from the head-fused maps ``A``
+    themselves: with ``s = rowsum(A) + 1``, a row ``r`` times ``(I + A) / s`` is
+
+    .. math:: r \hat A = (r / s) A + r / s,
+
+    so neither ``I + A`` nor its normalised copy (two (B, N, N) tensors per layer) is made.
+    """
+    row = start.to(maps[-1].dtype)
+    for layer_map in reversed(list(maps)):
+        scaled = row / (layer_map.sum(dim=-1) + 1)
+        row = torch.bmm(scaled.unsqueeze(1), layer_map).squeeze(1).add_(scaled)
+    return row
+
+
 def self_attention_relevance_rows(maps: Sequence[torch.Tensor], start: torch.Tensor) -> torch.Tensor:
     """Rows of ICCV'21 Eq. 6 applied over all layers: ``R = (I + Abar_L) ... (I + Abar_1)``.
 

@@ -67,9 +67,9 @@ class AttentionRollout(TraceAttribution):
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
         if self.is_one_sequence(trace):
-            maps = [self._corrected(r.forward_value, self._valid_pairs(trace, r))
+            maps = [functional.discard_lowest(r.forward_value, self.discard_ratio, self._valid_pairs(trace, r))
                     for r in self.records_from(trace, self.start_layer)]
-            return functional.rollout_rows(maps, self.start_rows(trace, maps[-1].dtype))
+            return functional.rollout_rows_of_attention(maps, self.start_rows(trace, maps[-1].dtype))
         sizes = self.stream_sizes(trace)
         records = self.records_from(trace, self.start_layer)
         dtype = torch.promote_types(records[0].forward_value.dtype, torch.float32)

@@ -52,7 +52,7 @@ def _attend(scores_fn, query, key, value, extras, softmax_dtype) -> Tuple[torch.
     else:
         probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype)
     probs = probs.to(query.dtype)
-    return heads_matmul(probs, value), probs
+    return heads_matmul(probs, value, tokens_major=True), probs
 
 
 class _SoftmaxAttention(torch.autograd.Function):
