@@ -15,7 +15,8 @@ Command (one thread, the README's table)::
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/batching.py --threads 1
 
 ``--quick`` runs the DigitCanvas ViT only, with 8 images; ``--digit-only`` the DigitCanvas ViT
-with the full batch (to compare two checkouts: ``PYTHONPATH=<checkout>``).
+with the full batch (to compare two checkouts: ``PYTHONPATH=<checkout>``); ``--large-only`` the
+ViT-B-sized model only.
 """
 from __future__ import annotations
 
@@ -95,10 +96,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--digit-only", action="store_true", help="the DigitCanvas ViT only, full batch")
+    parser.add_argument("--large-only", action="store_true", help="the ViT-B-sized model only")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
-    models = [("DigitCanvas ViT (timm, 4 layers, width 64, 32 px)", digit_vit, 32, args.singles)]
+    models = [] if args.large_only else [("DigitCanvas ViT (timm, 4 layers, width 64, 32 px)", digit_vit, 32,
+                                          args.singles)]
     if not (args.quick or args.digit_only):
         models.append(("ViT-B-sized HF ViT (random, 12 layers, width 768, 224 px)", vit_base, 224, args.singles_large))
     batch = 8 if args.quick else args.batch

@@ -14,7 +14,7 @@ process times, interleaved (each round runs every operation once, rotated), medi
 
 Timing runs with glibc keeping freed buffers (``--allocator reuse``, the steady state of an
 evaluation loop; ``fresh`` maps every buffer of 64 KiB or more anew, as earlier runs did).
-Peak memory (above what was live before the call, peak RSS on CPU) is measured after the
+Peak memory (above what was live before the call, peak RSS on CPU) is measured before the
 timings, once per operation, with every buffer mapped anew. Ratios are to the reference of the same model, so values below
 1.0x are cheaper than one forward + backward.
 
@@ -215,9 +215,10 @@ def time_interleaved(ops: Dict[str, Callable[[], object]], repeats: int, warmup:
 def measure(family: str, size: LlmSize, impl: str, repeats: int, with_lxt: bool, memory: bool) -> Dict[str, tuple]:
     model = build_llm(family, size, impl)
     ops = make_ops(model, family, size, with_lxt)
-    times = time_interleaved(ops, repeats)
+    # Memory first, every buffer mapped anew (a heap that kept freed buffers would hide the peak).
     _tight_malloc()
     peaks = {name: peak_bytes(op)[0] for name, op in ops.items()} if memory else {}
+    times = time_interleaved(ops, repeats)
     return {name: (times[name], peaks.get(name)) for name in ops}
 
 

@@ -1,8 +1,9 @@
 """The AH rule's attention differentiated with respect to V only (propagation/constant_map_attention).
 
-``g_V = A^T g_O`` from the map recomputed in blocks of query rows equals autograd through an
-explicit ``softmax(s Q K^T + M).detach() @ V`` in float64 (grouped-query heads, boolean padding
-and causal masks, additive masks, blocks of one row); the forward is the call it wraps; a
+``g_V = A^T g_O`` from the map recomputed in blocks of query rows (keys no row of a block sees
+left out) equals autograd through an explicit ``softmax(s Q K^T + M).detach() @ V`` in float64
+(grouped-query heads, boolean padding and causal masks, a row that sees no key, additive masks,
+blocks of one row); the forward is the call it wraps; a
 ConservativeLRP explanation of an sdpa model takes the path once per layer.
 """
 from __future__ import annotations
@@ -32,10 +33,12 @@ def _masks():
     padded[1, ..., :2] = False          # the second example is left-padded by two tokens
     padded[1, :, :2, :2] = torch.eye(2, dtype=torch.bool)  # its padding rows see themselves
     additive = torch.randn(B, 1, Q, Q, dtype=torch.float64)
-    return {"none": None, "causal": causal, "padded": padded, "additive": additive}
+    empty_row = causal.expand(B, 1, Q, Q).clone()
+    empty_row[0, :, 1] = False          # a row that sees no key: uniform over every key, as finfo.min makes it
+    return {"none": None, "causal": causal, "padded": padded, "additive": additive, "empty-row": empty_row}
 
 
-@pytest.mark.parametrize("mask_name", ["none", "causal", "padded", "additive"])
+@pytest.mark.parametrize("mask_name", ["none", "causal", "padded", "additive", "empty-row"])
 @pytest.mark.parametrize("block_rows", [1, 4, 1000])
 def test_value_gradient_equals_autograd_through_the_detached_map(mask_name, block_rows, monkeypatch):
     monkeypatch.setattr(constant_map_attention, "_BLOCK_ELEMENTS", block_rows * B * H * Q)

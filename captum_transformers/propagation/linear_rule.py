@@ -72,9 +72,8 @@ class _LinearAlphaBeta(torch.autograd.Function):
 
 
 # Rows per chunk of a linear rule's backward: its temporaries (a few (rows, features)
-# buffers) stay near this many elements instead of growing with the batch (16 MiB in float32:
-# a ViT-S batch of 16 is one chunk).
-_CHUNK_ELEMENTS = 1 << 22
+# buffers) stay near this many elements instead of growing with the batch.
+_CHUNK_ELEMENTS = 1 << 20
 
 
 def _row_chunks(rule: Callable, weights: tuple, x, bias, output, grad, dtype: torch.dtype) -> torch.Tensor:

@@ -263,6 +263,24 @@ _ADDS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd_
 _LINEARS = (F.linear, torch.addmm)
 
 
+def _handled_operations(rules) -> frozenset:
+    """The operations :class:`OperationRules` may replace under ``rules``; all others run as they are."""
+    handled = set(_ACTIVATIONS)  # rule or not, an activation's output is a gate candidate
+    if rules.linear != "gradient":
+        handled.update(_LINEARS)
+    if rules.pixel_conv == "zB":
+        handled.add(F.conv2d)
+    if rules.gated_product == "constant" or rules.matmul == "uniform":
+        handled.update(_ELEMENTWISE_PRODUCTS)
+    if rules.softmax == "identity":
+        handled.update(_SOFTMAX)
+    if rules.matmul == "uniform":
+        handled.update(_PRODUCTS)
+    if rules.add == "normalized":
+        handled.update(_ADDS)
+    return frozenset(handled)
+
+
 def _grad_tensors(args, kwargs):
     tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
     return [t for t in tensors if t.requires_grad and t.is_floating_point()]
@@ -277,6 +295,7 @@ class OperationRules(TorchFunctionMode):
         self.batch_size = batch_size
         self._tokens: list = []
         self.gates = GateTracker(rules.gated_product == "constant")
+        self.handled = _handled_operations(rules)
 
     def __enter__(self):
         # Published to the attention kernels only when there are per-operation rules for them:
@@ -290,9 +309,9 @@ class OperationRules(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        rules = self.rules
-        if not torch.is_grad_enabled():
+        if func not in self.handled or not torch.is_grad_enabled():  # most operations: no rule
             return func(*args, **kwargs)
+        rules = self.rules
         if rules.linear != "gradient" and func in _LINEARS:
             # (x, weight (out, in), bias) of the layer, or None.
             layer = None
