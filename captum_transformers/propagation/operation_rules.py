@@ -51,57 +51,9 @@ from .activation_discovery import is_activation
 from .backward_switch import _SWITCH, plain_gradient_of
 from .backward_switch import plain_requested as _plain
 from .gated_product import ConstantGateProduct, GateTracker, gate_scopes
+from .identity_ratio import identity_ratio
 from .linear_rule import _LinearAlphaBeta, _LinearGamma, safe_divide  # noqa: F401  (safe_divide: part of this API)
-
-def identity_ratio(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``y / x`` for the identity rule in gradient x input form, 0 where ``x == 0``.
-
-    No stabiliser: ``R_x = x * (g * y / x) = y * g = R_y`` exactly, however small ``x`` is. A
-    shifted denominator (``x + eps``) would give ``R_x = R_y * x / (x + eps)``, which is not the
-    identity (half the relevance at ``|x| = eps``). Relevance on an exact zero (or where the
-    ratio overflows) is dropped: ``y / 0`` is never finite, so one pass mapping every
-    non-finite ratio to 0 covers both. Computed in at least float32.
-    """
-    dtype = torch.promote_types(torch.promote_types(x.dtype, output.dtype), torch.float32)
-    return torch.div(output.to(dtype), x.to(dtype)).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-
-
-class _PixelBoundedConv(torch.autograd.Function):
-    """The z^B rule (Montavon et al. 2017) on the convolution that reads the pixels, with
-    per-image bounds L = min(x), H = max(x): ``z = W x - W+ L - W- H``,
-    ``R_x = x (W^T s) - L (W+^T s) - H (W-^T s)``, ``s = R_z / z``; returned as ``R_x / x``."""
-
-    @staticmethod
-    def forward(ctx, x, weight, func, args, kwargs):
-        output = func(*args, **kwargs)
-        ctx.save_for_backward(x, weight, output)
-        ctx.switch = _SWITCH.get()
-        ctx.conv = dict(stride=kwargs.get("stride", args[3] if len(args) > 3 else 1),
-                        padding=kwargs.get("padding", args[4] if len(args) > 4 else 0),
-                        dilation=kwargs.get("dilation", args[5] if len(args) > 5 else 1),
-                        groups=kwargs.get("groups", args[6] if len(args) > 6 else 1))
-        return output
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, output = ctx.saved_tensors
-        conv = ctx.conv
-        if _plain(ctx):
-            return torch.nn.grad.conv2d_input(x.shape, weight, grad, **conv), None, None, None, None
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        x, weight, grad, output = x.to(dtype), weight.to(dtype), grad.to(dtype), output.to(dtype)
-        low = x.amin(dim=(1, 2, 3), keepdim=True).expand_as(x)
-        high = x.amax(dim=(1, 2, 3), keepdim=True).expand_as(x)
-        w_pos, w_neg = weight.clamp(min=0), weight.clamp(max=0)
-        z = (F.conv2d(x, weight, None, **conv) - F.conv2d(low, w_pos, None, **conv)
-             - F.conv2d(high, w_neg, None, **conv))
-        s = safe_divide(output * grad, z)
-
-        def back(w):
-            return torch.nn.grad.conv2d_input(x.shape, w, s, **conv)
-
-        relevance = x * back(weight) - low * back(w_pos) - high * back(w_neg)
-        return identity_ratio(relevance, x).to(ctx.saved_tensors[0].dtype), None, None, None, None
+from .pixel_rule import PixelBoundedConv
 
 
 class _IdentityRule(torch.autograd.Function):
@@ -331,7 +283,7 @@ class OperationRules(TorchFunctionMode):
                 return _LinearAlphaBeta.apply(*layer, rules.linear == "alpha1beta0", func, args, kwargs)
         if rules.pixel_conv == "zB" and func is F.conv2d and isinstance(args[0], torch.Tensor) \
                 and args[0].requires_grad and args[0].is_leaf and args[0].dim() == 4:
-            return _PixelBoundedConv.apply(args[0], args[1], func, args, kwargs)
+            return PixelBoundedConv.apply(args[0], args[1], func, args, kwargs)
         if func in _ACTIVATIONS and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
             if rules.activation == "identity":
                 return self.gates.mark(_IdentityRule.apply(args[0], _ACTIVATIONS[func](args, kwargs), func, args,

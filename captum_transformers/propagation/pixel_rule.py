@@ -1,0 +1,51 @@
+"""The z^B rule (Montavon et al., "Explaining nonlinear classification decisions with deep
+Taylor decomposition", 2017) on the convolution that reads the pixels: relevance bounded by
+each image's lowest and highest pixel value, as a Function whose forward is the convolution's own.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .backward_switch import _SWITCH
+from .backward_switch import plain_requested as _plain
+from .identity_ratio import identity_ratio
+from .linear_rule import safe_divide
+
+
+class PixelBoundedConv(torch.autograd.Function):
+    """The z^B rule (Montavon et al. 2017) on the convolution that reads the pixels, with
+    per-image bounds L = min(x), H = max(x): ``z = W x - W+ L - W- H``,
+    ``R_x = x (W^T s) - L (W+^T s) - H (W-^T s)``, ``s = R_z / z``; returned as ``R_x / x``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, func, args, kwargs):
+        output = func(*args, **kwargs)
+        ctx.save_for_backward(x, weight, output)
+        ctx.switch = _SWITCH.get()
+        ctx.conv = dict(stride=kwargs.get("stride", args[3] if len(args) > 3 else 1),
+                        padding=kwargs.get("padding", args[4] if len(args) > 4 else 0),
+                        dilation=kwargs.get("dilation", args[5] if len(args) > 5 else 1),
+                        groups=kwargs.get("groups", args[6] if len(args) > 6 else 1))
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, output = ctx.saved_tensors
+        conv = ctx.conv
+        if _plain(ctx):
+            return torch.nn.grad.conv2d_input(x.shape, weight, grad, **conv), None, None, None, None
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        x, weight, grad, output = x.to(dtype), weight.to(dtype), grad.to(dtype), output.to(dtype)
+        low = x.amin(dim=(1, 2, 3), keepdim=True).expand_as(x)
+        high = x.amax(dim=(1, 2, 3), keepdim=True).expand_as(x)
+        w_pos, w_neg = weight.clamp(min=0), weight.clamp(max=0)
+        z = (F.conv2d(x, weight, None, **conv) - F.conv2d(low, w_pos, None, **conv)
+             - F.conv2d(high, w_neg, None, **conv))
+        s = safe_divide(output * grad, z)
+
+        def back(w):
+            return torch.nn.grad.conv2d_input(x.shape, w, s, **conv)
+
+        relevance = x * back(weight) - low * back(w_pos) - high * back(w_neg)
+        return identity_ratio(relevance, x).to(ctx.saved_tensors[0].dtype), None, None, None, None
