@@ -27,8 +27,8 @@ from ..errors import CaptureError
 from ..propagation.attention_core import softmax_attention
 from ..propagation.backward_switch import _SWITCH
 from ..propagation.fused_attention import fused_operands, scaled_gradient
-from ..propagation.head_products import heads_matmul
 from ..propagation.constant_map_attention import attention_over_constant_map
+from ..propagation.head_products import heads_matmul
 from ..propagation.recomputed_softmax import softmax_of_recomputed_scores
 from ..propagation.rules import RuleSet, gate
 from ..capture.trace import Block
@@ -68,10 +68,10 @@ def _key_valid_from_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]
     return rows.amax(dim=1) > torch.finfo(rows.dtype).min / 2
 
 
-def _add_in_place(scores: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
-    """``scores + addend``, in ``scores``'s buffer where that gives the same tensor (same dtype
-    and shape after broadcasting); a new tensor otherwise."""
-    if torch.result_type(scores, addend) == scores.dtype \
+def _add(scores: torch.Tensor, addend: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``scores + addend``, in ``scores``'s buffer when ``in_place`` and that gives the same
+    tensor (same dtype and shape after broadcasting); a new tensor otherwise."""
+    if in_place and torch.result_type(scores, addend) == scores.dtype \
             and torch.broadcast_shapes(scores.shape, addend.shape) == scores.shape:
         return scores.add_(addend)
     return scores + addend
@@ -131,30 +131,19 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
     def scores(query: torch.Tensor, key_states: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor:
         extras = iter(extras)
+        fresh = not torch.is_grad_enabled()  # nothing to differentiate: the same operations in one buffer
         scores = heads_matmul(query, key_states.transpose(-1, -2))
-        if torch.is_grad_enabled():
-            scores = scores * scaling
-            if position_bias is not None:
-                scores = scores + next(extras)
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
-            if mask is not None:
-                if mask.dtype == torch.bool:
-                    scores = scores.masked_fill(~next(extras), torch.finfo(scores.dtype).min)
-                else:
-                    scores = scores + next(extras)
-            return scores
-        # Nothing to differentiate: the same operations, in the product's fresh buffer.
-        scores.mul_(scaling)
+        scores = scores.mul_(scaling) if fresh else scores * scaling
         if position_bias is not None:
-            scores = _add_in_place(scores, next(extras))
+            scores = _add(scores, next(extras), fresh)
         if softcap is not None:
-            scores.div_(softcap).tanh_().mul_(softcap)
+            scores = scores.div_(softcap).tanh_().mul_(softcap) if fresh else torch.tanh(scores / softcap) * softcap
         if mask is not None:
             if mask.dtype == torch.bool:
-                scores.masked_fill_(~next(extras), torch.finfo(scores.dtype).min)
+                blocked, lowest = ~next(extras), torch.finfo(scores.dtype).min
+                scores = scores.masked_fill_(blocked, lowest) if fresh else scores.masked_fill(blocked, lowest)
             else:
-                scores = _add_in_place(scores, next(extras))
+                scores = _add(scores, next(extras), fresh)
         return scores
 
     if softcap is None:
