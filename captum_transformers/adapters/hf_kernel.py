@@ -221,9 +221,9 @@ def captum_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
         bias_carries = position_bias is not None and position_bias.requires_grad
         operands = fused_operands(rules, query, key, value, bias_carries)
     if operands is None:
-        if attention_mask is None:
-            attention_mask = _causal_mask_of_sdpa(module, query, key, is_causal)
-        return captum_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return captum_attention(module, query, key, value, _explicit_sdpa_mask(module, query, key, attention_mask,
+                                                                               is_causal),
+                                scaling=scaling, dropout=dropout, **kwargs)
     query, key, value, bias_factor = operands
     if position_bias is not None:
         kwargs["position_bias"] = (position_bias.detach() if bias_factor is None
@@ -237,9 +237,8 @@ def captum_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     if bias_factor is None and kwargs.get("position_bias") is None and kwargs.get("cache") is None \
             and torch.is_grad_enabled() and value.requires_grad:
         # A constant map (the AH rule): the model's own call forward, g_V = A^T g_O backward.
-        mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None \
-            else _causal_mask_of_sdpa(module, query, key, is_causal)
-        output = attention_over_constant_map(run, query, key, value, mask,
+        output = attention_over_constant_map(run, query, key, value,
+                                             _explicit_sdpa_mask(module, query, key, attention_mask, is_causal),
                                              query.shape[-1] ** -0.5 if scaling is None else scaling)
     else:
         output = run(value)
@@ -248,6 +247,15 @@ def captum_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
         shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         _record(active, module, query.new_zeros(()).expand(shape), attention_mask, None)
     return output, None
+
+
+def _explicit_sdpa_mask(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                        attention_mask: Optional[torch.Tensor], is_causal: Optional[bool]) -> Optional[torch.Tensor]:
+    """The mask SDPA applies, made explicit for a recomputed map: the one it was given (cut to
+    the keys), else its causal one (:func:`_causal_mask_of_sdpa`)."""
+    if attention_mask is not None:
+        return attention_mask[:, :, :, : key.shape[-2]]
+    return _causal_mask_of_sdpa(module, query, key, is_causal)
 
 
 def _causal_mask_of_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor,

@@ -22,8 +22,7 @@ from typing import Iterator, List
 
 from torch import nn
 
-from . import patching
-from . import module_walk
+from . import module_walk, patching
 
 _WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 

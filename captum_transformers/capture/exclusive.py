@@ -18,6 +18,7 @@ import threading
 from typing import Any, Callable, Dict, Iterator, List
 
 from torch import nn
+
 from .module_walk import walked
 
 # id(module) -> [thread holding it, how many nested exclusive() contexts of that thread].

@@ -102,7 +102,7 @@ class TransformerRelevance(TraceAttribution):
             maps = [r.backward_value for r in self.records_from(trace, self.start_layer)]
             start = self.start_rows(trace, maps[-1].dtype)
             if self.row_normalize:  # the authors' BERT generator: rownorm(I + Abar) at every layer
-                return functional.rollout_rows([functional.add_identity_and_normalize(m) for m in maps], start)
+                return functional.rollout_rows_of_attention(maps, start)
             return functional.self_attention_relevance_rows(maps, start)
         if self.row_normalize:
             raise InputError("row_normalize=True follows the authors' BERT generator, defined for one token sequence "

@@ -37,6 +37,15 @@ def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor, tiny: float 
     return (numerator / (denominator + torch.copysign(stabiliser, denominator))).mul_(nonzero)
 
 
+def _layer_output_kept(ctx, x, weight, bias, func, args, kwargs) -> torch.Tensor:
+    """The layer's own output; its input, weight, bias and output kept for a rule's backward,
+    with the backward switch active now (the plain gradient on request)."""
+    output = func(*args, **kwargs)
+    ctx.save_for_backward(x, weight, bias, output)
+    ctx.switch = _SWITCH.get()
+    return output
+
+
 class _LinearAlphaBeta(torch.autograd.Function):
     """alpha=1, beta=0 on a linear layer. ``shared=True``: Eq. 5, one denominator
     ``z+ = W+ x+ + W- x-``; ``shared=False``: the authors' LRP baseline, Eq. 4 applied to the
@@ -49,11 +58,8 @@ class _LinearAlphaBeta(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, shared, func, args, kwargs):
-        output = func(*args, **kwargs)
-        ctx.save_for_backward(x, weight, bias, output)
         ctx.shared = shared
-        ctx.switch = _SWITCH.get()
-        return output
+        return _layer_output_kept(ctx, x, weight, bias, func, args, kwargs)
 
     @staticmethod
     def backward(ctx, grad):
@@ -147,11 +153,8 @@ class _LinearGamma(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, gamma, func, args, kwargs, generalized=False):
-        output = func(*args, **kwargs)
-        ctx.save_for_backward(x, weight, bias, output)
         ctx.gamma, ctx.generalized = gamma, generalized
-        ctx.switch = _SWITCH.get()
-        return output
+        return _layer_output_kept(ctx, x, weight, bias, func, args, kwargs)
 
     @staticmethod
     def backward(ctx, grad):
