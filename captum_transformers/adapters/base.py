@@ -32,6 +32,7 @@ from .relevance_reading import RelevanceResult, read_layer_input, seeded
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..propagation.rules import RuleSet
+    from .kept_logits import KeptLogitPositions
 
 
 def find_patch_size(model: nn.Module) -> Optional[Tuple[int, int]]:
@@ -252,6 +253,9 @@ class Adapter(abc.ABC):
             stack.enter_context(self.capture(model, recorder))
             for context in contexts:
                 stack.enter_context(context)
+            kept = self.kept_logits(model, inputs, additional_forward_args, forward_kwargs)
+            if kept is not None:
+                forward_kwargs = {**(forward_kwargs or {}), "logits_to_keep": kept.keep}
             output = self.call_model(model, inputs, additional_forward_args, forward_kwargs)
         if not recorder.sites:
             raise CaptureError(
@@ -263,9 +267,18 @@ class Adapter(abc.ABC):
         for name, layout in streams.layouts.items():
             refuse_examples_without_tokens(layout.token_mask, name)
         self.check_output(model, output, target)
-        logits = self.logits(model, output, streams.layouts[streams.explained[0]], recorder.causal)
+        logits_layout = streams.layouts[streams.explained[0]]
+        if kept is not None:
+            logits_layout = kept.layout_for_logits(logits_layout, recorder.causal)
+        logits = self.logits(model, output, logits_layout, recorder.causal)
         scores, index = self.resolve_target(model, logits, target)
         return self.rows_for_target(model, streams, index), logits, scores, index
+
+    def kept_logits(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
+                    forward_kwargs: Optional[dict]) -> Optional["KeptLogitPositions"]:
+        """The positions whose logits the model need compute (passed as ``logits_to_keep``), or
+        None for all (default). The HuggingFace adapter keeps a causal LM's explained position."""
+        return None
 
     def call_model(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
                    forward_kwargs: Optional[dict]) -> Any:

@@ -24,6 +24,7 @@ from ..propagation.rules import RuleSet, norm_rules
 from ..capture.trace import CONTEXT, Block, InputSpan, StreamLayouts, Streams, TokenLayout
 from .base import Adapter
 from .hf_kernel import ATTENTION_KEY, SDPA_KEY, active_recorder, active_rules, block_kind
+from .kept_logits import kept_logit_positions
 from .query_rows import QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen_rows
 from ..capture.recorder import Recorder
 
@@ -343,6 +344,10 @@ class HuggingFaceAdapter(Adapter):
                 "encoder-decoders are mapped for ViT-style encoders only; explain the token sequences instead."
             )
         return grid, num_tokens - grid[0] * grid[1]
+
+    def kept_logits(self, model, inputs, additional_forward_args, forward_kwargs):
+        """A causal LM's logits at the explained position only (``logits_to_keep``)."""
+        return kept_logit_positions(model, inputs, additional_forward_args, forward_kwargs, self.query_rows_choice)
 
     def call_model(self, model, inputs, additional_forward_args, forward_kwargs):
         """An encoder-decoder given inputs ``(input_ids, decoder_input_ids)`` gets the second
