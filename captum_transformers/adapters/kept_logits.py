@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any, Optional, Sequence, Tuple, Union
 
@@ -64,6 +65,16 @@ class KeptLogitPositions:
         return dataclasses.replace(layout, query_rows=index[:, None])
 
 
+@functools.lru_cache(maxsize=256)
+def _forward_signature(model_class: type) -> Optional[inspect.Signature]:
+    """The class's forward signature (an instance's forward may be wrapped for the explanation,
+    as ``*args, **kwargs``); None when it cannot be read. Cached: reading it costs 0.1 ms."""
+    try:
+        return inspect.signature(model_class.forward)
+    except (TypeError, ValueError):
+        return None
+
+
 def kept_logit_positions(model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
                          forward_kwargs: Optional[dict], query_rows: QueryRows) -> Optional[KeptLogitPositions]:
     """The positions to keep when ``model`` takes ``logits_to_keep``, else None (keep all).
@@ -73,13 +84,12 @@ def kept_logit_positions(model: nn.Module, inputs: Tuple[torch.Tensor, ...], add
     """
     if len(inputs) != 1 or query_rows == "mean" or inputs[0].dim() < 2:
         return None
+    signature = _forward_signature(type(model))
+    if signature is None or "logits_to_keep" not in signature.parameters:
+        return None
     try:
-        # The class's forward: an instance's may be wrapped for the explanation (*args, **kwargs).
-        signature = inspect.signature(type(model).forward)
-        if "logits_to_keep" not in signature.parameters:
-            return None
         arguments = signature.bind_partial(model, *inputs, *additional_forward_args, **(forward_kwargs or {})).arguments
-    except (TypeError, ValueError):  # a signature we cannot read: call the model as given
+    except TypeError:  # arguments that do not fit: the model raises its own error when called
         return None
     if any(arguments.get(name) is not None for name in ("logits_to_keep", "labels", "num_logits_to_keep")):
         return None
