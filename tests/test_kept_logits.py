@@ -93,16 +93,16 @@ def test_the_mask_given_positionally_is_read():
     ids, _ = CASES["llama_gqa"].inputs(batch=2)
     mask = torch.tensor([[1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
     kept = kept_logit_positions(model, (ids,), (mask,), {}, None)
-    assert kept.positions.tolist() == [2, 6] and kept.keep.tolist() == [2, 6]
+    assert kept.positions == (2, 6) and kept.keep.tolist() == [2, 6]
 
 
 def test_a_layout_explaining_another_position_is_refused():
-    kept = KeptLogitPositions(1, torch.tensor([6]))
+    kept = KeptLogitPositions(1, (6,))
     layout = TokenLayout(7, torch.tensor([[6], [4]]), None, 0, None, None)
     with pytest.raises(CaptureError, match=r"explained positions \[6, 4\] are not among .*\[6\]"):
         kept.layout_for_logits(layout, causal=True)
     with pytest.raises(CaptureError, match="was not causal"):
         kept.layout_for_logits(TokenLayout(7, torch.tensor([[6], [6]]), None, 0, None, None), causal=False)
-    renumbered = KeptLogitPositions(torch.tensor([3, 6]), torch.tensor([3, 6])).layout_for_logits(
+    renumbered = KeptLogitPositions(torch.tensor([3, 6]), (3, 6)).layout_for_logits(
         TokenLayout(7, torch.tensor([[6], [3]]), None, 0, None, None), causal=True)
     assert renumbered.query_rows.tolist() == [[1], [0]]

@@ -38,11 +38,11 @@ class KeptLogitPositions:
     """The sequence positions whose logits the model computes.
 
     ``keep`` is what the model receives as ``logits_to_keep``: ``1`` (the last position) or a
-    1-D tensor of ascending positions shared by the batch; ``positions`` holds them all.
+    1-D tensor of the ascending ``positions``.
     """
 
     keep: Union[int, torch.Tensor]
-    positions: torch.Tensor
+    positions: Tuple[int, ...]
 
     def layout_for_logits(self, layout: TokenLayout, causal: bool) -> TokenLayout:
         """``layout`` with its explained rows renumbered into the kept positions, for reading
@@ -50,19 +50,20 @@ class KeptLogitPositions:
         rows = layout.query_rows
         if not causal or layout.query_weights is not None or rows.shape[1] != 1:
             raise CaptureError(
-                f"Logits were kept at positions {self.positions.tolist()} for a causal LM, but the forward pass "
+                f"Logits were kept at positions {list(self.positions)} for a causal LM, but the forward pass "
                 f"{'explains ' + str(rows.shape[1]) + ' weighted rows' if causal else 'was not causal'}. "
                 "Pass forward_kwargs={'logits_to_keep': 0} to keep every position, and report this model."
             )
-        positions = self.positions.to(rows.device)
-        index = torch.searchsorted(positions, rows[:, 0]).clamp(max=positions.numel() - 1)
-        if not bool((positions[index] == rows[:, 0]).all()):
+        explained = rows[:, 0].tolist()
+        index = {position: i for i, position in enumerate(self.positions)}
+        if any(position not in index for position in explained):
             raise CaptureError(
-                f"The explained positions {rows[:, 0].tolist()} are not among the positions whose logits were kept "
-                f"({self.positions.tolist()}, chosen from the attention mask before the forward pass). Pass "
+                f"The explained positions {explained} are not among the positions whose logits were kept "
+                f"({list(self.positions)}, chosen from the attention mask before the forward pass). Pass "
                 "forward_kwargs={'logits_to_keep': 0} to keep every position, and report this model."
             )
-        return dataclasses.replace(layout, query_rows=index[:, None])
+        renumbered = torch.tensor([[index[position]] for position in explained], dtype=rows.dtype, device=rows.device)
+        return dataclasses.replace(layout, query_rows=renumbered)
 
 
 @functools.lru_cache(maxsize=256)
@@ -99,18 +100,17 @@ def kept_logit_positions(model: nn.Module, inputs: Tuple[torch.Tensor, ...], add
         position = query_rows + num_tokens if query_rows < 0 else query_rows
         if not 0 <= position < num_tokens:
             return None  # the layout refuses it with its own message
-        last = torch.tensor([position])
+        last = [position]
     elif mask is None:
-        last = torch.tensor([num_tokens - 1])
+        last = [num_tokens - 1]
     elif isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] == num_tokens:
-        real = mask.detach() != 0
-        positions = torch.arange(num_tokens, device=mask.device)
-        last = torch.where(real, positions, -1).amax(dim=1).cpu()
-        if bool((last < 0).any()):
+        columns = torch.arange(num_tokens, device=mask.device)
+        last = torch.where(mask.detach() != 0, columns, -1).amax(dim=1).tolist()
+        if min(last) < 0:
             return None  # an example without tokens: the layout refuses it
     else:
         return None
-    positions = torch.unique(last)
-    if positions.tolist() == [num_tokens - 1]:
+    positions = tuple(sorted(set(last)))
+    if positions == (num_tokens - 1,):
         return KeptLogitPositions(1, positions)
-    return KeptLogitPositions(positions.to(inputs[0].device), positions)
+    return KeptLogitPositions(torch.tensor(positions, device=inputs[0].device), positions)

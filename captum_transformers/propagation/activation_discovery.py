@@ -19,9 +19,15 @@ def is_activation(module: nn.Module, like: torch.Tensor) -> bool:
     """An elementwise, parameter-free map with ``f(0) = 0`` that is not the identity:
     found by probing what it computes (hand-written GELUs such as GPT-2's ``gelu_new``);
     the answer is remembered while the module's state is unchanged (probe_cache)."""
-    if isinstance(module, _NOT_ACTIVATIONS) or any(True for _ in module.children()):
-        return False
+    if isinstance(module, _NOT_ACTIVATIONS) or any(True for _ in module.children()) or _holds_tensors(module):
+        return False  # what the probe would answer, without looking up its cache (a Linear, a norm)
     return probed(module, ("activation", like.dtype, like.device), lambda: _probe_activation(module, like))
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    """Own parameters or floating-point buffers: not a parameter-free activation."""
+    return any(p is not None for p in module._parameters.values()) or any(
+        b is not None and b.is_floating_point() for b in module._buffers.values())
 
 
 @torch.no_grad()
