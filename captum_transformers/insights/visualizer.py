@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from .features import BaseFeature, GeneralFeature, ImageFeature, TextFeature
+from .features import BaseFeature, ImageFeature, TextFeature
 
 
 class Batch:

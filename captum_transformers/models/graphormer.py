@@ -43,7 +43,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 from torch import nn
