@@ -67,6 +67,22 @@ def test_activation_probe_runs_once_and_follows_the_class(monkeypatch):
     assert len(calls) == 2
 
 
+def test_modules_holding_tensors_are_no_activations_without_a_probe(monkeypatch):
+    calls = _count(monkeypatch, activation_discovery, "_probe_activation")
+    scaled = _HandGelu()
+    scaled.slope = nn.Parameter(torch.ones(1))  # a learned activation: relevance is not its to pass
+    buffered = _HandGelu()
+    buffered.register_buffer("shift", torch.zeros(1))
+    counted = _HandGelu()
+    counted.register_buffer("steps", torch.zeros(1, dtype=torch.long))  # an integer buffer is no parameter
+    like = torch.zeros(1)
+    assert not activation_discovery.is_activation(scaled, like)
+    assert not activation_discovery.is_activation(buffered, like)
+    assert not activation_discovery.is_activation(nn.Linear(2, 2), like)
+    assert calls == []
+    assert activation_discovery.is_activation(counted, like) and len(calls) == 1
+
+
 def test_probed_keys_and_forget():
     module, answers = nn.ReLU(), iter(range(10))
     assert probed(module, "a", lambda: next(answers)) == 0
