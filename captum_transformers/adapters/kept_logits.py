@@ -16,7 +16,7 @@ Anything this module does not understand (a 4-D mask, ``labels``, a user's own
 Example::
 
     >>> kept = kept_logit_positions(llama, (ids,), (), {"attention_mask": mask}, None)
-    >>> llama(ids, attention_mask=mask, logits_to_keep=kept.keep).logits.shape   # (B, len(kept), V)
+    >>> llama(ids, attention_mask=mask, logits_to_keep=kept.keep).logits.shape   # (B, len(kept.positions), V)
 """
 from __future__ import annotations
 
