@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from captum_transformers import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS, CaptureError,
+from captum_transformers import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS, AttnLRP, CaptureError,
                                  HuggingFaceAdapter)
 from captum_transformers.adapters.kept_logits import KeptLogitPositions, kept_logit_positions
 from captum_transformers.capture.trace import TokenLayout
@@ -60,8 +60,6 @@ def test_an_explicit_position_is_kept():
     model = CASES["llama_gqa"].model("eager", dtype=torch.float64)
     ids, _ = CASES["llama_gqa"].inputs(batch=2)
     adapter = HuggingFaceAdapter(query_rows=2)
-    from captum_transformers import AttnLRP
-
     kept, sizes = _head_positions(model, lambda: AttnLRP(model, adapter=adapter).attribute(ids, target=5,
                                                                                           return_tokens=True))
     full = AttnLRP(model, adapter=adapter).attribute(ids, target=5, forward_kwargs={"logits_to_keep": 0},

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..capture.trace import TokenLayout
 from ..errors import CaptureError
-from .query_rows import QueryRows
+from .query_rows import QueryRows, chosen_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,18 +96,12 @@ def kept_logit_positions(model: nn.Module, inputs: Tuple[torch.Tensor, ...], add
         return None
     num_tokens = inputs[0].shape[1]
     mask = arguments.get("attention_mask")
-    if isinstance(query_rows, int):
-        position = query_rows + num_tokens if query_rows < 0 else query_rows
-        if not 0 <= position < num_tokens:
-            return None  # the layout refuses it with its own message
-        last = [position]
-    elif mask is None:
+    if mask is None and not isinstance(query_rows, int):
         last = [num_tokens - 1]
-    elif isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] == num_tokens:
-        columns = torch.arange(num_tokens, device=mask.device)
-        last = torch.where(mask.detach() != 0, columns, -1).amax(dim=1).tolist()
-        if min(last) < 0:
-            return None  # an example without tokens: the layout refuses it
+    elif mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] == num_tokens):
+        # The rows the layout will choose, by the function that chooses them (its refusals included).
+        last = chosen_rows("last" if query_rows is None else query_rows, num_tokens, mask,
+                           inputs[0].shape[0], inputs[0].device)[:, 0].tolist()
     else:
         return None
     positions = tuple(sorted(set(last)))
