@@ -1,8 +1,10 @@
 """The cost of an LRP explanation on decoder LLMs, as ratios to a plain forward + backward.
 
 For each random HF decoder (built from a config, no hub) and attention implementation, one
-process times, interleaved (each round runs every operation once, rotated), medians of
-``--repeats``:
+process times, interleaved (each round runs every operation once, rotated), at least
+``--repeats`` rounds and more for cheap operations (about ``--min-seconds`` of CPU time per
+operation). Each ratio is the median of the ratios within a round, next to the ratio of the
+least CPU times:
 
 * ``reference``: the model's forward on input embeddings that require grad, and
   ``autograd.grad`` of the explained logits (last token, arg-max) to those embeddings;
@@ -38,6 +40,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import math
 import os
 import statistics
 import sys
@@ -202,36 +205,59 @@ def _timing_allocator() -> None:
     (_reusing_malloc if ALLOCATOR["mode"] == "reuse" else _tight_malloc)()
 
 
-def time_interleaved(ops: Dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> Dict[str, tuple]:
-    """Median (wall, CPU) seconds per op over ``repeats`` rounds; each round runs every op once,
-    rotated. CPU time (this process) is the steadier measure on a shared machine."""
+def time_interleaved(ops: Dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
+                     min_seconds: float = 0.0) -> Dict[str, List[tuple]]:
+    """(wall, CPU) seconds of every op in each round; each round runs every op once, rotated.
+
+    At least ``repeats`` rounds, and more for cheap ops: enough that each op runs for about
+    ``min_seconds`` of CPU time in all (a 90 ms call gets some 45 rounds where a 1 s call gets
+    ``repeats``), so short calls on a shared machine are not read from a handful of samples."""
     _timing_allocator()
     names = list(ops)
+    warm_cpu = 0.0
     for _ in range(warmup):
         for name in names:
+            started = time.process_time()
             ops[name]()
+            warm_cpu = max(warm_cpu, time.process_time() - started)
+    rounds = max(repeats, math.ceil(min_seconds / warm_cpu) if warm_cpu > 0 else repeats)
     seconds: Dict[str, List[tuple]] = {name: [] for name in names}
-    for round_index in range(repeats):
+    for round_index in range(rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             gc.collect()
             wall, cpu = time.perf_counter(), time.process_time()
             ops[name]()
             seconds[name].append((time.perf_counter() - wall, time.process_time() - cpu))
-    # (median wall, median CPU, least CPU): the least is what interference on a shared machine
-    # cannot inflate, printed next to the medians.
-    return {name: (statistics.median(v[0] for v in values), statistics.median(v[1] for v in values),
-                   min(v[1] for v in values)) for name, values in seconds.items()}
+    return seconds
 
 
-def measure(family: str, size: LlmSize, impl: str, repeats: int, with_lxt: bool, memory: bool) -> Dict[str, tuple]:
+def ratios(seconds: Dict[str, List[tuple]], name: str, reference: str) -> tuple:
+    """(median wall ratio, median CPU ratio, least CPU ratio) of ``name`` to ``reference``.
+
+    The medians are of the ratios within each round (the two calls a few hundred milliseconds
+    apart), which a slowdown of the whole machine for a while moves far less than a ratio of
+    two medians. The least CPU times are what interference cannot inflate."""
+    pairs = list(zip(seconds[name], seconds[reference]))
+    return (statistics.median(op[0] / ref[0] for op, ref in pairs),
+            statistics.median(op[1] / ref[1] for op, ref in pairs),
+            min(op[1] for op, _ in pairs) / min(ref[1] for _, ref in pairs))
+
+
+def median_seconds(samples: List[tuple]) -> tuple:
+    """(median wall, median CPU) seconds."""
+    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
+
+
+def measure(family: str, size: LlmSize, impl: str, repeats: int, with_lxt: bool, memory: bool,
+            min_seconds: float = 0.0) -> tuple:
+    """(per-round seconds of every op, peak bytes of every op or None)."""
     model = build_llm(family, size, impl)
     ops = make_ops(model, family, size, with_lxt)
     # Memory first, every buffer mapped anew (a heap that kept freed buffers would hide the peak).
     _tight_malloc()
     peaks = {name: peak_bytes(op)[0] for name, op in ops.items()} if memory else {}
-    times = time_interleaved(ops, repeats)
-    return {name: (times[name], peaks.get(name)) for name in ops}
+    return time_interleaved(ops, repeats, min_seconds=min_seconds), {name: peaks.get(name) for name in ops}
 
 
 # --------------------------------------------------------------------------- ViT attention methods
@@ -270,7 +296,7 @@ def vit_ops(model: torch.nn.Module, batch) -> Dict[str, Callable[[], object]]:
             "TransformerRelevance": lambda: relevance.attribute(pixels, target=target)}
 
 
-def vit_table(repeats: int, quick: bool) -> None:
+def vit_table(repeats: int, quick: bool, min_seconds: float = 0.0) -> None:
     from benchmark_models import FULL, QUICK as VIT_QUICK, build_model, make_batch
 
     sizes = VIT_QUICK if quick else FULL
@@ -280,14 +306,14 @@ def vit_table(repeats: int, quick: bool) -> None:
     print("|---|---|---|---|---|---|")
     for label, name, impl in VIT_MODELS:
         model = build_model(name, sizes, attn_implementation=impl)
-        times = time_interleaved(vit_ops(model, make_batch(name, sizes)), repeats)
+        seconds = time_interleaved(vit_ops(model, make_batch(name, sizes)), repeats, min_seconds=min_seconds)
         for method, (reference, target) in VIT_TARGETS.items():
-            (wall, cpu, least), (base_wall, base_cpu, base_least) = times[method], times[reference]
+            wall, cpu, least = ratios(seconds, method, reference)
             print(f"| {label} | {impl or 'fused_attn (SDPA)'} | {method} | {reference} | "
-                  f"{wall / base_wall:.2f}x; {cpu / base_cpu:.2f}x; {least / base_least:.2f}x | <= {target}x |",
-                  flush=True)
-        print(f"| {label} | {impl or 'fused_attn (SDPA)'} | (references) | | "
-              + ", ".join(f"{r} {times[r][0] * 1000:.0f} ms" for r in ("forward", "fwd+bwd to pixels", "training step"))
+                  f"{wall:.2f}x; {cpu:.2f}x; {least:.2f}x | <= {target}x |", flush=True)
+        print(f"| {label} | {impl or 'fused_attn (SDPA)'} | (references, {len(seconds['forward'])} rounds) | | "
+              + ", ".join(f"{r} {median_seconds(seconds[r])[0] * 1000:.0f} ms"
+                          for r in ("forward", "fwd+bwd to pixels", "training step"))
               + " | |", flush=True)
 
 
@@ -296,7 +322,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--impls", nargs="+", default=["sdpa", "eager"], choices=["sdpa", "eager"])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="the least number of rounds")
+    parser.add_argument("--min-seconds", type=float, default=4.0,
+                        help="more rounds for cheap operations: about this much CPU time per operation")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--quick", action="store_true", help="one tiny size, two repeats (smoke test)")
@@ -318,18 +346,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         families = args.families if args.families_given else SIZE_FAMILIES.get(size_name, args.families)
         for family in families:
             for impl in args.impls:
-                results = measure(family, size, impl, repeats, why_not is None, not args.no_memory)
-                (base_wall, base_cpu, base_least), base_peak = results.pop("reference")
-                for name, ((wall, cpu, least), peak) in results.items():
+                seconds, peaks = measure(family, size, impl, repeats, why_not is None, not args.no_memory,
+                                         0.0 if args.quick else args.min_seconds)
+                base_peak = peaks["reference"]
+                for name in seconds:
+                    if name == "reference":
+                        continue
+                    wall, cpu, least = ratios(seconds, name, "reference")
+                    peak = peaks[name]
                     memory = f"{peak / base_peak:.2f}x" if peak is not None and base_peak else "-"
                     print(f"| {family} | {size.name}, batch {size.batch} | {impl} | {name} | "
-                          f"{wall / base_wall:.2f}x; {cpu / base_cpu:.2f}x; {least / base_least:.2f}x | {memory} |",
-                          flush=True)
-                print(f"| {family} | {size.name}, batch {size.batch} | {impl} | (reference) | "
-                      f"{base_wall * 1000:.0f} ms; {base_cpu * 1000:.0f} ms | "
+                          f"{wall:.2f}x; {cpu:.2f}x; {least:.2f}x | {memory} |", flush=True)
+                base_wall, base_cpu = median_seconds(seconds["reference"])
+                print(f"| {family} | {size.name}, batch {size.batch} | {impl} | (reference, "
+                      f"{len(seconds['reference'])} rounds) | {base_wall * 1000:.0f} ms; {base_cpu * 1000:.0f} ms | "
                       f"{base_peak / 2**20 if base_peak else 0:.0f} MiB |", flush=True)
     if "vit" in args.tables:
-        vit_table(repeats, args.quick)
+        vit_table(repeats, args.quick, 0.0 if args.quick else args.min_seconds)
 
 if __name__ == "__main__":
     main()

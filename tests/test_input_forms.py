@@ -150,3 +150,23 @@ def test_boolean_targets_are_refused(bert, method, target):
     model, ids, mask = bert
     with pytest.raises(InputError, match="boolean.*class index"):
         method(model).attribute(ids, target=target, forward_kwargs={"attention_mask": mask})
+
+
+def test_keyword_only_check_reads_a_function_bound_and_unbound_apart():
+    """The signature is remembered per function; the same function bound as a method (its
+    first parameter dropped) and stored on an instance (taken as a positional parameter) are
+    answered apart."""
+    from captum_transformers.capture.inputs import _takes_positional
+
+    def forward(self, *, input_ids=None):
+        return input_ids
+
+    class KeywordOnly(torch.nn.Module):
+        pass
+
+    KeywordOnly.forward = forward
+    module = KeywordOnly()
+    assert _takes_positional(module.forward) is False          # bound: only keywords remain
+    assert _takes_positional(module.forward) is False          # remembered
+    assert _takes_positional(forward) is True                  # as is: ``self`` is positional
+    assert _takes_positional(module.forward) is False

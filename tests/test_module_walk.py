@@ -54,3 +54,61 @@ def test_an_explanation_walks_the_model_once(monkeypatch):
     explainer.attribute(ids, target=3, return_tokens=True)
     monkeypatch.undo()
     assert len(yielded) < 1.5 * count, f"{len(yielded) / count:.1f} walks of the whole model in one explanation"
+
+
+def test_per_walk_answers_once_per_hold_and_afresh_outside():
+    model, other = nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return len(calls)
+
+    assert module_walk.per_walk(model, "key", compute) == 1         # no hold: computed
+    with exclusive(model):
+        assert module_walk.per_walk(model, "key", compute) == 2
+        assert module_walk.per_walk(model, "key", compute) == 2     # remembered inside the hold
+        assert module_walk.per_walk(model, "other key", compute) == 3
+        assert module_walk.per_walk(other, "key", compute) == 4     # another model: not its walk
+    with exclusive(model):
+        assert module_walk.per_walk(model, "key", compute) == 5     # a new hold asks again
+
+
+def test_blocks_and_configs_follow_a_module_replaced_between_explanations():
+    """The answers remembered per hold are not carried over: a model whose attention module is
+    swapped between two calls is explained through the new one."""
+    from transformers import BertConfig, BertModel
+
+    from captum_transformers.adapters.huggingface import HuggingFaceAdapter
+    from captum_transformers.capture import patching
+
+    config = dict(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
+    model, donor = BertModel(BertConfig(**config)), BertModel(BertConfig(**config))
+    adapter = HuggingFaceAdapter()
+    with exclusive(model):
+        before = adapter.blocks(model)
+        assert patching._reachable_configs(model) == [model.config]
+    model.encoder.layer[0].attention.self = donor.encoder.layer[0].attention.self
+    with exclusive(model):
+        after = adapter.blocks(model)
+    assert [b.module for b in after] == [donor.encoder.layer[0].attention.self]
+    assert [b.module for b in before] != [b.module for b in after]
+
+
+def test_configs_are_found_behind_a_wrapper_with_a_config_property():
+    from transformers import BertConfig, BertModel
+
+    from captum_transformers.capture import patching
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = BertModel(BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1,
+                                              num_attention_heads=2, intermediate_size=16))
+
+        @property
+        def config(self):
+            return self.inner.config
+
+    wrapper = Wrapper()
+    assert patching._reachable_configs(wrapper) == [wrapper.inner.config]

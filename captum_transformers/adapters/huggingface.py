@@ -80,7 +80,9 @@ def _gradient_checkpointing_off(model: nn.Module) -> Iterator[None]:
     (torch raises CheckpointError). Each module's own flag is restored on exit."""
     with contextlib.ExitStack() as stack:
         for module in module_walk.modules(model):
-            if getattr(module, "gradient_checkpointing", False) is True:
+            # The instance's flag, else its class's (transformers' layers declare it there): no
+            # failing nn.Module.__getattr__ lookup on every other module.
+            if vars(module).get("gradient_checkpointing", getattr(type(module), "gradient_checkpointing", False)) is True:
                 stack.enter_context(patching.flag(module, "gradient_checkpointing", False))  # this thread only
         yield
 
@@ -180,6 +182,10 @@ class HuggingFaceAdapter(Adapter):
         self.query_rows_choice = checked_query_rows(query_rows)
 
     def blocks(self, model: nn.Module) -> List[Block]:
+        # Asked several times per explanation: found once per walk of the modules.
+        return list(module_walk.per_walk(model, ("blocks", type(self)), lambda: self._find_blocks(model)))
+
+    def _find_blocks(self, model: nn.Module) -> List[Block]:
         found = [(name, m, block_kind(m, name)) for name, m in module_walk.named_modules(model) if _is_attention_module(m)]
         streams = [self.block_streams(name, kind) for name, _, kind in found]
         if len({s[0] for s in streams if s is not None}) < 2:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional
+import weakref
+from typing import Any, Callable, Dict, Iterator, Mapping, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -96,14 +97,37 @@ def passed_by_name(model: nn.Module, name: Optional[str]) -> Iterator[None]:
         yield
 
 
-def _refuse_keyword_only(model: nn.Module) -> None:
+def _takes_positional(forward: Callable) -> bool:
+    """Whether ``forward`` (a bound method or function) takes an argument by position;
+    remembered per function, since reading a signature costs as much as a small layer."""
+    bound = hasattr(forward, "__func__")  # a bound method's signature drops its first parameter
+    function, answers = (forward.__func__, _POSITIONAL_BOUND) if bound else (forward, _POSITIONAL)
     try:
-        parameters = inspect.signature(model.forward).parameters.values()
+        return answers[function]
+    except (KeyError, TypeError):  # not seen, or not weakly referenceable
+        pass
+    try:
+        parameters = inspect.signature(forward).parameters.values()
     except (TypeError, ValueError):  # builtins, C extensions: nothing to check
-        return
+        return True
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                   inspect.Parameter.VAR_POSITIONAL)
-    if not any(parameter.kind in positional for parameter in parameters):
+    answer = any(parameter.kind in positional for parameter in parameters)
+    try:
+        answers[function] = answer
+    except TypeError:
+        pass
+    return answer
+
+
+# function -> whether it takes a positional argument, called as is or bound (as a method);
+# weak, so that per-instance forwards (closures) do not outlive their modules.
+_POSITIONAL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_POSITIONAL_BOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _refuse_keyword_only(model: nn.Module) -> None:
+    if not _takes_positional(model.forward):
         raise InputError(
             f"{type(model).__name__}.forward takes keyword arguments only, but a tensor input is passed by position "
             "(Captum's contract). Pass the inputs as a mapping, e.g. attribute({'input_ids': ids, 'attention_mask': "

@@ -8,29 +8,33 @@ an explanation runs and publishes the walk it makes anyway; :func:`named_modules
 from it for that model in this thread, and walks afresh otherwise. The tree is not changed by
 anything while the model is held (patches replace attributes, not children).
 
+Facts that follow from the tree alone (where the attention blocks and the HF configs are),
+asked several times per explanation, are computed once per hold by :func:`per_walk`.
+
 Example::
 
     >>> with walked(model, list(model.named_modules())):
     ...     named_modules(model)        # the list above, no walk
+    ...     per_walk(model, "blocks", lambda: find_blocks(model))   # found once inside the context
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Tuple
 
 from torch import nn
 
 NamedModules = List[Tuple[str, nn.Module]]
 
-_WALK: contextvars.ContextVar[Optional[Tuple[nn.Module, NamedModules]]] = contextvars.ContextVar(
-    "captum_transformers_module_walk", default=None)
+_WALK: contextvars.ContextVar[Optional[Tuple[nn.Module, NamedModules, Dict[Hashable, Any]]]] = \
+    contextvars.ContextVar("captum_transformers_module_walk", default=None)
 
 
 @contextlib.contextmanager
 def walked(model: nn.Module, walk: NamedModules) -> Iterator[None]:
     """Answer :func:`named_modules` for ``model`` from ``walk`` inside the context (this thread)."""
-    token = _WALK.set((model, walk))
+    token = _WALK.set((model, walk, {}))
     try:
         yield
     finally:
@@ -48,3 +52,16 @@ def named_modules(model: nn.Module) -> NamedModules:
 def modules(model: nn.Module) -> List[nn.Module]:
     """``list(model.modules())``, from the published walk when there is one."""
     return [module for _, module in named_modules(model)]
+
+
+def per_walk(model: nn.Module, key: Hashable, compute: Callable[[], Any]) -> Any:
+    """``compute()``, remembered under ``key`` while the walk of ``model`` is published (one
+    explanation); computed afresh outside. Only for answers that depend on the module tree
+    alone (not on parameter values or flags, which may change between the questions)."""
+    current = _WALK.get()
+    if current is None or current[0] is not model:
+        return compute()
+    memo = current[2]
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]

@@ -221,8 +221,15 @@ def _floating_parameters(model: nn.Module) -> List[nn.Parameter]:
 
 def _reachable_configs(model: nn.Module) -> List[Any]:
     """Every HF config object used by ``model``'s PreTrainedModels, sub-configs included."""
+    return list(module_walk.per_walk(model, "hf_configs", lambda: _find_configs(model)))
+
+
+def _find_configs(model: nn.Module) -> List[Any]:
     seen: Dict[int, Any] = {}
-    stack = [m.config for m in module_walk.modules(model) if hasattr(m, "config") and hasattr(m.config, "_attn_implementation_internal")]
+    # A PreTrainedModel keeps its config in the instance dict; vars() skips the failing
+    # attribute lookups nn.Module.__getattr__ would make on every other module.
+    stack = [c for c in (vars(m).get("config") for m in module_walk.modules(model))
+             if c is not None and hasattr(c, "_attn_implementation_internal")]
     while stack:
         config = stack.pop()
         if id(config) in seen:

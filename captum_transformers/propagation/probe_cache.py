@@ -23,7 +23,9 @@ _LOCK = threading.Lock()
 
 def module_state(module: nn.Module) -> tuple:
     """What a probe of ``module`` depends on: its class and its own tensors' identity and version."""
-    tensors = (*module.parameters(recurse=False), *module.buffers(recurse=False))
+    # The module's own entries, read directly (what parameters(recurse=False) and
+    # buffers(recurse=False) yield, without their generators): asked for every norm per call.
+    tensors = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
     return (type(module), tuple((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)) for t in tensors))
 
 
