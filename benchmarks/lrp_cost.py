@@ -220,7 +220,7 @@ def time_interleaved(ops: Dict[str, Callable[[], object]], repeats: int, warmup:
             started = time.process_time()
             ops[name]()
             warm_cpu = max(warm_cpu, time.process_time() - started)
-    rounds = max(repeats, math.ceil(min_seconds / warm_cpu) if warm_cpu > 0 else repeats)
+    rounds = max(repeats, math.ceil(min_seconds / warm_cpu)) if warm_cpu > 0 else repeats
     seconds: Dict[str, List[tuple]] = {name: [] for name in names}
     for round_index in range(rounds):
         shift = round_index % len(names)
@@ -235,8 +235,8 @@ def time_interleaved(ops: Dict[str, Callable[[], object]], repeats: int, warmup:
 def ratios(seconds: Dict[str, List[tuple]], name: str, reference: str) -> tuple:
     """(median wall ratio, median CPU ratio, least CPU ratio) of ``name`` to ``reference``.
 
-    The medians are of the ratios within each round (the two calls a few hundred milliseconds
-    apart), which a slowdown of the whole machine for a while moves far less than a ratio of
+    The medians are of the ratios within each round (the two calls at most one round apart),
+    which a slowdown of the whole machine for a while moves far less than a ratio of
     two medians. The least CPU times are what interference cannot inflate."""
     pairs = list(zip(seconds[name], seconds[reference]))
     return (statistics.median(op[0] / ref[0] for op, ref in pairs),
@@ -340,6 +340,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
           + ("imported (run from its repository's source)" if why_not is None else f"not importable ({why_not})"))
     sizes = [QUICK] if args.quick else [SIZES[name] for name in args.sizes]
     repeats = 2 if args.quick else args.repeats
+    min_seconds = 0.0 if args.quick else args.min_seconds
     print("| model | size | attention | method | time / reference (median wall; median CPU; least CPU) | peak memory / reference |")
     print("|---|---|---|---|---|---|")
     for size_name, size in zip(["quick"] if args.quick else args.sizes, sizes) if "llm" in args.tables else ():
@@ -347,7 +348,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         for family in families:
             for impl in args.impls:
                 seconds, peaks = measure(family, size, impl, repeats, why_not is None, not args.no_memory,
-                                         0.0 if args.quick else args.min_seconds)
+                                         min_seconds)
                 base_peak = peaks["reference"]
                 for name in seconds:
                     if name == "reference":
@@ -362,7 +363,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                       f"{len(seconds['reference'])} rounds) | {base_wall * 1000:.0f} ms; {base_cpu * 1000:.0f} ms | "
                       f"{base_peak / 2**20 if base_peak else 0:.0f} MiB |", flush=True)
     if "vit" in args.tables:
-        vit_table(repeats, args.quick, 0.0 if args.quick else args.min_seconds)
+        vit_table(repeats, args.quick, min_seconds)
 
 if __name__ == "__main__":
     main()
