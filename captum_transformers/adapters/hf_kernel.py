@@ -27,6 +27,7 @@ from ..errors import CaptureError
 from ..propagation.attention_core import softmax_attention
 from ..propagation.backward_switch import _SWITCH
 from ..propagation.fused_attention import fused_operands, scaled_gradient
+from ..propagation.operation_rules import paused_rule_mode
 from ..propagation.constant_map_attention import attention_over_constant_map
 from ..propagation.head_products import heads_matmul
 from ..propagation.recomputed_softmax import softmax_of_recomputed_scores
@@ -105,20 +106,34 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     active = _ACTIVE.get()
     if active is not None:
         query = active[0].connect(query)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    softcap = kwargs.get("softcap")
-    position_bias = kwargs.get("position_bias")
     rules = _RULES.get()
-    wants_map = active is not None and active[0].wants_maps
+    position_bias = kwargs.get("position_bias")
     # Where no map is wanted and the rules are a scaling of the operands' gradients (AttnLRP,
     # plain gradients; see fused_attention), the operations run plainly over those operands:
     # what the model's eager attention costs (autograd keeps A, nothing is recomputed). The AH
     # gate takes the branch below, which costs the same (A kept for the product with V).
-    operands = None
-    if not wants_map and rules is not None and rules.attention_gate == "gradient" and softcap is None \
-            and _SWITCH.get() is None and (dropout == 0.0 or not module.training):
-        operands = fused_operands(rules, query, key, value, position_bias is not None and position_bias.requires_grad)
+    if not (active is not None and active[0].wants_maps) and rules is not None and rules.attention_gate == "gradient" \
+            and kwargs.get("softcap") is None and _SWITCH.get() is None and (dropout == 0.0 or not module.training):
+        # Over such operands no operation of the kernel gets a rule from the mode.
+        with paused_rule_mode():
+            operands = fused_operands(rules, query, key, value,
+                                      position_bias is not None and position_bias.requires_grad)
+            if operands is not None:
+                return _explicit_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs,
+                                           active, rules, operands)
+    return _explicit_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs, active, rules,
+                               None)
+
+
+def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: Optional[torch.Tensor], scaling: Optional[float], dropout: float,
+                        kwargs: Dict[str, Any], active, rules: Optional[RuleSet], operands):
+    """The body of :func:`captum_attention`; ``operands``: those of :func:`fused_operands`
+    (the rules carried by their gradients), or None."""
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    softcap = kwargs.get("softcap")
+    position_bias = kwargs.get("position_bias")
     if operands is not None:
         query, key, value, bias_factor = operands
         if position_bias is not None:
@@ -213,18 +228,27 @@ def captum_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     """
     active = _ACTIVE.get()
     rules = _RULES.get()
-    position_bias = kwargs.get("position_bias")
-    operands = None
     if (active is None or not active[0].wants_maps) and _SWITCH.get() is None \
             and (dropout == 0.0 or not module.training) \
             and all(kwargs.get(name) is None for name in ("softcap", *_UNSUPPORTED_KERNEL_ARGS)):
-        bias_carries = position_bias is not None and position_bias.requires_grad
-        operands = fused_operands(rules, query, key, value, bias_carries)
-    if operands is None:
-        return captum_attention(module, query, key, value, _explicit_sdpa_mask(module, query, key, attention_mask,
-                                                                               is_causal),
-                                scaling=scaling, dropout=dropout, **kwargs)
-    query, key, value, bias_factor = operands
+        position_bias = kwargs.get("position_bias")
+        # Over such operands no operation of the kernel gets a rule from the mode.
+        with paused_rule_mode():
+            operands = fused_operands(rules, query, key, value,
+                                      position_bias is not None and position_bias.requires_grad)
+            if operands is not None:
+                return _fused_sdpa(module, *operands, attention_mask, dropout, scaling, is_causal, active, kwargs)
+    return captum_attention(module, query, key, value, _explicit_sdpa_mask(module, query, key, attention_mask,
+                                                                           is_causal),
+                            scaling=scaling, dropout=dropout, **kwargs)
+
+
+def _fused_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                bias_factor: Optional[float], attention_mask: Optional[torch.Tensor], dropout: float,
+                scaling: Optional[float], is_causal: Optional[bool], active, kwargs: Dict[str, Any]):
+    """transformers' own SDPA call over the operands of :func:`fused_operands` (see
+    :func:`captum_sdpa_attention`)."""
+    position_bias = kwargs.get("position_bias")
     if position_bias is not None:
         kwargs["position_bias"] = (position_bias.detach() if bias_factor is None
                                    else scaled_gradient(position_bias, bias_factor))

@@ -331,6 +331,38 @@ _ACTIVE_MODE: contextvars.ContextVar[Optional[OperationRules]] = contextvars.Con
     "captum_transformers_rule_mode", default=None)
 
 
+class paused_rule_mode:
+    """Inside: the :class:`OperationRules` mode, when it is the innermost torch-function mode of
+    this thread, is set aside; it is put back on exit, also after an error. Anything else
+    (another mode on top, no mode) is left as it is.
+
+    For code whose operations can get no rule from the mode: a norm's or activation's forward
+    under ``no_grad`` (the mode replaces nothing without gradients), an attention kernel whose
+    rules live in its operands' gradients. Their operations then skip the mode's Python dispatch
+    (about 1 us each; a Llama layer runs some sixty of them there). The mode's gate tracking is
+    unaffected (:data:`_ACTIVE_MODE` stays set).
+
+    Example::
+
+        >>> with paused_rule_mode():
+        ...     output = norm_forward(x)   # under no_grad: no rule applies inside
+    """
+
+    __slots__ = ("_mode",)
+
+    def __enter__(self) -> "paused_rule_mode":
+        self._mode = None
+        depth = torch._C._len_torch_function_stack()
+        if depth and isinstance(torch._C._get_function_stack_at(depth - 1), OperationRules):
+            self._mode = torch._C._pop_torch_function_stack()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._mode is not None:
+            torch._C._push_on_torch_function_stack(self._mode)
+            self._mode = None
+
+
 def active_rules():
     """The rule set of the :class:`OperationRules` mode active now (None outside one)."""
     mode = _ACTIVE_RULES.get()
@@ -378,9 +410,10 @@ def _activation_forward(identity: bool):
                 return original(x, *args, **kwargs)
             mode = _ACTIVE_MODE.get()
             if identity:
-                with torch.no_grad():
-                    output = original(x, *args, **kwargs)
-                output = IdentityRelevance.apply(x, output, lambda inputs: original(inputs, *args, **kwargs))
+                with paused_rule_mode():  # the whole module gets one rule: none inside it
+                    with torch.no_grad():
+                        output = original(x, *args, **kwargs)
+                    output = IdentityRelevance.apply(x, output, lambda inputs: original(inputs, *args, **kwargs))
             elif mode is not None:
                 with mode.gates.inside_activation():
                     output = original(x, *args, **kwargs)

@@ -34,6 +34,8 @@ from torch import nn
 from ..capture import patching
 from ..capture import module_walk
 from ..errors import InputError
+from .backward_switch import current_switch, plain_gradient_of
+from .operation_rules import IdentityRelevance, paused_rule_mode
 from .probe_cache import probed
 
 GateRule = Literal["gradient", "constant"]
@@ -250,8 +252,6 @@ class _ScaleConstantNorm(torch.autograd.Function):
     def forward(ctx, x, output, scale, centered, freeze_mean, eps, recompute=None):
         ctx.save_for_backward(x, scale)
         ctx.centered, ctx.freeze_mean, ctx.eps = centered, freeze_mean, eps
-        from .backward_switch import current_switch
-
         ctx.switch, ctx.recompute = current_switch(), recompute
         return output.view_as(output)
 
@@ -259,8 +259,6 @@ class _ScaleConstantNorm(torch.autograd.Function):
     def backward(ctx, grad):
         x, scale = ctx.saved_tensors
         if ctx.switch is not None and ctx.switch.plain:  # the norm's own gradient (one graph, two passes)
-            from .backward_switch import plain_gradient_of
-
             return plain_gradient_of(ctx.recompute, (x,), {}, x, grad), None, None, None, None, None, None
         dtype = torch.promote_types(x.dtype, torch.float32)
         x = x.to(dtype)
@@ -278,16 +276,16 @@ def _norm_forward(site: NormSite, rule: str):
         def forward(x, *args, **kwargs):
             if not torch.is_grad_enabled() or not x.requires_grad:
                 return original(x, *args, **kwargs)
-            with torch.no_grad():
-                output = original(x, *args, **kwargs)
-            recompute = lambda inputs: original(inputs, *args, **kwargs)  # noqa: E731  (the plain gradient)
-            if rule == "identity":
-                # Chefer et al.'s norm rule: relevance passes unchanged, R_x = R_y.
-                from .operation_rules import IdentityRelevance
-
-                return IdentityRelevance.apply(x, output, recompute)
-            return _ScaleConstantNorm.apply(x, output, site.scale, site.centered,
-                                            rule == "scale_and_mean_constant", site.eps, recompute)
+            # The norm gets one rule as a whole; the operation-rule mode has nothing to do inside.
+            with paused_rule_mode():
+                with torch.no_grad():
+                    output = original(x, *args, **kwargs)
+                recompute = lambda inputs: original(inputs, *args, **kwargs)  # noqa: E731  (the plain gradient)
+                if rule == "identity":
+                    # Chefer et al.'s norm rule: relevance passes unchanged, R_x = R_y.
+                    return IdentityRelevance.apply(x, output, recompute)
+                return _ScaleConstantNorm.apply(x, output, site.scale, site.centered,
+                                                rule == "scale_and_mean_constant", site.eps, recompute)
         return forward
     return make
 
