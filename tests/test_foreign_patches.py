@@ -98,6 +98,18 @@ def test_a_replaced_library_method_is_refused_by_every_method(case, method):
     explainer.attribute(inputs, target=TARGETS, forward_kwargs=kwargs)  # undone: explained again
 
 
+def test_a_non_function_class_attribute_replaced_by_a_foreign_function_is_refused(monkeypatch):
+    """Verified once, a class is re-checked when any entry of its dict changes, not only the
+    functions it had: a plain attribute turned into a foreign function (dict size unchanged)."""
+    model, inputs, kwargs = _hf()
+    explainer = METHOD_FACTORIES["transformer-relevance"](model)
+    explainer.attribute(inputs, target=TARGETS, forward_kwargs=kwargs)  # BertIntermediate verified
+    assert not callable(vars(BertIntermediate).get("__doc__"))
+    monkeypatch.setattr(BertIntermediate, "__doc__", half_gradient_forward)
+    with pytest.raises(CaptureError, match=r"BertIntermediate\.__doc__ is .*half_gradient_forward"):
+        explainer.attribute(inputs, target=TARGETS, forward_kwargs=kwargs)
+
+
 def test_the_replacement_would_have_changed_the_maps_silently():
     """Why refusing matters: the forward values stay the same, the maps do not."""
     model, inputs, kwargs = _hf()

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import operator
 import types
 from typing import Dict, Iterator, Optional, Tuple
 
@@ -57,10 +58,10 @@ def _foreign_methods(owner: type) -> Iterator[Tuple[str, object]]:
             yield name, origin
 
 
-# Library classes in a class's MRO, and per library class the (dict size, function entries)
-# last found to be the library's own: re-checked by identity, fully when the dict changed size.
+# Library classes in a class's MRO, and per library class its (names, values) last found to be
+# the library's own: re-checked by identity, fully when any entry changed.
 _LIBRARY_OWNERS: Dict[type, Tuple[type, ...]] = {}
-_VERIFIED: Dict[type, Tuple[int, Tuple[Tuple[str, object], ...]]] = {}
+_VERIFIED: Dict[type, Tuple[Tuple[str, ...], Tuple[object, ...]]] = {}
 
 
 def _library_owners(cls: type) -> Tuple[type, ...]:
@@ -71,10 +72,14 @@ def _library_owners(cls: type) -> Tuple[type, ...]:
 
 
 def _unchanged(owner: type) -> bool:
-    entries = vars(owner)
+    """Whether every entry of ``owner``'s dict is the object verified last time (any entry: a
+    non-function attribute replaced by a foreign function is a change too)."""
     verified = _VERIFIED.get(owner)
-    return verified is not None and verified[0] == len(entries) and all(
-        entries.get(name) is value for name, value in verified[1])
+    if verified is None:
+        return False
+    entries = vars(owner)
+    return len(entries) == len(verified[0]) and tuple(entries) == verified[0] \
+        and all(map(operator.is_, entries.values(), verified[1]))
 
 
 def check_library_classes(model: nn.Module) -> None:
@@ -94,6 +99,5 @@ def check_library_classes(model: nn.Module) -> None:
                 f"or assign the original function back to {owner.__qualname__}.{name}), or start a fresh Python "
                 "process that does not apply it; importlib.reload does not change models already built."
             )
-        entries = vars(owner)
-        _VERIFIED[owner] = (len(entries), tuple((name, value) for name, value in entries.items()
-                                                if _function(value) is not None))
+        entries = dict(vars(owner))
+        _VERIFIED[owner] = (tuple(entries), tuple(entries.values()))
