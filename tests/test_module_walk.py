@@ -114,3 +114,12 @@ def test_configs_are_found_behind_a_wrapper_with_a_config_property():
 
     wrapper = Wrapper()
     assert patching._reachable_configs(wrapper) == [wrapper.inner.config]
+
+
+def test_is_leaf_reads_the_children_as_children_does():
+    holder = torch.nn.Module()
+    holder.register_module("slot", None)  # a declared child that is None: no child
+    cases = [torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU()), holder, torch.nn.Sequential()]
+    for module in cases:
+        assert module_walk.is_leaf(module) == (next(module.children(), None) is None), module
+    assert module_walk.is_leaf(holder) and not module_walk.is_leaf(cases[1])

@@ -54,6 +54,12 @@ def modules(model: nn.Module) -> List[nn.Module]:
     return [module for _, module in named_modules(model)]
 
 
+def is_leaf(module: nn.Module) -> bool:
+    """Whether ``module`` has no child module (``next(module.children(), None) is None``, read
+    from its own dict: asked of every module in a walk, per explanation)."""
+    return all(child is None for child in module._modules.values())
+
+
 def per_walk(model: nn.Module, key: Hashable, compute: Callable[[], Any]) -> Any:
     """``compute()``, remembered under ``key`` while the walk of ``model`` is published (one
     explanation); computed afresh outside. Only for answers that depend on the module tree

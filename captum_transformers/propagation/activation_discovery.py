@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..capture import module_walk
 from .probe_cache import probed
 
 # Not activations, or activations whose torch function the mode already rules (closed-form ratio).
@@ -19,7 +20,7 @@ def is_activation(module: nn.Module, like: torch.Tensor) -> bool:
     """An elementwise, parameter-free map with ``f(0) = 0`` that is not the identity:
     found by probing what it computes (hand-written GELUs such as GPT-2's ``gelu_new``);
     the answer is remembered while the module's state is unchanged (probe_cache)."""
-    if isinstance(module, _NOT_ACTIVATIONS) or any(True for _ in module.children()) or _holds_tensors(module):
+    if isinstance(module, _NOT_ACTIVATIONS) or not module_walk.is_leaf(module) or _holds_tensors(module):
         return False  # what the probe would answer, without looking up its cache (a Linear, a norm)
     return probed(module, ("activation", like.dtype, like.device), lambda: _probe_activation(module, like))
 

@@ -25,6 +25,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 from torch import nn
 
+from ..capture import module_walk
 from .backward_switch import _SWITCH
 from .backward_switch import plain_requested as _plain
 
@@ -108,7 +109,7 @@ def gate_scopes(model: nn.Module, probed) -> list:
     scopes, seen = [], set()
     if id(model) in holds or isinstance(model, _TORCH_ACTIVATION_MODULES):
         return [model]
-    for parent in model.modules():
+    for parent in module_walk.modules(model):
         if id(parent) in seen:
             continue
         if any(id(child) in holds or isinstance(child, _TORCH_ACTIVATION_MODULES) for child in parent.children()):

@@ -213,6 +213,10 @@ def _probe(module: nn.Module, size: int, eps: float, like: torch.Tensor) -> Opti
     return None
 
 
+# Leaf modules with a weight that are never norms: skipped before any attribute is read.
+_NOT_NORMS = (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)
+
+
 def find_norms(model: nn.Module) -> List[NormSite]:
     """Every LayerNorm- or RMSNorm-like leaf module of ``model``, found by probing."""
     sites = []
@@ -220,7 +224,7 @@ def find_norms(model: nn.Module) -> List[NormSite]:
     # probed in the dtype and device of the model's first floating-point tensor.
     reference = next((t for t in itertools.chain(model.parameters(), model.buffers()) if t.is_floating_point()), None)
     for name, module in module_walk.named_modules(model):
-        if any(True for _ in module.children()):
+        if isinstance(module, _NOT_NORMS) or not module_walk.is_leaf(module):
             continue
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor):
@@ -232,8 +236,6 @@ def find_norms(model: nn.Module) -> List[NormSite]:
             if weight is not None or not isinstance(shape, tuple) or len(shape) != 1 or reference is None:
                 continue
             size, like = int(shape[0]), reference
-        if isinstance(module, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)):
-            continue
         eps = _eps(module)
         if eps is None:
             continue
