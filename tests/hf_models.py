@@ -105,3 +105,24 @@ CASES: Dict[str, Case] = {c.name: c for c in [
     Case("gpt2", _gpt2, "text"),
     Case("llama_gqa", _llama, "text"),
 ]}
+
+
+def decoder_llm(family: str, impl: str, dtype=torch.float32) -> torch.nn.Module:
+    """A 2-layer causal LM of ``family`` (llama, qwen2, gemma, mistral) with grouped-query heads,
+    vocabulary 53, attention ``impl``, norms moved away from 1 so that norm rules matter."""
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[family]
+    config = config_class(vocab_size=53, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+                          attn_implementation=impl, pad_token_id=0)
+    torch.manual_seed(0)
+    model = model_class(config).to(dtype).eval()
+    with torch.no_grad():  # norms away from 1, so the norm rule matters
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(torch.rand_like(parameter) * 0.5)
+    return model

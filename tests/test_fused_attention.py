@@ -28,28 +28,10 @@ from captum_transformers.capture.trace import CaptureSpec  # noqa: E402
 from captum_transformers.propagation.attention_core import softmax_attention  # noqa: E402
 from captum_transformers.propagation.fused_attention import fusable, fused_operands  # noqa: E402
 from captum_transformers.propagation.operation_rules import OperationRules  # noqa: E402
+from hf_models import decoder_llm as _llm  # noqa: E402
 
 F64 = torch.float64
 FAMILIES = ("llama", "qwen2", "gemma", "mistral")
-
-
-def _llm(family: str, impl: str, dtype=torch.float32) -> torch.nn.Module:
-    config_class, model_class = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[family]
-    config = config_class(vocab_size=53, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
-                          attn_implementation=impl, pad_token_id=0)
-    torch.manual_seed(0)
-    model = model_class(config).to(dtype).eval()
-    with torch.no_grad():  # norms away from 1, so the norm rule matters
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.add_(torch.rand_like(parameter) * 0.5)
-    return model
 
 
 def _ids():

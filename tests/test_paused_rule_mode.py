@@ -19,6 +19,7 @@ from captum_transformers.propagation import operation_rules
 from captum_transformers.propagation.operation_rules import OperationRules, paused_rule_mode
 
 transformers = pytest.importorskip("transformers")
+from hf_models import decoder_llm  # noqa: E402
 
 
 def _product_rule_applied(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -81,20 +82,11 @@ def test_without_a_mode_is_a_no_op():
 
 # == 2. the rule patches and kernels pause the mode ===============================================
 def _llama(impl: str, dtype=torch.float32) -> torch.nn.Module:
-    config = transformers.LlamaConfig(vocab_size=41, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                      max_position_embeddings=32, attn_implementation=impl, pad_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
-    with torch.no_grad():  # norms away from 1, so the norm rule matters
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.add_(torch.rand_like(parameter) * 0.5)
-    return model
+    return decoder_llm("llama", impl, dtype)
 
 
 def _ids():
-    ids = torch.randint(1, 41, (3, 7), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(1, 53, (3, 7), generator=torch.Generator().manual_seed(2))
     mask = torch.ones(3, 7, dtype=torch.long)
     mask[1, :2] = 0
     return ids, {"attention_mask": mask}

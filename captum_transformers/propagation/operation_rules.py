@@ -53,6 +53,7 @@ from .backward_switch import plain_requested as _plain
 from .gated_product import ConstantGateProduct, GateTracker, gate_scopes
 from .identity_ratio import identity_ratio
 from .linear_rule import _LinearAlphaBeta, _LinearGamma, safe_divide  # noqa: F401  (safe_divide: part of this API)
+from .normalized_add import NormalizedAdd
 from .pixel_rule import PixelBoundedConv
 
 
@@ -128,51 +129,6 @@ def _call_with(func, args, kwargs, a, b, new_a, new_b):
     """Call ``func`` with operands ``a``/``b`` replaced by ``new_a``/``new_b``."""
     swap = lambda t: new_a if t is a else new_b if t is b else t  # noqa: E731
     return func(*[swap(t) for t in args], **{k: swap(v) for k, v in kwargs.items()})
-
-
-class _NormalizedAdd(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, batch_dim, func, args, kwargs):
-        output = func(*args, **kwargs)
-        ctx.save_for_backward(a, b)
-        ctx.batch_dim = batch_dim
-        ctx.switch = _SWITCH.get()
-        return output
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        if _plain(ctx):
-            return grad.sum_to_size(a.shape), grad.sum_to_size(b.shape), None, None, None, None
-        dtype = torch.promote_types(grad.dtype, torch.float32)
-        g = grad.to(dtype)
-        batch_dim = ctx.batch_dim
-
-        def per_example(operand):
-            """``sum(operand * g)`` per example, shaped to broadcast against ``g``: one dot
-            product per example, without materialising the relevance ``operand * g``."""
-            operand = operand.to(dtype)
-            shape = [1] * g.dim()
-            if operand.shape != g.shape:  # a batch-shared operand: materialise the broadcast product
-                product = operand * g
-                total = product.movedim(batch_dim, 0).reshape(g.shape[batch_dim], -1).sum(1) \
-                    if batch_dim is not None else product.sum().reshape(1)
-            elif batch_dim is None:
-                total = torch.dot(operand.reshape(-1), g.reshape(-1)).reshape(1)
-            else:
-                total = torch.linalg.vecdot(operand.movedim(batch_dim, 0).reshape(g.shape[batch_dim], -1),
-                                            g.movedim(batch_dim, 0).reshape(g.shape[batch_dim], -1))
-            if batch_dim is not None:
-                shape[batch_dim] = -1
-            return total.reshape(shape)
-
-        s_a, s_b = per_example(a), per_example(b)
-        s = s_a + s_b
-        share_a = safe_divide(s_a.abs(), s_a.abs() + s_b.abs()) * safe_divide(s, s_a)
-        share_b = safe_divide(s_b.abs(), s_a.abs() + s_b.abs()) * safe_divide(s, s_b)
-        # An operand shared by the batch (a (1, ...) position embedding) gets the sum over examples.
-        g_a, g_b = (g * share_a).sum_to_size(a.shape), (g * share_b).sum_to_size(b.shape)
-        return g_a.to(grad.dtype), g_b.to(grad.dtype), None, None, None, None
 
 
 def _gelu_ratio(approximate: str) -> Callable:
@@ -304,7 +260,7 @@ class OperationRules(TorchFunctionMode):
             a, b = args
             if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.requires_grad and b.requires_grad \
                     and a.is_floating_point() and (a.shape == b.shape or self._batch_broadcast(a, b)):
-                return _NormalizedAdd.apply(a, b, self._batch_dim(a if a.shape[0] >= b.shape[0] else b), func,
+                return NormalizedAdd.apply(a, b, self._batch_dim(a if a.shape[0] >= b.shape[0] else b), func,
                                             args, kwargs)
         return func(*args, **kwargs)
 
