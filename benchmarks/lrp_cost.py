@@ -23,7 +23,7 @@ Peak memory (above what was live before the call, peak RSS on CPU) is measured b
 timings, once per operation, with every buffer mapped anew. Ratios are to the reference of the same model, so values below
 1.0x are cheaper than one forward + backward.
 
-Command (one thread; both of the README's tables in one run, about 40 minutes on its 2-core VM)::
+Command (one thread; both of the README's tables in one run, 30-40 minutes on its 2-core VM)::
 
     OMP_NUM_THREADS=1 PYTHONPATH=.:/tmp/lxt python benchmarks/lrp_cost.py --threads 1 --repeats 9
 
