@@ -168,6 +168,7 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
 
         scores.plain_gradient = plain_gradient
 
+    scores.batch_sliceable = True  # reads nothing per example but its arguments
     extras = tuple(t for t in (position_bias, mask) if t is not None)
     # float32 at least (half-precision scores), float64 for float64 models: the model's own
     # precision, so float64 maps equal its eager attention's, not a float32 rounding of them.

@@ -66,6 +66,7 @@ def sdpa_as_softmax_attention(query: torch.Tensor, key: torch.Tensor, value: tor
         return torch.matmul(g_scores, key).mul_(scale), torch.matmul(g_scores.transpose(-1, -2), query * scale)
 
     scores.plain_gradient = plain_gradient
+    scores.batch_sliceable = True  # reads nothing per example but its arguments
 
     if dropout_p > 0.0:
         probs = torch.softmax(scores(query, key, *extras), dim=-1)

@@ -45,7 +45,11 @@ def _attend(scores_fn, query, key, value, extras, softmax_dtype) -> Tuple[torch.
 
     Without gradients the softmax overwrites the scores (same values: it reads each row before
     writing it): one (B, H, Q, K) buffer per layer instead of two, and no fresh pages to fault in.
+    Where the scores function allows it, the batch runs in chunks (see :func:`_examples_per_chunk`).
     """
+    chunk = _examples_per_chunk(scores_fn, query, key, value, extras)
+    if chunk:
+        return _attend_in_chunks(scores_fn, query, key, value, extras, softmax_dtype, chunk)
     scores = scores_fn(query, key, *extras)
     if not torch.is_grad_enabled() and scores._base is None and all(scores is not t for t in (query, key, *extras)):
         probs = _softmax_in_place(scores, softmax_dtype)
@@ -53,6 +57,53 @@ def _attend(scores_fn, query, key, value, extras, softmax_dtype) -> Tuple[torch.
         probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype)
     probs = probs.to(query.dtype)
     return heads_matmul(probs, value, tokens_major=True), probs
+
+
+# A chunk's scores of about this size (a core's L2 cache) stay cached from their product through
+# the softmax to the product with V. On a 16-image ViT batch (197 tokens, 4 heads: one example,
+# 0.6 MiB, per chunk) AttentionRollout costs 2-4 % less of a forward pass than with the whole batch
+# at once; chunks of 2 or 4 examples gained less.
+_CHUNK_BYTES = 2**20
+
+
+def _examples_per_chunk(scores_fn, query, key, value, extras) -> int:
+    """How many examples each chunk of a gradient-free CPU attention holds, or 0 for one pass.
+
+    Only a scores function marked ``batch_sliceable`` (its scores for a slice of the batch
+    are that slice of its scores: no per-example tensor captured from outside) is chunked, and
+    only when every extra operand either has four dimensions, the first of size B (sliced) or 1,
+    or has fewer (broadcast over the batch: the scores are (B, H, Q, K))."""
+    if torch.is_grad_enabled() or query.device.type != "cpu" or not getattr(scores_fn, "batch_sliceable", False) \
+            or query.dim() != 4:
+        return 0
+    batch = query.shape[0]
+    if key.shape[0] != batch or value.shape[0] != batch \
+            or any(e.dim() > 4 or (e.dim() == 4 and e.shape[0] not in (1, batch)) for e in extras):
+        return 0
+    per_example = query.shape[1] * query.shape[2] * key.shape[2] * query.element_size()
+    chunk = max(1, int(_CHUNK_BYTES // per_example))
+    return chunk if chunk < batch else 0
+
+
+def _attend_in_chunks(scores_fn, query, key, value, extras, softmax_dtype, chunk: int):
+    """:func:`_attend` a few examples at a time into one map and one output buffer: equal
+    values (every operation acts on each example's rows alone)."""
+    batch = query.shape[0]
+    probs = output = None
+    for start in range(0, batch, chunk):
+        part = slice(start, start + chunk)
+        scores = scores_fn(query[part], key[part], *(e[part] if e.dim() == 4 and e.shape[0] == batch else e
+                                                       for e in extras))
+        if probs is None:
+            probs = scores.new_empty((batch, *scores.shape[1:]), dtype=query.dtype)
+            rows, heads = scores.shape[2], scores.shape[1]
+            output = value.new_empty(batch, rows, heads, value.shape[-1]).transpose(1, 2)
+        if scores.dtype == probs.dtype and softmax_dtype in (None, scores.dtype):
+            torch.softmax(scores, dim=-1, out=probs[part])
+        else:
+            probs[part].copy_(torch.softmax(scores, dim=-1, dtype=softmax_dtype))
+        heads_matmul(probs[part], value[part], tokens_major=True, out=output[part])
+    return output, probs
 
 
 class _SoftmaxAttention(torch.autograd.Function):
