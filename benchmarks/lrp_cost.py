@@ -23,9 +23,9 @@ Peak memory (above what was live before the call, peak RSS on CPU) is measured b
 timings, once per operation, with every buffer mapped anew. Ratios are to the reference of the same model, so values below
 1.0x are cheaper than one forward + backward.
 
-Command (one thread; both of the README's tables in one run, 30-40 minutes on its 2-core VM)::
+Command (one thread; both of the README's tables in one run, about 40 minutes on its 2-core VM)::
 
-    OMP_NUM_THREADS=1 PYTHONPATH=.:/tmp/lxt python benchmarks/lrp_cost.py --threads 1 --repeats 9
+    OMP_NUM_THREADS=1 PYTHONPATH=.:/tmp/lxt python benchmarks/lrp_cost.py --threads 1 --repeats 15
 
 A second table times the attention methods on a 6-layer ViT (HF eager, HF sdpa, timm; width
 256, 224 px, batch 16): ``AttentionRollout`` against the forward pass, ``GenericAttention``
