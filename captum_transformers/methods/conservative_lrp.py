@@ -31,6 +31,20 @@ class ConservativeLRP(RuleGradientXInput):
     Input read at the same place, for comparison. LayerNorm- and RMSNorm-like modules are
     found by probing their behaviour (``norm_mean="constant"`` also freezes the mean).
 
+    ``activation_rule="identity"`` (default ``"gradient"``) adds the identity rule on every
+    element-wise nonlinearity (GELU, SiLU, ReLU, hand-written GELUs found by probing, and the
+    ``tanh`` of BERT's pooler), as LXT / AttnLRP do: for ``y = \sigma(x)`` element-wise
+
+    .. math:: R(x_k) = R(y_k), \qquad\text{i.e.}\quad
+              \frac{\partial y_k}{\partial x_k} \;\to\; \frac{\sigma(x_k)}{x_k}
+              \quad\text{so that}\quad x_k \frac{\partial f}{\partial x_k} = y_k \frac{\partial f}{\partial y_k}
+
+    (0 where ``x_k = 0``). Under plain gradient a nonlinearity that is not homogeneous of
+    degree one (GELU, tanh) loses or creates relevance (``x * sigma'(x) != sigma(x)``); with the
+    identity rule a bias-free model conserves exactly whatever its activations. The default
+    keeps Ali et al.'s rules (parity with their reference implementation); biases still absorb
+    relevance either way (docs/relevance-rules.md measures both on the shipped MiniLM).
+
     Relevance is read at the input embeddings: for text the hidden states entering the first
     Transformer layer, summed over the hidden size, ``(B, S)``; for images the pixels
     (``x * grad``, ``(B, C, H, W)``; the patch embedding's bias and the position embeddings
@@ -49,13 +63,20 @@ class ConservativeLRP(RuleGradientXInput):
 
     def __init__(self, model: nn.Module, variant: Literal["AH+LN", "AH", "GI"] = "AH+LN",
                  adapter: Union[Adapter, str, None] = None, norm_mean: Literal["gradient", "constant"] = "gradient",
-                 relevance_at: Literal["auto", "tokens", "inputs"] = "auto") -> None:
+                 relevance_at: Literal["auto", "tokens", "inputs"] = "auto",
+                 activation_rule: Literal["gradient", "identity"] = "gradient") -> None:
         if variant not in VARIANTS:
             raise InputError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}.")
         if norm_mean not in ("gradient", "constant"):
             raise InputError(f"norm_mean must be 'gradient' or 'constant', got {norm_mean!r}.")
+        if activation_rule not in ("gradient", "identity"):
+            raise InputError(f"activation_rule must be 'gradient' (Ali et al.'s rules) or 'identity' (relevance passes "
+                             f"element-wise nonlinearities unchanged), got {activation_rule!r}.")
         rules = VARIANTS[variant]
+        if activation_rule == "identity":
+            rules = dataclasses.replace(rules, name=rules.name + " (identity activations)", activation="identity")
         if norm_mean == "constant" and rules.norm != "gradient":
             rules = dataclasses.replace(rules, name=rules.name + " (mean constant)", norm="scale_and_mean_constant")
         super().__init__(model, rules, adapter, relevance_at)
         self.variant = variant
+        self.activation_rule = activation_rule
