@@ -143,6 +143,29 @@ def test_text_feature_tokens_and_render_escape_user_strings(monkeypatch):
     assert PAYLOAD not in document and "&lt;img src=x onerror=" in document and "&lt;b&gt;x&lt;/b&gt;" in document
 
 
+@pytest.mark.parametrize("shown", [3, 5])
+def test_text_feature_token_count_must_match_the_positions(shown):
+    """One token short drew every score on its neighbour; one too many raised a RuntimeError."""
+    vocabulary = ["[PAD]", "[CLS]", "good", "film", "dull", "plot", "ok", "end", "x", "y"]
+    ids = torch.tensor([[1, 2, 3, 4], [1, 5, 6, 8]])
+    visualizer = AttributionVisualizer(
+        models=EncoderClassifier().eval(), classes=["neg", "mid", "pos"], dataset=[Batch(ids, torch.tensor([0, 2]))],
+        features=TextFeature("Review", None, None, lambda x: ([vocabulary[i] for i in x[0].tolist()] + ["extra"])[:shown]))
+    with pytest.raises(InputError, match=f"gave {shown} tokens .* has 4 positions"):
+        visualizer.workspace()
+
+
+def test_workspace_refuses_tokens_that_do_not_match_the_positions():
+    from captum_transformers.explorer.workspace import Workspace
+
+    ids, mask = torch.tensor([[1, 5, 7, 0]]), torch.tensor([[1, 1, 1, 0]])
+    with pytest.raises(InputError, match="shows 4 tokens but its input has 3 unmasked positions"):
+        Workspace(EncoderClassifier().eval(), (ids,), [["a", "b", "c", "d"]], "text",
+                  forward_kwargs={"attention_mask": mask})
+    with pytest.raises(InputError, match="shows 3 tokens but its input has 4 positions"):
+        Workspace(EncoderClassifier().eval(), (ids,), [["a", "b", "c"]], "text")
+
+
 def test_methods_not_offered_for_the_model_are_refused_by_the_api():
     pytest.importorskip("httpx")
     TestClient = pytest.importorskip("starlette.testclient").TestClient

@@ -57,6 +57,20 @@ def available_methods(model: nn.Module) -> List[str]:
     return list(METHOD_NAMES)
 
 
+def _check_token_counts(ids: torch.Tensor, displays: Sequence, mask: Optional[torch.Tensor]) -> None:
+    """Each example's shown tokens must be its scored positions (the unmasked ones, or every
+    position without ``attention_mask``): one token short would draw every score on its
+    neighbour, one too many cannot be drawn."""
+    for index, tokens in enumerate(displays):
+        if mask is not None and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            positions, what = int(mask[index].bool().sum()), "unmasked positions"
+        else:
+            positions, what = (ids.shape[1] if ids.dim() >= 2 else 1), "positions"
+        if len(tokens) != positions:
+            raise InputError(f"example {index} shows {len(tokens)} tokens but its input has {positions} {what}; give "
+                             "one token per scored position, in order, so that each score is drawn on its own token.")
+
+
 @dataclass(frozen=True)
 class Prediction:
     """The model's view of one example: predicted class, its probability, margin, true labels
@@ -102,6 +116,8 @@ class Workspace:
         if len(displays) != batch:
             raise InputError(f"{len(displays)} displays for a batch of {batch}; give one image or token list per "
                              "example.")
+        if modality == "text":
+            _check_token_counts(inputs[0], displays, (forward_kwargs or {}).get("attention_mask"))
         if labels is not None and (labels.dim() not in (1, 2) or labels.shape[0] != batch):
             raise InputError(f"labels must have shape ({batch},) or ({batch}, K), received {tuple(labels.shape)}.")
         self.model, self.inputs, self.displays, self.modality = model, inputs, list(displays), modality

@@ -125,6 +125,7 @@ class AttributionVisualizer:
             modality = "image"
         else:
             displays = [_tokens(feature, raw[i:i + 1]) for i in range(raw.shape[0])]
+            _check_token_counts(feature, displays, inputs)
             modality = "text"
         names = [type(model).__name__ for model in self.models]
         for model, name in zip(self.models, names):
@@ -231,3 +232,14 @@ def _tokens(feature: TextFeature, indices: torch.Tensor) -> List[str]:
     if len(shown) == 1 and isinstance(shown[0], (list, tuple)):
         shown = list(shown[0])
     return [str(token) for token in shown]
+
+
+def _check_token_counts(feature: TextFeature, displays: List[List[str]], inputs: torch.Tensor) -> None:
+    """One shown token per input position, or every score would be drawn on the wrong token
+    (one token short shifts them all by one) or the map could not be drawn at all."""
+    positions = inputs.shape[1] if inputs.dim() >= 2 else 1
+    for index, tokens in enumerate(displays):
+        if len(tokens) != positions:
+            raise InputError(f"TextFeature {feature.name!r}: its visualization_transform gave {len(tokens)} tokens for "
+                             f"example {index}, whose input has {positions} positions; it must return one token per "
+                             "position (padding included), in order, so that each score is drawn on its own token.")
