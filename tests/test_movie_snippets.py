@@ -245,3 +245,41 @@ def test_limit_samples_both_classes_of_a_file_sorted_by_class():
     assert len(limited) == 40 and set(limited.ids) <= set(every.ids)
     assert limited.ids == sorted(limited.ids)  # kept in file order
     assert 10 <= int(limited.labels.sum()) <= 30  # a prefix would be 40 positives
+
+
+def test_first_use_training_says_what_how_long_and_where_on_stderr(tmp_path, monkeypatch, capsys):
+    # A tiny stand-in replaces the real fine-tuning (no 13-25 minute training in the suite); it
+    # reports progress through the log it is given and saves a tiny BERT where the real one would.
+    transformers = pytest.importorskip("transformers")
+    from captum_transformers.tasks import movie_model
+
+    calls = []
+
+    def stand_in(cache_dir, log=print, **kwargs):
+        calls.append(cache_dir)
+        for step in (50, 100):
+            log(f"step {step}/100: mean train loss of the last 50 steps 0.5")
+        target = movie_model.movie_model_dir(cache_dir)
+        target.mkdir(parents=True)
+        transformers.BertForSequenceClassification(transformers.BertConfig(
+            hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8, vocab_size=30)
+        ).save_pretrained(target)
+        (target / movie_model.REPORT_FILE).write_text("{}")
+        return target
+
+    monkeypatch.setattr(movie_model, "train_movie_model", stand_in)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda path: "tokenizer"))
+    model, tokenizer = movie_model.load_movie_model(tmp_path)
+    captured = capsys.readouterr()
+    assert calls == [tmp_path] and tokenizer == "tokenizer" and not model.training
+    assert captured.out == ""  # nothing on stdout: messages and progress go to stderr
+    path = str(movie_model.movie_model_dir(tmp_path))
+    lines = [line for line in captured.err.splitlines() if line.strip() and "Loading weights" not in line]
+    announcement, *progress = lines
+    assert "training it now (first use only)" in announcement
+    assert "13-25 CPU minutes" in announcement and path in announcement
+    assert progress[:2] == ["step 50/100: mean train loss of the last 50 steps 0.5",
+                            "step 100/100: mean train loss of the last 50 steps 0.5"]
+    # Second use: loaded from the cache, nothing said, nothing trained.
+    movie_model.load_movie_model(tmp_path)
+    assert calls == [tmp_path] and "training it now" not in capsys.readouterr().err
