@@ -97,10 +97,23 @@ def _parse_targets(workspace, raw: Any) -> Dict[int, int]:
         raise InputError(f"{len(raw)} targets for a batch of {len(workspace)} examples.")
     targets = {}
     for key, value in raw.items():
-        if not isinstance(key, str) or not key.isdigit():
-            raise InputError(f"example keys must be indices written as strings, received {key!r}.")
+        if not _is_index(key):
+            raise InputError(f"example keys must be indices written as strings of the digits 0-9, received "
+                             f"{_shown(key)}; write them as in {{\"0\": 3}}.")
         targets[int(key)] = value
     return workspace.check_targets(targets)
+
+
+def _is_index(text: Any) -> bool:
+    """Whether ``text`` is a non-negative integer written in the ASCII digits 0-9 (``str.isdigit``
+    also takes "²", which ``int`` refuses, and ``str.isdecimal`` other scripts' digits)."""
+    return isinstance(text, str) and 0 < len(text) <= 9 and text.isascii() and text.isdecimal()
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages about received values."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _parse_methods(raw: Any, offered: Sequence[str] = METHOD_NAMES) -> List[Tuple[str, Dict[str, Any]]]:
@@ -109,23 +122,46 @@ def _parse_methods(raw: Any, offered: Sequence[str] = METHOD_NAMES) -> List[Tupl
     parsed = []
     for entry in raw:
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-            raise InputError(f'each method must be an object with a "name", received {entry!r}.')
+            raise InputError(f'each method must be an object with a "name", received {_shown(entry)}.')
         if entry["name"] not in offered:
             raise InputError(f"method {entry['name']!r} is not offered for this model; offered: {', '.join(offered)}.")
         arguments = entry.get("arguments") or {}
         if not isinstance(arguments, dict):
-            raise InputError(f'"arguments" of {entry["name"]} must be an object, received {arguments!r}.')
+            raise InputError(f'"arguments" of {entry["name"]} must be an object, received {_shown(arguments)}.')
         parsed.append((entry["name"], checked_arguments(entry["name"], arguments)))
     return parsed
 
 
+#: How deeply a request body may nest (the API's bodies nest 3 levels: body, methods, arguments).
+MAX_JSON_DEPTH = 16
+
+
+def _depth(value: Any) -> int:
+    """How deeply ``value`` nests lists and objects (counted without recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, (list, dict)):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
 async def _json_body(request: Request) -> Dict[str, Any]:
+    raw = await request.body()
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
+    except RecursionError:  # the parser recursed past Python's limit: nesting far too deep
+        raise InputError(f"the request body nests lists or objects more than {MAX_JSON_DEPTH} levels deep; send "
+                         'an object such as {"methods": [...], "targets": {...}}.') from None
     except (ValueError, UnicodeDecodeError):
         raise InputError("the request body is not valid JSON.") from None
     if not isinstance(body, dict):
-        raise InputError("the request body must be a JSON object.")
+        raise InputError(f"the request body must be a JSON object, received a {type(body).__name__}.")
+    depth = _depth(body)
+    if depth > MAX_JSON_DEPTH:
+        raise InputError(f"the request body nests {depth} levels deep; expected at most {MAX_JSON_DEPTH} (the API's "
+                         'bodies nest 3: {"methods": [{"name", "arguments": {...}}], "targets": {...}}).')
     return body
 
 
@@ -182,8 +218,9 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
 
     def model_of(request: Request) -> int:
         raw = request.query_params.get("model", "0")
-        if not raw.isdigit() or int(raw) >= len(workspaces):
-            raise InputError(f"model={raw!r}: expected an index below {len(workspaces)}.")
+        if not _is_index(raw) or int(raw) >= len(workspaces):
+            raise InputError(f"?model={_shown(raw)}: expected an index 0 to {len(workspaces) - 1} written in the "
+                             "digits 0-9 (the position of the model in the page's list).")
         return int(raw)
 
     async def page(request: Request) -> Response:

@@ -37,6 +37,16 @@ _NOT_OFFERED = frozenset({"self", "model", "adapter"})
 NUMBER_BOUND = 10_000
 
 
+#: Ranges of arguments whose constructors accept any number but whose methods fail later on
+#: one outside them (inside the job, after the request was accepted): checked with the request.
+#: ``(low, high, high_included)`` by argument name, whichever method takes it.
+ARGUMENT_RANGES = {
+    "discard_ratio": (0.0, 1.0, False),    # a fraction of attention values dropped: [0, 1)
+    "n_steps": (1, NUMBER_BOUND, True),
+    "internal_batch_size": (1, NUMBER_BOUND, True),
+}
+
+
 def rule_presets() -> Dict[str, RuleSet]:
     """The ``RuleSet`` presets by attribute name (``GRADIENT``, ``AH``, ``CHEFER``, ...)."""
     return {name: value for name, value in vars(RuleSet).items() if isinstance(value, RuleSet)}
@@ -140,8 +150,15 @@ def _checked_value(method: str, field: Dict[str, Any], value: Any) -> Any:
     if kind == "integer":
         if float(value) != int(value):
             raise InputError(f"{method}: {name} must be a whole number, received {value!r}.")
-        return int(value)
-    return float(value)
+        value = int(value)
+    else:
+        value = float(value)
+    if name in ARGUMENT_RANGES:
+        low, high, high_included = ARGUMENT_RANGES[name]
+        if not (low <= value and (value <= high if high_included else value < high)):
+            interval = f"[{low}, {high}{']' if high_included else ')'}"
+            raise InputError(f"{method}: {name}={value!r} is outside {interval}; give a value in {interval}.")
+    return value
 
 
 def constructor_arguments(method: str, checked: Mapping[str, Any]) -> Dict[str, Any]:

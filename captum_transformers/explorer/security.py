@@ -77,7 +77,7 @@ class SecurityMiddleware:
                 return await _refuse(send_with_headers, 403, "missing or wrong session token: open the URL the "
                                      "explorer printed at start (it carries ?token=...).")
         length = headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+        if length is not None and (not (length.isascii() and length.isdecimal()) or int(length) > self.max_body_bytes):
             return await _refuse(send_with_headers, 413, f"request body over {self.max_body_bytes} bytes.")
         if scope.get("method") == "POST" and headers.get("content-type", "").split(";")[0].strip() != \
                 "application/json":
