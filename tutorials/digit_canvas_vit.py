@@ -1,7 +1,7 @@
 # ---
 # jupyter:
 #   jupytext:
-#     formats: py:percent
+#     formats: ipynb,py:percent
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -123,6 +123,7 @@ grid = ExplanationGrid(shown.images, shown_maps,
 methods_png = str(grid.save(os.path.join(OUT, "digit_methods.png")))
 methods_html = str(grid.save(os.path.join(OUT, "digit_methods.html")))  # opens offline, images embedded
 print("saved", methods_png, "and", methods_html)
+grid  # shown inline in a notebook (a script ignores this line)
 
 # %% [markdown]
 # ## 3. How much of each map lies on the digit?
@@ -206,6 +207,7 @@ negative_plot = CurvePlot({name: negative for name, (_, negative, _) in results.
                           title="Removing the least relevant pixels first (higher is better)")
 negative_curves_png = str(negative_plot.save(os.path.join(OUT, "digit_negative_perturbation.png")))
 print("saved", curves_png, "and", negative_curves_png)
+positive_plot  # shown inline in a notebook
 
 # %% [markdown]
 # ## 5. Class specificity: two digits, two explanations
@@ -260,6 +262,7 @@ two_png = str(two_grid.save(os.path.join(OUT, "digit_two_classes.png")))
 print("saved", two_png)
 
 FIGURES = [methods_png, methods_html, curves_png, negative_curves_png, two_png]
+two_grid  # shown inline in a notebook
 
 # %% [markdown]
 # ## What to take away

@@ -1,7 +1,7 @@
 # ---
 # jupyter:
 #   jupytext:
-#     formats: py:percent
+#     formats: ipynb,py:percent
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -195,6 +195,7 @@ print("saved", html_path)
 NEGATIVE_CELLS = {name: sum(int((token_scores[name, target][is_word_piece] < 0).sum()) for target in (1, 0))
                   for name in METHODS}
 print("word pieces with negative relevance, per method:", NEGATIVE_CELLS)
+heatmap  # shown inline in a notebook
 
 # %% [markdown]
 # ## 5. The same sentence, explained for each class

@@ -1,7 +1,7 @@
 # ---
 # jupyter:
 #   jupytext:
-#     formats: py:percent
+#     formats: ipynb,py:percent
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -80,6 +80,7 @@ boxes = torch.cat([visual_pos[..., :2].clamp(max=0.6), visual_pos[..., :2].clamp
 lxmert_view = text_regions_view([[f"id{i}" for i in row] for row in input_ids.tolist()], lxmert_text, lxmert_regions,
                                 attention_mask=attention_mask, images=torch.full((2, 3, 48, 64), 0.6), boxes=boxes)
 lxmert_view.save(os.path.join(OUT, "lxmert_streams.html"))
+lxmert_view  # shown inline in a notebook
 
 # %% [markdown]
 # ## CLIP: which words and which patches make an image match a text
@@ -106,6 +107,7 @@ shown_pictures = (pictures - pictures.min()) / (pictures.max() - pictures.min())
 clip_view = text_image_view([[f"id{i}" for i in row] for row in texts.tolist()], on_text, shown_pictures, on_image,
                             patch_grid=(4, 4))
 clip_view.save(os.path.join(OUT, "clip_streams.png"))
+clip_view  # shown inline in a notebook
 
 # %% [markdown]
 # ## BART: source and prefix relevance for a generated token

@@ -1,7 +1,7 @@
 # ---
 # jupyter:
 #   jupytext:
-#     formats: py:percent
+#     formats: ipynb,py:percent
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -163,6 +163,7 @@ shown_image = (images[0] - images[0].min()) / (images[0].max() - images[0].min()
 overlay = image_overlay(shown_image, generic[0], title="GenericAttention (random weights)", patch_grid=(4, 4))
 heatmap_path = str(overlay.save(os.path.join(OUT, "vit_generic_attention.png")))
 print("saved", heatmap_path)
+overlay  # a notebook shows the picture here (a script ignores this line)
 
 # %% [markdown]
 # ## 5. Per-example targets
@@ -258,6 +259,7 @@ words_view = TokenHeatmap(tokens, {"GenericAttention": token_scores}, attention_
                           title="GenericAttention on a random BERT")
 html_path = str(words_view.save(os.path.join(OUT, "bert_generic_attention.html")))
 print("saved", html_path)
+words_view  # shown inline in a notebook
 
 # %% [markdown]
 # ## Where next
