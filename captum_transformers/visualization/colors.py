@@ -117,7 +117,28 @@ class ColorScale:
         """The legend's words: the range and what each end means."""
         if self.signed:
             return f"blue -{self.limit:.3g} (against)  |  white 0  |  red +{self.limit:.3g} (for)"
-        return f"white 0  |  red {self.limit:.3g}"
+        return f"white 0  |  red {self.limit:.3g} (darker = more relevant; unsigned: no direction)"
+
+
+# What the colours mean, said next to every picture. A sequential (unsigned) map has no
+# direction: its red must not read as "for the class" (a word the model reads as negative
+# can be the most relevant one of a GenericAttention or rollout map).
+SIGNED_WORDS = "red = for the explained class, blue = against it, white = 0"
+UNSIGNED_WORDS = "darker red = more relevant (unsigned: no direction, neither for nor against the class)"
+
+
+def legend_words(scales: Iterable["ColorScale"], names: Optional[Iterable[str]] = None) -> str:
+    """The sentence saying what the colours of ``scales`` mean: signed, unsigned or both
+    (then naming the unsigned maps when ``names``, parallel to ``scales``, is given)."""
+    scales = list(scales)
+    kinds = {scale.signed for scale in scales}
+    if kinds == {True}:
+        return f"Signed maps: {SIGNED_WORDS}."
+    if kinds == {False}:
+        return f"Unsigned maps: {UNSIGNED_WORDS}."
+    unsigned = [] if names is None else sorted({n for n, s in zip(names, scales) if not s.signed and n})
+    which = f" ({', '.join(unsigned)})" if unsigned else ""
+    return f"Signed maps (±range): {SIGNED_WORDS}. Unsigned maps{which} (0..range): {UNSIGNED_WORDS}."
 
 
 def ramp(normalized: torch.Tensor) -> torch.Tensor:
@@ -145,6 +166,10 @@ def css_gradient(scale: ColorScale) -> str:
     return "linear-gradient(to right, " + ", ".join(css_rgb(c) for c in ramp(stops)) + ")"
 
 
+def _any_negative(group) -> bool:
+    return any(bool((m < 0).any()) for m in group)
+
+
 def fit_scales(maps: dict, scale: ScaleOption, signed: Optional[bool], percentile: float) -> dict:
     """One ``ColorScale`` per key of ``maps`` ({key: list of tensors}): ``"shared"`` fits one over all,
     ``"per-map"`` one per tensor (returned as a list per key), a number fixes the limit."""
@@ -157,7 +182,10 @@ def fit_scales(maps: dict, scale: ScaleOption, signed: Optional[bool], percentil
         common = ColorScale.fit(every, signed=signed, percentile=percentile)
         return {key: [common] * len(group) for key, group in maps.items()}
     if scale == "per-map":
-        return {key: [ColorScale.fit([m], signed=signed, percentile=percentile) for m in group]
+        # Signed or not is decided per method (key), over all its maps: a signed method's map
+        # that happens to hold no negative value keeps the signed scale (and its legend).
+        return {key: [ColorScale.fit([m], signed=_any_negative(group) if signed is None else signed,
+                                     percentile=percentile) for m in group]
                 for key, group in maps.items()}
     if scale == "per-method":
         out = {}

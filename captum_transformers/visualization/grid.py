@@ -14,6 +14,13 @@ instead: per-pixel maps (LRP, gradients) have a few extreme pixels that would wa
 rest (Captum's visualizer uses 98). Under the maps the image is drawn in grey
 (``grayscale=False`` keeps its colours); the first column shows it in colour.
 
+Signed maps (a diverging ``±range`` scale) read red = for the explained class, blue =
+against; unsigned ones (GenericAttention, rollout: ``0..range``) read darker = more relevant,
+with no direction; the legend says which is which. Under each signed map its relevance sum
+is printed, and next to it the explained logit when ``logits`` (one per example) is given
+(``report`` passes the model's own): ``sum 1.83 · logit 2.10``. Conservative methods aim at
+equal numbers (docs/relevance-rules.md says how far the shipped models are from that).
+
 The grid shows itself in a notebook and ``save``s to PNG, SVG or one self-contained HTML
 file (``to_html(standalone=True)``: images as data: URIs, no script, opens offline).
 ``report(model, inputs)`` computes the maps, one ``attribute`` call per method on the batch.
@@ -28,7 +35,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ..errors import InputError
-from .colors import ColorScale, ScaleOption, as_float_tensor, fit_scales
+from .colors import ColorScale, ScaleOption, as_float_tensor, fit_scales, legend_words
 from .images import add_colorbar, display_image, draw, enlarge, map_to_pixels, zoom_factor
 from .output import Picture, agg_figure, data_uri, escape, legend_html, plain_text, png_bytes
 
@@ -40,7 +47,7 @@ class ExplanationGrid(Picture):
     def __init__(self, images, maps: Mapping[str, object], titles: Optional[Sequence[str]] = None, *,
                  scale: ScaleOption = "per-map", signed: Optional[bool] = None, percentile: float = 100.0,
                  opacity: float = 0.85, patch_grid: Optional[Tuple[int, int]] = None, outlines=None,
-                 title: str = "Explanations", grayscale: bool = True):
+                 title: str = "Explanations", grayscale: bool = True, logits=None):
         if not isinstance(maps, Mapping) or not maps:
             raise InputError(f"maps must be a non-empty {{method_name: (B, ...) maps}} dict, got {type(maps).__name__}.")
         self.images = [display_image(image, f"image {row}") for row, image in enumerate(images)]
@@ -52,11 +59,19 @@ class ExplanationGrid(Picture):
             raise InputError(f"got {len(self.titles)} titles for {count} images; expected one title per image.")
         self.title = str(title)
         pixel_maps: Dict[str, List[torch.Tensor]] = {}
+        # Each map's sum over every value it holds (channels and pixels, or patches): the
+        # relevance the method gives the whole input, before any resizing for the drawing.
+        self.sums: Dict[str, List[float]] = {}
+        self.logits = None if logits is None else as_float_tensor(logits, "logits").reshape(-1).tolist()
+        if self.logits is not None and len(self.logits) != count:
+            raise InputError(f"logits has {len(self.logits)} values for {count} images; expected one explained logit "
+                             "per image.")
         for name, batch in maps.items():
             values = as_float_tensor(batch, f"maps[{name!r}]")
             if values.dim() < 3 or values.shape[0] != count:
                 raise InputError(f"maps[{name!r}] has shape {tuple(values.shape)}; expected ({count}, H, W) or "
                                  f"({count}, C, H, W): one map per image.")
+            self.sums[str(name)] = values.double().flatten(1).sum(1).tolist()
             pixel_maps[str(name)] = [map_to_pixels(values[row], *self.images[row].shape[:2], f"maps[{name!r}][{row}]")
                                      for row in range(count)]
         self.scale_mode = scale
@@ -71,6 +86,19 @@ class ExplanationGrid(Picture):
     def methods(self) -> List[str]:
         return list(self.cells)
 
+    def conservation_caption(self, name: str, row: int, short: bool = False) -> str:
+        """``sum of relevance 1.83 · logit 2.10`` under a signed map (the logit when given); ""
+        under an unsigned one, whose sum is no amount of evidence."""
+        if not self.scales[name][row].signed:
+            return ""
+        caption = f"{'sum' if short else 'sum of relevance'} {self.sums[name][row]:.3g}"
+        return caption + (f" · logit {self.logits[row]:.3g}" if self.logits is not None else "")
+
+    def legend_words(self) -> str:
+        """What the colours mean, for the signed and/or unsigned maps of this grid."""
+        return legend_words([s for name in self.methods for s in self.scales[name]],
+                            [name for name in self.methods for _ in self.scales[name]])
+
     def _image_cell(self, row: int) -> torch.Tensor:
         image = self.images[row]
         return enlarge((image * 255).round().to(torch.uint8), zoom_factor(*image.shape[:2]))
@@ -84,6 +112,8 @@ class ExplanationGrid(Picture):
                      f"alt='{escape(self.titles[row])}'><div>{escape(self.titles[row])}</div></td>"]
             for name in self.methods:
                 legend = legend_html(self.scales[name][row], compact=True) if self.scale_mode == "per-map" else ""
+                caption = self.conservation_caption(name, row)
+                legend += f"<div class='legend'>{escape(caption)}</div>" if caption else ""
                 cells.append(f"<td><img src='{data_uri(png_bytes(self.cells[name][row]))}' "
                              f"width='{self.cells[name][row].shape[1]}' alt='{escape(name)}'>{legend}</td>")
             rows.append("<tr>" + "".join(cells) + "</tr>")
@@ -96,15 +126,16 @@ class ExplanationGrid(Picture):
             footer = (f"<tr><td colspan='{len(self.methods) + 1}'>one scale for every map: "
                       f"{legend_html(self.scales[self.methods[0]][0])}</td></tr>")
         return (f"<h3>{escape(self.title)}</h3><table><tr><th>input</th>{head}</tr>{''.join(rows)}{footer}</table>"
-                "<p class='legend'>Overlays: red marks relevance for the explained class, blue against it; a pixel "
-                "of zero relevance shows the image itself.</p>")
+                f"<p class='legend'>Overlays: {escape(self.legend_words())} A pixel of zero relevance shows the "
+                "image itself.</p>")
 
     def _cell_label(self, name: str, row: int) -> str:
         label = plain_text(name) if row == 0 else ""
         if self.scale_mode == "per-map":
             scale = self.scales[name][row]
             label = (label + "\n" if label else "") + (f"±{scale.limit:.2g}" if scale.signed else f"0..{scale.limit:.2g}")
-        return label
+        caption = self.conservation_caption(name, row, short=True)
+        return (label + "\n" if label else "") + caption if caption else label
 
     def mosaic(self, gutter: int = 8, band: int = 30) -> torch.Tensor:
         """Every cell on one white (H, W, 3) uint8 sheet: ``band`` pixels above each row for its
@@ -120,12 +151,17 @@ class ExplanationGrid(Picture):
                 sheet[top:top + cell.shape[0], left:left + cell.shape[1]] = cell
         return sheet
 
+    def _band(self) -> int:
+        """Pixels above each row for its labels: name, range and (signed maps) the sum line."""
+        captions = any(self.conservation_caption(name, row) for name in self.methods for row in range(len(self.images)))
+        return 40 if captions else 30
+
     def _figure(self, dpi: int = 110):
-        gutter, band = 8, 30
+        gutter, band = 8, self._band()
         sheet = self.mosaic(gutter, band)
         rows, cols = len(self.images), len(self.methods) + 1
         cell_height, cell_width = sheet.shape[0] // rows - band, sheet.shape[1] // cols - gutter
-        bar_pixels = 60
+        bar_pixels = 75
         figure = agg_figure(sheet.shape[1] / dpi, (sheet.shape[0] + bar_pixels) / dpi)
         axis = figure.add_axes((0, bar_pixels / (sheet.shape[0] + bar_pixels), 1,
                                 sheet.shape[0] / (sheet.shape[0] + bar_pixels)))
@@ -137,7 +173,7 @@ class ExplanationGrid(Picture):
                 centre = col * (cell_width + gutter) + gutter // 2 + cell_width / 2
                 axis.text(centre, row * (cell_height + band) + band - 3, label, ha="center", va="bottom", fontsize=6)
         total = sheet.shape[0] + bar_pixels
-        bottom, thickness = 30 / total, 10 / total  # the colour bars: 10 pixels high, 30 above the edge
+        bottom, thickness = 45 / total, 10 / total  # the colour bars: 10 pixels high, 45 above the edge (words below)
         if self.scale_mode in ("shared",) or isinstance(self.scale_mode, (int, float)):
             add_colorbar(figure, (0.3, bottom, 0.4, thickness), self.scales[self.methods[0]][0])
         elif self.scale_mode == "per-method":
@@ -147,6 +183,8 @@ class ExplanationGrid(Picture):
             signed = any(s.signed for group in self.scales.values() for s in group)
             bar = add_colorbar(figure, (0.3, bottom, 0.4, thickness), ColorScale(signed, 1.0))
             bar.set_ticklabels(["-range", "0", "+range"] if signed else ["0", "range"])
+        figure.text(0.5, 2 / total, plain_text(self.legend_words()), ha="center", va="bottom", fontsize=5,
+                    wrap=True, color="#333")
         return figure
 
 
@@ -173,4 +211,24 @@ def report(model, inputs, *, methods: Optional[Sequence[str]] = None, target=Non
     for name in names:
         attribution = build_method(name, model).attribute(inputs, target=target, forward_kwargs=forward_kwargs)
         maps[name] = (attribution[0] if isinstance(attribution, tuple) else attribution).detach()
+    if "logits" not in grid_options:
+        grid_options["logits"] = explained_logits(model, inputs, target, forward_kwargs)
     return ExplanationGrid(inputs if images is None else images, maps, titles, **grid_options)
+
+
+@torch.no_grad()
+def explained_logits(model, inputs, target=None, forward_kwargs=None) -> Optional[torch.Tensor]:
+    """The logit of ``target`` (None: the predicted class) per example, from one forward pass;
+    None when the output is not a (B, classes) score matrix (then no logit is printed)."""
+    output = model(inputs, **(forward_kwargs or {}))
+    scores = getattr(output, "logits", output[0] if isinstance(output, (tuple, list)) else output)
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
+        return None
+    if target is None:
+        index = scores.argmax(-1)
+    else:
+        try:
+            index = torch.as_tensor(target, device=scores.device).reshape(-1).expand(scores.shape[0])
+        except (TypeError, ValueError, RuntimeError):  # a target of another form: no logit rather than a wrong one
+            return None
+    return scores.gather(1, index[:, None].long())[:, 0].float().cpu()

@@ -194,7 +194,8 @@ def add_colorbar(figure, rect, scale: ColorScale):
 def image_overlay(image, attribution, *, title: str = "", caption: str = "", signed: Optional[bool] = None,
                   limit: Optional[float] = None, percentile: float = 100.0, opacity: float = 0.85,
                   patch_grid: Optional[Tuple[int, int]] = None, outline=None, boxes: Sequence = (),
-                  scale: Optional[ColorScale] = None, grayscale: bool = True) -> ImageOverlay:
+                  scale: Optional[ColorScale] = None, grayscale: bool = True, logit: Optional[float] = None
+                  ) -> ImageOverlay:
     """Draw ``attribution`` over ``image`` (see the module docstring for the blend).
 
     ``signed=None`` picks the diverging scale when the map has a negative value; ``limit``
@@ -203,12 +204,18 @@ def image_overlay(image, attribution, *, title: str = "", caption: str = "", sig
     draws the patch boundaries, ``outline`` a boolean (H, W) mask's edge in green, ``boxes``
     rectangles ``(x0, y0, x1, y1)`` in image pixels (e.g. DETR detections). ``grayscale``
     (default) draws the image under the map in grey: the colours then mean relevance only.
+    A signed map gets the caption ``sum of relevance 1.83 · logit 2.10`` (the logit when
+    ``logit``, the explained class's score, is given): a conservative method aims at equal numbers.
     """
     pixels = display_image(image)
     height, width = pixels.shape[:2]
     values = map_to_pixels(attribution, height, width)
     if scale is None:
         scale = ColorScale.fit([values], signed=signed, percentile=percentile, limit=limit)
+    if scale.signed:
+        total = float(as_float_tensor(attribution, "attribution").double().sum())
+        sums = f"sum of relevance {total:.3g}" + (f" · logit {float(logit):.3g}" if logit is not None else "")
+        caption = f"{caption} ({sums})" if caption else sums
     return ImageOverlay(draw(pixels, values, scale, opacity, patch_grid, outline, boxes, grayscale), scale, title,
                         caption)
 

@@ -62,7 +62,8 @@ def legend_html(scale: ColorScale, note: str = "", compact: bool = False) -> str
     """A colour bar with its numbers: the scale stated next to the picture (``compact``: a short
     bar without the words, for one cell of a grid whose footer says what the colours mean)."""
     low = f"-{scale.limit:.3g}" if scale.signed else "0"
-    words = " (blue against, white 0, red for)" if scale.signed and not compact else ""
+    words = "" if compact else (" (blue against, white 0, red for)" if scale.signed
+                                else " (darker = more relevant; unsigned: no direction)")
     text = f" {escape(note)}" if note else ""
     width = " style='width:70px'" if compact else ""
     return (f"<div class='legend'>{low} <span class='bar'{width}><span style='display:block;height:100%;"

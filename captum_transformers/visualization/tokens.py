@@ -5,8 +5,18 @@ scores (``return_tokens=True`` of any method). Colours follow ``colors``: white 
 for the explained class, blue against it, on a scale symmetric about 0 for signed scores.
 Hover a token (HTML) for its exact score.
 
-* **Padding**: with ``attention_mask`` the real positions of each row are read (left or right
-  padding alike); otherwise each token list must be as long as its scores.
+* **Padding**: with ``attention_mask`` (a (B, S) tensor, or the tokenizer's ``BatchEncoding`` /
+  a ``{"attention_mask": ...}`` dict, whose ``attention_mask`` entry is taken) the real
+  positions of each row are read (left or right padding alike); otherwise each token list
+  must be as long as its scores.
+* **Conservation at a glance**: each signed line ends with the sum of its relevance (over
+  every real position, special tokens included) and, with ``logits`` (one explained logit per
+  example, e.g. ``model(**batch).logits.gather(1, target[:, None])[:, 0]``), the logit next
+  to it: ``sum of relevance 1.83 · logit 2.10``. Conservative methods aim at equal numbers;
+  how far apart they are says how much relevance the model's biases and nonlinearities
+  absorbed (docs/relevance-rules.md). Unsigned maps get no sum: it has no meaning there.
+* **Legend**: signed lines read red = for the explained class, blue = against; unsigned ones
+  (GenericAttention, rollout: ``0..range``) read darker = more relevant, with no direction.
 * **Special tokens** (``special_tokens``: ``[CLS]``, ``<s>``...) are drawn grey with a dashed
   border, their score in the tooltip only, and are left out of the colour scale: a
   self-relevance of ~1 on CLS would otherwise wash out every word. ``hide_special=True``
@@ -28,7 +38,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ..errors import InputError
-from .colors import ColorScale, ScaleOption, as_float_tensor, css_rgb, fit_scales, text_colour
+from .colors import ColorScale, ScaleOption, as_float_tensor, css_rgb, fit_scales, legend_words, text_colour
 from .output import Picture, agg_figure, escape, legend_html, plain_text
 
 WORD_START_MARKS = ("▁", "Ġ")
@@ -71,6 +81,9 @@ class TokenLine:
     tokens: List[str]
     special: List[bool]
     scores: Dict[str, torch.Tensor]
+    # The sum of each method's scores over every real position (before merging or hiding).
+    sums: Optional[Dict[str, float]] = None
+    logit: Optional[float] = None
 
 
 class TokenHeatmap(Picture):
@@ -81,7 +94,8 @@ class TokenHeatmap(Picture):
 
     def __init__(self, tokens, scores, *, titles: Optional[Sequence[str]] = None, special_tokens=(),
                  attention_mask=None, merge_word_pieces: bool = False, hide_special: bool = False,
-                 scale: ScaleOption = "per-row", signed: Optional[bool] = None, title: str = "Token relevance"):
+                 scale: ScaleOption = "per-row", signed: Optional[bool] = None, title: str = "Token relevance",
+                 logits=None):
         examples = [list(tokens)] if tokens and isinstance(tokens[0], str) else [list(t) for t in tokens]
         if not examples or not all(isinstance(t, str) for ex in examples for t in ex):
             raise InputError("tokens must be a list of strings (one example) or a list of such lists; got "
@@ -93,7 +107,11 @@ class TokenHeatmap(Picture):
         titles = [str(t) for t in titles] if titles is not None else [""] * len(examples)
         if len(titles) != len(examples):
             raise InputError(f"got {len(titles)} titles for {len(examples)} examples; expected one per example.")
-        mask = None if attention_mask is None else torch.as_tensor(attention_mask).bool()
+        mask = _attention_mask(attention_mask)
+        logit_values = None if logits is None else as_float_tensor(logits, "logits").reshape(-1)
+        if logit_values is not None and len(logit_values) != len(examples):
+            raise InputError(f"logits has {len(logit_values)} values for {len(examples)} examples; expected one "
+                             "explained logit per example, e.g. model(**batch).logits.gather(1, target[:, None])[:, 0].")
         specials = frozenset(special_tokens)
         tables = {name: self._batched(as_float_tensor(values, f"scores[{name!r}]"), len(examples), name)
                   for name, values in named.items()}
@@ -103,6 +121,7 @@ class TokenHeatmap(Picture):
                            for name, values in tables.items()}
             shown = self._real_tokens(example, None if mask is None else mask[row])
             special = [token in specials for token in shown]
+            sums = {name: float(values.double().sum()) for name, values in line_scores.items()}
             if merge_word_pieces:
                 merged = {}
                 for name, values in line_scores.items():
@@ -112,7 +131,8 @@ class TokenHeatmap(Picture):
                 keep = [i for i, flag in enumerate(special) if not flag]
                 shown, special = [shown[i] for i in keep], [False] * len(keep)
                 line_scores = {name: values[keep] for name, values in line_scores.items()}
-            self.lines.append(TokenLine(titles[row], shown, special, line_scores))
+            self.lines.append(TokenLine(titles[row], shown, special, line_scores, sums,
+                                        None if logit_values is None else float(logit_values[row])))
         scored = {name: [line.scores[name][~torch.tensor(line.special, dtype=torch.bool)] if line.tokens
                          else torch.zeros(0) for line in self.lines] for name in named}
         self.scale_mode = "per-map" if scale == "per-row" else scale
@@ -145,6 +165,19 @@ class TokenHeatmap(Picture):
             return [token for token, keep in zip(tokens, mask.tolist()) if keep]
         return tokens
 
+    def conservation_caption(self, row: int, name: str) -> str:
+        """``sum of relevance 1.83 · logit 2.10`` for a signed line (the logit when given); "" for
+        an unsigned one (a sum of unsigned scores is no amount of evidence)."""
+        line = self.lines[row]
+        if not self.scales[name][row].signed or line.sums is None:
+            return ""
+        caption = f"sum of relevance {line.sums[name]:.3g}"
+        return caption + (f" · logit {line.logit:.3g}" if line.logit is not None else "")
+
+    def _legend_words(self) -> str:
+        names = [name for name in self.scales for _ in self.scales[name]]
+        return legend_words([scale for group in self.scales.values() for scale in group], names)
+
     def _cells(self, line: TokenLine, name: str, row: int) -> List[Tuple[str, str, str, float]]:
         """(token, background, text colour, raw score) per shown token."""
         scale = self.scales[name][row]
@@ -171,26 +204,32 @@ class TokenHeatmap(Picture):
                     f"<span class='tok{' special' if line.special[i] else ''}' style='background:{background};"
                     f"color:{colour}' title='{score:+.4g}'>{escape(token)}</span>"
                     for i, (token, background, colour, score) in enumerate(self._cells(line, name, row)))
-                limit = f"±{scale.limit:.3g}" if scale.signed else f"0..{scale.limit:.3g}"
+                limit = f"±{scale.limit:.3g}" if scale.signed else f"0..{scale.limit:.3g} (unsigned)"
                 label = f"{escape(name)}<br><span class='legend'>{limit}</span>" if name else \
                     f"<span class='legend'>{limit}</span>"
-                parts.append(f"<tr><td class='name'>{label}</td><td style='text-align:left'>{spans}</td></tr>")
+                caption = self.conservation_caption(row, name)
+                caption = f" <span class='legend'>{escape(caption)}</span>" if caption else ""
+                parts.append(f"<tr><td class='name'>{label}</td><td style='text-align:left'>{spans}{caption}</td></tr>")
             parts.append("</table>")
         if self.scale_mode == "per-map":
             parts.append("<div class='legend'>Each line is scaled by its largest |score| (its range is next to "
-                         "it): blue against the explained class, white 0, red for it. Grey dashed: special "
-                         "tokens, not coloured.</div>")
+                         f"it). {escape(self._legend_words())} Grey dashed: special tokens, not coloured.</div>")
         else:
             parts.append(legend_html(next(iter(self.scales.values()))[0],
                                      "" if self.scale_mode == "shared" else "(first method's scale)"))
+            parts.append(f"<div class='legend'>{escape(self._legend_words())}</div>")
         return "".join(parts)
 
     def _figure(self):
         names = list(self.lines[0].scores)
         label_chars = max(len(name) for name in names) + 9
-        line_chars = label_chars + max(sum(len(token) + 1 for token in line.tokens) for line in self.lines)
+        captions = {(row, name): self.conservation_caption(row, name) for row in range(len(self.lines))
+                    for name in names}
+        caption_chars = max(len(caption) + 2 for caption in captions.values())
+        line_chars = label_chars + caption_chars + max(sum(len(token) + 1 for token in line.tokens)
+                                                       for line in self.lines)
         lines = len(self.lines) * (len(names) + (1 if any(line.title for line in self.lines) else 0)) + 1
-        footer = "blue: against | white: 0 | red: for; range beside each line; dashed: special (not scored)"
+        footer = self._legend_words() + " Range beside each line; dashed: special (not scored)."
         width = min(max(0.075 * line_chars, 0.062 * len(footer)) + 0.5, 40)
         figure = agg_figure(width, 0.28 * lines + 0.3)
         axis = figure.add_axes((0, 0, 1, 1))
@@ -213,9 +252,31 @@ class TokenHeatmap(Picture):
                     axis.text(x, y, plain_text(token), fontsize=7, va="center", family="monospace",
                               color=colour, bbox=style)
                     x += (len(token) + 1) * char
+                if captions[(row, name)]:
+                    axis.text(x + char, y, plain_text(captions[(row, name)]), fontsize=6, va="center",
+                              family="monospace", color="#444")
                 y -= step
         axis.text(0.005, step / 2, footer, fontsize=6, va="center", family="monospace", color="#444")
         return figure
+
+
+def _attention_mask(attention_mask) -> Optional[torch.Tensor]:
+    """The (B, S) mask as booleans, from a tensor, array or list, or from the ``attention_mask``
+    entry of a tokenizer's ``BatchEncoding`` or of a ``{"attention_mask": ...}`` dict."""
+    if attention_mask is None:
+        return None
+    if isinstance(attention_mask, Mapping):
+        if "attention_mask" not in attention_mask:
+            raise InputError(f"attention_mask is a {type(attention_mask).__name__} with keys "
+                             f"{sorted(map(str, attention_mask))} but no 'attention_mask' entry; expected the (B, S) "
+                             "mask itself, or the tokenizer's output (whose 'attention_mask' entry is taken).")
+        attention_mask = attention_mask["attention_mask"]
+    try:
+        mask = torch.as_tensor(attention_mask)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise InputError(f"attention_mask: expected a (B, S) tensor of 0/1 (or the tokenizer's output), got "
+                         f"{type(attention_mask).__name__} ({error}).") from None
+    return mask.bool()
 
 
 def _rgb_fraction(css: str) -> Tuple[float, float, float]:
