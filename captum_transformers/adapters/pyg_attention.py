@@ -8,8 +8,9 @@ them), and aggregates ``out_i = sum_j alpha_ij v_j``. Inside :meth:`PyGAttention
    gradient reaches every ``alpha`` even in a frozen model;
 2. a ``propagate`` forward hook (:func:`~captum_transformers.capture.patching.message_passing_hook`,
    reversible and per context) reads the edges the layer really used and ``alpha``:
-   ``TransformerConv`` keeps it in ``_alpha`` until its forward returns, ``GATConv`` and
-   ``GATv2Conv`` pass it to ``propagate`` (after their attention dropout);
+   ``TransformerConv``'s is recomputed from this call's message arguments
+   (:mod:`.pyg_transformer_alpha`; its ``_alpha`` field is shared with other threads),
+   ``GATConv`` and ``GATv2Conv`` pass it to ``propagate`` (after their attention dropout);
 3. ``alpha`` becomes per-graph (B, H, N_max, N_max) maps (:mod:`.graph_nodes`: row = target,
    column = source, real rows summing to 1); its gradient (E, H) is laid out the same way.
 
@@ -58,11 +59,14 @@ from .graph_nodes import GraphBatch, batch_argument
 from .graph_readout import READOUTS, graph_readout, node_targets
 from .input_checks import model_dtype, refuse_unexplainable_batch, relevance_carrying
 from .pyg_softmax_rule import identity_softmax, refuse_identity_softmax, rerouted_alpha
+from .pyg_transformer_alpha import recomputed_alpha, this_call_alpha
 from .relevance_reading import RelevanceResult, seeded
 
-# Layer class (dotted key) -> where alpha is found after propagate: an attribute or a kwarg.
+# Layer class (dotted key) -> where alpha is found after propagate: recomputed from this call's
+# message (never the module's _alpha field, which another thread's forward may overwrite), or
+# a propagate kwarg.
 _LAYERS = {
-    "torch_geometric.nn.conv.transformer_conv.TransformerConv": ("attribute", "_alpha"),
+    "torch_geometric.nn.conv.transformer_conv.TransformerConv": ("message", None),
     "torch_geometric.nn.conv.gat_conv.GATConv": ("kwarg", "alpha"),
     "torch_geometric.nn.conv.gatv2_conv.GATv2Conv": ("kwarg", "alpha"),
 }
@@ -151,6 +155,7 @@ class PyGAttentionAdapter(Adapter):
     @contextlib.contextmanager
     def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(recomputed_alpha(self.blocks(model)))
             for block in self.blocks(model):
                 stack.enter_context(patching.forward_hook(block.module, _tapped_input(block, recorder), pre=True,
                                                           with_kwargs=True))
@@ -195,6 +200,7 @@ class PyGAttentionAdapter(Adapter):
         self.refuse_rules(model, self.blocks(model), rules)
         with contextlib.ExitStack() as stack:
             if rules.attention_gate != "gradient":
+                stack.enter_context(recomputed_alpha(self.blocks(model)))
                 for block in self.blocks(model):
                     stack.enter_context(patching.message_passing_hook(block.module, "propagate",
                                                                       _recording(block, None)))
@@ -379,7 +385,7 @@ def _kept_edges(kept: List[list]):
 
 def _tapped_input(block: Block, recorder: Recorder):
     """A pre-hook connecting the layer's node features to the recorder's anchor, refusing
-    bipartite inputs and attention dropout in training mode."""
+    bipartite inputs (attention dropout in training mode: the rule of ``capture.stochastic_layers``)."""
     module = block.module
 
     def hook(_module, args, kwargs):
@@ -387,9 +393,6 @@ def _tapped_input(block: Block, recorder: Recorder):
         if not isinstance(nodes, torch.Tensor):
             raise CaptureError(f"{block.name!r} ({type(module).__name__}) was called with bipartite node features "
                                f"({type(nodes).__name__}); the pyg_attention adapter explains one node set per graph.")
-        if module.training and getattr(module, "dropout", 0.0):
-            raise CaptureError(f"{block.name!r} is in training mode with attention dropout {module.dropout}: the "
-                               "recorded attention would be a random draw. Call model.eval() first.")
         tapped = recorder.connect(nodes)
         if args:
             return (tapped, *args[1:]), kwargs
@@ -406,7 +409,7 @@ def _recording(block: Block, recorder: Optional[Recorder]):
 
     def hook(_module, inputs, _out):
         edge_index, _size, kwargs = inputs
-        alpha = getattr(module, name, None) if where == "attribute" else kwargs.get(name)
+        alpha = this_call_alpha(module) if where == "message" else kwargs.get(name)
         alpha = rerouted_alpha(module) if rerouted_alpha(module) is not None else alpha  # identity softmax rule
         if not isinstance(edge_index, torch.Tensor) or edge_index.dim() != 2:
             raise CaptureError(f"{block.name!r} propagated over a {type(edge_index).__name__}; the pyg_attention "

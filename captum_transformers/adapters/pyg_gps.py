@@ -35,6 +35,7 @@ from ..propagation.rules import RuleSet
 from .graph_nodes import GraphBatch
 from .pyg_attention import PyGAttentionAdapter, _recording, _tapped_input, layer_key
 from .pyg_softmax_rule import identity_softmax
+from .pyg_transformer_alpha import recomputed_alpha
 from .torch_mha import TorchMHAAdapter, _recording_forward
 
 GPS_KEY = "torch_geometric.nn.conv.gps_conv.GPSConv"
@@ -114,6 +115,7 @@ class PyGGPSAdapter(PyGAttentionAdapter):
     def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             stack.enter_context(patching.mha_fastpath_disabled(model))
+            stack.enter_context(recomputed_alpha(self.blocks(model)))
             for block in self.blocks(model):
                 if isinstance(block.module, nn.MultiheadAttention):
                     stack.enter_context(patching.instance_forward(
@@ -137,6 +139,7 @@ class PyGGPSAdapter(PyGAttentionAdapter):
             if rules.softmax == "identity" and sparse:  # TransformerConv in a local branch (others refused above)
                 stack.enter_context(identity_softmax(sparse))
             if rules.attention_gate != "gradient":
+                stack.enter_context(recomputed_alpha(sparse))
                 for block in sparse:
                     stack.enter_context(patching.message_passing_hook(block.module, "propagate",
                                                                       _recording(block, None)))

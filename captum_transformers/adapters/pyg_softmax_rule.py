@@ -16,7 +16,7 @@ So a hook (:func:`identity_softmax`, installed through
 :func:`~captum_transformers.capture.patching.message_passing_hook`, per context and removed
 on exit) recomputes ``s`` from ``q_i, k_j`` (under the active operation rules: the product
 ``q_i * k_j`` gets the rule set's product rule, as the layer's own product does), joins it to
-the layer's ``alpha`` values by :class:`IdentityRelevance` (forward: ``alpha`` itself; backward:
+``alpha`` (the scatter softmax of ``s``, this call's own values) by :class:`IdentityRelevance` (forward: ``alpha`` itself; backward:
 ``g * alpha / s``; the plain softmax gradient when a pass asks for it) and returns
 ``m = v_j * alpha`` computed again from that. The layer's own ``alpha`` and ``m`` leave the
 gradient path; the returned message is checked to be bit-identical to the layer's (else the
@@ -102,11 +102,13 @@ def _message_hook(block: Block, rerouted: Dict[int, torch.Tensor], scatter_softm
     def hook(_module, inputs, out):
         kwargs = inputs[0]
         query, key, value = kwargs["query_i"], kwargs["key_j"], kwargs["value_j"]
-        alpha = getattr(module, "_alpha", None)
-        if not isinstance(alpha, torch.Tensor) or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return None
         scores = (query * key).sum(dim=-1) / math.sqrt(module.out_channels)
         index, ptr, size = kwargs["index"], kwargs["ptr"], kwargs["size_i"]
+        # This call's alpha from its own arguments, never the module's _alpha field, which a
+        # forward of the same model in another thread may overwrite (see .pyg_transformer_alpha).
+        alpha = scatter_softmax(scores.detach(), index, ptr, size)
         # Forward: the layer's alpha, bit for bit; backward: g * alpha / s (the plain softmax
         # gradient, recomputed from s, when a pass asks for the plain gradient).
         ruled = IdentityRelevance.apply(scores, alpha.detach(),

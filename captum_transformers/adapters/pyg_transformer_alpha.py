@@ -1,0 +1,108 @@
+r"""``TransformerConv``'s attention weights as THIS thread's forward computed them.
+
+``TransformerConv.message`` keeps its ``alpha`` in the instance field ``_alpha`` until its
+forward returns. That field belongs to the module, not to a call: a plain inference call of
+the same model in another thread overwrites it between this thread's message and the
+``propagate`` hook that reads it, and the explanation would chain another graph's weights
+(measured: RawAttention off by 0.12, ConservativeLRP by 3e-2, other runs failing with errors
+naming the wrong cause). So the field is never read.
+
+Instead a message forward hook (:func:`~captum_transformers.capture.patching.message_passing_hook`,
+called only in the explaining context) recomputes ``alpha`` from the message's own arguments,
+which are this call's: ``s_e = <q_i, k_j + W_e e_ij> / sqrt(C)``, ``alpha = softmax`` over each
+target's incoming edges (PyG's scatter softmax, the layer's own function), and returns the
+message ``(v_j + W_e e_ij) * alpha`` built from it. The returned message is checked to be
+bit-identical to the layer's (else refused), so the forward is unchanged; the recomputed
+``alpha`` is on the gradient path (the layer's own leaves it), so its gradient is the one the
+methods read. It is kept per context (:data:`_ALPHA`) for the ``propagate`` hook of the same call.
+
+Example::
+
+    >>> with recomputed_alpha(blocks):           # TransformerConv blocks
+    ...     model(x, edge_index, batch)            # propagate hooks read this_call_alpha(conv)
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Dict, Iterator, List, Optional
+
+import torch
+from torch import nn
+
+from ..capture import patching
+from ..capture.trace import Block
+from ..errors import CaptureError
+
+TRANSFORMER_CONV = "torch_geometric.nn.conv.transformer_conv.TransformerConv"
+
+# Per context: id(module) -> the alpha its last message computed in this context.
+_ALPHA: contextvars.ContextVar[Optional[Dict[int, torch.Tensor]]] = contextvars.ContextVar(
+    "captum_transformers_pyg_transformer_alpha", default=None)
+
+
+def is_transformer_conv(module: nn.Module) -> bool:
+    return any(f"{base.__module__}.{base.__qualname__}" == TRANSFORMER_CONV for base in type(module).__mro__)
+
+
+def this_call_alpha(module: nn.Module) -> Optional[torch.Tensor]:
+    """The alpha ``module``'s last message computed in this context (None outside)."""
+    kept = _ALPHA.get()
+    return None if kept is None else kept.get(id(module))
+
+
+def transformer_scores(module: nn.Module, kwargs: dict):
+    """``(scores (E, H), the edge term added to the values or None)`` of a TransformerConv
+    message, from its arguments, as ``TransformerConv.message`` computes them."""
+    query, key = kwargs["query_i"], kwargs["key_j"]
+    edge = kwargs.get("edge_attr")
+    if getattr(module, "lin_edge", None) is not None:
+        if edge is None:
+            raise CaptureError(f"{type(module).__name__} has edge_dim set but was called without edge_attr; pass "
+                               "the edge features (one row per edge).")
+        edge = module.lin_edge(edge).view(-1, module.heads, module.out_channels)
+        key = key + edge
+    return (query * key).sum(dim=-1) / math.sqrt(module.out_channels), edge
+
+
+@contextlib.contextmanager
+def recomputed_alpha(blocks: List[Block]) -> Iterator[None]:
+    """While entered (this context only), each TransformerConv of ``blocks`` hands its alpha to
+    :func:`this_call_alpha` from its message's own arguments (the module docstring)."""
+    from torch_geometric.utils import softmax as scatter_softmax
+
+    kept = _ALPHA.get()
+    token = _ALPHA.set({}) if kept is None else None
+    kept = _ALPHA.get()
+    try:
+        with contextlib.ExitStack() as stack:
+            for block in blocks:
+                if is_transformer_conv(block.module):
+                    stack.enter_context(patching.message_passing_hook(
+                        block.module, "message", _message_hook(block, kept, scatter_softmax)))
+            yield
+    finally:
+        if token is not None:
+            _ALPHA.reset(token)
+
+
+def _message_hook(block: Block, kept: Dict[int, torch.Tensor], scatter_softmax):
+    module = block.module
+
+    def hook(_module, inputs, out):
+        kwargs = inputs[0]
+        scores, edge = transformer_scores(module, kwargs)
+        alpha = scatter_softmax(scores, kwargs["index"], kwargs["ptr"], kwargs["size_i"])
+        value = kwargs["value_j"] if edge is None else kwargs["value_j"] + edge
+        message = value * alpha.view(-1, module.heads, 1)
+        if not torch.equal(message, out):
+            raise CaptureError(
+                f"{block.name!r}: the TransformerConv message recomputed from its arguments differs from the layer's "
+                "(a changed TransformerConv.message, or attention dropout in training mode), so its attention "
+                "weights cannot be read; refusing rather than explaining another computation. Call model.eval()."
+            )
+        kept[id(module)] = alpha
+        return message
+
+    return hook
