@@ -130,7 +130,10 @@ class ExplanationGrid(Picture):
                 "image itself.</p>")
 
     def _cell_label(self, name: str, row: int) -> str:
-        label = plain_text(name) if row == 0 else ""
+        # A long title with a parenthesised note ("integrated-gradients (Captum baseline)") is
+        # drawn on two lines, so neighbouring column titles do not run into each other.
+        title = name.replace(" (", "\n(", 1) if len(name) > 20 else name
+        label = plain_text(title) if row == 0 else ""
         if self.scale_mode == "per-map":
             scale = self.scales[name][row]
             label = (label + "\n" if label else "") + (f"±{scale.limit:.2g}" if scale.signed else f"0..{scale.limit:.2g}")
@@ -153,8 +156,9 @@ class ExplanationGrid(Picture):
 
     def _band(self) -> int:
         """Pixels above each row for its labels: name, range and (signed maps) the sum line."""
-        captions = any(self.conservation_caption(name, row) for name in self.methods for row in range(len(self.images)))
-        return 40 if captions else 30
+        lines = max(self._cell_label(name, row).count("\n") + 1 for name in self.methods
+                    for row in range(len(self.images)))
+        return max(30, 10 * lines + 6)
 
     def _figure(self, dpi: int = 110):
         gutter, band = 8, self._band()
