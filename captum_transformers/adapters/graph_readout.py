@@ -1,10 +1,30 @@
-"""Which nodes a graph model's output reads: the graph readout, or the explained node.
+"""Which nodes a graph model's output reads: the graph readout, found from the run itself,
+or the explained node.
 
 Graph-level models pool each graph's nodes; the explained rows of the attention maps are the
-nodes the pooling reads, each with weight ``1 / n`` for a mean or add pooling. The pooling is
-found in the model's forward source (``global_mean_pool``, ``global_add_pool``, PyG's
-``MeanAggregation`` / ``SumAggregation`` modules) or given by the user; a max, sort or
-attention pooling, or a source naming none or several, is refused.
+nodes the pooling reads, with the weights it gives them. Nothing is read from the model's
+source text (a pooling in a branch that never runs, or named in a comment, is not a readout;
+a model defined by ``exec`` has no source). The readout is observed on the explained
+forward, by two probe gradients from the explained scores back to the last attention layer's
+output ``H`` (:class:`ReadoutProbe`, through the head only; with ``retain_graph`` so the
+method's own backward pass still runs):
+
+1. the pooling input ``Z``: walking the autograd graph from the scores, the first tensor that
+   has one row per node (closer to the scores, tensors have one row per graph); ``H`` itself
+   when the head pools it directly. Its gradient's non-zero rows are the nodes the score
+   reads. Accepted when, in every graph, those rows are bit-identical: a mean or add pooling
+   (all nodes), a mean over a subset of nodes (the subset), a root-node readout (one node);
+   each read node then has weight ``1 / |read|``. Unequal rows (a max or sort pooling) are
+   refused: how the readout weighs its nodes is not known.
+2. ``Z`` must take each node's row from that node's row of ``H`` only: a cotangent on one read
+   node per graph, sent from ``Z`` back to ``H``, must reach no other node. A gate computed
+   over the graph's nodes (attention pooling, a softmax gate), a graph-wide norm, or message
+   passing between the last attention layer and the pooling mixes nodes and is refused.
+
+Operations on each node alone between ``H`` and the pooling (norms per node, activations, an
+MLP, a per-node gate) are part of that node's row, as a token model's per-token layers are.
+A user-given ``readout="mean"`` or ``"add"`` skips the probe: every node of the graph, weight
+``1 / n`` (an add pooling scales a graph's map by a constant).
 
 Node-level models return one row of scores per node; each graph of the batch explains one of
 its nodes, named with its class as a ``(node, class)`` target pair (``node`` indexes the flat
@@ -13,72 +33,178 @@ backward pass. Their explained row is that node.
 
 Example::
 
-    >>> detected_readouts(model)             # a forward calling global_mean_pool
-    ['mean']
+    >>> probe = ReadoutProbe()                       # around the explained forward: probe.watch(blocks)
+    >>> weights = probe.read_weights(scores, graphs)  # (B, N_max): 1/n at the nodes a mean pool reads
     >>> node_targets(GraphBatch.of(batch), [(3, 1), (9, 0)])   # node 3 of graph 0, node 9 of graph 1
     [(3, 1), (2, 0)]
 """
 from __future__ import annotations
 
-import functools
-import inspect
-import re
-from typing import Any, List, Optional
+import contextlib
+from typing import Any, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from ..capture import patching
 from ..errors import CaptureError, InputError
 from .graph_nodes import GraphBatch
 
 READOUTS = ("mean", "add", "node")
-# Readouts seen in a model's source: name -> the readout it is.
-_POOLINGS = {"global_mean_pool": "mean", "global_add_pool": "add", "global_max_pool": "max",
-             "MeanAggregation": "mean", "SumAggregation": "add", "MaxAggregation": "max",
-             "AttentionalAggregation": "attention", "SetTransformerAggregation": "attention",
-             "SortAggregation": "sort", "global_sort_pool": "sort"}
-_POOLING_PATTERN = re.compile(r"\b(" + "|".join(_POOLINGS) + r")\b")
+_HINT = ("If the readout is a mean or add pooling over every node of each graph, pass "
+         "adapter=PyGAttentionAdapter(readout='mean') (or 'add'); the LRP methods (ConservativeLRP, AttnLRP) need no "
+         "readout.")
 
 
-def detected_readouts(model: nn.Module) -> List[str]:
-    """The poolings named in the forward source of ``model`` and of its non-library
-    submodules, and PyG aggregation modules it holds (sorted, unique)."""
-    found = set()
-    # A message-passing layer's own aggregation (its "aggr") is not a readout.
-    layer_aggregations = {id(getattr(m, "aggr_module", None)) for m in model.modules()}
-    for module in model.modules():
-        cls = type(module)
-        if cls.__name__ in _POOLINGS and id(module) not in layer_aggregations:
-            found.add(_POOLINGS[cls.__name__])
-        if not cls.__module__.startswith(("torch.", "torch_geometric.")):
-            found.update(_source_poolings(cls))
-    return sorted(found)
+class ReadoutProbe:
+    """The nodes a graph-level score reads and their weights, from the run itself (module
+    docstring): the last attention layer's output is kept by :meth:`watch`, the two probe
+    gradients are taken by :meth:`read_weights` after the forward."""
+
+    def __init__(self) -> None:
+        self.output: Optional[torch.Tensor] = None
+
+    @contextlib.contextmanager
+    def watch(self, modules: Iterable[nn.Module]) -> Iterator[None]:
+        """Forward hooks keeping the output of the last call of any of ``modules``."""
+        def keep(_module, _args, output):
+            tensor = output[0] if isinstance(output, (tuple, list)) and output else output
+            if isinstance(tensor, torch.Tensor):
+                self.output = tensor
+            return None
+
+        with contextlib.ExitStack() as stack:
+            for module in modules:
+                stack.enter_context(patching.forward_hook(module, keep))
+            yield
+
+    def read_weights(self, scores: torch.Tensor, graphs: GraphBatch) -> torch.Tensor:
+        """(B, N_max) weights of each graph's nodes in its score (summing to 1 per graph), or
+        :class:`CaptureError` when the readout cannot be known."""
+        hidden = self.output
+        if hidden is None or not scores.requires_grad or not hidden.requires_grad:
+            raise CaptureError("Which nodes the graph-level score reads could not be observed (the explained score or "
+                               f"the last attention layer's output carries no gradient). {_HINT}")
+        rows = _node_rows(hidden, graphs)
+        if rows is None:
+            raise CaptureError(f"The last attention layer's output has shape {tuple(hidden.shape)}, neither one row per "
+                               f"node ({graphs.num_nodes}) nor (graphs, nodes, ...) = ({graphs.num_graphs}, "
+                               f"{graphs.max_nodes}, ...), so the nodes the score reads cannot be placed. {_HINT}")
+        pooled_node, pooled_grad, hidden_grad = self._pooling_input(scores, hidden, graphs)
+        grad = rows(hidden_grad) if pooled_node is None else pooled_grad
+        grad = grad.reshape(grad.shape[0], -1)
+        read = grad.ne(0).any(dim=1)
+        weights = torch.zeros(graphs.num_graphs, graphs.max_nodes, dtype=torch.float64, device=grad.device)
+        chosen = []
+        for graph in range(graphs.num_graphs):
+            nodes = ((graphs.graph.to(grad.device) == graph) & read).nonzero().flatten()
+            if nodes.numel() == 0:
+                raise CaptureError(f"The score of graph {graph} reads none of its nodes at the last attention layer's "
+                                   "output, so no node of it can be explained.")
+            first = grad[nodes[0]]
+            if not all(torch.equal(grad[node], first) for node in nodes[1:].tolist()):
+                raise CaptureError(
+                    f"The score of graph {graph} reads its nodes {nodes.tolist()} through a readout that weighs them "
+                    "unequally (e.g. a max, sort or attention pooling: the gradient at the pooled node states differs "
+                    "from node to node), so which rows of the attention maps explain it is not known. " + _HINT)
+            weights[graph, graphs.position.to(grad.device)[nodes]] = 1.0 / nodes.numel()
+            chosen.append(int(nodes[0]))
+        if pooled_node is not None:
+            self._refuse_mixing(scores, hidden, rows, pooled_node, pooled_grad, chosen, graphs)
+        return weights
+
+    def _pooling_input(self, scores: torch.Tensor, hidden: torch.Tensor, graphs: GraphBatch):
+        """``(autograd node and output index of Z, dscore/dZ, dscore/dH)``; the node is None when
+        no tensor with one row per node lies between ``H`` and the scores (Z is H)."""
+        depth = _depths(scores.grad_fn, stop=hidden.grad_fn)
+        seen: List[Tuple[int, Any, int, torch.Tensor]] = []
+        handles = []
+        for node, level in depth.items():
+            def prehook(grad_outputs, node=node, level=level):
+                for k, grad in enumerate(grad_outputs):
+                    if isinstance(grad, torch.Tensor) and grad.dim() >= 1 and grad.shape[0] == graphs.num_nodes:
+                        seen.append((level, node, k, grad.detach()))
+                return None
+            handles.append(node.register_prehook(prehook))
+        try:
+            (hidden_grad,) = torch.autograd.grad(scores.sum(), hidden, retain_graph=True, allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        if hidden_grad is None:
+            raise CaptureError("The explained score does not depend on the last attention layer's output, so no node "
+                               "of the attention maps explains it.")
+        if not seen:
+            return None, None, hidden_grad
+        nearest = min(level for level, *_ in seen)
+        found = {(id(node), k): (node, k, grad) for level, node, k, grad in seen if level == nearest}
+        if len(found) != 1:
+            raise CaptureError(f"The score reads {len(found)} different per-node tensors at once (e.g. two poolings "
+                               f"of different node states), so how it weighs the nodes is not known. {_HINT}")
+        node, k, grad = next(iter(found.values()))
+        return (node, k), grad, hidden_grad
+
+    def _refuse_mixing(self, scores, hidden, rows, pooled_node, pooled_grad, chosen: List[int],
+                       graphs: GraphBatch) -> None:
+        """A cotangent on one read node per graph, sent from Z back to H, must reach no other node."""
+        node, k = pooled_node
+        cotangent = torch.zeros_like(pooled_grad)
+        cotangent[chosen] = pooled_grad[chosen]
+
+        def replace(grad_outputs):
+            return tuple(cotangent.to(g.dtype) if i == k and isinstance(g, torch.Tensor) else g
+                         for i, g in enumerate(grad_outputs))
+
+        handle = node.register_prehook(replace)
+        try:
+            (grad,) = torch.autograd.grad(scores.sum(), hidden, retain_graph=True, allow_unused=True)
+        finally:
+            handle.remove()
+        if grad is None:
+            return
+        reached = rows(grad).reshape(graphs.num_nodes, -1).ne(0).any(dim=1)
+        reached[chosen] = False
+        if bool(reached.any()):
+            graph = int(graphs.graph[reached.nonzero()[0, 0]])
+            raise CaptureError(
+                f"Between the last attention layer and the readout, the nodes of graph {graph} are mixed (a gate "
+                "computed over the graph's nodes as in attention pooling, a graph-wide norm, or message passing): a "
+                "pooled node state depends on other nodes' attention outputs, so which rows of the attention maps "
+                f"explain the score is not known. {_HINT}")
 
 
-@functools.lru_cache(maxsize=256)
-def _source_poolings(cls: type) -> frozenset:
-    """The poolings named in ``cls.forward``'s source (read once per class)."""
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return frozenset()
-    return frozenset(_POOLINGS[name] for name in _POOLING_PATTERN.findall(source))
+def _node_rows(hidden: torch.Tensor, graphs: GraphBatch):
+    """A function giving a tensor shaped like ``hidden`` as one row per node, or None."""
+    if hidden.dim() >= 1 and hidden.shape[0] == graphs.num_nodes:
+        return lambda tensor: tensor
+    if hidden.dim() >= 2 and tuple(hidden.shape[:2]) == (graphs.num_graphs, graphs.max_nodes):
+        return lambda tensor: tensor[graphs.graph.to(tensor.device), graphs.position.to(tensor.device)]
+    return None
 
 
-def graph_readout(model: nn.Module, given: Optional[str]) -> str:
-    """The graph-level readout: ``given`` ("mean" or "add"), else the one the source names."""
-    if given in ("mean", "add"):
-        return given
-    found = detected_readouts(model)
-    if len(found) == 1 and found[0] in ("mean", "add"):
-        return found[0]
-    seen = f"found {found}" if found else "found no global_*_pool call or PyG aggregation module"
-    raise CaptureError(
-        f"The attention maps of a graph model are read at the nodes its readout pools, but the readout of "
-        f"{type(model).__name__} is not known ({seen} in its forward source). For a mean or add pooling pass "
-        "adapter=PyGAttentionAdapter(readout='mean') (or 'add'); max, sort and attention poolings read nodes "
-        "unequally and are not supported by the attention methods (ConservativeLRP needs no readout)."
-    )
+def _depths(root, stop) -> dict:
+    """Breadth-first distance from ``root`` of every autograd node before ``stop`` (excluded,
+    not walked through)."""
+    depth = {}
+    frontier = [root] if root is not None and root is not stop else []
+    level = 0
+    while frontier:
+        following = []
+        for node in frontier:
+            if node in depth:
+                continue
+            depth[node] = level
+            for child, _ in node.next_functions:
+                if child is not None and child is not stop and child not in depth:
+                    following.append(child)
+        frontier, level = following, level + 1
+    return depth
+
+
+def uniform_weights(graphs: GraphBatch) -> torch.Tensor:
+    """(B, N_max): ``1 / n`` at each real node (a given mean or add readout)."""
+    mask = graphs.node_mask()
+    return mask.to(torch.float64) / graphs.counts.clamp(min=1)[:, None].to(torch.float64)
 
 
 def node_targets(graphs: GraphBatch, target: Any) -> List[tuple]:

@@ -56,7 +56,7 @@ from ..propagation.operation_rules import operation_rules
 from ..propagation.rules import RuleSet, find_norms, norm_rules, refuse_rounding_sensitive
 from .base import Adapter
 from .graph_nodes import GraphBatch, batch_argument
-from .graph_readout import READOUTS, graph_readout, node_targets
+from .graph_readout import READOUTS, ReadoutProbe, node_targets, uniform_weights
 from .input_checks import model_dtype, refuse_unexplainable_batch, relevance_carrying
 from .pyg_softmax_rule import identity_softmax, refuse_identity_softmax, rerouted_alpha
 from .pyg_transformer_alpha import recomputed_alpha, this_call_alpha
@@ -224,10 +224,20 @@ class PyGAttentionAdapter(Adapter):
         self.check_graphs(graphs)
         token = _GRAPHS.set(graphs)
         state = _OUTPUT.get()
-        output = _OUTPUT.set([False, state[1] if state is not None else False])
+        rows_matter = state[1] if state is not None else False
+        output = _OUTPUT.set([False, rows_matter])
+        # The nodes a graph-level score reads are observed on this forward (graph_readout),
+        # unless the readout is given or every graph has one node.
+        probe = ReadoutProbe() if rows_matter and self.readout is None and graphs.max_nodes > 1 else None
+        if probe is not None:
+            contexts = (*contexts, probe.watch(b.module for b in self.blocks(model)))
         try:
-            return super()._forward(model, inputs, additional_forward_args, forward_kwargs, target, recorder,
-                                    contexts)
+            with torch.enable_grad() if probe is not None else contextlib.nullcontext():
+                streams, logits, scores, index = super()._forward(
+                    model, inputs, additional_forward_args, forward_kwargs, target, recorder, contexts)
+                if probe is not None and not _OUTPUT.get()[0]:
+                    streams = _with_weights(streams, probe.read_weights(scores, graphs))
+            return streams, logits, scores, index
         finally:
             _OUTPUT.reset(output)
             _GRAPHS.reset(token)
@@ -239,8 +249,9 @@ class PyGAttentionAdapter(Adapter):
         graphs = current_graphs()
         mask = graphs.node_mask()
         rows = torch.arange(graphs.max_nodes, device=mask.device).expand(graphs.num_graphs, -1)
-        weights = mask.to(torch.float64) / graphs.counts.clamp(min=1)[:, None].to(torch.float64)
-        layout = TokenLayout(graphs.max_nodes, rows, mask, query_weights=weights)
+        # Every node, 1 / n (a given mean or add readout); replaced by the observed readout's
+        # weights after the forward when the readout is not given (_forward).
+        layout = TokenLayout(graphs.max_nodes, rows, mask, query_weights=uniform_weights(graphs))
         spans = (InputSpan(TOKENS, nodes=(graphs.graph, graphs.position)),) + (None,) * (len(inputs) - 1)
         return StreamLayouts({TOKENS: layout}, (TOKENS,), spans)
 
@@ -287,8 +298,6 @@ class PyGAttentionAdapter(Adapter):
                 f"({graphs.num_nodes} nodes); expected one row per graph (a graph readout) or one per node "
                 "(node-level). Check the batch argument."
             )
-        if state[1]:
-            graph_readout(model, self.readout)
         return scores
 
     def resolve_target(self, model: nn.Module, logits: torch.Tensor, target: Any):
@@ -353,6 +362,14 @@ class PyGAttentionAdapter(Adapter):
             return RelevanceResult(tokens, None, layout, explained.detach(), index, total, {TOKENS: tokens}, streams)
         per_input = (product,) + tuple(torch.zeros(t.shape, device=t.device) for t in inputs[1:])
         return RelevanceResult(None, per_input, layout, explained.detach(), index, total)
+
+
+def _with_weights(streams: StreamLayouts, weights: torch.Tensor) -> StreamLayouts:
+    """``streams`` with the explained nodes weighted by ``weights`` (B, N_max)."""
+    layout = streams.layouts[TOKENS]
+    weighted = TokenLayout(layout.num_tokens, layout.query_rows, layout.token_mask,
+                           query_weights=weights.to(layout.query_rows.device))
+    return StreamLayouts({TOKENS: weighted}, streams.explained, streams.inputs)
 
 
 def _last_graphs(streams: StreamLayouts) -> GraphBatch:

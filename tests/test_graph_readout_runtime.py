@@ -1,0 +1,168 @@
+"""The nodes a graph-level score reads are found from the run, never from the source text.
+
+Each model below has the same two TransformerConv layers (tests/pyg_models.py) and another
+readout. The truth for RawAttention is the last layer's head-mean map, its rows weighted as
+the readout weighs the nodes; the adapter must give that, or refuse.
+"""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+pyg = pytest.importorskip("torch_geometric.nn")
+
+from captum_transformers import AttentionRollout, ConservativeLRP, GenericAttention, RawAttention  # noqa: E402
+from captum_transformers.adapters.pyg_attention import PyGAttentionAdapter  # noqa: E402
+from captum_transformers.capture.trace import CaptureSpec  # noqa: E402
+from captum_transformers.errors import CaptureError  # noqa: E402
+from pyg_models import GraphClassifier, graph_classifier, graphs  # noqa: E402
+
+SIZES = (3, 5, 4)
+
+
+def _first_nodes(batch):
+    """The first node of every graph (PyG's ptr[:-1]), from the batch vector."""
+    counts = torch.bincount(batch)
+    return counts.cumsum(0) - counts
+
+
+class DeadBranchRoot(GraphClassifier):
+    """Names global_mean_pool in a comment and in a branch that never runs; reads each graph's first node."""
+
+    pool_by_mean = False
+
+    def forward(self, x, edge_index, batch=None):
+        hidden = self.nodes(x, edge_index)
+        if self.pool_by_mean:  # global_mean_pool(hidden, batch) would read every node
+            return self.head(pyg.global_mean_pool(hidden, batch))
+        return self.head(hidden[_first_nodes(batch)])
+
+
+class SubsetMean(GraphClassifier):
+    """A mean over the nodes at even positions of each graph."""
+
+    def forward(self, x, edge_index, batch=None):
+        hidden = self.nodes(x, edge_index)
+        position = torch.arange(len(batch)) - _first_nodes(batch)[batch]
+        keep = position % 2 == 0
+        return self.head(pyg.global_mean_pool(hidden[keep], batch[keep], size=int(batch.max()) + 1))
+
+
+class SoftmaxGatedAdd(GraphClassifier):
+    """A gated add pooling: sum_i softmax_i(gate(h_i)) h_i over each graph's nodes."""
+
+    def __init__(self, kind):
+        super().__init__(kind)
+        self.gate = nn.Linear(self.head.in_features, 1)
+
+    def forward(self, x, edge_index, batch=None):
+        from torch_geometric.utils import softmax
+
+        hidden = self.nodes(x, edge_index)
+        return self.head(pyg.global_add_pool(softmax(self.gate(hidden), batch) * hidden, batch))
+
+
+class ReluThenMean(GraphClassifier):
+    """Per-node operations (LayerNorm, ReLU) between the last attention layer and a mean pooling."""
+
+    def __init__(self, kind):
+        super().__init__(kind)
+        self.norm = nn.LayerNorm(self.head.in_features)
+
+    def forward(self, x, edge_index, batch=None):
+        return self.head(pyg.global_mean_pool(torch.relu(self.norm(self.nodes(x, edge_index))), batch))
+
+
+def _model(cls, seed=0):
+    torch.manual_seed(seed)
+    return cls("TransformerConv").eval()
+
+
+def _raw_truth(model, weights):
+    """The last layer's head-mean map, rows weighted by ``weights`` (B, N_max)."""
+    _, (x, edge_index, batch) = graphs(SIZES)
+    adapter = PyGAttentionAdapter(readout="mean")
+    trace = adapter.trace(model, (x,), (edge_index, batch), None, CaptureSpec(forward_reduce=lambda probs: probs))
+    last = trace.records[-1].forward_value.mean(1).to(torch.float64)
+    return torch.einsum("bi,bij->bj", weights, last)
+
+
+def _raw(model, **options):
+    _, (x, edge_index, batch) = graphs(SIZES)
+    return RawAttention(model, **options).attribute(x, additional_forward_args=(edge_index, batch),
+                                                    return_tokens=True)
+
+
+def _weights(rows_per_graph):
+    weights = torch.zeros(len(SIZES), max(SIZES), dtype=torch.float64)
+    for graph, rows in enumerate(rows_per_graph):
+        weights[graph, rows] = 1.0 / len(rows)
+    return weights
+
+
+def test_the_truth_formula_matches_a_plain_mean_pool():
+    model = graph_classifier("TransformerConv")
+    expected = _raw_truth(model, _weights([range(n) for n in SIZES]))
+    torch.testing.assert_close(_raw(model).to(torch.float64), expected)
+
+
+def test_a_pooling_named_in_a_comment_or_a_dead_branch_is_not_the_readout_the_root_node_is():
+    model = _model(DeadBranchRoot)
+    expected = _raw_truth(model, _weights([[0]] * len(SIZES)))
+    torch.testing.assert_close(_raw(model).to(torch.float64), expected)
+    _, (x, edge_index, batch) = graphs(SIZES)
+    generic = GenericAttention(model).attribute(x, additional_forward_args=(edge_index, batch), target=[0, 1, 0],
+                                                return_tokens=True)
+    assert torch.isfinite(generic).all()
+
+
+def test_a_mean_over_a_subset_of_nodes_reads_that_subset():
+    model = _model(SubsetMean)
+    expected = _raw_truth(model, _weights([range(0, n, 2) for n in SIZES]))
+    torch.testing.assert_close(_raw(model).to(torch.float64), expected)
+    assert not torch.allclose(expected, _raw_truth(model, _weights([range(n) for n in SIZES])))
+
+
+@pytest.mark.parametrize("method", [RawAttention, AttentionRollout, GenericAttention])
+def test_a_softmax_gated_add_pool_is_refused(method):
+    model = _model(SoftmaxGatedAdd)
+    _, (x, edge_index, batch) = graphs(SIZES)
+    with pytest.raises(CaptureError, match="nodes of graph 0 are mixed"):
+        method(model).attribute(x, additional_forward_args=(edge_index, batch), target=[0, 1, 0])
+    # LRP needs no readout.
+    assert ConservativeLRP(model).attribute(x, additional_forward_args=(edge_index, batch),
+                                            target=[0, 1, 0]).shape == x.shape
+
+
+def test_per_node_layers_before_a_mean_pool_keep_uniform_rows():
+    model = _model(ReluThenMean)
+    expected = _raw_truth(model, _weights([range(n) for n in SIZES]))
+    torch.testing.assert_close(_raw(model).to(torch.float64), expected)
+
+
+def test_a_max_pool_is_refused_for_weighing_nodes_unequally():
+    model = graph_classifier("TransformerConv", pool="max")
+    _, (x, edge_index, batch) = graphs(SIZES)
+    with pytest.raises(CaptureError, match="weighs them unequally"):
+        RawAttention(model).attribute(x, additional_forward_args=(edge_index, batch))
+
+
+def test_a_model_defined_without_source_is_explained_like_the_same_model_with_source():
+    namespace = {"GraphClassifier": GraphClassifier, "pyg": pyg}
+    exec(textwrap.dedent("""
+        class Exec(GraphClassifier):
+            def forward(self, x, edge_index, batch=None):
+                return self.head(pyg.global_mean_pool(self.nodes(x, edge_index), batch))
+    """), namespace)
+    defined = _model(namespace["Exec"])
+    reference = graph_classifier("TransformerConv")
+    _, (x, edge_index, batch) = graphs(SIZES)
+    for method in (RawAttention, AttentionRollout, GenericAttention):
+        found = method(defined).attribute(x, additional_forward_args=(edge_index, batch), target=[0, 1, 0],
+                                          return_tokens=True)
+        expected = method(reference).attribute(x, additional_forward_args=(edge_index, batch), target=[0, 1, 0],
+                                               return_tokens=True)
+        torch.testing.assert_close(found, expected, rtol=0, atol=0)
