@@ -1,5 +1,9 @@
 """Every tutorial script runs to the end, offline, writing only into a temporary directory.
 
+The scripts are the percent-format sources of the notebooks the documentation site renders
+(``tests/test_docs_notebooks.py`` checks that each notebook holds its script's cells); running
+the scripts here executes the notebooks' code without a second, kernel-driven run.
+
 The real-model tutorials also expose what they measure as module globals; the checks below
 read them from ``runpy``'s returned namespace, so a tutorial whose model stopped learning, or
 whose maps stopped landing on the object, fails here rather than printing a silent figure.
@@ -80,6 +84,13 @@ def check_movie_minilm(namespace, out):
         assert correlation[name] < 0.9, name   # ... or moves the attention-based map
 
 
+def check_multimodal(namespace, out):
+    written = {p.name for p in out.iterdir()}
+    assert {"lxmert_streams.html", "clip_streams.png"} <= written, written
+    assert "<table" in (out / "lxmert_streams.html").read_text(encoding="utf-8")
+    assert _is_png(out / "clip_streams.png")
+
+
 def _movie_data_or_skip(tmp_path, monkeypatch):
     """The movie data in a fresh cache without a fine-tuned model, so the tutorial always takes
     its short fine-tune path (a fully fine-tuned model in the user's cache would replace it)."""
@@ -102,6 +113,7 @@ CHECKS = {
     "quickstart.py": (None, check_quickstart),
     "digit_canvas_vit.py": (None, check_digit_canvas_vit),
     "movie_minilm.py": (_movie_data_or_skip, check_movie_minilm),
+    "multimodal.py": (None, check_multimodal),
 }
 
 
