@@ -351,6 +351,9 @@ class GraphormerDecoderHead(nn.Module):
 
 
 class GraphormerPreTrainedModel(PreTrainedModel):
+    """Base class of the Graphormer models: their config class, weight initialisation and
+    ``from_pretrained`` / ``save_pretrained`` with transformers 4.x's state-dict names."""
+
     config_class = GraphormerConfig
     base_model_prefix = "graphormer"
     main_input_name = "input_nodes"
