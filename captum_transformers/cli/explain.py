@@ -18,8 +18,9 @@ from ..capture.targets import output_scores
 from ..errors import InputError
 from ..methods.catalog import KNOWN_METHOD_NAMES, build_method, resolve_method_names
 from . import figures
+from .device import ACCEPTED, checked_device
 from .model_loading import LoadedModel, load_model, read_image
-from .output_folder import output_folder
+from .output_folder import claimed_output_folder
 from .scores_file import write_scores
 
 
@@ -41,6 +42,7 @@ def add_parser(subparsers) -> None:
                              "default methods: those that apply to it")
     parser.add_argument("--save-scores", action="store_true",
                         help="also write every method's raw scores (signed, not rescaled) to OUT/scores.json")
+    parser.add_argument("--device", default="cpu", help=f"where the model runs: {ACCEPTED} (default: %(default)s)")
     parser.add_argument("--out", default="captum_transformers_explain",
                         help="output folder (default: %(default)s); one that holds an earlier explanations.png is "
                              "never overwritten: the run goes to OUT-2, OUT-3, ... and says so")
@@ -76,22 +78,33 @@ def _logits(model, inputs, forward_kwargs) -> torch.Tensor:
 
 
 def run(args) -> int:
+    device = checked_device(args.device)
     if args.motifs is not None:
         from .graph_explain import GRAPH_METHODS, explain_motifs
 
         if args.model or args.image or args.text:
             raise InputError("--motifs explains the built-in graph model; drop --model, --image and --text.")
+        if device.type != "cpu":
+            raise InputError(f"--motifs runs the built-in graph model on the CPU; drop --device {args.device}.")
         if args.save_scores:
             raise InputError("--save-scores writes image and token scores; graph node scores are not written yet. "
                              "Drop --save-scores, or use captum_transformers.graph.TransformerExplainer in Python.")
         methods = resolve_method_names(args.method or list(GRAPH_METHODS))
-        out = output_folder(args.out, "explanations.png", "explain")
-        print(f"wrote {explain_motifs(args.motifs, methods, args.target, out)}")
+        with claimed_output_folder(args.out, "explanations.png", "explain") as out:
+            print(f"wrote {explain_motifs(args.motifs, methods, args.target, out)}")
         return 0
     methods = resolve_method_names(args.method)
-    out = output_folder(args.out, "explanations.png", "explain")
+    with claimed_output_folder(args.out, "explanations.png", "explain") as out:
+        return _explain(args, methods, device, out)
+
+
+def _explain(args, methods: List[str], device: torch.device, out) -> int:
     loaded = load_model(args.model, args.arch, args.random_init)
     inputs, forward_kwargs, displays, labels = _raw_inputs(loaded, args)
+    if device.type != "cpu":  # a model this command loaded itself: moving it changes nobody else's
+        loaded.model.to(device)
+        inputs = tuple(t.to(device) for t in inputs)
+        forward_kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in forward_kwargs.items()}
     logits = _logits(loaded.model, inputs, forward_kwargs)
     if logits.dim() != 2:
         raise InputError(f"{loaded.name} returns scores of shape {tuple(logits.shape)}; expected (batch, classes).")
@@ -113,6 +126,8 @@ def run(args) -> int:
         print(f"input {index}: {title}")
     print(f"explaining class {'predicted' if args.target is None else loaded.class_name(args.target)} "
           f"with {len(methods)} method(s) on {loaded.name}")
+    mask = forward_kwargs.get("attention_mask")
+    mask = None if mask is None else mask.cpu()
     scores: Dict[str, torch.Tensor] = {}
     raw_scores: Dict[str, object] = {}
     for name in methods:
@@ -120,9 +135,9 @@ def run(args) -> int:
         attribution = build_method(name, loaded.model).attribute(
             inputs[0] if len(inputs) == 1 else inputs, target=target, forward_kwargs=forward_kwargs or None,
             return_tokens=loaded.modality == "text")
-        attribution = (attribution[0] if isinstance(attribution, tuple) else attribution).detach().float()
-        raw_scores[name] = _raw_scores(loaded, attribution, forward_kwargs.get("attention_mask"))
-        scores[name] = _display_scores(loaded, attribution, displays, forward_kwargs.get("attention_mask"))
+        attribution = (attribution[0] if isinstance(attribution, tuple) else attribution).detach().float().cpu()
+        raw_scores[name] = _raw_scores(loaded, attribution, mask)
+        scores[name] = _display_scores(loaded, attribution, displays, mask)
         print(f"  {name:>22}: {(time.perf_counter() - start) * 1000:7.0f} ms")
     if loaded.modality == "image":
         paths = figures.image_grid(displays, scores, titles, out)

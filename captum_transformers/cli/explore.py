@@ -8,6 +8,8 @@ URL carries the session token the page needs.
 """
 from __future__ import annotations
 
+from .device import ACCEPTED, checked_device
+
 
 def add_parser(subparsers) -> None:
     from ..tasks.runner import TASKS
@@ -24,7 +26,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--cache-dir", help="movies: where the data and fine-tuned model are cached")
     parser.add_argument("--samples", type=int, default=48, help="built-in model or task: number of test examples")
     parser.add_argument("--results", help="a benchmark's results.json: its curves are shown beside the maps")
-    parser.add_argument("--port", type=int, default=8765, help="port (default: %(default)s; 0: any free port)")
+    parser.add_argument("--port", type=int, default=8765, help="port, 0 to 65535 (default: %(default)s; 0: any free "
+                                                                "port, the URL printed says which)")
+    parser.add_argument("--device", default="cpu", help=f"where the model runs: {ACCEPTED} (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--allow-remote", action="store_true",
                         help="allow --host other than loopback (the session token is then the only protection)")
@@ -35,18 +39,21 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from ..explorer.loading import LoadingWorkspace
-    from ..explorer.server import check_host, require_explorer_extra, start
+    from ..explorer.server import check_host, check_port, require_explorer_extra, start
     from ..explorer.sources import loaded_workspace
 
     require_explorer_extra()
-    check_host(args.host, args.allow_remote)  # before any model is loaded
+    check_port(args.port)  # these before any model is loaded
+    check_host(args.host, args.allow_remote)
+    device = checked_device(args.device)
     from ..explorer.app import benchmark_curves
 
     benchmark = benchmark_curves(args.results) if args.results else None
     # the server listens (and prints its URL) while the model loads; a load error stops it and
     # is reported like any other (one line, exit status 2)
     workspace = LoadingWorkspace(lambda: loaded_workspace(args.model, args.arch, args.random_init, args.image,
-                                                          args.text, args.samples, args.task, args.cache_dir))
+                                                          args.text, args.samples, args.task, args.cache_dir,
+                                                          device))
     start(workspace, host=args.host, port=args.port, blocking=True, benchmark=benchmark,
           allow_remote=args.allow_remote, extra_hosts=args.allowed_host)
     return 0

@@ -13,13 +13,23 @@
 5. anything else: a HuggingFace hub id, fetched with ``from_pretrained``.
 
 Every failure is an ``InputError`` that names the fix (a hub that cannot be reached says to
-give the model as a local directory).
+give the model as a local directory). A hub id is looked up fast: when ``HF_HUB_OFFLINE`` is
+set or one short connection to the hub's host fails (``HUB_PROBE_SECONDS``), only the local
+cache is read, so an unreachable hub is one line at once instead of half a minute of
+retries. Weights that cannot be read (an empty or truncated ``model.safetensors``) or that
+do not fit ``config.json`` are one line too, never transformers' traceback or report.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
+from urllib.parse import urlparse
 
 import torch
 from torch import nn
@@ -148,27 +158,59 @@ def _wrap_module(model: nn.Module, name: str) -> LoadedModel:
     return LoadedModel(model, "image", name, prepare, None)
 
 
+#: How long the one connection that tells whether the hub is reachable may take.
+HUB_PROBE_SECONDS = 3.0
+_TRUE = ("1", "on", "yes", "true")
+
+
+def hub_unreachable() -> Optional[str]:
+    """Why the HuggingFace hub cannot be reached now (``None`` when it may be): the offline
+    switch, or one short TCP connection to its host that failed. Behind a proxy (an
+    ``HTTPS_PROXY`` / ``ALL_PROXY`` variable) the connection is not tried: the proxy decides."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(name, "").strip().lower() in _TRUE:
+            return f"{name} is set"
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    parsed = urlparse(endpoint)
+    host = parsed.hostname or "huggingface.co"
+    port = parsed.port or (80 if parsed.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_SECONDS).close()
+    except OSError as error:
+        return f"{host}:{port} does not answer ({error.strerror or type(error).__name__})"
+    return None
+
+
 def _huggingface(source: str, local: bool) -> LoadedModel:
     try:
         import transformers
     except ImportError:
         raise InputError("HuggingFace models need transformers: pip install 'captum_transformers[hf]'.") from None
+    unreachable = None if local else hub_unreachable()
+    # an unreachable hub: read the local cache only (transformers would retry for half a minute)
+    options = {"local_files_only": True} if unreachable else {}
     try:
-        config = transformers.AutoConfig.from_pretrained(source)
+        config = transformers.AutoConfig.from_pretrained(source, **options)
     except (OSError, ValueError) as error:  # transformers 5: a folder with no config.json is a ValueError
         if local:
             found = "has no config.json" if not (Path(source) / "config.json").exists() else \
                 f"has a config.json that transformers cannot read ({_first_line(error)})"
             raise InputError(f"--model {source!r} is a directory that {found}; expected a model folder written by "
                              "model.save_pretrained(folder) (config.json and the weights).") from None
+        if unreachable:
+            raise InputError(f"unknown model {source!r}: not a directory, checkpoint file or timm model name, not in "
+                             f"the local HuggingFace cache, and the hub cannot be reached ({unreachable}). Give the "
+                             "model as a local directory saved with save_pretrained (--model path/to/dir).") from None
         raise InputError(f"unknown model {source!r}: not a directory, not a checkpoint file, not a timm model name, "
                          "and the HuggingFace hub could not provide it (unreachable, or no such model). Give the "
                          "model as a local directory saved with save_pretrained (--model path/to/dir).") from None
     names = _class_names(config)
     if getattr(config, "image_size", None) is not None and config.model_type not in _TEXT_TYPES:
-        model = _from_pretrained(transformers.AutoModelForImageClassification, source)
+        model = _from_pretrained(transformers.AutoModelForImageClassification, source, **options)
         try:
-            processor = transformers.AutoImageProcessor.from_pretrained(source)
+            processor = transformers.AutoImageProcessor.from_pretrained(source, **options)
         except (OSError, ValueError):
             processor = None
         size = _pair(config.image_size)
@@ -181,9 +223,9 @@ def _huggingface(source: str, local: bool) -> LoadedModel:
             return (pixels,), {}, [_image_tensor(raw, tuple(pixels.shape[-2:])) for raw in raws]
 
         return LoadedModel(model, "image", source, prepare, names)
-    model = _from_pretrained(transformers.AutoModelForSequenceClassification, source)
+    model = _from_pretrained(transformers.AutoModelForSequenceClassification, source, **options)
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(source, **options)
     except (OSError, ValueError) as error:
         raise InputError(f"{source!r} has no tokenizer ({type(error).__name__}); save the tokenizer with "
                          "tokenizer.save_pretrained into the same directory.") from None
@@ -200,15 +242,83 @@ def _huggingface(source: str, local: bool) -> LoadedModel:
 _TEXT_TYPES = frozenset({"clip_text_model"})
 
 
-def _from_pretrained(auto_class, source: str) -> nn.Module:
-    """``auto_class.from_pretrained(source)`` in eval mode; missing weights or a config with no
-    classification head of that kind are an ``InputError``."""
+def _from_pretrained(auto_class, source: str, **options) -> nn.Module:
+    """``auto_class.from_pretrained(source)`` in eval mode; missing or unreadable weights,
+    weights that do not fit the config, or a config with no classification head of that kind
+    are an ``InputError`` (one line: transformers' load report is held back and shown only
+    when the load succeeds)."""
+    with _transformers_log_held() as held:
+        try:
+            model = auto_class.from_pretrained(source, **options)
+        except (OSError, ValueError) as error:
+            raise InputError(f"--model {source!r}: {auto_class.__name__} could not load it ({_first_line(error)}); "
+                             "expected a classification model saved with save_pretrained (config.json and "
+                             "model.safetensors).") from None
+        except Exception as error:  # safetensors' SafetensorError, torch's RuntimeError on sizes, ...
+            raise InputError(_weights_problem(source, error, held)) from None
+        held.passed_on = True
+    return model.eval()
+
+
+class _HeldRecords(logging.Handler):
+    """Log records kept while a model loads, passed on only if ``passed_on`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.NOTSET)
+        self.records: List[logging.LogRecord] = []
+        self.passed_on = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def _transformers_log_held() -> Iterator[_HeldRecords]:
+    """transformers' log records held back, and its progress bars off (a failed load then
+    prints only our one line). Warnings are recorded whatever the verbosity (the load report
+    names the first mismatched weight); on release, only those the verbosity shows are passed on."""
+    from transformers.utils import logging as transformers_logging
+
+    logger = logging.getLogger("transformers")
+    held, saved, level = _HeldRecords(), list(logger.handlers), logger.level
+    bars = transformers_logging.is_progress_bar_enabled()
+    shown = logger.getEffectiveLevel()
+    logger.handlers = [held]
+    logger.setLevel(min(shown, logging.WARNING))
+    transformers_logging.disable_progress_bar()
     try:
-        return auto_class.from_pretrained(source).eval()
-    except (OSError, ValueError) as error:
-        raise InputError(f"--model {source!r}: {auto_class.__name__} could not load it ({_first_line(error)}); "
-                         "expected a classification model saved with save_pretrained (config.json and "
-                         "model.safetensors).") from None
+        yield held
+    finally:
+        logger.handlers = saved
+        logger.setLevel(level)
+        if bars:
+            transformers_logging.enable_progress_bar()
+        if held.passed_on:
+            for record in held.records:
+                if record.levelno >= shown:
+                    logger.handle(record)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_MISMATCH = re.compile(r"([\w.{}, ]+?)\s*\|\s*MISMATCH\s*\|.*?ckpt:\s*torch\.Size\(\[([^\]]*)\]\)\s*vs\s*"
+                       r"model:\s*torch\.Size\(\[([^\]]*)\]\)")
+
+
+def _weights_problem(source: str, error: Exception, held: _HeldRecords) -> str:
+    """One line saying why the weights of ``source`` could not be loaded, and what to do."""
+    text = " ".join(_ANSI.sub("", record.getMessage()) for record in held.records) + " " + str(error)
+    found = _MISMATCH.search(text)
+    if found or "size mismatch" in text or "mismatched" in text:
+        detail = (f" (first: {found.group(1).strip()} is ({found.group(2)}) in the weights, ({found.group(3)}) by "
+                  "config.json)") if found else f" ({_first_line(error)})"
+        return (f"--model {source!r}: the weights do not fit config.json, their sizes differ{detail}; config.json "
+                "and the weights must come from the same model.save_pretrained(folder).")
+    if type(error).__name__ == "SafetensorError" or "deserializ" in str(error):
+        return (f"--model {source!r}: its weights file cannot be read ({_first_line(error)}); it is empty, truncated "
+                "or not a safetensors file. Save the model again with model.save_pretrained(folder), or download "
+                "it again.")
+    return (f"--model {source!r}: the weights could not be loaded ({type(error).__name__}: {_first_line(error)}); "
+            "expected a classification model saved with save_pretrained (config.json and model.safetensors).")
 
 
 def _first_line(error: Exception, limit: int = 160) -> str:

@@ -7,18 +7,45 @@ to the first of ``OUT-2``, ``OUT-3``, ... that holds none, and one line says so.
 
 Example: ``output_folder("captum_transformers_explain", "explanations.png")`` returns
 ``captum_transformers_explain-2`` on the second run in the same directory.
+
+``claimed_output_folder`` does the same for a run that may still fail (a model that cannot
+be loaded, a device that runs out of memory): the folders it created are removed again when
+the run raises before writing anything into them, so a failed run leaves nothing behind.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
+from typing import Iterator, List, Tuple
 
 from ..errors import InputError
 
 
 def output_folder(requested: str, marker: str, command: str) -> Path:
     """Create (if needed) and return the folder to write to; see the module docstring."""
+    return _settled(requested, marker, command)[0]
+
+
+@contextlib.contextmanager
+def claimed_output_folder(requested: str, marker: str, command: str) -> Iterator[Path]:
+    """``output_folder`` for the body of a run: if the body raises, the folders this call
+    created are removed again as long as they are still empty."""
+    path, created = _settled(requested, marker, command)
+    try:
+        yield path
+    except BaseException:
+        for folder in reversed(created):  # deepest first; a folder something was written into stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _settled(requested: str, marker: str, command: str) -> Tuple[Path, List[Path]]:
+    """The folder to write to and the folders created for it (outermost first)."""
     path = Path(requested).expanduser()
     if path.name in ("", "..") or path.name == ".":  # "." or "..": number the folder by its real name
         path = path.resolve()
@@ -30,8 +57,9 @@ def output_folder(requested: str, marker: str, command: str) -> Path:
     if chosen != path:
         print(f"captum-transformers {command}: {path} holds an earlier run ({marker}); writing to {chosen} instead "
               "(give another --out to choose)", file=sys.stderr)
+    created = [folder for folder in (chosen, *chosen.parents) if not folder.exists()][::-1]
     _check_writable(chosen)
-    return chosen
+    return chosen, created
 
 
 def _holds_earlier_run(path: Path, marker: str) -> bool:

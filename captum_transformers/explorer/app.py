@@ -320,11 +320,25 @@ def benchmark_curves(path) -> Dict[str, Any]:
     """The curves of a benchmark's ``results.json`` by metric and method, for the page."""
     from ..evaluation.results import CurveResult, read_json
 
+    expected = ('expected the results.json of `captum-transformers benchmark`: a JSON list of objects '
+                '{"method": "<name>", "kind": "<result kind>", ...}')
     try:
-        rows = read_json(path)
-    except (OSError, ValueError, KeyError) as error:
+        with open(path) as handle:
+            payload = json.load(handle)
+    except (OSError, ValueError) as error:
         raise InputError(f"--results {str(path)!r} is not a readable results.json of `captum-transformers benchmark` "
                          f"({type(error).__name__}: {error}).") from None
+    if not isinstance(payload, list):
+        raise InputError(f"--results {str(path)!r} holds a JSON {type(payload).__name__}; {expected}.")
+    for number, entry in enumerate(payload):
+        if not isinstance(entry, dict) or not isinstance(entry.get("method"), str) \
+                or not isinstance(entry.get("kind"), str):
+            raise InputError(f"--results {str(path)!r}: entry {number} is {_shown(entry)}; {expected}.")
+    try:
+        rows = read_json(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise InputError(f"--results {str(path)!r} is not a readable results.json of `captum-transformers benchmark` "
+                         f"({type(error).__name__}: {error}); {expected}.") from None
     metrics: Dict[str, Dict[str, Any]] = {}
     for method, result in rows:
         if isinstance(result, CurveResult):

@@ -31,6 +31,14 @@ def check_host(host: str, allow_remote: bool) -> None:
                          "it on purpose (anyone who has the printed URL can then run the model).")
 
 
+def check_port(port: int) -> None:
+    """Refuse a port outside 0..65535 (0 asks the system for any free port) before anything
+    binds: the socket layer would raise ``OverflowError`` deep inside the server."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InputError(f"--port {port!r}: expected a port from 0 to 65535 (0: any free port, the printed URL says "
+                         "which), e.g. --port 8765.")
+
+
 def require_explorer_extra() -> None:
     """Refuse, naming the install command, when Starlette or uvicorn is missing (the module
     itself imports neither, so that this check runs before any import fails)."""
@@ -86,6 +94,7 @@ def start(workspace, host: str = LOOPBACK, port: int = 8765, blocking: bool = Tr
 
     from .app import create_app
 
+    check_port(port)
     check_host(host, allow_remote)
     if host not in LOOPBACK_NAMES:
         print(f"WARNING: the explorer listens on {host}, reachable from other machines; anyone with the URL "

@@ -7,13 +7,26 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from ..errors import InputError
 from .workspace import Workspace
 
 
-def builtin_workspace(samples: int = 48, seed: int = 0, variant: str = "one") -> Workspace:
+def _on_device(device, model, inputs: Tuple, forward_kwargs: Optional[Dict[str, Any]] = None):
+    """``model`` (loaded here, so moving it changes nobody else's), its inputs and keyword
+    tensors on ``device`` (``None`` or the CPU: as they are)."""
+    forward_kwargs = dict(forward_kwargs or {})
+    if device is None or str(device) == "cpu":
+        return model, tuple(inputs), forward_kwargs
+    import torch
+
+    model.to(device)
+    return (model, tuple(t.to(device) for t in inputs),
+            {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in forward_kwargs.items()})
+
+
+def builtin_workspace(samples: int = 48, seed: int = 0, variant: str = "one", device=None) -> Workspace:
     """The built-in DigitCanvas ViT on ``samples`` test canvases (``variant`` "one" digit each,
     or "two": both digits are true labels)."""
     if samples < 1:
@@ -24,11 +37,12 @@ def builtin_workspace(samples: int = 48, seed: int = 0, variant: str = "one") ->
     loaded = load_model(None)
     canvases = digit_canvases(split="test", variant=variant, n=samples, seed=seed)
     name = loaded.name if variant == "one" else f"{loaded.name}, two-digit canvases"
-    return Workspace(loaded.model, (normalize(canvases.images),), list(canvases.images), "image",
+    model, inputs, _ = _on_device(device, loaded.model, (normalize(canvases.images),))
+    return Workspace(model, inputs, list(canvases.images), "image",
                      labels=canvases.labels, class_names=loaded.class_names, name=name)
 
 
-def movie_workspace(samples: int = 48, cache_dir: Optional[str] = None) -> Workspace:
+def movie_workspace(samples: int = 48, cache_dir: Optional[str] = None, device=None) -> Workspace:
     """The fine-tuned MiniLM on ``samples`` movie-snippet test sentences (from the cache of
     ``captum-transformers benchmark --task movies``; a missing model is an error naming the
     training command, never a silent training run)."""
@@ -40,20 +54,21 @@ def movie_workspace(samples: int = 48, cache_dir: Optional[str] = None) -> Works
     encoded = encode(data, tokenizer)
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     tokens = [tokenizer.convert_ids_to_tokens(row[keep.bool()]) for row, keep in zip(ids, mask)]
-    return Workspace(model, (ids,), tokens, "text", labels=data.labels, class_names=["negative", "positive"],
-                     forward_kwargs={"attention_mask": mask}, name="fine-tuned MiniLM, movie snippets",
+    model, inputs, forward_kwargs = _on_device(device, model, (ids,), {"attention_mask": mask})
+    return Workspace(model, inputs, tokens, "text", labels=data.labels, class_names=["negative", "positive"],
+                     forward_kwargs=forward_kwargs, name="fine-tuned MiniLM, movie snippets",
                      special_tokens=frozenset(tokenizer.all_special_tokens),
                      removed_token_id=tokenizer.unk_token_id)  # as the benchmark's token metrics
 
 
-def task_workspace(task: str, samples: int = 48, cache_dir: Optional[str] = None) -> Workspace:
+def task_workspace(task: str, samples: int = 48, cache_dir: Optional[str] = None, device=None) -> Workspace:
     """The workspace of a benchmark task name (``tasks.runner.TASKS``)."""
     if task == "digits":
-        return builtin_workspace(samples)
+        return builtin_workspace(samples, device=device)
     if task == "digits-two":
-        return builtin_workspace(samples, variant="two")
+        return builtin_workspace(samples, variant="two", device=device)
     if task == "movies":
-        return movie_workspace(samples, cache_dir)
+        return movie_workspace(samples, cache_dir, device)
     from ..tasks.runner import TASKS
 
     raise InputError(f"--task {task!r}: expected one of {', '.join(TASKS)}.")
@@ -61,17 +76,18 @@ def task_workspace(task: str, samples: int = 48, cache_dir: Optional[str] = None
 
 def loaded_workspace(model: Optional[str], arch: Optional[str] = None, random_init: bool = False,
                      images: Sequence[str] = (), texts: Sequence[str] = (), samples: int = 48,
-                     task: Optional[str] = None, cache_dir: Optional[str] = None) -> Workspace:
-    """The workspace ``captum-transformers explore`` opens for these arguments."""
+                     task: Optional[str] = None, cache_dir: Optional[str] = None, device=None) -> Workspace:
+    """The workspace ``captum-transformers explore`` opens for these arguments, its model on
+    ``device`` (a checked ``torch.device``; default the CPU)."""
     if images and texts:
         raise InputError("give either --image or --text, not both.")
     if task is not None:
         if model is not None or images or texts:
             raise InputError(f"--task {task} brings its own model and inputs; give either --task or --model with "
                              "--image/--text.")
-        return task_workspace(task, samples, cache_dir)
+        return task_workspace(task, samples, cache_dir, device)
     if model is None and not images and not texts:
-        return builtin_workspace(samples)
+        return builtin_workspace(samples, device=device)
     from ..cli.model_loading import load_model, read_image
 
     loaded = load_model(model, arch, random_init)
@@ -83,6 +99,7 @@ def loaded_workspace(model: Optional[str], arch: Optional[str] = None, random_in
         raise InputError(f"nothing to explore: give --image FILE or --text STRING (repeatable) for {loaded.name}.")
     raws = [read_image(path) for path in images] if images else list(texts)
     inputs, forward_kwargs, displays = loaded.prepare(raws)
+    model, inputs, forward_kwargs = _on_device(device, loaded.model, inputs, forward_kwargs)
     classes = loaded.class_names
     if classes is None:
         import torch
@@ -90,7 +107,7 @@ def loaded_workspace(model: Optional[str], arch: Optional[str] = None, random_in
         with torch.no_grad():
             from ..capture.targets import output_scores
 
-            out = output_scores(loaded.model(*inputs, **forward_kwargs))
+            out = output_scores(model(*inputs, **forward_kwargs))
         classes = [str(c) for c in range((out[0] if isinstance(out, (tuple, list)) else out).shape[-1])]
-    return Workspace(loaded.model, tuple(inputs), displays, loaded.modality, class_names=classes,
+    return Workspace(model, tuple(inputs), displays, loaded.modality, class_names=classes,
                      forward_kwargs=forward_kwargs, name=loaded.name, special_tokens=loaded.special_tokens)
