@@ -11,7 +11,7 @@ methods the package recommends."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -45,23 +45,25 @@ def recommended_first(maps: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 
 
 def image_grid(images: Sequence[torch.Tensor], maps: Dict[str, torch.Tensor], titles: Sequence[str],
-               folder: Path) -> Tuple[Path, Path]:
+               folder: Path, logits: Optional[torch.Tensor] = None) -> Tuple[Path, Path]:
     """One row per image: the image, then each method's (B, H, W) map over it (in grey), each
-    map on its own colour scale (its range printed above it); baselines last, marked."""
+    map on its own colour scale (its range printed above it); baselines last, marked. With
+    ``logits`` (the explained logit per image) each signed map shows its sum next to it."""
     # The 99th percentile of |map| as each map's limit: per-pixel maps (LRP, gradients) have
     # a few extreme pixels that would otherwise leave the rest white.
     grid = ExplanationGrid(images, recommended_first(maps), titles, scale="per-map", percentile=99.0,
-                           title="captum-transformers explain (baselines last, marked '(baseline)')")
+                           title="captum-transformers explain (baselines last, marked '(baseline)')", logits=logits)
     return grid.save(folder / "explanations.png"), grid.save(folder / "explanations.html")
 
 
 def token_strips(tokens: List[List[str]], scores: Dict[str, torch.Tensor], titles: Sequence[str],
-                 special_tokens, folder: Path) -> Tuple[Path, Path]:
+                 special_tokens, folder: Path, logits: Optional[torch.Tensor] = None) -> Tuple[Path, Path]:
     """For each example one line per method (baselines last, marked), every token coloured by
     its score, each line scaled by its largest |score| over the non-special tokens. ``scores``
-    are (B, longest) rows padded after each example's tokens."""
+    are (B, longest) rows padded after each example's tokens; ``logits`` as in :func:`image_grid`."""
     lengths = torch.tensor([len(example) for example in tokens])
     mask = torch.arange(max(lengths)).unsqueeze(0) < lengths.unsqueeze(1)
     heatmap = TokenHeatmap(tokens, recommended_first(scores), titles=titles, special_tokens=special_tokens,
-                           attention_mask=mask, title="captum-transformers explain (baselines last, marked)")
+                           attention_mask=mask, title="captum-transformers explain (baselines last, marked)",
+                           logits=logits)
     return heatmap.save(folder / "explanations.png"), heatmap.save(folder / "explanations.html")
