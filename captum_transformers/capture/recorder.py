@@ -11,6 +11,7 @@ else keeps a per-head gradient alive: memory stays O(L B N^2) or less.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, Hashable, List, Optional
 
@@ -66,11 +67,33 @@ class SiteObserver:
     """What a kernel that differentiates its own attention map (:mod:`..attention_core`)
     calls in the backward pass instead of a tensor hook: it hands over the map, recomputed,
     with the gradient at it. Made empty before the kernel runs, bound by
-    :meth:`Recorder.record`."""
+    :meth:`Recorder.record`.
+
+    The kernel's autograd node keeps the observer for as long as the graph lives, and the
+    recorder's sites keep tensors of that graph: strong references back to the recorder and
+    the site would close a cycle through the (C++) autograd graph that no garbage collector
+    can see, and every explanation's graph would stay alive. So both are held weakly: the
+    trace that made them holds them strongly while its backward passes run."""
 
     def __init__(self) -> None:
-        self.recorder: Optional["Recorder"] = None
-        self.site: Optional[Site] = None
+        self._recorder = _no_referent
+        self._site = _no_referent
+
+    @property
+    def recorder(self) -> Optional["Recorder"]:
+        return self._recorder()
+
+    @recorder.setter
+    def recorder(self, recorder: Optional["Recorder"]) -> None:
+        self._recorder = _no_referent if recorder is None else weakref.ref(recorder)
+
+    @property
+    def site(self) -> Optional[Site]:
+        return self._site()
+
+    @site.setter
+    def site(self, site: Optional[Site]) -> None:
+        self._site = _no_referent if site is None else weakref.ref(site)
 
     @property
     def wanted(self) -> bool:
@@ -97,6 +120,11 @@ class SiteObserver:
     def second(self, probs: torch.Tensor, grad: torch.Tensor) -> None:
         """This pass's gradient, after :meth:`first`."""
         self.recorder.reduce_gradient(self.site, grad, probs)
+
+
+def _no_referent() -> None:
+    """A dead weak reference's answer (what an unbound :class:`SiteObserver` holds)."""
+    return None
 
 
 class Recorder:
@@ -264,8 +292,13 @@ class Recorder:
         if site.hooked or site.observer is not None:
             return
         site.hooked = True
+        # The hook lives on the graph, which the site keeps (grad_tensor): weak references, so
+        # that graph, site and recorder are freed by reference counting once the trace is done.
+        recorder, site_ref = weakref.ref(self), weakref.ref(site)
 
         def on_gradient(grad: torch.Tensor) -> None:
-            self.reduce_gradient(site, site.grad_view(grad) if site.grad_view is not None else grad)
+            me, hooked = recorder(), site_ref()
+            if me is not None and hooked is not None:
+                me.reduce_gradient(hooked, hooked.grad_view(grad) if hooked.grad_view is not None else grad)
 
         site.grad_tensor.register_hook(on_gradient)
