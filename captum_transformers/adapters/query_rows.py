@@ -145,9 +145,12 @@ class ReadRows:
             yield
 
     def listen(self) -> None:
-        """Before the backward pass: note the rows its gradient reaches."""
-        if self.output is not None:
-            self.output.register_hook(self._note)
+        """Before the backward pass: note the rows its gradient reaches. The output is let go
+        once hooked: kept, it would close a cycle (output, its graph, the hook, this object)
+        through the autograd graph, which no garbage collector frees."""
+        output, self.output = self.output, None
+        if output is not None:
+            output.register_hook(self._note)
 
     def _note(self, grad: torch.Tensor) -> None:
         read = grad.detach().ne(0).any(dim=-1)
