@@ -23,3 +23,15 @@ class CaptureError(CaptumTransformersError, RuntimeError):
 
 class InputError(CaptumTransformersError, ValueError):
     """Inputs, targets or options that do not fit the model or the method."""
+
+
+class StochasticForwardError(InputError, CaptureError):
+    """The model is in training mode and its forward is random or batch-dependent (active
+    dropout, drop path, batch norm on batch statistics), so each call would be explained
+    differently; or it would update running statistics, changing the model.
+
+    The message names the layers found and the fix (``model.eval()``, or a method built with
+    ``allow_stochastic=True``). It is an ``InputError`` (the model's mode is the caller's to
+    change) and a ``CaptureError`` (what the adapters raised for attention dropout before this
+    rule), so code catching either keeps working.
+    """

@@ -199,7 +199,7 @@ def test_a_4x_graphormer_found_by_dotted_key_runs_the_package_attention():
 
 
 def test_training_mode_and_bare_encoders_are_refused():
-    net = model(seed=9)
+    net = model(seed=9, attention_dropout=0.1)  # active dropout in training mode (tests/test_train_mode.py)
     nodes, rest = batch(graphs(SIZES))
     with pytest.raises(InputError, match="eval"):
         build_method("generic-attention", net.train()).attribute(nodes, target=TARGETS, forward_kwargs=rest)

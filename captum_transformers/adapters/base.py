@@ -17,6 +17,7 @@ from torch import nn
 
 from ..capture import patching
 from ..capture import module_walk
+from ..capture import stochastic_layers
 from ..capture.compiled import uncompiled
 from ..capture.exclusive import exclusive, holding_the_model
 from ..errors import CaptureError, InputError
@@ -26,7 +27,7 @@ from ..capture.targets import output_scores, select_targets
 from ..capture.trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
 from ..capture.recorder import Recorder
 from .foreign_patches import check_library_classes
-from .input_checks import model_dtype, refuse_unexplainable_batch, relevance_carrying
+from .input_checks import model_dtype, ordinary_tensors, refuse_unexplainable_batch, relevance_carrying
 from .query_rows import QueryRows, ReadRows, chosen_rows, refuse_examples_without_tokens
 from .relevance_reading import RelevanceResult, read_layer_input, seeded
 
@@ -253,6 +254,8 @@ class Adapter(abc.ABC):
             stack.enter_context(self.capture(model, recorder))
             for context in contexts:
                 stack.enter_context(context)
+            # Innermost: a random or batch-dependent forward (training mode) is refused before it runs.
+            stack.enter_context(stochastic_layers.watched(model))
             kept = self.kept_logits(model, inputs, additional_forward_args, forward_kwargs)
             if kept is not None:
                 forward_kwargs = {**(forward_kwargs or {}), "logits_to_keep": kept.keep}
@@ -303,6 +306,8 @@ class Adapter(abc.ABC):
         """
         refuse_unexplainable_batch(inputs)
         refuse_rounding_sensitive(rules, model_dtype(model))
+        additional_forward_args, forward_kwargs = ordinary_tensors(tuple(additional_forward_args)), \
+            ordinary_tensors(forward_kwargs)
         if plain_spec is not None and (rules is None or rules.attention_gate != "gradient"):
             raise InputError(
                 f"A plain-gradient second pass needs rules whose graph keeps the attention gate (got {rules!r}); "
@@ -384,6 +389,8 @@ class Adapter(abc.ABC):
                    target: Any, rules: "RuleSet", at: str, forward_kwargs: Optional[dict]) -> "RelevanceResult":
         refuse_unexplainable_batch(inputs)
         refuse_rounding_sensitive(rules, model_dtype(model))
+        additional_forward_args, forward_kwargs = ordinary_tensors(tuple(additional_forward_args)), \
+            ordinary_tensors(forward_kwargs)
         if at not in ("tokens", "inputs"):
             raise InputError(f"relevance must be read at 'tokens' or 'inputs', got {at!r}.")
         layers = self.first_layers(model) if at == "tokens" else {}

@@ -124,9 +124,6 @@ class GraphormerAdapter(Adapter):
 
     @contextlib.contextmanager
     def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
-        if model.training:
-            raise InputError(f"{type(model).__name__} is in training mode: its attention dropout would make the "
-                             "recorded maps differ from the ones the model uses. Call model.eval() first.")
         entered = _Entered()
         self._entered[recorder] = entered
         package_forward = _package_attention_forward()

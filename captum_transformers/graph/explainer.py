@@ -95,8 +95,9 @@ class TransformerExplainer(ExplainerAlgorithm):
         config = self.explainer_config
         edge_mask = None
         if isinstance(method, RuleGradientXInput) and any(layer_key(m) for m in model.modules()):
-            relevance = edge_relevance(model, x, edge_index, target=target, rules=method.rules,
-                                       adapter=method.adapter, **kwargs)
+            with method.stochastic_rule():  # the method's allow_stochastic holds on this path too
+                relevance = edge_relevance(model, x, edge_index, target=target, rules=method.rules,
+                                           adapter=method.adapter, **kwargs)
             attributes, edge_mask = relevance.nodes, relevance.edge_mask
             node_scores = attributes.reshape(attributes.shape[0], -1).sum(-1)
         elif isinstance(method, RuleGradientXInput):  # no sparse attention layer (GPS): no messages to read

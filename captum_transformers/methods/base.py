@@ -8,6 +8,8 @@ shape of each input.
 from __future__ import annotations
 
 import abc
+import functools
+import inspect
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -17,12 +19,13 @@ from captum.log import log_usage
 from torch import nn
 
 from ..adapters.base import Adapter
-from ..adapters.input_checks import model_dtype
+from ..adapters.input_checks import model_dtype, ordinary_tensors, refuse_inference_mode, refuse_non_finite
 from ..errors import CaptureError, InputError
 from ..adapters.query_rows import refuse_masked_explained_rows
 from ..adapters.registry import get_adapter
 from .relevancy_maps import explained_rows
 from ..capture.inputs import passed_by_name, split_mapping
+from ..capture.stochastic_layers import OPT_IN, allowing
 from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec, InputSpan, TokenLayout
 from . import functional
 
@@ -65,10 +68,16 @@ def _prepared_inputs(inputs: Any, additional_forward_args: Any, forward_kwargs: 
     """The shared preamble of ``attribute`` / ``trace``: ``(formatted, is_tuple,
     additional_forward_args, forward_kwargs, name)``, a mapping input split (its explained
     tensor passed by ``name``), the batch checked, keyword tensors checked against it."""
+    refuse_inference_mode()  # before anything is copied: a copy made in inference mode is an inference tensor
     inputs, additional_forward_args, forward_kwargs, name = _named_inputs(inputs, additional_forward_args,
                                                                           forward_kwargs)
     formatted, is_tuple = _format_inputs(inputs)
     _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
+    refuse_non_finite(formatted, None if name is None else [f"inputs[{name!r}]"])
+    # Tensors made under torch.inference_mode() cannot be saved for backward: explained as copies.
+    formatted = ordinary_tensors(formatted)
+    additional_forward_args = ordinary_tensors(additional_forward_args)
+    forward_kwargs = ordinary_tensors(forward_kwargs)
     return formatted, is_tuple, additional_forward_args, forward_kwargs, name
 
 
@@ -175,7 +184,59 @@ def _query_vectors(layout: TokenLayout, dtype: torch.dtype) -> torch.Tensor:
     return functional.query_vectors(layout.query_rows, layout.num_tokens, dtype, layout.query_weights)
 
 
-class TraceAttribution(Attribution):
+def _taking_opt_in(init: Any) -> Any:
+    """``init`` taking the keyword-only ``allow_stochastic`` too, stored on the instance after
+    ``init`` ran (so an outer subclass's value wins over the default its ``super().__init__`` set)."""
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, allow_stochastic: bool = False, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.allow_stochastic = _opt_in_flag(allow_stochastic)
+
+    signature = inspect.signature(init)
+    parameters = list(signature.parameters.values())
+    keyword = inspect.Parameter(OPT_IN, inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool)
+    at = next((i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), len(parameters))
+    __init__.__signature__ = signature.replace(parameters=parameters[:at] + [keyword] + parameters[at:])
+    __init__._takes_opt_in = True
+    return __init__
+
+
+def _opt_in_flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InputError(f"{OPT_IN} must be True or False, got {value!r}.")
+    return value
+
+
+class StochasticOptIn:
+    """Every method's ``allow_stochastic`` keyword (default False), one rule for all of them.
+
+    A model in training mode whose forward is random or batch-dependent (active dropout, drop
+    path, batch norm on batch statistics) is refused by every method
+    (:mod:`~captum_transformers.capture.stochastic_layers`): each call would explain another
+    forward. ``Method(model, ..., allow_stochastic=True)`` explains it on purpose, one random
+    draw per call (layers that would update running statistics stay refused). Training mode
+    without such layers (gradient checkpointing, dropouts with ``p = 0``) needs no opt-in.
+
+    Subclasses get the keyword on their own ``__init__`` without forwarding it (it is added
+    here, when the subclass is defined), and run their passes inside :meth:`stochastic_rule`.
+    """
+
+    allow_stochastic: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "_takes_opt_in", False) \
+                and OPT_IN not in inspect.signature(init).parameters:
+            cls.__init__ = _taking_opt_in(init)
+
+    def stochastic_rule(self):
+        """The context the method's forward passes run in: refused or allowed, as chosen."""
+        return allowing(self.allow_stochastic)
+
+
+class TraceAttribution(StochasticOptIn, Attribution):
     """Base of the attention methods: Captum's ``Attribution`` over an adapter trace.
 
     Subclasses implement :meth:`capture_spec` and :meth:`reduce`.
@@ -187,12 +248,20 @@ class TraceAttribution(Attribution):
     non-finite value (a half-precision backward pass that overflowed) is refused, never returned,
     and so are bfloat16 models under the identity softmax or norm rules (TransformerRelevance,
     PartialLRP, TransformerLRP; :func:`~captum_transformers.propagation.rules.refuse_rounding_sensitive`).
+
+    Training mode, one rule for every method (:class:`StochasticOptIn`): a model whose forward is
+    random or batch-dependent (active dropout, drop path, batch norm in training mode) is refused
+    with :class:`~captum_transformers.errors.StochasticForwardError` naming the layers and the fix,
+    ``model.eval()``; every method takes ``allow_stochastic=True`` to explain one random draw on
+    purpose (maps then differ from call to call).
     """
 
-    def __init__(self, model: nn.Module, adapter: Union[Adapter, str, None] = None) -> None:
+    def __init__(self, model: nn.Module, adapter: Union[Adapter, str, None] = None, *,
+                 allow_stochastic: bool = False) -> None:
         super().__init__(model)
         self.model = model
         self.adapter = get_adapter(model, adapter)
+        self.allow_stochastic = _opt_in_flag(allow_stochastic)
 
     @abc.abstractmethod
     def capture_spec(self) -> CaptureSpec:
@@ -207,7 +276,7 @@ class TraceAttribution(Attribution):
         """Run the capture alone and return the raw :class:`AttentionTrace`."""
         formatted, _, additional_forward_args, forward_kwargs, name = _prepared_inputs(
             inputs, additional_forward_args, forward_kwargs)
-        with passed_by_name(self.model, name):
+        with passed_by_name(self.model, name), self.stochastic_rule():
             return self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
 
     def _trace(self, inputs: Tuple[torch.Tensor, ...], target: Any, additional: Tuple[Any, ...],
@@ -237,7 +306,7 @@ class TraceAttribution(Attribution):
         """
         formatted, is_tuple, additional_forward_args, forward_kwargs, name = _prepared_inputs(
             inputs, additional_forward_args, forward_kwargs)
-        with passed_by_name(self.model, name):
+        with passed_by_name(self.model, name), self.stochastic_rule():
             trace = self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
         per_stream = self.stream_scores(trace)
         streams = trace.streams

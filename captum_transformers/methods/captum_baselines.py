@@ -56,7 +56,9 @@ from ..capture.compiled import uncompiled
 from ..capture.exclusive import exclusive
 from ..capture.targets import output_scores
 from ..errors import InputError
-from .base import attribution_dtype, finished
+from ..adapters.input_checks import ordinary_tensors, refuse_inference_mode
+from ..capture.stochastic_layers import watched
+from .base import StochasticOptIn, attribution_dtype, finished
 
 TensorOrTuple = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 
@@ -109,7 +111,7 @@ class _EmbeddingsForward:
             return self.forward(ids, *rest)
 
 
-class _CaptumGradientBaseline(Attribution):
+class _CaptumGradientBaseline(StochasticOptIn, Attribution):
     """Shared call shape: inputs, target, extra arguments, then Captum on inputs or embeddings."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -136,9 +138,14 @@ class _CaptumGradientBaseline(Attribution):
         # The package's guarantees hold here too: one explanation of a module at a time, another
         # library's replaced class methods refused (they would change these gradients silently),
         # and compiled parts run as their originals (Captum's layer hooks never fire in compiled code).
+        # A random or batch-dependent forward (training mode) is refused unless allow_stochastic=True;
+        # tensors made under torch.inference_mode() are explained as ordinary copies.
+        refuse_inference_mode()
+        inputs, additional_forward_args, forward_kwargs = (ordinary_tensors(inputs), ordinary_tensors(
+            additional_forward_args), ordinary_tensors(forward_kwargs))
         with exclusive(self.model):
             check_library_classes(self.model)
-            with uncompiled(self.model):
+            with uncompiled(self.model), watched(self.model, self.allow_stochastic):
                 return self._attribute(inputs, target, additional_forward_args, return_tokens, forward_kwargs)
 
     def _attribute(self, inputs, target, additional_forward_args, return_tokens, forward_kwargs):

@@ -13,11 +13,11 @@ from ..errors import CaptureError, InputError
 from ..adapters.registry import get_adapter
 from ..propagation.rules import RuleSet
 from ..capture.inputs import passed_by_name
-from .base import (TensorOrTuple, _format_additional, _prepared_inputs, attribution_dtype, finished,
-                   span_to_input)
+from .base import (StochasticOptIn, TensorOrTuple, _format_additional, _prepared_inputs, attribution_dtype,
+                   finished, span_to_input)
 
 
-class RuleGradientXInput(GradientAttribution):
+class RuleGradientXInput(StochasticOptIn, GradientAttribution):
     r"""Relevance ``R(x) = x * d f_t / d x`` with the backward pass following ``rules``.
 
     Where relevance is read (``relevance_at``): ``"tokens"``, the hidden states entering the
@@ -74,7 +74,7 @@ class RuleGradientXInput(GradientAttribution):
         elif at == "inputs" and return_tokens:
             raise InputError("return_tokens=True reads token relevance; it cannot be combined with "
                              "relevance_at='inputs'. Use relevance_at='tokens' or 'auto'.")
-        with passed_by_name(self.model, name):
+        with passed_by_name(self.model, name), self.stochastic_rule():
             result = self.adapter.relevance(self.model, formatted, _format_additional(additional_forward_args),
                                             target, self.rules, at, forward_kwargs)
         if result.tokens is not None:
