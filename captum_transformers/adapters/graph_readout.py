@@ -41,7 +41,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -63,14 +63,18 @@ class ReadoutProbe:
 
     def __init__(self) -> None:
         self.output: Optional[torch.Tensor] = None
+        self.node_ids: Optional[torch.Tensor] = None
 
     @contextlib.contextmanager
-    def watch(self, modules: Iterable[nn.Module]) -> Iterator[None]:
-        """Forward hooks keeping the output of the last call of any of ``modules``."""
+    def watch(self, modules: Iterable[nn.Module],
+              node_ids: Callable[[], Optional[torch.Tensor]] = lambda: None) -> Iterator[None]:
+        """Forward hooks keeping the output of the last call of any of ``modules``, and the
+        batch's node number of each of its rows then (``node_ids()``; None: all, in order;
+        after a node-dropping pool, the kept nodes: :mod:`.graph_pooling`)."""
         def keep(_module, _args, output):
             tensor = output[0] if isinstance(output, (tuple, list)) and output else output
             if isinstance(tensor, torch.Tensor):
-                self.output = tensor
+                self.output, self.node_ids = tensor, node_ids()
             return None
 
         with contextlib.ExitStack() as stack:
@@ -85,19 +89,22 @@ class ReadoutProbe:
         if hidden is None or not scores.requires_grad or not hidden.requires_grad:
             raise CaptureError("Which nodes the graph-level score reads could not be observed (the explained score or "
                                f"the last attention layer's output carries no gradient). {_HINT}")
-        rows = _node_rows(hidden, graphs)
+        ids = (torch.arange(graphs.num_nodes, device=graphs.graph.device) if self.node_ids is None
+               else self.node_ids.to(graphs.graph.device))
+        rows = _node_rows(hidden, graphs, ids.shape[0])
         if rows is None:
             raise CaptureError(f"The last attention layer's output has shape {tuple(hidden.shape)}, neither one row per "
-                               f"node ({graphs.num_nodes}) nor (graphs, nodes, ...) = ({graphs.num_graphs}, "
+                               f"node ({ids.shape[0]}) nor (graphs, nodes, ...) = ({graphs.num_graphs}, "
                                f"{graphs.max_nodes}, ...), so the nodes the score reads cannot be placed. {_HINT}")
-        pooled_node, pooled_grad, hidden_grad = self._pooling_input(scores, hidden, graphs)
+        pooled_node, pooled_grad, hidden_grad = self._pooling_input(scores, hidden, ids.shape[0])
         grad = rows(hidden_grad) if pooled_node is None else pooled_grad
         grad = grad.reshape(grad.shape[0], -1)
         read = grad.ne(0).any(dim=1)
         weights = torch.zeros(graphs.num_graphs, graphs.max_nodes, dtype=torch.float64, device=grad.device)
+        graph_of, position_of = graphs.graph[ids].to(grad.device), graphs.position[ids].to(grad.device)
         chosen = []
         for graph in range(graphs.num_graphs):
-            nodes = ((graphs.graph.to(grad.device) == graph) & read).nonzero().flatten()
+            nodes = ((graph_of == graph) & read).nonzero().flatten()
             if nodes.numel() == 0:
                 raise CaptureError(f"The score of graph {graph} reads none of its nodes at the last attention layer's "
                                    "output, so no node of it can be explained.")
@@ -107,13 +114,13 @@ class ReadoutProbe:
                     f"The score of graph {graph} reads its nodes {nodes.tolist()} through a readout that weighs them "
                     "unequally (e.g. a max, sort or attention pooling: the gradient at the pooled node states differs "
                     "from node to node), so which rows of the attention maps explain it is not known. " + _HINT)
-            weights[graph, graphs.position.to(grad.device)[nodes]] = 1.0 / nodes.numel()
+            weights[graph, position_of[nodes]] = 1.0 / nodes.numel()
             chosen.append(int(nodes[0]))
         if pooled_node is not None:
-            self._refuse_mixing(scores, hidden, rows, pooled_node, pooled_grad, chosen, graphs)
+            self._refuse_mixing(scores, hidden, rows, pooled_node, pooled_grad, chosen, graph_of)
         return weights
 
-    def _pooling_input(self, scores: torch.Tensor, hidden: torch.Tensor, graphs: GraphBatch):
+    def _pooling_input(self, scores: torch.Tensor, hidden: torch.Tensor, num_rows: int):
         """``(autograd node and output index of Z, dscore/dZ, dscore/dH)``; the node is None when
         no tensor with one row per node lies between ``H`` and the scores (Z is H)."""
         depth = _depths(scores.grad_fn, stop=hidden.grad_fn)
@@ -122,7 +129,7 @@ class ReadoutProbe:
         for node, level in depth.items():
             def prehook(grad_outputs, node=node, level=level):
                 for k, grad in enumerate(grad_outputs):
-                    if isinstance(grad, torch.Tensor) and grad.dim() >= 1 and grad.shape[0] == graphs.num_nodes:
+                    if isinstance(grad, torch.Tensor) and grad.dim() >= 1 and grad.shape[0] == num_rows:
                         seen.append((level, node, k, grad.detach()))
                 return None
             handles.append(node.register_prehook(prehook))
@@ -145,7 +152,7 @@ class ReadoutProbe:
         return (node, k), grad, hidden_grad
 
     def _refuse_mixing(self, scores, hidden, rows, pooled_node, pooled_grad, chosen: List[int],
-                       graphs: GraphBatch) -> None:
+                       graph_of: torch.Tensor) -> None:
         """A cotangent on one read node per graph, sent from Z back to H, must reach no other node."""
         node, k = pooled_node
         cotangent = torch.zeros_like(pooled_grad)
@@ -162,10 +169,10 @@ class ReadoutProbe:
             handle.remove()
         if grad is None:
             return
-        reached = rows(grad).reshape(graphs.num_nodes, -1).ne(0).any(dim=1)
+        reached = rows(grad).reshape(graph_of.shape[0], -1).ne(0).any(dim=1)
         reached[chosen] = False
         if bool(reached.any()):
-            graph = int(graphs.graph[reached.nonzero()[0, 0]])
+            graph = int(graph_of[reached.nonzero()[0, 0]])
             raise CaptureError(
                 f"Between the last attention layer and the readout, the nodes of graph {graph} are mixed (a gate "
                 "computed over the graph's nodes as in attention pooling, a graph-wide norm, or message passing): a "
@@ -173,10 +180,13 @@ class ReadoutProbe:
                 f"explain the score is not known. {_HINT}")
 
 
-def _node_rows(hidden: torch.Tensor, graphs: GraphBatch):
-    """A function giving a tensor shaped like ``hidden`` as one row per node, or None."""
-    if hidden.dim() >= 1 and hidden.shape[0] == graphs.num_nodes:
+def _node_rows(hidden: torch.Tensor, graphs: GraphBatch, num_rows: int):
+    """A function giving a tensor shaped like ``hidden`` as one row per node of the layer's
+    node list (``num_rows``), or None."""
+    if hidden.dim() >= 1 and hidden.shape[0] == num_rows:
         return lambda tensor: tensor
+    if num_rows != graphs.num_nodes:
+        return None
     if hidden.dim() >= 2 and tuple(hidden.shape[:2]) == (graphs.num_graphs, graphs.max_nodes):
         return lambda tensor: tensor[graphs.graph.to(tensor.device), graphs.position.to(tensor.device)]
     return None

@@ -14,11 +14,13 @@ them), and aggregates ``out_i = sum_j alpha_ij v_j``. Inside :meth:`PyGAttention
 3. ``alpha`` becomes per-graph (B, H, N_max, N_max) maps (:mod:`.graph_nodes`: row = target,
    column = source, real rows summing to 1); its gradient (E, H) is laid out the same way.
 
-The explained rows follow the graph readout (:mod:`.graph_readout`): every node of a graph,
-equally weighted, for a mean or add pooling (an add pooling scales each graph's map by a
-constant), read from the model's source or given as ``readout=``; a max or attention pooling,
-or a model whose readout is not found, is refused. A node-level model (one output row per
-node) explains one node per graph, named by a ``(node, class)`` target pair; its row is that node.
+The explained rows follow the graph readout (:mod:`.graph_readout`), observed on the
+explained forward by two probe gradients through the head (never read from source text): the
+nodes each graph's pooling reads, equally weighted (a mean or add pooling, a mean over a
+subset of nodes, a root node), or given as ``readout=``; a pooling that weighs nodes unequally
+(max, sort) or mixes them before pooling (attention pooling) is refused. A node-level model
+(one output row per node) explains one node per graph, named by a ``(node, class)`` target
+pair; its row is that node.
 
 LRP. Under a constant attention gate (AH, AH+LN) the gradient reaching ``alpha`` is zeroed
 (the softmax output is a constant of ``A V``); norms and per-operation rules are installed as
@@ -56,6 +58,7 @@ from ..propagation.operation_rules import operation_rules
 from ..propagation.rules import RuleSet, find_norms, norm_rules, refuse_rounding_sensitive
 from .base import Adapter
 from .graph_nodes import GraphBatch, batch_argument
+from .graph_pooling import SurvivingNodes, following_pools
 from .graph_readout import READOUTS, ReadoutProbe, node_targets, uniform_weights
 from .input_checks import model_dtype, refuse_unexplainable_batch, relevance_carrying
 from .pyg_softmax_rule import identity_softmax, refuse_identity_softmax, rerouted_alpha
@@ -80,6 +83,9 @@ _STATISTICS_NORMS = {"LayerNorm", "GraphNorm", "InstanceNorm", "PairNorm", "Mess
 # The graphs of the batch being explained, set around each forward in this context.
 _GRAPHS: contextvars.ContextVar[Optional[GraphBatch]] = contextvars.ContextVar("captum_transformers_pyg_graphs",
                                                                                  default=None)
+# The original node of each node of the current node list (node-dropping pools), per forward.
+_NODES: contextvars.ContextVar[Optional[SurvivingNodes]] = contextvars.ContextVar("captum_transformers_pyg_nodes",
+                                                                                    default=None)
 # Per forward: [whether the output is per node, whether the explained rows must be known].
 _OUTPUT: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("captum_transformers_pyg_output",
                                                                           default=None)
@@ -92,6 +98,11 @@ def layer_key(module: nn.Module) -> Optional[str]:
         if key in _LAYERS:
             return key
     return None
+
+
+def surviving_nodes() -> Optional[SurvivingNodes]:
+    """The pools followed in this context's forward (None outside one)."""
+    return _NODES.get()
 
 
 def current_graphs() -> GraphBatch:
@@ -115,8 +126,8 @@ class PyGAttentionAdapter(Adapter):
         readout: ``"mean"`` or ``"add"`` pooling (the explained rows: every node of the
             graph, equally weighted); ``"node"``: one output row per node (needed only when
             every graph has one node); ``None`` (default): a per-node output is node-level, a
-            per-graph one's pooling is read from the model's source (refused when it names
-            none or another pooling).
+            per-graph one's readout is observed on the run (:mod:`.graph_readout`; refused
+            when it weighs or mixes nodes in a way that cannot be known).
         batch_argument: the name of the forward argument holding the batch vector.
         ignore_message_passing: let the attention-chain methods explain the attention layers
             alone when the model also mixes nodes through other message-passing layers
@@ -156,6 +167,7 @@ class PyGAttentionAdapter(Adapter):
     def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             stack.enter_context(recomputed_alpha(self.blocks(model)))
+            stack.enter_context(following_pools(model, surviving_nodes))
             for block in self.blocks(model):
                 stack.enter_context(patching.forward_hook(block.module, _tapped_input(block, recorder), pre=True,
                                                           with_kwargs=True))
@@ -223,6 +235,7 @@ class PyGAttentionAdapter(Adapter):
         graphs = GraphBatch.of(batch, nodes.shape[0])
         self.check_graphs(graphs)
         token = _GRAPHS.set(graphs)
+        nodes_token = _NODES.set(SurvivingNodes(graphs.num_nodes))
         state = _OUTPUT.get()
         rows_matter = state[1] if state is not None else False
         output = _OUTPUT.set([False, rows_matter])
@@ -230,7 +243,7 @@ class PyGAttentionAdapter(Adapter):
         # unless the readout is given or every graph has one node.
         probe = ReadoutProbe() if rows_matter and self.readout is None and graphs.max_nodes > 1 else None
         if probe is not None:
-            contexts = (*contexts, probe.watch(b.module for b in self.blocks(model)))
+            contexts = (*contexts, probe.watch((b.module for b in self.blocks(model)), lambda: _NODES.get().ids))
         try:
             with torch.enable_grad() if probe is not None else contextlib.nullcontext():
                 streams, logits, scores, index = super()._forward(
@@ -240,6 +253,7 @@ class PyGAttentionAdapter(Adapter):
             return streams, logits, scores, index
         finally:
             _OUTPUT.reset(output)
+            _NODES.reset(nodes_token)
             _GRAPHS.reset(token)
 
     def check_graphs(self, graphs: GraphBatch) -> None:
@@ -395,7 +409,8 @@ def _kept_edges(kept: List[list]):
 
     def hook(_module, inputs, _out):
         if kept and kept[-1][2] is None:
-            kept[-1][2] = inputs[0]
+            nodes = surviving_nodes()
+            kept[-1][2] = inputs[0] if nodes is None else nodes.place(inputs[0])  # the batch's node numbers
 
     return hook
 
@@ -410,6 +425,8 @@ def _tapped_input(block: Block, recorder: Recorder):
         if not isinstance(nodes, torch.Tensor):
             raise CaptureError(f"{block.name!r} ({type(module).__name__}) was called with bipartite node features "
                                f"({type(nodes).__name__}); the pyg_attention adapter explains one node set per graph.")
+        if surviving_nodes() is not None:
+            surviving_nodes().layer_nodes(block.name, nodes.shape[0])  # refused if not the followed node list
         tapped = recorder.connect(nodes)
         if args:
             return (tapped, *args[1:]), kwargs
@@ -439,6 +456,9 @@ def _recording(block: Block, recorder: Optional[Recorder]):
             return None
         alpha = alpha if alpha.dim() == 2 else alpha.unsqueeze(-1)
         graphs = current_graphs()
+        nodes = surviving_nodes()
+        if nodes is not None:  # after a node-dropping pool: the batch's node numbers
+            edge_index = nodes.place(edge_index)
         places = graphs.edge_places(edge_index, getattr(module, "flow", "source_to_target"))
         if recorder.spec.forward_reduce is None and not recorder.spec.needs_gradient:
             # Nothing reads the map (a relevance pass records only that attention ran): no dense copy.

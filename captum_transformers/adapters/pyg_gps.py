@@ -33,7 +33,8 @@ from ..capture.trace import Block
 from ..errors import CaptureError, InputError
 from ..propagation.rules import RuleSet
 from .graph_nodes import GraphBatch
-from .pyg_attention import PyGAttentionAdapter, _recording, _tapped_input, layer_key
+from .graph_pooling import following_pools
+from .pyg_attention import PyGAttentionAdapter, _recording, _tapped_input, layer_key, surviving_nodes
 from .pyg_softmax_rule import identity_softmax
 from .pyg_transformer_alpha import recomputed_alpha
 from .torch_mha import TorchMHAAdapter, _recording_forward
@@ -50,7 +51,7 @@ class PyGGPSAdapter(PyGAttentionAdapter):
     alone or next to ``TransformerConv`` / ``GATConv`` / ``GATv2Conv`` layers.
 
     Args:
-        readout: as for :class:`PyGAttentionAdapter` (mean or add pooling; None: read from source).
+        readout: as for :class:`PyGAttentionAdapter` (mean or add pooling; None: observed on the run).
         ignore_local_branch: let the attention-chain methods explain the global attention
             alone, ignoring each GPS layer's local message-passing branch (default False:
             refused, since the maps do not show what that branch contributes).
@@ -116,8 +117,10 @@ class PyGGPSAdapter(PyGAttentionAdapter):
         with contextlib.ExitStack() as stack:
             stack.enter_context(patching.mha_fastpath_disabled(model))
             stack.enter_context(recomputed_alpha(self.blocks(model)))
+            stack.enter_context(following_pools(model, surviving_nodes))
             for block in self.blocks(model):
                 if isinstance(block.module, nn.MultiheadAttention):
+                    stack.enter_context(patching.forward_hook(block.module, _unpooled(block), pre=True))
                     stack.enter_context(patching.instance_forward(
                         block.module, lambda original, block=block: _recording_forward(original, block, recorder)))
                 else:
@@ -144,3 +147,18 @@ class PyGGPSAdapter(PyGAttentionAdapter):
                     stack.enter_context(patching.message_passing_hook(block.module, "propagate",
                                                                       _recording(block, None)))
             yield
+
+
+def _unpooled(block: Block):
+    """A pre-hook refusing a GPS attention call after a node-dropping pool: its dense batch is
+    built from the pooled batch vector, whose rows are not the batch's nodes."""
+
+    def hook(_module, _args):
+        nodes = surviving_nodes()
+        if nodes is not None and nodes.ids is not None:
+            raise CaptureError(f"{block.name!r} runs after a node-dropping pool (TopKPooling, SAGPooling); its dense "
+                               "attention over the kept nodes cannot be placed on the batch's nodes. Explain it with "
+                               "an LRP method (ConservativeLRP, AttnLRP), which reads relevance at the node features.")
+        return None
+
+    return hook
