@@ -28,3 +28,15 @@ def test_quick_start_puts_most_of_the_map_on_the_digit():
     share = float(re.search(r"tensor\(([0-9.]+)\)", out.getvalue()).group(1))
     # The README's comment says 0.55 of the map lies on the digit's 11 % of the pixels.
     assert share == pytest.approx(0.55, abs=0.01)
+
+
+def test_readme_is_a_five_minute_read():
+    # The long tables live on the documentation site (docs/, mkdocs.yml); the README keeps the
+    # install, the two commands, the quick starts and links (CONTRIBUTING.md, Documentation).
+    lines = open(README, encoding="utf-8").read().splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines; move the detail to a page in docs/"
+    text = "\n".join(lines)
+    for command in ('python3 -m venv .venv && .venv/bin/pip install -e ".[all,dev]" && .venv/bin/python -m '
+                    'captum_transformers', ".venv/bin/python -m pytest tests",
+                    "pip install torch --index-url https://download.pytorch.org/whl/cpu"):
+        assert command in text, command
