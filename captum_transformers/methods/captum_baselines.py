@@ -56,7 +56,7 @@ from ..capture.compiled import uncompiled
 from ..capture.exclusive import exclusive
 from ..capture.targets import output_scores
 from ..errors import InputError
-from ..adapters.input_checks import ordinary_tensors, refuse_inference_mode
+from ..adapters.input_checks import ordinary_tensors, refuse_inference_mode, refuse_non_finite
 from ..capture.stochastic_layers import watched
 from .base import StochasticOptIn, attribution_dtype, finished
 
@@ -143,6 +143,7 @@ class _CaptumGradientBaseline(StochasticOptIn, Attribution):
         refuse_inference_mode()
         inputs, additional_forward_args, forward_kwargs = (ordinary_tensors(inputs), ordinary_tensors(
             additional_forward_args), ordinary_tensors(forward_kwargs))
+        refuse_non_finite(inputs if isinstance(inputs, tuple) else (inputs,))  # NaN / inf: named, not a map of NaN
         with exclusive(self.model):
             check_library_classes(self.model)
             with uncompiled(self.model), watched(self.model, self.allow_stochastic):
