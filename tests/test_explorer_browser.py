@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 
 import pytest
@@ -166,6 +167,50 @@ def test_progress_is_shown_while_it_computes(browser):
         assert [call[2] for call in builder.calls] == [2, 2]  # two methods, each one call over both examples
         page.close()
     finally:
+        running.stop()
+
+
+class HeldBuilder(CountingBuilder):
+    """Each attribute call waits (at most 30 s) until the test lets it go: the job is running
+    for as long as the test needs, without any sleep."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered, self.proceed = threading.Event(), threading.Event()
+
+    def __call__(self, name, model, arguments):
+        explainer = super().__call__(name, model, arguments)
+        counted = explainer.attribute
+
+        def attribute(*args, **kwargs):
+            self.entered.set()
+            self.proceed.wait(30)
+            return counted(*args, **kwargs)
+
+        explainer.attribute = attribute
+        return explainer
+
+
+def test_a_running_job_is_cancelled_from_the_page(browser):
+    builder = HeldBuilder()
+    workspace = text_workspace(builder)
+    running = start(workspace, port=0, blocking=False, quiet=True, warm=False)
+    try:
+        page = browser.new_page()
+        page.goto(running.url)
+        assert builder.entered.wait(30)
+        cancel = page.locator("#cancel-job")
+        cancel.wait_for(state="visible", timeout=10_000)
+        cancel.click()
+        page.wait_for_selector("#status:has-text('cancelling')", timeout=10_000)
+        assert cancel.is_hidden()
+        builder.proceed.set()  # the held method goes on, and stops at its first torch operation
+        page.wait_for_selector("#status:has-text('cancelled after 0/2 methods')", timeout=30_000)
+        assert cancel.is_hidden() and page.locator("#error").is_hidden()
+        assert workspace.cached("rollout", {}, {0: 0}) == {}  # nothing of the stopped method is kept
+        page.close()
+    finally:
+        builder.proceed.set()
         running.stop()
 
 

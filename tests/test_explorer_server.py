@@ -34,7 +34,8 @@ def test_checked_arguments_are_canonical_and_build_the_method():
     from captum_transformers.explorer.method_arguments import constructor_arguments
 
     assert checked_arguments("rollout", {}) == {"head_fusion": "mean", "discard_ratio": 0.0, "start_layer": 0}
-    assert checked_arguments("rollout", {"discard_ratio": 1}) == checked_arguments("rollout", {"discard_ratio": 1.0})
+    assert checked_arguments("rollout", {"discard_ratio": 0}) == checked_arguments("rollout", {"discard_ratio": 0.0})
+    assert checked_arguments("integrated-gradients", {"n_steps": 20.0})["n_steps"] == 20  # a whole float is an int
     model, _, _ = timm_vit_case()
     built = METHOD_FACTORIES["transformer-relevance"](
         model, **constructor_arguments("transformer-relevance", checked_arguments("transformer-relevance",

@@ -9,9 +9,15 @@ Routes (every ``/api/`` route needs the session token, see ``security``)::
     POST /api/explain         {"methods": [{"name", "arguments"}], "targets": {"<example>": class}}
                               -> a job (done at once when every map is cached)
     GET  /api/jobs/{id}       progress and maps of a job
+    POST /api/jobs/{id}/cancel  stop a job at its next torch operation (state "cancelled")
     POST /api/curve           {"method", "arguments", "example", "target"} -> deletion/insertion curve
     GET  /api/benchmark       the aggregate curves of the results.json given at start (or none)
     POST /api/export          like /api/explain, answered with a self-contained HTML file as a string
+
+A request's work (examples x ``n_steps``, summed over its methods) is bounded by
+``method_arguments.WORK_BUDGET`` (400 naming it). Jobs run in a worker thread, so a long one
+holds up no request: a curve or export that needs a map not cached while a job runs is
+answered 409 at once (naming the job to cancel) instead of waiting for the model.
 
 Example::
 
@@ -37,7 +43,7 @@ from ..errors import CaptumTransformersError, InputError
 from ..methods.catalog import METHOD_NAMES
 from .curves import deletion_insertion
 from .jobs import Jobs
-from .method_arguments import checked_arguments, method_catalog
+from .method_arguments import check_work, checked_arguments, method_catalog
 from .security import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS, SecurityMiddleware
 
 MAX_METHODS_PER_REQUEST = len(METHOD_NAMES)
@@ -102,6 +108,24 @@ def _parse_targets(workspace, raw: Any) -> Dict[int, int]:
                              f"{_shown(key)}; write them as in {{\"0\": 3}}.")
         targets[int(key)] = value
     return workspace.check_targets(targets)
+
+
+class ModelBusy(Exception):
+    """A request needs the model while a job runs on it: answered 409 at once, not held."""
+
+
+def _refuse_if_busy(workspace, jobs, requests, targets) -> None:
+    """Raise ``ModelBusy`` when ``requests`` need maps not cached while a job runs: computing
+    them would wait for that job (one explanation of a model at a time)."""
+    running = jobs.busy()
+    if running is None:
+        return
+    if all(len(workspace.cached(method, arguments, targets)) == len(targets) for method, arguments in requests):
+        return  # everything is cached: answered without the model
+    raise ModelBusy(f"the model is busy with {running['id']} ({running['running'] or 'starting'}, "
+                    f"{running['done']}/{running['total']} methods done); this request needs maps not computed yet. "
+                    f"Cancel that job (the page's Cancel button, or POST api/jobs/{running['id']}/cancel) or ask "
+                    "again when it ends.")
 
 
 def _is_index(text: Any) -> bool:
@@ -233,8 +257,9 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
         workspace, jobs, methods, _ = context(model_of(request))
         body = await _json_body(request)
         requests = _parse_methods(body.get("methods"), methods)
-        state = jobs.submit(requests, _parse_targets(workspace, body.get("targets")))
-        return JSONResponse(state)
+        targets = _parse_targets(workspace, body.get("targets"))
+        check_work(requests, len(targets))
+        return JSONResponse(jobs.submit(requests, targets))
 
     async def job(request: Request) -> Response:
         state = context(model_of(request))[1].read(request.path_params["job_id"])
@@ -242,11 +267,21 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
             return JSONResponse({"error": "no such job (finished jobs are kept for a while only)."}, status_code=404)
         return JSONResponse(state)
 
+    async def cancel_job(request: Request) -> Response:
+        job_id = request.path_params["job_id"]
+        state = context(model_of(request))[1].cancel(job_id)
+        if state is None:
+            return JSONResponse({"error": f"no job {_shown(job_id)} on this model (finished jobs are kept for a while "
+                                          "only; ids look like job-7)."}, status_code=404)
+        return JSONResponse(state)
+
     def _curve_sync(body, model: int) -> Dict[str, Any]:
-        workspace, _, methods, _ = context(model)
+        workspace, jobs, methods, _ = context(model)
         requested = {"name": body.get("method"), "arguments": body.get("arguments")}
         (method, arguments), = _parse_methods([requested], methods)
         targets = _parse_targets(workspace, {str(body.get("example")): body.get("target")})
+        check_work([(method, arguments)], 1)
+        _refuse_if_busy(workspace, jobs, [(method, arguments)], targets)
         (index, target), = targets.items()
         found = workspace.explain(method, arguments, targets)[index]
         scores = torch.tensor(found["values"]).reshape(found["shape"])
@@ -264,9 +299,11 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
     def _export_sync(body, model: int) -> Dict[str, Any]:
         from .export import explorer_html
 
-        workspace, _, methods, _ = context(model)
+        workspace, jobs, methods, _ = context(model)
         requests = _parse_methods(body.get("methods"), methods)
         targets = _parse_targets(workspace, body.get("targets"))
+        check_work(requests, len(targets))
+        _refuse_if_busy(workspace, jobs, requests, targets)
         maps = {method: workspace.explain(method, arguments, targets) for method, arguments in requests}
         return {"filename": "captum_transformers_explorer.html", "html": explorer_html(workspace, maps, targets)}
 
@@ -278,6 +315,9 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
 
     async def input_error(request: Request, error: Exception) -> Response:
         return JSONResponse({"error": str(error)}, status_code=400)
+
+    async def model_busy(request: Request, error: Exception) -> Response:
+        return JSONResponse({"error": str(error), "busy": True}, status_code=409)
 
     async def still_loading(request: Request, error: Exception) -> Response:
         return JSONResponse({"loading": True, "seconds": error.seconds, "error": str(error)}, status_code=503)
@@ -291,13 +331,14 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
         Route("/api/session", get_session),
         Route("/api/explain", explain, methods=["POST"]),
         Route("/api/jobs/{job_id}", job),
+        Route("/api/jobs/{job_id}/cancel", cancel_job, methods=["POST"]),
         Route("/api/curve", curve, methods=["POST"]),
         Route("/api/benchmark", get_benchmark),
         Route("/api/export", export, methods=["POST"]),
         Mount("/static", app=StaticFiles(directory=str(static_dir())), name="static"),
     ]
     app = Starlette(routes=routes, exception_handlers={CaptumTransformersError: input_error,
-                                                       StillLoading: still_loading})
+                                                       StillLoading: still_loading, ModelBusy: model_busy})
     if source is None:
         for model in range(len(workspaces)):
             context(model)  # ready workspaces: build the sessions now, so that their errors surface here

@@ -25,7 +25,7 @@ import functools
 import inspect
 import json
 import typing
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 from ..errors import InputError
 from ..methods.catalog import METHOD_FACTORIES, METHOD_NAMES
@@ -37,13 +37,21 @@ _NOT_OFFERED = frozenset({"self", "model", "adapter"})
 NUMBER_BOUND = 10_000
 
 
+#: The most work one request may ask for, in model inputs run forward and back: examples times
+#: integration steps (``n_steps``; 1 for a method without steps), summed over its methods.
+#: 4096 is the built-in ViT's 48 test canvases under Integrated Gradients' default 50 steps
+#: (2400) with room to spare, and about 20-40 s of one CPU core; the 10000-step request that
+#: ran for minutes is refused with this figure in its message.
+WORK_BUDGET = 4096
+
 #: Ranges of arguments whose constructors accept any number but whose methods fail later on
 #: one outside them (inside the job, after the request was accepted): checked with the request.
 #: ``(low, high, high_included)`` by argument name, whichever method takes it.
 ARGUMENT_RANGES = {
     "discard_ratio": (0.0, 1.0, False),    # a fraction of attention values dropped: [0, 1)
-    "n_steps": (1, NUMBER_BOUND, True),
-    "internal_batch_size": (1, NUMBER_BOUND, True),
+    "n_steps": (1, WORK_BUDGET, True),
+    # rows per forward pass: a cancelled job stops at the next pass, so a pass stays short
+    "internal_batch_size": (1, 512, True),
 }
 
 
@@ -159,6 +167,23 @@ def _checked_value(method: str, field: Dict[str, Any], value: Any) -> Any:
             interval = f"[{low}, {high}{']' if high_included else ')'}"
             raise InputError(f"{method}: {name}={value!r} is outside {interval}; give a value in {interval}.")
     return value
+
+
+def request_work(requests: Sequence[Tuple[str, Mapping[str, Any]]], examples: int) -> int:
+    """The work of explaining ``examples`` examples with each checked ``(method, arguments)``:
+    examples times ``n_steps`` (1 for a method without steps), summed over the methods."""
+    return sum(examples * int(arguments.get("n_steps") or 1) for _, arguments in requests)
+
+
+def check_work(requests: Sequence[Tuple[str, Mapping[str, Any]]], examples: int) -> None:
+    """Refuse a request whose ``request_work`` exceeds ``WORK_BUDGET``, saying how to fit it."""
+    work = request_work(requests, examples)
+    if work > WORK_BUDGET:
+        stepped = [f"{method} n_steps={arguments['n_steps']}" for method, arguments in requests
+                   if arguments.get("n_steps")]
+        raise InputError(f"this request asks for {work} model passes ({examples} example(s) x "
+                         f"{', '.join(stepped) or '1 pass'}, summed over {len(requests)} method(s)); the explorer's "
+                         f"budget is {WORK_BUDGET} per request. Lower n_steps or explain fewer examples at once.")
 
 
 def constructor_arguments(method: str, checked: Mapping[str, Any]) -> Dict[str, Any]:

@@ -16,6 +16,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..capture.targets import output_scores
 from ..errors import InputError
@@ -35,6 +37,27 @@ MAX_CACHED_MAPS = 4096
 #: Maps larger than this per side are average-pooled before they are sent (patch methods are
 #: piecewise constant per patch, so a 224 x 224 map loses nothing visible at 112 x 112).
 MAX_MAP_SIDE = 112
+
+
+class Cancelled(BaseException):
+    """An explanation stopped because its job was cancelled (``should_stop`` turned true).
+    A ``BaseException`` (as ``KeyboardInterrupt``): code that catches ``Exception`` around a
+    probe or a fallback must not swallow it and go on computing."""
+
+
+class _StopCheck(TorchFunctionMode):
+    """Asks ``should_stop`` before each torch function this thread runs (torch-function modes
+    are per thread), raising ``Cancelled`` once it is true. It changes no model and no result:
+    every call goes on unchanged."""
+
+    def __init__(self, should_stop: Callable[[], bool]) -> None:
+        super().__init__()
+        self.should_stop = should_stop
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.should_stop():
+            raise Cancelled()
+        return func(*args, **(kwargs or {}))
 
 
 def _catalog_builder(name: str, model: nn.Module, arguments: Mapping[str, Any]):
@@ -185,20 +208,23 @@ class Workspace:
             found = {i: self._cache.get((i, method, key, t)) for i, t in targets.items()}
         return {i: value for i, value in found.items() if value is not None}
 
-    def explain(self, method: str, arguments: Mapping[str, Any], targets: Mapping[int, int]) -> Dict[int, Dict]:
+    def explain(self, method: str, arguments: Mapping[str, Any], targets: Mapping[int, int],
+                should_stop: Optional[Callable[[], bool]] = None) -> Dict[int, Dict]:
         """Maps of ``method`` for ``{example: target class}``: from the cache, and the rest in
         one ``attribute`` call. Each map is ``{"values": flat row-major list, "shape": [H, W] or
         [tokens], "target": int, "low": min, "high": max, "all_zero": bool}``. Image maps are the
         attribution summed over channels (average-pooled to ``MAX_MAP_SIDE``); token maps keep
         each example's real tokens, special tokens scored 0. A map with NaN or infinite values
-        is refused; an all-zero map is flagged so the page says so instead of drawing a blank."""
+        is refused; an all-zero map is flagged so the page says so instead of drawing a blank.
+        ``should_stop``: checked before each forward pass of the model in this thread; once it
+        returns true the explanation raises ``Cancelled`` (nothing of it is cached)."""
         checked = checked_arguments(method, arguments)
         key = arguments_key(checked)
         targets = self.check_targets(targets)
         with self._lock:
             missing = [i for i, t in targets.items() if (i, method, key, t) not in self._cache]
         if missing:
-            maps = self._attribute(method, checked, missing, [targets[i] for i in missing])
+            maps = self._attribute(method, checked, missing, [targets[i] for i in missing], should_stop)
             with self._lock:
                 found = {index: self._payload(index, scores, targets[index]) for index, scores in zip(missing, maps)}
                 for index, payload in found.items():
@@ -210,15 +236,17 @@ class Workspace:
         with self._lock:
             return {i: found[i] if i in found else self._cache[(i, method, key, t)] for i, t in targets.items()}
 
-    def _attribute(self, method: str, checked: Mapping[str, Any], rows: List[int], targets: List[int]) -> List:
+    def _attribute(self, method: str, checked: Mapping[str, Any], rows: List[int], targets: List[int],
+                   should_stop: Optional[Callable[[], bool]] = None) -> List:
         index = torch.tensor(rows, dtype=torch.long)
         inputs = tuple(t[index.to(t.device)] for t in self.inputs)
         kwargs = {k: v[index.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == len(self)
                   else v for k, v in self.forward_kwargs.items()}
         target = torch.tensor(targets, dtype=torch.long, device=inputs[0].device)
         explainer = self.method_builder(method, self.model, constructor_arguments(method, checked))
-        attribution = explainer.attribute(inputs[0] if len(inputs) == 1 else inputs, target=target,
-                                          forward_kwargs=kwargs or None, return_tokens=self.modality == "text")
+        with self._stoppable(should_stop):
+            attribution = explainer.attribute(inputs[0] if len(inputs) == 1 else inputs, target=target,
+                                              forward_kwargs=kwargs or None, return_tokens=self.modality == "text")
         if isinstance(attribution, tuple):
             attribution = attribution[0]
         attribution = attribution.detach().float().cpu()
@@ -239,6 +267,15 @@ class Workspace:
             special = torch.tensor([token in self.special_tokens for token in tokens], dtype=torch.bool)
             out.append(scores[:len(tokens)].masked_fill(special, 0.0))
         return out
+
+    @staticmethod
+    def _stoppable(should_stop: Optional[Callable[[], bool]]):
+        """A context in which every torch operation of this thread first asks ``should_stop``
+        (``_StopCheck``): a cancelled job stops inside the forward pass it is in (Integrated
+        Gradients' internal batch, or a method's single pass) instead of after every step.
+        No hook is put on the model: the package treats hooks present when an explanation
+        starts as the user's and runs them outside it."""
+        return contextlib.nullcontext() if should_stop is None else _StopCheck(should_stop)
 
     def _payload(self, index: int, scores: torch.Tensor, target: int) -> Dict[str, Any]:
         if not torch.isfinite(scores).all():

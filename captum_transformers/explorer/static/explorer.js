@@ -6,7 +6,7 @@
 
 const state = {
   token: null, model: 0, session: null, selected: [], targets: {}, maps: {}, methods: {},
-  curve: null, renders: 0, requestSeq: 0,
+  curve: null, renders: 0, requestSeq: 0, job: null,
 };
 
 function el(tag, attributes, ...children) {
@@ -246,8 +246,20 @@ function targetOf(index) {
 
 function mapKey(method, args, index, target) { return `${method}|${argumentsKey(args)}|${index}|${target}`; }
 
+// -- jobs: the one the grid waits for can be cancelled; a job the grid no longer shows is -----
+function showCancel(jobId) {
+  state.job = jobId;
+  document.getElementById("cancel-job").hidden = !jobId;
+}
+
+function cancelJob(jobId) {  // the server stops it at its next forward pass
+  if (!jobId) return Promise.resolve();
+  return api(`api/jobs/${encodeURIComponent(jobId)}/cancel`, {}).catch(() => {});
+}
+
 async function refresh() {
   const seq = ++state.requestSeq;
+  if (state.job) { cancelJob(state.job); showCancel(null); }  // replaced by this request
   const methods = enabledMethods();
   showError("");
   renderGrid();
@@ -257,14 +269,19 @@ async function refresh() {
   const started = performance.now();
   try {
     let job = await api("api/explain", { methods, targets });
+    if (seq !== state.requestSeq) { if (job.state === "running") cancelJob(job.id); return; }
+    if (job.state === "running") showCancel(job.id);
     while (job.state === "running") {
-      if (seq !== state.requestSeq) return;  // a newer request replaced this one
+      if (seq !== state.requestSeq) return;  // a newer request replaced this one (and cancelled this job)
       const seconds = ((performance.now() - started) / 1000).toFixed(1);
-      setStatus(`computing ${job.running || ""}: ${job.done}/${job.total} methods on ${state.selected.length} ` +
+      const doing = job.cancel_requested ? "cancelling" : job.queued_behind ? `waiting for ${job.queued_behind}` :
+        `computing ${job.running || ""}`;
+      setStatus(`${doing}: ${job.done}/${job.total} methods on ${state.selected.length} ` +
         `examples, ${seconds} s`, job.done, job.total);
       await new Promise((resolve) => setTimeout(resolve, 100));
       job = await api(`api/jobs/${job.id}`);
     }
+    if (state.job === job.id) showCancel(null);
     if (job.state === "error") throw new Error(job.error);
     for (const result of job.results) {
       for (const [index, map] of Object.entries(result.maps)) {
@@ -272,6 +289,11 @@ async function refresh() {
       }
     }
     if (seq !== state.requestSeq) return;
+    if (job.state === "cancelled") {
+      setStatus(`cancelled after ${job.done}/${job.total} methods`);
+      renderGrid();
+      return;
+    }
     setStatus(`ready: ${methods.length} method(s) × ${state.selected.length} example(s) in ` +
       `${((performance.now() - started) / 1000).toFixed(2)} s`);
     renderGrid();
@@ -396,6 +418,12 @@ async function start() {
   document.getElementById("export-png").addEventListener("click", exportPng);
   document.getElementById("export-json").addEventListener("click", exportJson);
   document.getElementById("export-html").addEventListener("click", exportHtml);
+  document.getElementById("cancel-job").addEventListener("click", () => {
+    const jobId = state.job;
+    showCancel(null);
+    setStatus("cancelling…");
+    cancelJob(jobId);
+  });
   await refresh();
   showBenchmark().catch((error) => showError(error.message));
   document.body.dataset.readyMs = performance.now().toFixed(1);
