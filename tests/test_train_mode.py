@@ -359,8 +359,10 @@ def test_the_detection_helper_follows_the_rule():
     for module in model.modules():  # DETR's layers call F.dropout(x, p=self.dropout, training=self.training)
         if isinstance(getattr(module, "dropout", None), float):
             module.dropout = P
+    refused = ct.GenericAttention(model)
+    refused.attribute = lambda *args, **kwargs: pytest.fail("the finding forward should have been refused")
     with pytest.raises(StochasticForwardError, match=r"model\.eval\(\)"):
-        ct.explain_detections(ct.GenericAttention(model), images(), threshold=0.0)
+        ct.explain_detections(refused, images(), threshold=0.0)
     found = ct.explain_detections(ct.GenericAttention(model, allow_stochastic=True), images(), threshold=0.0)
     assert len(found) > 0
 

@@ -15,6 +15,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
+from ..capture.stochastic_layers import watched
 from ..errors import InputError
 
 TensorOrTuple = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
@@ -74,7 +75,9 @@ def explain_detections(explainer: Any, pixel_values: TensorOrTuple, threshold: f
         additional_forward_args if isinstance(additional_forward_args, tuple) else (additional_forward_args,))
     forward_kwargs = dict(forward_kwargs or {})
     model, adapter = explainer.model, explainer.adapter
-    with torch.no_grad():
+    # The finding forward follows the train-mode rule too (capture.stochastic_layers): a random one
+    # would pick other detections, a batch norm in training mode would change the model.
+    with torch.no_grad(), watched(model, getattr(explainer, "allow_stochastic", False)):
         output = model(*inputs, *additional, **forward_kwargs)
     # The adapter knows where the model keeps its logits (a ModelOutput field for HF).
     score, label = detection_scores(adapter.logits(model, output, None, False))
