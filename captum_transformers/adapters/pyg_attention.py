@@ -57,6 +57,7 @@ from ..errors import CaptureError, InputError
 from ..propagation.operation_rules import operation_rules
 from ..propagation.rules import RuleSet, find_norms, norm_rules, refuse_rounding_sensitive
 from .base import Adapter
+from .graph_inputs import refuse_empty_graphs, refuse_unexplainable_graphs
 from .graph_nodes import GraphBatch, batch_argument
 from .graph_pooling import SurvivingNodes, following_pools
 from .graph_readout import READOUTS, ReadoutProbe, node_targets, uniform_weights
@@ -143,6 +144,9 @@ class PyGAttentionAdapter(Adapter):
     name = "pyg_attention"
     #: The LRP methods read relevance at the node features (per feature) unless tokens are asked for.
     relevance_at_inputs = True
+    #: The inputs are a batch of graphs, checked in _forward (graph_inputs): keyword tensors such
+    #: as edge_attr are per edge, not per example, so the methods' per-example checks do not apply.
+    graph_inputs = True
     families = "models built from torch_geometric TransformerConv / GATConv / GATv2Conv (graph readouts)"
 
     def __init__(self, readout: Optional[str] = None, batch_argument: str = "batch",
@@ -231,8 +235,10 @@ class PyGAttentionAdapter(Adapter):
             raise InputError(f"The explained input of a PyG model is its node features x (N, F), floating point; got "
                              f"{nodes.dtype} of shape {tuple(nodes.shape)}. Pass (edge_index, batch) as "
                              "additional_forward_args.")
+        refuse_unexplainable_graphs(nodes, additional_forward_args, forward_kwargs)
         batch = batch_argument(model, (*inputs, *additional_forward_args), forward_kwargs, self.batch_argument)
         graphs = GraphBatch.of(batch, nodes.shape[0])
+        refuse_empty_graphs(graphs)
         self.check_graphs(graphs)
         token = _GRAPHS.set(graphs)
         nodes_token = _NODES.set(SurvivingNodes(graphs.num_nodes))
@@ -277,8 +283,12 @@ class PyGAttentionAdapter(Adapter):
                 if id(module) not in seen and any(f"{base.__module__}.{base.__qualname__}" == _MESSAGE_PASSING
                                                   for base in type(module).__mro__)]
 
-    def trace(self, model: nn.Module, *args: Any, **kwargs: Any):
+    def trace(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
+              *args: Any, **kwargs: Any):
         """:meth:`Adapter.trace` with the explained rows checked against the readout."""
+        if inputs:  # a batch of graphs refused in graph words before the token checks
+            named = kwargs.get("forward_kwargs", args[2] if len(args) > 2 else None)  # (target, spec, forward_kwargs)
+            refuse_unexplainable_graphs(inputs[0], additional_forward_args, named)
         unseen = self.unseen_message_passing(model)
         if unseen and not self.ignore_message_passing:
             raise CaptureError(
@@ -289,7 +299,7 @@ class PyGAttentionAdapter(Adapter):
             )
         token = _OUTPUT.set([False, True])
         try:
-            return super().trace(model, *args, **kwargs)
+            return super().trace(model, inputs, additional_forward_args, *args, **kwargs)
         finally:
             _OUTPUT.reset(token)
 
@@ -341,6 +351,8 @@ class PyGAttentionAdapter(Adapter):
         ``messages``: a list that receives, per attention call, ``(block name, edge_index the
         layer used (2, E'), relevance of each edge's message (E',))``, the message relevance
         ``R_e = m_e . dy/dm_e`` under the same rules (see :mod:`captum_transformers.graph.edges`)."""
+        if inputs:  # a batch of graphs refused in graph words before the token checks
+            refuse_unexplainable_graphs(inputs[0], additional_forward_args, forward_kwargs)
         refuse_unexplainable_batch(inputs)
         refuse_rounding_sensitive(rules, model_dtype(model))
         if at not in ("tokens", "inputs"):

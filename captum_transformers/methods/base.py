@@ -64,16 +64,20 @@ def _format_inputs(inputs: Any) -> Tuple[Tuple[torch.Tensor, ...], bool]:
     return formatted, is_tuple
 
 
-def _prepared_inputs(inputs: Any, additional_forward_args: Any, forward_kwargs: Optional[dict]):
+def _prepared_inputs(inputs: Any, additional_forward_args: Any, forward_kwargs: Optional[dict], adapter: Any = None):
     """The shared preamble of ``attribute`` / ``trace``: ``(formatted, is_tuple,
     additional_forward_args, forward_kwargs, name)``, a mapping input split (its explained
-    tensor passed by ``name``), the batch checked, keyword tensors checked against it."""
+    tensor passed by ``name``), the batch checked, keyword tensors checked against it. A graph
+    adapter (``adapter.graph_inputs``) checks its batch of graphs itself, in the words of nodes,
+    edges and graphs (``adapters/graph_inputs.py``): its keyword tensors (``edge_attr``) are
+    not per example."""
     refuse_inference_mode()  # before anything is copied: a copy made in inference mode is an inference tensor
     inputs, additional_forward_args, forward_kwargs, name = _named_inputs(inputs, additional_forward_args,
                                                                           forward_kwargs)
     formatted, is_tuple = _format_inputs(inputs)
-    _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
-    refuse_non_finite(formatted, None if name is None else [f"inputs[{name!r}]"])
+    if not getattr(adapter, "graph_inputs", False):
+        _check_forward_kwargs(forward_kwargs, formatted[0].shape[0])
+        refuse_non_finite(formatted, None if name is None else [f"inputs[{name!r}]"])
     # Tensors made under torch.inference_mode() cannot be saved for backward: explained as copies.
     formatted = ordinary_tensors(formatted)
     additional_forward_args = ordinary_tensors(additional_forward_args)
@@ -275,7 +279,7 @@ class TraceAttribution(StochasticOptIn, Attribution):
               forward_kwargs: Optional[dict] = None) -> AttentionTrace:
         """Run the capture alone and return the raw :class:`AttentionTrace`."""
         formatted, _, additional_forward_args, forward_kwargs, name = _prepared_inputs(
-            inputs, additional_forward_args, forward_kwargs)
+            inputs, additional_forward_args, forward_kwargs, self.adapter)
         with passed_by_name(self.model, name), self.stochastic_rule():
             return self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
 
@@ -305,7 +309,7 @@ class TraceAttribution(StochasticOptIn, Attribution):
             for a mapping), or (B, N) token scores.
         """
         formatted, is_tuple, additional_forward_args, forward_kwargs, name = _prepared_inputs(
-            inputs, additional_forward_args, forward_kwargs)
+            inputs, additional_forward_args, forward_kwargs, self.adapter)
         with passed_by_name(self.model, name), self.stochastic_rule():
             trace = self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
         per_stream = self.stream_scores(trace)

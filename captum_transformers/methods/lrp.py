@@ -64,7 +64,7 @@ class RuleGradientXInput(StochasticOptIn, GradientAttribution):
         (a tokenizer's ``BatchEncoding``), as for :meth:`TraceAttribution.attribute`.
         """
         formatted, is_tuple, additional_forward_args, forward_kwargs, name = _prepared_inputs(
-            inputs, additional_forward_args, forward_kwargs)
+            inputs, additional_forward_args, forward_kwargs, self.adapter)
         at = self.relevance_at
         if at == "auto":
             image = formatted[0].dim() == 4 and formatted[0].is_floating_point()
