@@ -62,7 +62,7 @@ class Jobs:
         cached = [] if background else [self.workspace.cached(method, arguments, targets)
                                         for method, arguments in requests]
         if not background and all(len(found) == len(targets) for found in cached):
-            self._run(state, requests, targets, stop)  # cache hit: answer in the same request, no model run
+            self._run(state, requests, targets, stop, worker=False)  # cache hit: answered here, no model run
         else:
             with self._lock:
                 state["queued_behind"] = self._running or self._last_queued(job_id)
@@ -94,11 +94,11 @@ class Jobs:
             running = self._running
         return self.read(running) if running is not None else None
 
-    def _run(self, state: Dict[str, Any], requests, targets, stop: threading.Event) -> None:
+    def _run(self, state: Dict[str, Any], requests, targets, stop: threading.Event, worker: bool = True) -> None:
         with self._lock:
             if state["state"] != "running":  # cancelled while it waited
                 return
-            if threading.current_thread().name.startswith("captum-explorer"):
+            if worker:
                 self._running = state["id"]
             state["queued_behind"] = None
         try:
