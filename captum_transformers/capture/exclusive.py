@@ -3,7 +3,10 @@
 Patches act only in the thread that made them (:mod:`.patching`), but two explanations
 patching the *same* module would still restore it in the wrong order, and interleave their
 recordings. :func:`exclusive` makes a second thread explaining the model, or any model that
-shares a module with it, wait until the first is done. Nothing here touches a model.
+shares a module with it, wait until the first is done. In the same thread, an explanation of
+another model from a hook on the explained model's modules runs isolated from this one (the
+user's hooks are wrapped through :mod:`.patching`, see :mod:`.isolation`); one of the same
+model, or of a model sharing a module with it, is refused (:class:`CaptureError`).
 
 Example::
 
@@ -19,6 +22,7 @@ from typing import Any, Callable, Dict, Iterator, List
 
 from torch import nn
 
+from . import isolation, patching
 from .module_walk import walked
 
 # id(module) -> [thread holding it, how many nested exclusive() contexts of that thread].
@@ -33,6 +37,7 @@ def exclusive(model: nn.Module) -> Iterator[None]:
     All modules are taken at once (or none), so two explanations of overlapping models
     cannot deadlock; the holding thread may re-enter (the package nests its own contexts).
     """
+    isolation.refuse_nested(model, ())
     me = threading.get_ident()
     with _HOLDERS_CHANGED:
         root = _HOLDERS.get(id(model))
@@ -50,13 +55,16 @@ def exclusive(model: nn.Module) -> Iterator[None]:
         return
     walk = list(model.named_modules())
     ids = [id(module) for _, module in walk]
+    isolation.refuse_nested(model, ids)
     with _HOLDERS_CHANGED:
         _HOLDERS_CHANGED.wait_for(lambda: all(_HOLDERS.get(i, (me,))[0] == me for i in ids))
         for i in ids:
             holder = _HOLDERS.setdefault(i, [me, 0])
             holder[1] += 1
     try:
-        with walked(model, walk):  # the explanation's other questions about the modules read this walk
+        # The user's hooks on the model run outside the explanation (another model explained there
+        # gets none of this one's rules); the explanation's other questions about the modules read this walk.
+        with patching.user_hooks_isolated((module for _, module in walk), frozenset(ids)), walked(model, walk):
             yield
     finally:
         with _HOLDERS_CHANGED:

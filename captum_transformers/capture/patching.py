@@ -24,13 +24,13 @@ import copy
 import copyreg
 import functools
 import threading
-from typing import Any, Callable, Dict, FrozenSet, Iterator, List
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List
 
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import InputError
-from . import module_walk
+from . import isolation, module_walk
 
 _MISSING = object()
 
@@ -113,6 +113,60 @@ def forward_hook(module: nn.Module, hook: Callable, *, pre: bool = False, with_k
             yield
     finally:
         handle.remove()
+
+
+# The hook dictionaries whose entries a user may have registered: nn.Module's and those of
+# torch_geometric's MessagePassing.
+_MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_MESSAGE_PASSING_HOOK_DICTS = ("_propagate_forward_pre_hooks", "_propagate_forward_hooks", "_message_forward_pre_hooks",
+                               "_message_forward_hooks", "_aggregate_forward_pre_hooks", "_aggregate_forward_hooks",
+                               "_message_and_aggregate_forward_pre_hooks", "_message_and_aggregate_forward_hooks",
+                               "_edge_update_forward_pre_hooks", "_edge_update_forward_hooks")
+
+
+@contextlib.contextmanager
+def user_hooks_isolated(modules: Iterable[nn.Module], owners: FrozenSet[int]) -> Iterator[None]:
+    """Every hook registered on ``modules`` now (the user's: the package registers its own
+    later) runs outside the explanation in the current context
+    (:func:`~captum_transformers.capture.isolation.isolated_call`, ``owners`` the explained
+    model's module ids); elsewhere it runs as it is. Each entry is put back on exit unless the
+    user removed or replaced it meanwhile; keys and order never change.
+
+    Example::
+
+        >>> with user_hooks_isolated(model.modules(), frozenset(map(id, model.modules()))):
+        ...     model(x)   # a forward hook explaining another model sees no rule of this one
+    """
+    token = object()
+    replaced: List[tuple] = []
+    try:
+        for module in modules:
+            names = _MODULE_HOOK_DICTS
+            if "_propagate_forward_hooks" in module.__dict__:
+                names += _MESSAGE_PASSING_HOOK_DICTS
+            for name in names:
+                hooks = module.__dict__.get(name)
+                if not hooks:
+                    continue
+                for key, hook in list(hooks.items()):
+                    wrapper = _isolating(hook, token, owners)
+                    hooks[key] = wrapper
+                    replaced.append((hooks, key, hook, wrapper))
+        with _entered(token):
+            yield
+    finally:
+        for hooks, key, hook, wrapper in reversed(replaced):
+            if hooks.get(key) is wrapper:
+                hooks[key] = hook
+
+
+def _isolating(hook: Callable, token: object, owners: FrozenSet[int]) -> Callable:
+    @functools.wraps(hook)
+    def run(*args: Any, **kwargs: Any):
+        if not _is_entered(token):
+            return hook(*args, **kwargs)
+        return isolation.isolated_call(owners, hook, *args, **kwargs)
+    return run
 
 
 _MESSAGE_PASSING_HOOKS = ("propagate", "propagate_pre", "message", "edge_update")

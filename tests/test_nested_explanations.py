@@ -1,0 +1,138 @@
+"""An explanation of model B from a hook on model A's modules, while A is explained.
+
+A forward hook that explains (or just runs and differentiates) another model used to run
+under A's rules: A's torch-function modes (the per-operation LRP rules, the explicit SDPA
+kernel) and A's context variables (rule set, recorder, backward switch) reached B too, and
+B's map came out 51-54 % off. Each explanation's rules now act on its own model only: inside
+the hook B's map, output and gradient are bit-identical to B's alone, and A's map is the one
+A gets without the hook. Every method of the registry is the outer one, on an HF ViT hooking
+a timm ViT and the other way round; an explanation of the same model (or of a model sharing
+its modules) from its own hook is refused.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from captum_transformers import AttnLRP, ConservativeLRP, GenericAttention, TransformerRelevance
+from captum_transformers.errors import CaptureError
+from captum_transformers.methods.catalog import METHOD_FACTORIES
+from hf_models import CASES
+from restore import assert_same, snapshot
+
+
+def _hf_vit():
+    return CASES["vit"].model(), CASES["vit"].inputs()[0]
+
+
+def _timm_vit():
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
+    return model.eval(), torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+
+
+# Hooked modules run inside the outer explanation's rule mode and attention kernel: the HF ViT's
+# first MLP input layer, the timm ViT's first qkv projection (inside its SDPA interception).
+def _hooked_module(model):
+    return model.vit.layers[0].mlp.fc1 if hasattr(model, "vit") else model.blocks[0].attn.qkv
+
+
+INNER = {
+    "generic-attention": lambda model, x: GenericAttention(model).attribute(x, target=[0, 1, 2]),
+    "conservative-lrp": lambda model, x: ConservativeLRP(model).attribute(x, target=[0, 1, 2]),
+    "attn-lrp": lambda model, x: AttnLRP(model).attribute(x, target=[0, 1, 2]),
+    "transformer-relevance": lambda model, x: TransformerRelevance(model).attribute(x, target=[0, 1, 2]),
+}
+
+
+def _plain(model, x):
+    """B's plain forward and its input gradient, as a user's hook would compute them."""
+    with torch.enable_grad():
+        leaf = x.clone().requires_grad_()
+        output = model(leaf)
+        output = output.logits if hasattr(output, "logits") else output
+        (gradient,) = torch.autograd.grad(output[:, 1].sum(), leaf)
+    return output.detach(), gradient
+
+
+def _inner_results(model, x):
+    results = {name: inner(model, x) for name, inner in INNER.items()}
+    results["plain-output"], results["plain-gradient"] = _plain(model, x)
+    return results
+
+
+PAIRS = {"hf-hooks-timm": (_hf_vit, _timm_vit), "timm-hooks-hf": (_timm_vit, _hf_vit)}
+_ALONE = {}
+
+
+def _alone(pair):
+    """(outer maps per method, inner results), each computed with no explanation around it."""
+    if pair not in _ALONE:
+        build_outer, build_inner = PAIRS[pair]
+        (outer, x), (inner, y) = build_outer(), build_inner()
+        maps = {name: METHOD_FACTORIES[name](outer).attribute(x, target=[0, 1, 2]) for name in METHOD_FACTORIES}
+        _ALONE[pair] = (maps, _inner_results(inner, y))
+    return _ALONE[pair]
+
+
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+@pytest.mark.parametrize("outer_method", sorted(METHOD_FACTORIES))
+def test_an_explanation_inside_a_hook_gets_its_map_alone(pair, outer_method):
+    outer_maps, inner_alone = _alone(pair)
+    build_outer, build_inner = PAIRS[pair]
+    (outer, x), (inner, y) = build_outer(), build_inner()
+    seen = []
+    handle = _hooked_module(outer).register_forward_hook(lambda *_: seen.append(_inner_results(inner, y)))
+    try:
+        maps = METHOD_FACTORIES[outer_method](outer).attribute(x, target=[0, 1, 2])
+    finally:
+        handle.remove()
+    assert seen, "the hook never ran"
+    for results in seen:
+        for name, expected in inner_alone.items():
+            assert torch.equal(results[name], expected), f"{name} of the inner model differs inside {outer_method}"
+    assert torch.equal(maps, outer_maps[outer_method]), f"{outer_method}'s map changed by the hook"
+
+
+def test_a_plain_forward_of_the_same_model_in_its_own_hook_is_its_plain_forward():
+    model, x = _timm_vit()
+    with torch.no_grad():
+        expected = model(x)
+    seen, busy = [], []
+
+    def hook(*_):
+        if not busy:  # the hook fires again inside the nested forward
+            busy.append(True)
+            with torch.no_grad():
+                seen.append(model(x))
+            busy.pop()
+
+    handle = _hooked_module(model).register_forward_hook(hook)
+    try:
+        AttnLRP(model).attribute(x, target=[0, 1, 2])
+    finally:
+        handle.remove()
+    assert seen and all(torch.equal(output, expected) for output in seen)
+
+
+@pytest.mark.parametrize("inner", ["same model", "a wrapper sharing its modules"])
+@pytest.mark.parametrize("outer_method", ["generic-attention", "attn-lrp", "transformer-relevance"])
+def test_explaining_the_same_model_inside_its_own_explanation_is_refused(inner, outer_method):
+    model, x = _timm_vit()
+    nested = model if inner == "same model" else torch.nn.Sequential(model)
+    before = snapshot(model)
+
+    def hook(*_):
+        GenericAttention(nested).attribute(x, target=[0, 1, 2])
+
+    handle = _hooked_module(model).register_forward_hook(hook)
+    try:
+        with pytest.raises(CaptureError, match="explained from a hook on one of its own modules"):
+            METHOD_FACTORIES[outer_method](model).attribute(x, target=[0, 1, 2])
+    finally:
+        handle.remove()
+    assert_same(before, snapshot(model))
+    assert torch.equal(METHOD_FACTORIES[outer_method](model).attribute(x, target=[0, 1, 2]),
+                       METHOD_FACTORIES[outer_method](_timm_vit()[0]).attribute(x, target=[0, 1, 2]))
