@@ -4,7 +4,9 @@ With no arguments it opens the built-in DigitCanvas ViT on 48 test canvases. ``-
 opens a benchmark task's model and test examples; ``--model`` takes what ``explain`` takes
 (with ``--image`` / ``--text`` inputs). It listens on 127.0.0.1
 only; ``--host`` another address needs ``--allow-remote`` and prints a warning. The printed
-URL carries the session token the page needs.
+URL carries the session token the page needs. ``--port`` is 0 to 65535 (0: any free port);
+``--device`` puts the model on cpu, cuda, cuda:N or mps. Each is checked, with ``--results``,
+before any model is loaded: a mistake is one line and exit status 2.
 """
 from __future__ import annotations
 
