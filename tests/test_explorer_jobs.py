@@ -112,3 +112,22 @@ def test_cancelling_an_unknown_or_finished_job():
     client.app.app.state.jobs.wait(done["id"], timeout=60)
     again = client.post(f"/api/jobs/{done['id']}/cancel", headers=HEADERS, json={}).json()
     assert again["state"] == "done" and len(again["results"]) == 1
+
+
+def test_the_stop_check_changes_no_map():
+    """Jobs run under the stop check (a torch-function mode); every method's maps equal the
+    maps of the same workspace explained without it, exactly."""
+    from captum_transformers.explorer.jobs import Jobs
+    from captum_transformers.methods.catalog import METHOD_NAMES
+
+    checked, plain = image_workspace(batch=2), image_workspace(batch=2)
+    jobs = Jobs(checked)
+    try:
+        for method in METHOD_NAMES:
+            state = jobs.wait(jobs.submit([(method, {})], {0: 1, 1: 3})["id"], timeout=120)
+            assert state["state"] == "done", (method, state["error"])
+            expected = plain.explain(method, {}, {0: 1, 1: 3})
+            for index, found in state["results"][0]["maps"].items():
+                assert found["values"] == expected[int(index)]["values"], method
+    finally:
+        jobs.close()
