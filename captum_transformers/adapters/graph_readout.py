@@ -66,21 +66,41 @@ class ReadoutProbe:
         self.node_ids: Optional[torch.Tensor] = None
 
     @contextlib.contextmanager
-    def watch(self, modules: Iterable[nn.Module],
-              node_ids: Callable[[], Optional[torch.Tensor]] = lambda: None) -> Iterator[None]:
+    def watch(self, modules: Iterable[nn.Module], node_ids: Callable[[], Optional[torch.Tensor]] = lambda: None,
+              segments: bool = False) -> Iterator[None]:
         """Forward hooks keeping the output of the last call of any of ``modules``, and the
         batch's node number of each of its rows then (``node_ids()``; None: all, in order;
-        after a node-dropping pool, the kept nodes: :mod:`.graph_pooling`)."""
+        after a node-dropping pool, the kept nodes: :mod:`.graph_pooling`).
+
+        ``segments`` (a forward without gradients, for the methods that take none): only what
+        follows each of ``modules`` is recorded for the probe, from its output made a leaf
+        (gradients on after each call, off inside the next); the grad mode is restored on exit."""
         def keep(_module, _args, output):
             tensor = output[0] if isinstance(output, (tuple, list)) and output else output
-            if isinstance(tensor, torch.Tensor):
-                self.output, self.node_ids = tensor, node_ids()
+            if not isinstance(tensor, torch.Tensor):
+                return None
+            if segments and tensor.is_floating_point():
+                torch.set_grad_enabled(True)
+                tensor = tensor.detach().requires_grad_()
+                output = (tensor, *output[1:]) if isinstance(output, tuple) else (
+                    [tensor, *output[1:]] if isinstance(output, list) else tensor)
+            self.output, self.node_ids = tensor, node_ids()
+            return output if segments else None
+
+        def no_grad_inside(_module, _args):
+            torch.set_grad_enabled(False)
             return None
 
-        with contextlib.ExitStack() as stack:
-            for module in modules:
-                stack.enter_context(patching.forward_hook(module, keep))
-            yield
+        mode = torch.is_grad_enabled()
+        try:
+            with contextlib.ExitStack() as stack:
+                for module in modules:
+                    if segments:
+                        stack.enter_context(patching.forward_hook(module, no_grad_inside, pre=True))
+                    stack.enter_context(patching.forward_hook(module, keep))
+                yield
+        finally:
+            torch.set_grad_enabled(mode)
 
     def read_weights(self, scores: torch.Tensor, graphs: GraphBatch) -> torch.Tensor:
         """(B, N_max) weights of each graph's nodes in its score (summing to 1 per graph), or
@@ -100,22 +120,28 @@ class ReadoutProbe:
         grad = rows(hidden_grad) if pooled_node is None else pooled_grad
         grad = grad.reshape(grad.shape[0], -1)
         read = grad.ne(0).any(dim=1)
-        weights = torch.zeros(graphs.num_graphs, graphs.max_nodes, dtype=torch.float64, device=grad.device)
         graph_of, position_of = graphs.graph[ids].to(grad.device), graphs.position[ids].to(grad.device)
-        chosen = []
-        for graph in range(graphs.num_graphs):
+        # Per graph, its first read node; every read node's row must equal that node's (bit for bit).
+        rows_count = grad.shape[0]
+        candidates = torch.where(read, torch.arange(rows_count, device=grad.device), rows_count)
+        first = torch.full((graphs.num_graphs,), rows_count, device=grad.device).scatter_reduce(
+            0, graph_of, candidates, reduce="amin")
+        empty = (first == rows_count).nonzero().flatten().tolist()
+        if empty:
+            raise CaptureError(f"The score of graph {empty[0]} reads none of its nodes at the last attention layer's "
+                               "output, so no node of it can be explained.")
+        unequal = read & ~(grad == grad[first[graph_of]]).all(dim=1)
+        if bool(unequal.any()):
+            graph = int(graph_of[unequal.nonzero()[0, 0]])
             nodes = ((graph_of == graph) & read).nonzero().flatten()
-            if nodes.numel() == 0:
-                raise CaptureError(f"The score of graph {graph} reads none of its nodes at the last attention layer's "
-                                   "output, so no node of it can be explained.")
-            first = grad[nodes[0]]
-            if not all(torch.equal(grad[node], first) for node in nodes[1:].tolist()):
-                raise CaptureError(
-                    f"The score of graph {graph} reads its nodes {nodes.tolist()} through a readout that weighs them "
-                    "unequally (e.g. a max, sort or attention pooling: the gradient at the pooled node states differs "
-                    "from node to node), so which rows of the attention maps explain it is not known. " + _HINT)
-            weights[graph, position_of[nodes]] = 1.0 / nodes.numel()
-            chosen.append(int(nodes[0]))
+            raise CaptureError(
+                f"The score of graph {graph} reads its nodes {nodes.tolist()} through a readout that weighs them "
+                "unequally (e.g. a max, sort or attention pooling: the gradient at the pooled node states differs "
+                "from node to node), so which rows of the attention maps explain it is not known. " + _HINT)
+        counts = torch.bincount(graph_of[read], minlength=graphs.num_graphs).to(torch.float64)
+        weights = torch.zeros(graphs.num_graphs, graphs.max_nodes, dtype=torch.float64, device=grad.device)
+        weights[graph_of[read], position_of[read]] = 1.0 / counts[graph_of[read]]
+        chosen = first.tolist()
         if pooled_node is not None:
             self._refuse_mixing(scores, hidden, rows, pooled_node, pooled_grad, chosen, graph_of)
         return weights

@@ -248,14 +248,19 @@ class PyGAttentionAdapter(Adapter):
         # The nodes a graph-level score reads are observed on this forward (graph_readout),
         # unless the readout is given or every graph has one node.
         probe = ReadoutProbe() if rows_matter and self.readout is None and graphs.max_nodes > 1 else None
+        # Without gradients (raw attention, rollout) only what follows each attention layer is
+        # recorded for the probe; the explained score is then read again with gradients.
+        segments = probe is not None and not torch.is_grad_enabled()
         if probe is not None:
-            contexts = (*contexts, probe.watch((b.module for b in self.blocks(model)), lambda: _NODES.get().ids))
+            contexts = (*contexts, probe.watch((b.module for b in self.blocks(model)), lambda: _NODES.get().ids,
+                                               segments=segments))
         try:
-            with torch.enable_grad() if probe is not None else contextlib.nullcontext():
-                streams, logits, scores, index = super()._forward(
-                    model, inputs, additional_forward_args, forward_kwargs, target, recorder, contexts)
-                if probe is not None and not _OUTPUT.get()[0]:
-                    streams = _with_weights(streams, probe.read_weights(scores, graphs))
+            streams, logits, scores, index = super()._forward(
+                model, inputs, additional_forward_args, forward_kwargs, target, recorder, contexts)
+            if probe is not None and not _OUTPUT.get()[0]:
+                with torch.enable_grad():
+                    read = self.resolve_target(model, logits, target)[0] if segments else scores
+                    streams = _with_weights(streams, probe.read_weights(read, graphs))
             return streams, logits, scores, index
         finally:
             _OUTPUT.reset(output)
