@@ -386,3 +386,20 @@ def test_eval_mode_installs_no_observer(monkeypatch):
     model.train()
     ct.GenericAttention(model, allow_stochastic=True).attribute(inputs, target=1, forward_kwargs=kwargs)
     assert len(created) == 1
+
+
+def test_pyg_gps_attention_dropout_and_batch_norm_follow_the_rule():
+    from pyg_models import gps_classifier, graphs
+    _, (x, edge_index, batch) = graphs()
+    model = gps_classifier(norm="layer_norm")
+    for layer in model.layers:
+        layer.attn.dropout = P
+    model.train()
+    with pytest.raises(StochasticForwardError, match=r"layers\.0\.attn: MultiheadAttention\(dropout=0\.3\)"):
+        ct.ConservativeLRP(model, variant="AH").attribute(x, additional_forward_args=(edge_index, batch), target=0)
+    normed = gps_classifier().train()  # its batch norms would update their running statistics
+    before = snapshot(normed)
+    with pytest.raises(StochasticForwardError, match=r"layers\.0\.norm1\.module: BatchNorm1d .*running"):
+        ct.ConservativeLRP(normed, variant="AH", allow_stochastic=True).attribute(
+            x, additional_forward_args=(edge_index, batch), target=0)
+    assert_same(before, snapshot(normed))
