@@ -7,7 +7,8 @@ source text (a pooling in a branch that never runs, or named in a comment, is no
 a model defined by ``exec`` has no source). The readout is observed on the explained
 forward, by two probe gradients from the explained scores back to the last attention layer's
 output ``H`` (:class:`ReadoutProbe`, through the head only; with ``retain_graph`` so the
-method's own backward pass still runs):
+method's own backward pass still runs; a forward without gradients records only what follows
+each attention layer, from its output made a leaf):
 
 1. the pooling input ``Z``: walking the autograd graph from the scores, the first tensor that
    has one row per node (closer to the scores, tensors have one row per graph); ``H`` itself
