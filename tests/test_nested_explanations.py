@@ -136,3 +136,18 @@ def test_explaining_the_same_model_inside_its_own_explanation_is_refused(inner, 
     assert_same(before, snapshot(model))
     assert torch.equal(METHOD_FACTORIES[outer_method](model).attribute(x, target=[0, 1, 2]),
                        METHOD_FACTORIES[outer_method](_timm_vit()[0]).attribute(x, target=[0, 1, 2]))
+
+
+@pytest.mark.parametrize("outer_method", ["generic-attention", "attn-lrp", "transformer-relevance"])
+def test_an_explanation_inside_a_backward_hook_gets_its_map_alone(outer_method):
+    outer, x = _timm_vit()
+    inner, y = _hf_vit()
+    expected = GenericAttention(inner).attribute(y, target=[0, 1, 2])
+    seen = []
+    handle = outer.blocks[1].mlp.register_full_backward_hook(
+        lambda *_: seen.append(GenericAttention(inner).attribute(y, target=[0, 1, 2])))
+    try:
+        METHOD_FACTORIES[outer_method](outer).attribute(x, target=[0, 1, 2])
+    finally:
+        handle.remove()
+    assert seen and all(torch.equal(found, expected) for found in seen)
