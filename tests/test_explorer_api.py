@@ -317,3 +317,21 @@ def test_the_default_view_is_computed_before_the_page_asks():
     state = client.post("/api/explain", headers=HEADERS, json={
         "methods": [{"name": name} for name in session["defaults"]["methods"]], "targets": targets}).json()
     assert state["state"] == "done" and len(builder.calls) == calls  # answered from the cache
+
+
+def test_unsigned_maps_are_not_labelled_for_or_against_the_class():
+    """An unsigned map (rollout, GenericAttention, ...) has no direction: the page and the export
+    must not read its red as 'for the class'; signed methods keep red = for, blue = against."""
+    from captum_transformers.methods.catalog import SIGNED_METHODS
+
+    client = client_for(text_workspace())
+    session = client.get("/api/session", headers=HEADERS).json()
+    signed = {m["name"]: m["signed"] for m in session["methods"]}
+    assert signed["rollout"] is False and signed["generic-attention"] is False and signed["saliency"] is False
+    assert signed["attn-lrp"] is True and signed["integrated-gradients"] is True
+    assert {name for name, s in signed.items() if s} == SIGNED_METHODS & set(signed)
+    document = client.post("/api/export", headers=HEADERS, json={
+        "methods": [{"name": "rollout"}, {"name": "gradient-x-input"}], "targets": {"0": 1}}).json()["html"]
+    rollout_row = document[document.index("<td>rollout"):document.index("<td>gradient-x-input")]
+    assert "unsigned: darker = more relevant, no direction" in rollout_row and "red for" not in rollout_row
+    assert "signed: red for, blue against" in document[document.index("<td>gradient-x-input"):]

@@ -69,6 +69,9 @@ def test_page_loads_and_draws_the_gallery_and_grid(browser, digits_server):
     assert page.evaluate(PIXEL_SPREAD, "#gallery .thumb canvas") > 30  # a real canvas image, not a blank
     assert page.locator("#grid td[data-ready=yes] canvas").count() == 2 * 6  # rollout, generic-attention x 6
     assert page.evaluate(PIXEL_SPREAD, FIRST_MAP) > 30
+    # Both default methods are unsigned: each row says so, not "red = for the class".
+    notes = page.locator("#grid td.method-name .sign-note").all_text_contents()
+    assert notes == ["unsigned: darker = more relevant, no direction"] * 2
     assert "token" not in page.url  # taken out of the address bar once read
     assert page.locator("#status").text_content().startswith("ready")
     assert errors == []

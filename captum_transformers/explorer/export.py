@@ -21,6 +21,8 @@ from typing import Any, Dict, Mapping
 
 import torch
 
+from ..methods.catalog import SIGNED_METHODS
+
 OVERLAY_ALPHA = 0.6
 CELL_PIXELS = 128
 
@@ -94,7 +96,9 @@ def explorer_html(workspace, maps: Mapping[str, Mapping[int, Dict[str, Any]]], t
             originals.append(f"<td>{_image_tag(rgb, f'example {index}')}</td>")
         rows.append("<tr>" + "".join(originals) + "</tr>")
     for method, by_example in maps.items():
-        cells = [f"<td>{html.escape(method)}</td>"]
+        sign_note = ("signed: red for, blue against" if method in SIGNED_METHODS
+                     else "unsigned: darker = more relevant, no direction")
+        cells = [f"<td>{html.escape(method)}<br><small>{sign_note}</small></td>"]
         for index in examples:
             found = by_example[index]
             scores = torch.tensor(found["values"], dtype=torch.float32).reshape(found["shape"])
@@ -108,6 +112,7 @@ def explorer_html(workspace, maps: Mapping[str, Mapping[int, Dict[str, Any]]], t
         rows.append("<tr>" + "".join(cells) + "</tr>")
     title = html.escape(f"captum_transformers explorer: {workspace.name}")
     return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>" + title + "</title></head><body>"
-            f"<h3>{title}</h3><p>Red: relevance for the explained class, blue: against it; each map scaled by its "
-            "largest absolute value.</p><table style=\"border-collapse:collapse;font:12px sans-serif\">"
+            f"<h3>{title}</h3><p>Signed methods: red = relevance for the explained class, blue = against it. "
+            "Unsigned methods (attention maps, rollout, Grad-CAM, Saliency): darker red = more relevant, with no "
+            "direction. Each map scaled by its largest absolute value.</p><table style=\"border-collapse:collapse;font:12px sans-serif\">"
             "<tr>" + "".join(head) + "</tr>" + "".join(rows) + "</table></body></html>")

@@ -28,7 +28,7 @@ import typing
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 from ..errors import InputError
-from ..methods.catalog import METHOD_FACTORIES, METHOD_NAMES
+from ..methods.catalog import METHOD_FACTORIES, METHOD_NAMES, SIGNED_METHODS
 from ..propagation.rules import RuleSet
 
 _NOT_OFFERED = frozenset({"self", "model", "adapter"})
@@ -114,9 +114,10 @@ def method_fields(method: str) -> List[Dict[str, Any]]:
 
 
 def method_catalog(names=METHOD_NAMES) -> List[Dict[str, Any]]:
-    """Every method with its fields and the arguments left at their defaults, for the page."""
-    return [{"name": name, "fields": method_fields(name), "fixed": list(_fields_and_fixed(name)[1])}
-            for name in names]
+    """Every method with its fields, the arguments left at their defaults, and whether its maps are
+    signed (so the page can say what its colours mean), for the page."""
+    return [{"name": name, "fields": method_fields(name), "fixed": list(_fields_and_fixed(name)[1]),
+             "signed": name in SIGNED_METHODS} for name in names]
 
 
 def checked_arguments(method: str, arguments: Mapping[str, Any] | None) -> Dict[str, Any]:

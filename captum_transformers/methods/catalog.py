@@ -64,6 +64,12 @@ PACKAGE_METHOD_NAMES: Tuple[str, ...] = tuple(name for name in KNOWN_METHOD_NAME
 # baselines included, differentiate the target score).
 CLASS_AGNOSTIC = frozenset({"raw-attention", "rollout", "attention-flow"})
 
+# Methods whose maps are signed (positive: evidence for the explained class, negative: against).
+# The others return non-negative relevance with no direction (Saliency is an absolute gradient),
+# so a picture of them must not read red as "for the class".
+SIGNED_METHODS = frozenset({"lrp", "attn-lrp", "gradient-x-input", "conservative-lrp-ah", "conservative-lrp",
+                            "integrated-gradients"})
+
 
 def resolve_method_names(names: Iterable[str] | None) -> List[str]:
     """Validate ``names`` (``None`` or ``["all"]`` means ``METHOD_NAMES``: every method but those

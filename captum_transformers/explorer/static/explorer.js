@@ -329,7 +329,10 @@ function renderGrid() {
     grid.append(row);
   }
   for (const method of methods) {
-    const row = el("tr", { "data-row": method.name }, el("td", { class: "method-name", text: method.name }));
+    const signed = state.session.methods.find((m) => m.name === method.name)?.signed;
+    const row = el("tr", { "data-row": method.name }, el("td", { class: "method-name", text: method.name },
+      el("div", { class: "sign-note", "data-signed": signed ? "yes" : "no",
+                  text: signed ? "signed: red for, blue against" : "unsigned: darker = more relevant, no direction" })));
     for (const index of state.selected) {
       const key = mapKey(method.name, method.arguments, index, targetOf(index));
       const map = state.maps[key];
