@@ -34,3 +34,5 @@ def test_the_default_explain_picture_titles_transformer_lrp_as_a_baseline(tmp_pa
     headers = re.findall(r"<th>(.*?)</th>", page)
     assert "lrp (baseline)" in headers and "lrp" not in headers
     assert headers.index("attn-lrp") < headers.index("lrp (baseline)")
+    # Signed maps show their relevance sum beside the explained logit (the model's own output).
+    assert page.count("sum of relevance") >= 4 and "logit" in page.split("sum of relevance", 1)[1][:80]

@@ -199,17 +199,17 @@ def test_report_runs_each_method_once_on_the_batch_and_draws_the_grid():
         report(model, canvases.images, methods=["nope"])
 
 
-def test_the_readme_drawing_example_runs_as_printed_and_writes_one_offline_page(tmp_path, monkeypatch):
+def test_the_documented_drawing_example_runs_as_printed_and_writes_one_offline_page(tmp_path, monkeypatch):
+    """The drawing example of docs/explorer.md (it left the README with the docs site)."""
     pytest.importorskip("timm")
     import os
 
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md"),
-                  encoding="utf-8").read()
-    section = readme[readme.index("## Drawing explanations"):]
-    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    page_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "explorer.md")
+    text = open(page_path, encoding="utf-8").read()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if 'grid.save("explanations.html")' in b)
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "__readme__"}
-    exec(compile(block, "README.md drawing example", "exec"), namespace)
+    exec(compile(block, "docs/explorer.md drawing example", "exec"), namespace)
     page = (tmp_path / "explanations.html").read_text(encoding="utf-8")
     assert page.count("data:image/png;base64,") == 3 * 4 and "<script" not in page.lower()
     assert "http://" not in page and "https://" not in page  # nothing fetched

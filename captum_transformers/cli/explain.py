@@ -139,10 +139,12 @@ def _explain(args, methods: List[str], device: torch.device, out) -> int:
         raw_scores[name] = _raw_scores(loaded, attribution, mask)
         scores[name] = _display_scores(loaded, attribution, displays, mask)
         print(f"  {name:>22}: {(time.perf_counter() - start) * 1000:7.0f} ms")
+    # The explained logit per example, so that each signed map shows its relevance sum beside it.
+    explained = logits.detach().float().gather(1, target[:, None].to(logits.device)).squeeze(1).cpu()
     if loaded.modality == "image":
-        paths = figures.image_grid(displays, scores, titles, out)
+        paths = figures.image_grid(displays, scores, titles, out, logits=explained)
     else:
-        paths = figures.token_strips(displays, scores, titles, loaded.special_tokens, out)
+        paths = figures.token_strips(displays, scores, titles, loaded.special_tokens, out, logits=explained)
     if args.save_scores:
         paths += (write_scores(out / "scores.json", model=loaded.name, modality=loaded.modality, target=args.target,
                                examples=examples, scores=raw_scores),)
