@@ -162,3 +162,17 @@ def test_a_base_checkpoint_without_a_trained_head_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "classifier.weight" in err and "would be random" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_a_failed_benchmark_leaves_no_out_folder(tmp_path, capsys, monkeypatch):
+    from captum_transformers.cli import main
+    from captum_transformers.errors import InputError
+    from captum_transformers.tasks import runner
+
+    def failing(*args, **kwargs):
+        raise InputError("the task could not be run (a test stand-in)")
+
+    monkeypatch.setattr(runner, "run_benchmark", failing)
+    code = main(["benchmark", "--task", "digits", "--limit", "2", "--out", str(tmp_path / "results" / "run")])
+    assert code == 2 and "could not be run" in capsys.readouterr().err
+    assert not (tmp_path / "results").exists()

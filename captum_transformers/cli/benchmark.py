@@ -5,6 +5,7 @@ CPU, NCCL with ``--device cuda``) and the metrics reduced; rank 0 prints and wri
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from ..errors import InputError
 from ..evaluation.pixel_perturbation import PIXEL_PROTOCOLS
 from ..methods.catalog import KNOWN_METHOD_NAMES
-from .output_folder import output_folder
+from .output_folder import claimed_output_folder
 
 
 def add_parser(subparsers) -> None:
@@ -83,12 +84,19 @@ def _check_device(device: str) -> None:
 
 
 def run(args) -> int:
+    _check_device(args.device)
+    # Settled before the run (minutes) and before joining a process group; only rank 0 writes,
+    # and a run that fails leaves no empty folder behind.
+    with contextlib.ExitStack() as claimed:
+        out = (claimed.enter_context(claimed_output_folder(args.out, "results.json", "benchmark"))
+               if int(os.environ.get("RANK", "0")) == 0 else None)
+        return _run_into(args, out)
+
+
+def _run_into(args, out) -> int:
     from ..tasks.report import summary, table, write_report
     from ..tasks.runner import run_benchmark
 
-    _check_device(args.device)
-    # Settled before the run (minutes) and before joining a process group; only rank 0 writes.
-    out = output_folder(args.out, "results.json", "benchmark") if int(os.environ.get("RANK", "0")) == 0 else None
     device = _start_distributed(args.device)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     try:
