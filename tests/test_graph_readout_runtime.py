@@ -130,7 +130,7 @@ def test_a_mean_over_a_subset_of_nodes_reads_that_subset():
 def test_a_softmax_gated_add_pool_is_refused(method):
     model = _model(SoftmaxGatedAdd)
     _, (x, edge_index, batch) = graphs(SIZES)
-    with pytest.raises(CaptureError, match="nodes of graph 0 are mixed"):
+    with pytest.raises(CaptureError, match="gated pooling|nodes of graph 0 are mixed"):
         method(model).attribute(x, additional_forward_args=(edge_index, batch), target=[0, 1, 0])
     # LRP needs no readout.
     assert ConservativeLRP(model).attribute(x, additional_forward_args=(edge_index, batch),
@@ -166,3 +166,61 @@ def test_a_model_defined_without_source_is_explained_like_the_same_model_with_so
         expected = method(reference).attribute(x, additional_forward_args=(edge_index, batch), target=[0, 1, 0],
                                                return_tokens=True)
         torch.testing.assert_close(found, expected, rtol=0, atol=0)
+
+
+def test_a_graph_wide_norm_between_the_last_attention_and_the_pooling_is_refused_unless_the_readout_is_given():
+    """PyG's LayerNorm (graph mode) in GPS normalises each node by statistics of its whole graph:
+    the pooled node states mix the attention outputs of every node."""
+    from captum_transformers.adapters.pyg_gps import PyGGPSAdapter
+    from pyg_models import gps_classifier
+
+    model = gps_classifier(norm="layer_norm")
+    _, (x, edge_index, batch) = graphs(SIZES)
+    with pytest.raises(CaptureError, match="are mixed"):
+        RawAttention(model, adapter=PyGGPSAdapter(ignore_local_branch=True)).attribute(
+            x, additional_forward_args=(edge_index, batch))
+    stated = RawAttention(model, adapter=PyGGPSAdapter(readout="mean", ignore_local_branch=True)).attribute(
+        x, additional_forward_args=(edge_index, batch), return_tokens=True)
+    assert torch.isfinite(stated).all()
+    # Batch norm in eval mode is per node: the mean pooling is found.
+    per_node = gps_classifier()
+    found = RawAttention(per_node, adapter=PyGGPSAdapter(ignore_local_branch=True)).attribute(
+        x, additional_forward_args=(edge_index, batch), return_tokens=True)
+    given = RawAttention(per_node, adapter=PyGGPSAdapter(readout="mean", ignore_local_branch=True)).attribute(
+        x, additional_forward_args=(edge_index, batch), return_tokens=True)
+    torch.testing.assert_close(found, given, rtol=0, atol=0)
+
+
+class SigmoidGatedAdd(GraphClassifier):
+    """A gated add pooling with a gate per node: sum_i sigmoid(w . h_i) h_i."""
+
+    def __init__(self, kind):
+        super().__init__(kind)
+        self.gate = nn.Linear(self.head.in_features, 1)
+
+    def forward(self, x, edge_index, batch=None):
+        hidden = self.nodes(x, edge_index)
+        return self.head(pyg.global_add_pool(torch.sigmoid(self.gate(hidden)) * hidden, batch))
+
+
+class MaskedAdd(GraphClassifier):
+    """An add pooling over the even positions, as a product with a constant 0/1 column."""
+
+    def forward(self, x, edge_index, batch=None):
+        hidden = self.nodes(x, edge_index)
+        position = torch.arange(len(batch)) - _first_nodes(batch)[batch]
+        return self.head(pyg.global_add_pool(hidden * (position % 2 == 0).float()[:, None], batch))
+
+
+@pytest.mark.parametrize("method", [RawAttention, GenericAttention])
+def test_a_per_node_gate_before_the_pooling_is_refused(method):
+    model = _model(SigmoidGatedAdd)
+    _, (x, edge_index, batch) = graphs(SIZES)
+    with pytest.raises(CaptureError, match="gated pooling"):
+        method(model).attribute(x, additional_forward_args=(edge_index, batch), target=[0, 1, 0])
+
+
+def test_a_constant_mask_before_the_pooling_reads_the_masked_subset():
+    model = _model(MaskedAdd)
+    expected = _raw_truth(model, _weights([range(0, n, 2) for n in SIZES]))
+    torch.testing.assert_close(_raw(model).to(torch.float64), expected)

@@ -10,20 +10,25 @@ output ``H`` (:class:`ReadoutProbe`, through the head only; with ``retain_graph`
 method's own backward pass still runs; a forward without gradients records only what follows
 each attention layer, from its output made a leaf):
 
-1. the pooling input ``Z``: walking the autograd graph from the scores, the first tensor that
-   has one row per node (closer to the scores, tensors have one row per graph); ``H`` itself
-   when the head pools it directly. Its gradient's non-zero rows are the nodes the score
-   reads. Accepted when, in every graph, those rows are bit-identical: a mean or add pooling
-   (all nodes), a mean over a subset of nodes (the subset), a root-node readout (one node);
-   each read node then has weight ``1 / |read|``. Unequal rows (a max or sort pooling) are
-   refused: how the readout weighs its nodes is not known.
+1. the nodes the score reads are the non-zero rows of its gradient at ``H`` (a node masked
+   out, or constant after the last attention layer, is not read). The pooling input ``Z``:
+   walking the autograd graph from the scores, the first tensor that has one row per node
+   (closer to the scores, tensors have one row per graph); ``H`` itself when the head pools it
+   directly. Accepted when, in every graph, the rows of the gradient at ``Z`` of the read nodes
+   are bit-identical: a mean or add pooling (all nodes), a mean over a subset of nodes (the
+   subset), a root-node readout (one node); each read node then has weight ``1 / |read|``.
+   Unequal rows (a max or sort pooling) are refused: how the readout weighs its nodes is not
+   known.
 2. ``Z`` must take each node's row from that node's row of ``H`` only: a cotangent on one read
    node per graph, sent from ``Z`` back to ``H``, must reach no other node. A gate computed
    over the graph's nodes (attention pooling, a softmax gate), a graph-wide norm, or message
    passing between the last attention layer and the pooling mixes nodes and is refused.
+3. A pooling input made as a product with one scalar per node that carries a gradient (a
+   gate ``sigmoid(w . h_i) * h_i``, seen as the product's factors in the autograd graph) is
+   refused too: the pooling weighs each node by its gate.
 
-Operations on each node alone between ``H`` and the pooling (norms per node, activations, an
-MLP, a per-node gate) are part of that node's row, as a token model's per-token layers are.
+Other operations on each node alone between ``H`` and the pooling (norms per node,
+activations, an MLP) are part of that node's row, as a token model's per-token layers are.
 A user-given ``readout="mean"`` or ``"add"`` skips the probe: every node of the graph, weight
 ``1 / n`` (an add pooling scales a graph's map by a constant).
 
@@ -118,9 +123,12 @@ class ReadoutProbe:
                                f"node ({ids.shape[0]}) nor (graphs, nodes, ...) = ({graphs.num_graphs}, "
                                f"{graphs.max_nodes}, ...), so the nodes the score reads cannot be placed. {_HINT}")
         pooled_node, pooled_grad, hidden_grad = self._pooling_input(scores, hidden, ids.shape[0])
+        # The nodes read: those whose row of H the score depends on (a node masked out, or
+        # constant after the last attention layer, is not read); their weights: equal rows of
+        # the gradient at the pooling input.
+        read = rows(hidden_grad).reshape(ids.shape[0], -1).ne(0).any(dim=1)
         grad = rows(hidden_grad) if pooled_node is None else pooled_grad
         grad = grad.reshape(grad.shape[0], -1)
-        read = grad.ne(0).any(dim=1)
         graph_of, position_of = graphs.graph[ids].to(grad.device), graphs.position[ids].to(grad.device)
         # Per graph, its first read node; every read node's row must equal that node's (bit for bit).
         rows_count = grad.shape[0]
@@ -131,7 +139,8 @@ class ReadoutProbe:
         if empty:
             raise CaptureError(f"The score of graph {empty[0]} reads none of its nodes at the last attention layer's "
                                "output, so no node of it can be explained.")
-        unequal = read & ~(grad == grad[first[graph_of]]).all(dim=1)
+        # (a read node with no gradient at Z is read along another path: not a pooling of Z either)
+        unequal = read & (~(grad == grad[first[graph_of]]).all(dim=1) | grad.eq(0).all(dim=1))
         if bool(unequal.any()):
             graph = int(graph_of[unequal.nonzero()[0, 0]])
             nodes = ((graph_of == graph) & read).nonzero().flatten()
@@ -176,7 +185,25 @@ class ReadoutProbe:
             raise CaptureError(f"The score reads {len(found)} different per-node tensors at once (e.g. two poolings "
                                f"of different node states), so how it weighs the nodes is not known. {_HINT}")
         node, k, grad = next(iter(found.values()))
+        self._refuse_gate(node, grad, {id(n): g for _, n, _, g in seen}, num_rows)
         return (node, k), grad, hidden_grad
+
+    @staticmethod
+    def _refuse_gate(node, grad: torch.Tensor, grads: dict, num_rows: int) -> None:
+        """Refuse a pooling input made as a product with one scalar per node that carries a
+        gradient (a gate computed from the node states, ``sigmoid(w . h_i) * h_i``): the pooling
+        then weighs each node by its gate, which the attention rows cannot carry."""
+        if "Mul" not in node.name() and "Product" not in node.name():
+            return
+        if grad[0].numel() <= 1:
+            return
+        for child, _ in node.next_functions:
+            factor = grads.get(id(child)) if child is not None else None
+            if factor is not None and factor.shape[0] == num_rows and factor[0].numel() == 1:
+                raise CaptureError(
+                    "The pooled node states are each multiplied by one scalar per node computed from the node states "
+                    "(a gated pooling), so the readout weighs the nodes by their gates, which the rows of the "
+                    f"attention maps cannot carry. {_HINT}")
 
     def _refuse_mixing(self, scores, hidden, rows, pooled_node, pooled_grad, chosen: List[int],
                        graph_of: torch.Tensor) -> None:
