@@ -126,3 +126,20 @@ def test_an_attention_layer_on_a_node_subset_made_otherwise_is_refused():
     _, (x, edge_index, batch) = graphs(SIZES, seed=3)
     with pytest.raises(CaptureError, match="was called on 8 nodes, but the batch has 15 nodes"):
         RawAttention(model).attribute(x, additional_forward_args=(edge_index, batch))
+
+
+def test_edge_relevance_after_a_pool_lands_on_the_edges_between_kept_nodes():
+    from captum_transformers.graph.edges import edge_relevance
+
+    model = _pooled("topk")
+    _, (x, edge_index, batch) = graphs(SIZES, seed=3)
+    with torch.no_grad():
+        perm = model.pool(model.conv1(model.encode(x), edge_index), edge_index, batch=batch)[4]
+    kept = torch.zeros(len(x), dtype=torch.bool)
+    kept[perm] = True
+    relevance = edge_relevance(model, x, edge_index, batch=batch, target=[0, 1, 0], rules="AH")
+    assert relevance.layers == ("conv1", "conv2")
+    between_kept = kept[edge_index[0]] & kept[edge_index[1]]
+    assert (relevance.edges[1][~between_kept] == 0).all()
+    assert (relevance.edges[1][between_kept] != 0).any()
+    assert (relevance.edges[0] != 0).any()
