@@ -151,3 +151,26 @@ def test_an_explanation_inside_a_backward_hook_gets_its_map_alone(outer_method):
     finally:
         handle.remove()
     assert seen and all(torch.equal(found, expected) for found in seen)
+
+
+def test_an_explanation_from_a_tensor_hook_of_the_outer_graph_is_refused():
+    # A tensor hook runs in the outer backward pass, outside any module hook: it cannot be isolated.
+    outer, x = _timm_vit()
+    inner, y = _hf_vit()
+    before = snapshot(outer)
+
+    def explain_inner(grad):
+        GenericAttention(inner).attribute(y, target=[0, 1, 2])
+
+    def hook(module, args, output):
+        output.register_hook(explain_inner)
+
+    handle = outer.blocks[1].mlp.register_forward_hook(hook)
+    try:
+        with pytest.raises(CaptureError, match="outside a hook on that model's modules"):
+            TransformerRelevance(outer).attribute(x, target=[0, 1, 2])
+    finally:
+        handle.remove()
+    assert_same(before, snapshot(outer))
+    alone = _alone("timm-hooks-hf")[1]["generic-attention"]
+    assert torch.equal(GenericAttention(inner).attribute(y, target=[0, 1, 2]), alone)

@@ -18,16 +18,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Tuple
 
 from torch import nn
 
+from ..errors import CaptureError
 from . import isolation, patching
 from .module_walk import walked
 
 # id(module) -> [thread holding it, how many nested exclusive() contexts of that thread].
 _HOLDERS: Dict[int, List[int]] = {}
 _HOLDERS_CHANGED = threading.Condition()
+# This thread's explanations now running, outermost first: (model class name, its module ids).
+_RUNNING = threading.local()
 
 
 @contextlib.contextmanager
@@ -56,17 +59,21 @@ def exclusive(model: nn.Module) -> Iterator[None]:
     walk = list(model.named_modules())
     ids = [id(module) for _, module in walk]
     isolation.refuse_nested(model, ids)
+    running = _running_here()
+    _refuse_unisolated(model, running)
     with _HOLDERS_CHANGED:
         _HOLDERS_CHANGED.wait_for(lambda: all(_HOLDERS.get(i, (me,))[0] == me for i in ids))
         for i in ids:
             holder = _HOLDERS.setdefault(i, [me, 0])
             holder[1] += 1
+    running.append((type(model).__name__, frozenset(ids)))
     try:
         # The user's hooks on the model run outside the explanation (another model explained there
         # gets none of this one's rules); the explanation's other questions about the modules read this walk.
         with patching.user_hooks_isolated((module for _, module in walk), frozenset(ids)), walked(model, walk):
             yield
     finally:
+        running.pop()
         with _HOLDERS_CHANGED:
             for i in ids:
                 holder = _HOLDERS[i]
@@ -74,6 +81,31 @@ def exclusive(model: nn.Module) -> Iterator[None]:
                 if holder[1] == 0:
                     del _HOLDERS[i]
             _HOLDERS_CHANGED.notify_all()
+
+
+def _running_here() -> List[Tuple[str, FrozenSet[int]]]:
+    running = getattr(_RUNNING, "explanations", None)
+    if running is None:
+        running = _RUNNING.explanations = []
+    return running
+
+
+def _refuse_unisolated(model: nn.Module, running: List[Tuple[str, FrozenSet[int]]]) -> None:
+    """:class:`CaptureError` if another explanation runs in this thread and ``model``'s would
+    start outside an isolated hook of it (a tensor hook, a global module hook, the outer
+    model's own code, a user's ``adapter.propagation`` block): its rules, recorder and backward
+    switch would reach this one."""
+    inside = isolation.inside_hooks_of()
+    outer = [name for name, ids in running if not ids <= inside]
+    if outer:
+        raise CaptureError(
+            f"{type(model).__name__} is being explained while an explanation of {outer[-1]} runs in this thread, "
+            "outside a hook on that model's modules (from a tensor hook, a global module hook, the model's own "
+            "forward, or inside an adapter.propagation(...) block): the outer explanation's rules, recorder and "
+            f"backward switch would reach this one and its map would be wrong. Explain {type(model).__name__} after "
+            f"the outer attribute() returns, or from a forward or backward hook registered on one of {outer[-1]}'s "
+            "modules (such hooks run isolated from the explanation)."
+        )
 
 
 def holding_the_model(method: Callable) -> Callable:

@@ -103,6 +103,11 @@ def isolated_call(owners: FrozenSet[int], function: Callable, *args: Any, **kwar
         return function(*args, **kwargs)
 
 
+def inside_hooks_of() -> FrozenSet[int]:
+    """The module ids of every explanation whose user hook is running now in this context."""
+    return _INSIDE_HOOKS_OF.get()
+
+
 def refuse_nested(model: torch.nn.Module, module_ids: Iterable[int]) -> None:
     """:class:`CaptureError` if ``model`` (whose modules are ``module_ids``) shares a module
     with a model whose explanation is running one of its user hooks in this context."""
