@@ -92,3 +92,15 @@ def test_a_sparse_adjacency_is_refused_before_the_forward(layout):
         RawAttention(model).attribute(x, additional_forward_args=(converted, batch), return_tokens=True),
         RawAttention(model).attribute(x, additional_forward_args=(torch.unique(edge_index, dim=1), batch),
                                       return_tokens=True))
+
+
+def test_a_target_list_not_one_per_graph_and_an_empty_node_list_are_said_in_graph_words():
+    model = graph_classifier("TransformerConv")
+    _, (x, edge_index, batch) = graphs()
+    for method in (GenericAttention, ConservativeLRP):
+        with pytest.raises(InputError, match=r"target has 2 entries but the batch holds 3 graphs") as error:
+            method(model).attribute(x, additional_forward_args=(edge_index, batch), target=[0, 1])
+        _graph_words(error)
+    with pytest.raises(InputError, match=r"hold no node") as error:
+        RawAttention(model).attribute(x[:0], additional_forward_args=(edge_index[:, :0], batch[:0]))
+    _graph_words(error)

@@ -8,7 +8,9 @@ edges and graphs, not tokens and examples.
   ``edge_index``; PyG fuses message and aggregation on sparse matrices, so no per-edge
   ``alpha`` is formed. Refused before the forward, naming the argument and the conversion.
 * A batch vector naming a graph that has no node (e.g. graphs 0, 1, 3): that graph has
-  nothing to explain, and the methods' padding would see an empty example.
+  nothing to explain, and the methods' padding would see an empty example; node features
+  holding no node at all.
+* A list of targets that is not one class per graph (a graph-level model).
 
 Example::
 
@@ -31,6 +33,25 @@ def _is_sparse(value: Any) -> bool:
         return value.layout in _SPARSE_LAYOUTS
     cls = type(value)
     return cls.__name__ == "SparseTensor" and cls.__module__.startswith(("torch_sparse", "torch_geometric"))
+
+
+def refuse_no_nodes(nodes: torch.Tensor) -> None:
+    """:class:`InputError` for node features ``x`` holding no node."""
+    if nodes.dim() >= 1 and nodes.shape[0] == 0:
+        raise InputError(f"The node features x {tuple(nodes.shape)} hold no node, so the batch holds no graph to "
+                         "explain. Call attribute() only on batches with at least one graph (skip empty batches).")
+
+
+def refuse_graph_target_count(target: Any, graphs: GraphBatch) -> None:
+    """:class:`InputError` when a list (or 1-D tensor) of targets does not name one class per
+    graph of a graph-level model's batch."""
+    if isinstance(target, list) or (isinstance(target, torch.Tensor) and target.dim() == 1):
+        count = len(target)
+        if count != graphs.num_graphs:
+            raise InputError(
+                f"target has {count} entries but the batch holds {graphs.num_graphs} graphs ({graphs.num_nodes} "
+                "nodes); give one class per graph, in the order of the batch vector, or a single int for every "
+                "graph.")
 
 
 def refuse_non_finite_nodes(nodes: torch.Tensor) -> None:
@@ -78,6 +99,7 @@ def refuse_unexplainable_graphs(nodes: torch.Tensor, additional_forward_args: Se
                                 forward_kwargs: Optional[dict], graphs: Optional[GraphBatch] = None) -> None:
     """Every refusal above, in the order an explanation meets them."""
     refuse_sparse_adjacency(additional_forward_args, forward_kwargs)
+    refuse_no_nodes(nodes)
     refuse_non_finite_nodes(nodes)
     if graphs is not None:
         refuse_empty_graphs(graphs)

@@ -57,7 +57,7 @@ from ..errors import CaptureError, InputError
 from ..propagation.operation_rules import operation_rules
 from ..propagation.rules import RuleSet, find_norms, norm_rules, refuse_rounding_sensitive
 from .base import Adapter
-from .graph_inputs import refuse_empty_graphs, refuse_unexplainable_graphs
+from .graph_inputs import refuse_empty_graphs, refuse_graph_target_count, refuse_unexplainable_graphs
 from .graph_nodes import GraphBatch, batch_argument
 from .graph_pooling import SurvivingNodes, following_pools
 from .graph_readout import READOUTS, ReadoutProbe, node_targets, uniform_weights
@@ -331,6 +331,7 @@ class PyGAttentionAdapter(Adapter):
 
     def resolve_target(self, model: nn.Module, logits: torch.Tensor, target: Any):
         if not _OUTPUT.get()[0]:
+            refuse_graph_target_count(target, current_graphs())
             return super().resolve_target(model, logits, target)
         return select_targets(logits, node_targets(current_graphs(), target))
 
