@@ -163,6 +163,8 @@ class ReadoutProbe:
         seen: List[Tuple[int, Any, int, torch.Tensor]] = []
         handles = []
         for node, level in depth.items():
+            if not node.next_functions and "AccumulateGrad" in node.name():
+                continue  # a leaf (a parameter, or H itself made a leaf): never the pooling input
             def prehook(grad_outputs, node=node, level=level):
                 for k, grad in enumerate(grad_outputs):
                     if isinstance(grad, torch.Tensor) and grad.dim() >= 1 and grad.shape[0] == num_rows:
