@@ -174,3 +174,30 @@ def test_an_explanation_from_a_tensor_hook_of_the_outer_graph_is_refused():
     assert_same(before, snapshot(outer))
     alone = _alone("timm-hooks-hf")[1]["generic-attention"]
     assert torch.equal(GenericAttention(inner).attribute(y, target=[0, 1, 2]), alone)
+
+
+def test_the_users_hooks_are_put_back_exactly_even_after_an_error_and_a_self_removal():
+    model, x = _timm_vit()
+    module = _hooked_module(model)
+    calls = []
+
+    def observer(*_):
+        calls.append("observer")
+
+    def one_shot(*_):
+        calls.append("one shot")
+        removable.remove()
+
+    def failing(*_):
+        raise KeyboardInterrupt
+
+    kept = module.register_forward_hook(observer)
+    removable = module.register_forward_hook(one_shot)
+    GenericAttention(model).attribute(x, target=[0, 1, 2])
+    assert calls == ["observer", "one shot"] and list(module._forward_hooks.values()) == [observer]
+    failure = module.register_forward_pre_hook(failing)
+    with pytest.raises(KeyboardInterrupt):
+        AttnLRP(model).attribute(x, target=[0, 1, 2])
+    assert module._forward_hooks[kept.id] is observer and module._forward_pre_hooks[failure.id] is failing
+    failure.remove()
+    kept.remove()
