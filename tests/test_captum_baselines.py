@@ -123,3 +123,20 @@ def test_token_ids_equal_captums_layer_integrated_gradients_without_its_process_
         ids, baselines=torch.zeros_like(ids), target=target, additional_forward_args=(mask,), n_steps=50,
         internal_batch_size=256).sum(-1) * mask  # pad_token_id is 0
     torch.testing.assert_close(ours, reference, rtol=0, atol=1e-7)
+
+
+def test_integrated_gradients_on_a_graph_batch_is_refused_in_graph_words():
+    """Captum's IG stacks its steps along dim 0, the node dimension of a PyG batch: edge_index and
+    batch would no longer match the nodes. Refused, naming the graph model and what to use."""
+    pytest.importorskip("torch_geometric")
+    from pyg_models import graph_classifier, graphs
+
+    from captum_transformers.errors import InputError
+    from captum_transformers.methods.captum_baselines import CaptumIntegratedGradients, CaptumSaliency
+
+    _, (x, edge_index, batch) = graphs()
+    model = graph_classifier("TransformerConv")
+    with pytest.raises(InputError, match="graph model .*node dimension.*saliency"):
+        CaptumIntegratedGradients(model).attribute(x, target=[0, 1, 1], additional_forward_args=(edge_index, batch))
+    saliency = CaptumSaliency(model).attribute(x, target=[0, 1, 1], additional_forward_args=(edge_index, batch))
+    assert saliency.shape == x.shape  # one step: no expansion, explained as usual

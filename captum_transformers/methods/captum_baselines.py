@@ -182,6 +182,9 @@ class _CaptumGradientBaseline(StochasticOptIn, Attribution):
         return finished(scores, self.model)
 
 
+_MESSAGE_PASSING = "torch_geometric.nn.conv.message_passing.MessagePassing"
+
+
 class CaptumIntegratedGradients(_CaptumGradientBaseline):
     """Captum's Integrated Gradients (Sundararajan et al., ICML 2017), called like the package's
     methods; settings and baselines in the module docstring.
@@ -200,6 +203,7 @@ class CaptumIntegratedGradients(_CaptumGradientBaseline):
         self.baseline_token_id = baseline_token_id
 
     def _input_attribution(self, forward, inputs, target, additional):
+        _refuse_graph_batches(self.model)
         return IntegratedGradients(forward).attribute(
             inputs, target=target, additional_forward_args=additional or None, n_steps=self.n_steps,
             internal_batch_size=self.internal_batch_size)
@@ -241,6 +245,19 @@ class CaptumSaliency(_CaptumGradientBaseline):
     def _embedding_attribution(self, forward, embeddings, ids, target, additional):
         return Saliency(_EmbeddingsForward(forward, embeddings)).attribute(
             _embed(embeddings, ids).requires_grad_(), target=target, abs=True, additional_forward_args=(ids, *additional))
+
+
+def _refuse_graph_batches(model: nn.Module) -> None:
+    """Captum's Integrated Gradients stacks its steps along the first dimension of the inputs,
+    which for a PyG model is the node dimension: ``edge_index`` and ``batch`` would no longer
+    match the nodes (PyG then fails with an error about indices, or worse, a map of mixed
+    graphs). Refuse it in graph words instead."""
+    for module in model.modules():
+        if any(f"{c.__module__}.{c.__qualname__}" == _MESSAGE_PASSING for c in type(module).__mro__):
+            raise InputError(f"integrated-gradients on {type(model).__name__}, a graph model ({type(module).__name__} "
+                             "layers): Captum's Integrated Gradients stacks its steps along the node dimension, so "
+                             "edge_index and batch would no longer match the nodes. Use 'saliency', the package's "
+                             "methods (e.g. 'conservative-lrp', 'generic-attention') instead.")
 
 
 def _as_tuple(value: Any) -> Tuple[Any, ...]:
