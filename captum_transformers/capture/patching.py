@@ -104,6 +104,7 @@ def forward_hook(module: nn.Module, hook: Callable, *, pre: bool = False, with_k
     def gated(*args: Any):
         return hook(*args) if _is_entered(token) else None
 
+    gated.__dict__[_PACKAGE_HOOK] = True  # not the user's: user_hooks_isolated leaves it inside
     if pre:
         handle = module.register_forward_pre_hook(gated, with_kwargs=with_kwargs)
     else:
@@ -114,6 +115,10 @@ def forward_hook(module: nn.Module, hook: Callable, *, pre: bool = False, with_k
     finally:
         handle.remove()
 
+
+# Marks the hooks this module registers (an explanation's own, e.g. the one passing a mapping's
+# entries by name): a nested explanation's user_hooks_isolated must not set them outside it.
+_PACKAGE_HOOK = "_captum_transformers_patch"
 
 # The hook dictionaries whose entries a user may have registered: nn.Module's and those of
 # torch_geometric's MessagePassing.
@@ -149,6 +154,8 @@ def user_hooks_isolated(modules: Iterable[nn.Module], owners: FrozenSet[int]) ->
                 if not hooks:
                     continue
                 for key, hook in list(hooks.items()):
+                    if getattr(hook, _PACKAGE_HOOK, False):
+                        continue
                     wrapper = _isolating(hook, token, owners)
                     hooks[key] = wrapper
                     replaced.append((hooks, key, hook, wrapper))
@@ -194,6 +201,7 @@ def message_passing_hook(module: nn.Module, kind: str, hook: Callable) -> Iterat
     def gated(*args: Any):
         return hook(*args) if _is_entered(token) else None
 
+    gated.__dict__[_PACKAGE_HOOK] = True
     handle = register(gated)
     try:
         with _entered(token):
