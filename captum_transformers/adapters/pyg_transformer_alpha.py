@@ -87,6 +87,18 @@ def recomputed_alpha(blocks: List[Block]) -> Iterator[None]:
             _ALPHA.reset(token)
 
 
+def refuse_unless_layer_message(block: Block, message: torch.Tensor, out: torch.Tensor, consequence: str,
+                                fix: str) -> None:
+    """A message recomputed from the hook's arguments must be the layer's own, bit for bit;
+    otherwise (a changed ``TransformerConv.message``, attention dropout in training mode) the
+    explanation would describe another computation: ``CaptureError``."""
+    if not torch.equal(message, out):
+        raise CaptureError(
+            f"{block.name!r}: the TransformerConv message recomputed from its arguments differs from the layer's "
+            f"(a changed TransformerConv.message, or attention dropout in training mode), {consequence}; refusing "
+            f"rather than explaining another computation. {fix}")
+
+
 def _message_hook(block: Block, kept: Dict[int, torch.Tensor], scatter_softmax):
     module = block.module
 
@@ -96,12 +108,8 @@ def _message_hook(block: Block, kept: Dict[int, torch.Tensor], scatter_softmax):
         alpha = scatter_softmax(scores, kwargs["index"], kwargs["ptr"], kwargs["size_i"])
         value = kwargs["value_j"] if edge is None else kwargs["value_j"] + edge
         message = value * alpha.view(-1, module.heads, 1)
-        if not torch.equal(message, out):
-            raise CaptureError(
-                f"{block.name!r}: the TransformerConv message recomputed from its arguments differs from the layer's "
-                "(a changed TransformerConv.message, or attention dropout in training mode), so its attention "
-                "weights cannot be read; refusing rather than explaining another computation. Call model.eval()."
-            )
+        refuse_unless_layer_message(block, message, out, "so its attention weights cannot be read",
+                                    "Call model.eval().")
         kept[id(module)] = alpha
         return message
 
