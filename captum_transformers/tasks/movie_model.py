@@ -22,7 +22,7 @@ Gradient x Input and 0.687 for a random order.
 
 Example::
 
-    >>> model, tokenizer = load_movie_model()          # trains once (13-25 CPU minutes) if missing
+    >>> model, tokenizer = load_movie_model()          # trains once (10-22 CPU minutes) if missing
     >>> batch = encode(load_movie_snippets("test", limit=8), tokenizer)
     >>> model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
 """
@@ -269,10 +269,11 @@ def train_movie_model(cache_dir: str | os.PathLike | None = None, epochs: int = 
     return target
 
 
-# Measured CPU time of the first-use training (2 epochs): 769 s on a quiet core, 1322 s on a
-# 2-core machine shared with other jobs. Said before training starts, so a first user knows
-# the wait is expected and bounded.
-TRAINING_MINUTES = "13-25"
+# Measured CPU time of the first-use training (2 epochs, one thread): 586 s, 769 s and 1322 s
+# in three runs on 2-core machines (the last shared with other jobs; the first took 21 minutes
+# of wall time at half a core). Said before training starts, so a first user knows the wait is
+# expected and bounded.
+TRAINING_MINUTES = "10-22"
 
 
 def _to_stderr(message: str) -> None:
@@ -283,7 +284,7 @@ def training_announcement(path: Path) -> str:
     """What :func:`load_movie_model` says before it trains (first use only)."""
     return (f"captum_transformers: no fine-tuned movie model in {path}; training it now (first use only). "
             f"Fine-tuning the pretrained MiniLM-L6 on the movie-snippet train split (2 epochs) takes "
-            f"{TRAINING_MINUTES} CPU minutes, depending on the machine and its load; progress is printed every "
+            f"{TRAINING_MINUTES} CPU minutes (21-23 minutes of waiting measured on a busy 2-core machine); progress is printed every "
             f"50 steps. The result is cached in {path} and loaded from there next time (delete that folder to "
             f"retrain; set $CAPTUM_TRANSFORMERS_CACHE or pass cache_dir= to cache elsewhere).")
 
@@ -291,7 +292,7 @@ def training_announcement(path: Path) -> str:
 def load_movie_model(cache_dir: str | os.PathLike | None = None, train_if_missing: bool = True):
     """``(model.eval(), tokenizer)`` of the fine-tuned movie model, training it first if missing.
 
-    Training (first use only, 13-25 CPU minutes) is announced on stderr before it starts, with
+    Training (first use only, 10-22 CPU minutes) is announced on stderr before it starts, with
     where the result is cached; its progress goes to stderr too (a line every 50 steps).
 
     Example::
