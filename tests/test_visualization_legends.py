@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from captum_transformers.errors import InputError
-from captum_transformers.visualization import ExplanationGrid, TokenHeatmap
+from captum_transformers.visualization import ColorScale, ExplanationGrid, TokenHeatmap
 from captum_transformers.visualization.colors import SIGNED_WORDS, UNSIGNED_WORDS
 from captum_transformers.visualization.images import image_overlay
 
@@ -112,3 +112,90 @@ def test_token_heatmap_takes_the_attention_mask_of_a_dict_or_batch_encoding():
             ["a", "b"], ["c", "d", "e"]]
     with pytest.raises(InputError, match="no 'attention_mask' entry"):
         TokenHeatmap(tokens, {"m": scores}, attention_mask={"input_ids": mask})
+
+
+# -- signed or not is decided per METHOD, never by the scale or the data ---------------------------
+POSITIVE = torch.tensor([[0.5, 1.0, 2.0, 0.25]])    # a signed method's line that happens to hold no negative
+
+
+@pytest.mark.parametrize("scale", ["shared", 3.0])
+def test_a_shared_limit_leaves_unsigned_maps_unsigned_and_without_a_sum(scale):
+    images = torch.full((2, 3, 8, 8), 0.5)
+    signed_maps = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(0))
+    grid = ExplanationGrid(images, {"generic-attention": torch.rand(2, 8, 8), "attn-lrp": signed_maps},
+                           scale=scale, logits=[9.47, 1.0])
+    for row in range(2):
+        assert not grid.scales["generic-attention"][row].signed and grid.scales["attn-lrp"][row].signed
+        assert grid.scales["generic-attention"][row].limit == grid.scales["attn-lrp"][row].limit  # the limit IS shared
+        assert grid.conservation_caption("generic-attention", row) == ""
+        assert grid.conservation_caption("attn-lrp", row).startswith("sum of relevance")
+    assert "Unsigned maps (generic-attention)" in grid.to_html()
+    # A 4x4 rollout map (rows of 1/16: it sums to 1) next to a signed map must not read as exact conservation.
+    rollout = ExplanationGrid(images[:1], {"rollout": torch.full((1, 4, 4), 1 / 16), "lrp": -torch.ones(1, 4, 4)},
+                              scale=scale, logits=[1.0])
+    assert rollout.conservation_caption("rollout", 0) == "" and "sum of relevance 1 · logit 1" not in rollout.to_html()
+    tokens = TokenHeatmap(TOKENS, {"attn-lrp": SIGNED, "rollout": UNSIGNED}, scale=scale, logits=[2.1])
+    assert tokens.conservation_caption(0, "rollout") == "" and not tokens.scales["rollout"][0].signed
+    assert tokens.conservation_caption(0, "attn-lrp") == "sum of relevance -0.25 · logit 2.1"
+    assert "Unsigned maps (rollout)" in tokens.to_html()
+
+
+def test_an_unsigned_map_on_a_shared_limit_is_drawn_on_the_sequential_ramp():
+    images = torch.full((1, 3, 8, 8), 0.5)
+    shared = ExplanationGrid(images, {"rollout": torch.full((1, 8, 8), 0.5), "lrp": torch.full((1, 8, 8), -1.0)},
+                             scale="shared", opacity=1.0)
+    alone = ExplanationGrid(images, {"rollout": torch.full((1, 8, 8), 0.5)}, scale=1.0, opacity=1.0)
+    assert shared.scales["rollout"][0] == ColorScale(False, 1.0) and shared.scales["lrp"][0] == ColorScale(True, 1.0)
+    assert torch.equal(shared.cells["rollout"][0], alone.cells["rollout"][0])   # half-way red, 0..1
+
+
+def test_a_signed_method_whose_maps_hold_no_negative_keeps_its_signed_legend_and_sum():
+    heatmap = TokenHeatmap(TOKENS, {"attn-lrp": POSITIVE}, logits=[2.0])       # per-row: the default
+    assert heatmap.scales["attn-lrp"][0].signed
+    assert heatmap.conservation_caption(0, "attn-lrp") == "sum of relevance 3.75 · logit 2"
+    html = heatmap.to_html()
+    assert SIGNED_WORDS in html and UNSIGNED_WORDS not in html
+    grid = ExplanationGrid(torch.full((1, 3, 8, 8), 0.5), {"lrp": torch.rand(1, 8, 8)}, logits=[1.0])
+    assert grid.scales["lrp"][0].signed and grid.conservation_caption("lrp", 0).startswith("sum of relevance")
+    # The caller says so for names the catalog does not know; without a word, a name of its own is a guess.
+    said = TokenHeatmap(TOKENS, {"AttnLRP": POSITIVE, "mine": UNSIGNED}, signed={"AttnLRP": True}, logits=[2.0])
+    assert said.conservation_caption(0, "AttnLRP") == "sum of relevance 3.75 · logit 2"
+    assert not said.scales["mine"][0].signed                                   # guessed: no negative value
+    assert TokenHeatmap(TOKENS, {"mine": POSITIVE}, signed=True).scales["mine"][0].signed
+
+
+def test_signed_names_are_checked_and_an_unsigned_method_with_negatives_is_refused():
+    with pytest.raises(InputError, match=r"not maps of this picture"):
+        TokenHeatmap(TOKENS, {"attn-lrp": SIGNED}, signed={"atn-lrp": True})
+    with pytest.raises(InputError, match=r"expected True .* or False"):
+        TokenHeatmap(TOKENS, {"attn-lrp": SIGNED}, signed={"attn-lrp": 1})
+    with pytest.raises(InputError, match=r"'rollout' is an unsigned method of the catalog"):
+        TokenHeatmap(TOKENS, {"rollout": SIGNED})
+    with pytest.raises(InputError, match=r"signed\['mine'\] is False"):
+        TokenHeatmap(TOKENS, {"mine": SIGNED}, scale="shared", signed={"mine": False})
+
+
+def test_report_and_the_explain_picture_label_each_map_by_its_method(tmp_path):
+    from captum_transformers.cli import figures
+    from captum_transformers.tasks.digit_canvas import digit_canvases, normalize
+    from captum_transformers.tasks.digit_model import load_digit_model
+    from captum_transformers.visualization.grid import report
+
+    canvases = digit_canvases("test", n=2)
+    grid = report(load_digit_model(), normalize(canvases.images), images=canvases.images,
+                  methods=["generic-attention", "attn-lrp"], scale="shared")
+    for row in range(2):
+        assert not grid.scales["generic-attention"][row].signed and grid.scales["attn-lrp"][row].signed
+        assert grid.conservation_caption("generic-attention", row) == ""
+        assert grid.conservation_caption("attn-lrp", row).startswith("sum of relevance")
+    # The explain picture: a signed baseline ("lrp (baseline)", no catalog name) with no negative
+    # value keeps its sum; rollout gets none.
+    images = torch.full((1, 3, 8, 8), 0.5)
+    _, page = figures.image_grid(images, {"rollout": torch.rand(1, 8, 8), "lrp": torch.rand(1, 8, 8)}, ["x"],
+                                 tmp_path, logits=torch.tensor([1.5]))
+    html = page.read_text(encoding="utf-8")
+    assert html.count("sum of relevance") == 1 and SIGNED_WORDS in html and "Unsigned maps (rollout)" in html
+    _, strips = figures.token_strips([TOKENS], {"attn-lrp": POSITIVE, "generic-attention": UNSIGNED}, ["x"],
+                                     {"[CLS]", "[SEP]"}, tmp_path, logits=torch.tensor([2.0]))
+    html = strips.read_text(encoding="utf-8")
+    assert "sum of relevance 3.75 · logit 2" in html and html.count("sum of relevance") == 1

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..methods.catalog import KNOWN_METHOD_NAMES, SIGNED_METHODS
 from ..visualization import ExplanationGrid, TokenHeatmap
 
 # The baselines of the papers' tables (Chefer et al. 2021a/b, Ali et al. 2022): shown for
@@ -44,6 +45,13 @@ def recommended_first(maps: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return {column_title(name): maps[name] for name in ordered}
 
 
+def signedness(names) -> Dict[str, bool]:
+    """``{column title: signed}`` of the catalog methods among ``names``: each map is labelled by
+    its METHOD (``SIGNED_METHODS``), not by its values (a signed map may hold no negative value)
+    nor by its title (``lrp (baseline)`` is no catalog name)."""
+    return {column_title(name): name in SIGNED_METHODS for name in names if name in KNOWN_METHOD_NAMES}
+
+
 def image_grid(images: Sequence[torch.Tensor], maps: Dict[str, torch.Tensor], titles: Sequence[str],
                folder: Path, logits: Optional[torch.Tensor] = None) -> Tuple[Path, Path]:
     """One row per image: the image, then each method's (B, H, W) map over it (in grey), each
@@ -52,7 +60,8 @@ def image_grid(images: Sequence[torch.Tensor], maps: Dict[str, torch.Tensor], ti
     # The 99th percentile of |map| as each map's limit: per-pixel maps (LRP, gradients) have
     # a few extreme pixels that would otherwise leave the rest white.
     grid = ExplanationGrid(images, recommended_first(maps), titles, scale="per-map", percentile=99.0,
-                           title="captum-transformers explain (baselines last, marked '(baseline)')", logits=logits)
+                           title="captum-transformers explain (baselines last, marked '(baseline)')", logits=logits,
+                           signed=signedness(maps))
     return grid.save(folder / "explanations.png"), grid.save(folder / "explanations.html")
 
 
@@ -65,5 +74,5 @@ def token_strips(tokens: List[List[str]], scores: Dict[str, torch.Tensor], title
     mask = torch.arange(max(lengths)).unsqueeze(0) < lengths.unsqueeze(1)
     heatmap = TokenHeatmap(tokens, recommended_first(scores), titles=titles, special_tokens=special_tokens,
                            attention_mask=mask, title="captum-transformers explain (baselines last, marked)",
-                           logits=logits)
+                           logits=logits, signed=signedness(scores))
     return heatmap.save(folder / "explanations.png"), heatmap.save(folder / "explanations.html")

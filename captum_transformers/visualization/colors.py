@@ -13,6 +13,12 @@ would otherwise wash out a per-pixel map), taken over one map (``scale="per-map"
 all maps drawn together (``scale="shared"``), or given as a number. Values beyond the limit
 are drawn at full colour. NaN and infinite values are refused: no colour would be honest.
 
+Signed or sequential is decided per METHOD, never by the scale or the data (``signed_per_key``):
+a limit shared between LRP and rollout leaves rollout sequential, and an LRP map that happens
+to hold no negative value stays signed. Pictures take ``signed=`` as a bool or a
+``{method_name: bool}`` dict; with neither, catalog method names are answered by
+``SIGNED_METHODS`` and only other names get a guess from the data.
+
 >>> scale = ColorScale.fit([torch.tensor([-2.0, 0.0, 1.0])])
 >>> scale.signed, scale.limit
 (True, 2.0)
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional, Union
+from typing import Dict, Iterable, Mapping, Optional, Union
 
 import torch
 
@@ -170,27 +176,93 @@ def _any_negative(group) -> bool:
     return any(bool((m < 0).any()) for m in group)
 
 
-def fit_scales(maps: dict, scale: ScaleOption, signed: Optional[bool], percentile: float) -> dict:
-    """One ``ColorScale`` per key of ``maps`` ({key: list of tensors}): ``"shared"`` fits one over all,
-    ``"per-map"`` one per tensor (returned as a list per key), a number fixes the limit."""
+# Whether maps are signed: one answer for every key (a bool), or per key (a dict of bools).
+SignedOption = Union[None, bool, Mapping[str, bool]]
+
+
+def catalog_signedness(name) -> Optional[bool]:
+    """Whether the catalog method called ``name`` returns signed maps (``SIGNED_METHODS``);
+    None for a name the catalog does not know (a display name, a user's own method)."""
+    from ..methods.catalog import KNOWN_METHOD_NAMES, SIGNED_METHODS  # here: the catalog imports every method
+
+    name = str(name)
+    return (name in SIGNED_METHODS) if name in KNOWN_METHOD_NAMES else None
+
+
+def signed_per_key(maps: Mapping, signed: SignedOption) -> Dict[str, bool]:
+    """Signed or not, for each key (method) of ``maps`` ({key: list of tensors}).
+
+    Signedness belongs to the METHOD, never to the scale or the data: LRP's map of a short
+    sentence may hold no negative value and is still signed (red = for the class, its sum
+    beside the logit), a rollout map drawn on a limit shared with LRP is still unsigned. So,
+    per key: ``signed`` when a bool; ``signed[key]`` when a dict names the key; else the
+    catalog's answer when the key is a catalog method name (``SIGNED_METHODS``); else, for a
+    name nobody said anything about, a GUESS from the data (signed when a value is negative),
+    which is wrong for a signed method's all-positive map: say ``signed=`` to be sure.
+    A map drawn unsigned that holds a negative value is refused (its negatives would be
+    drawn as zero)."""
+    if signed is not None and not isinstance(signed, (bool, Mapping)):
+        raise InputError(f"signed={signed!r}: expected None (the catalog's answer per method name), True, False, "
+                         "or a {method_name: bool} dict.")
+    given: Dict[str, bool] = {}
+    if isinstance(signed, Mapping):
+        given = {str(key): value for key, value in signed.items()}
+        names = {str(key) for key in maps}
+        stray = sorted(key for key in given if key not in names)
+        if stray:
+            raise InputError(f"signed names {stray}, which are not maps of this picture ({sorted(names)}); expected "
+                             "a {method_name: bool} dict over the names of the maps (a typo would leave a map "
+                             "labelled by a guess).")
+        wrong = sorted(key for key, value in given.items() if not isinstance(value, bool))
+        if wrong:
+            raise InputError(f"signed[{wrong[0]!r}] is {given[wrong[0]]!r}; expected True (signed: for/against the "
+                             "class) or False (unsigned: relevance with no direction).")
+    out: Dict[str, bool] = {}
+    for key, group in maps.items():
+        if isinstance(signed, bool):
+            out[key], reason = signed, "signed=False was given"
+        elif str(key) in given:
+            out[key], reason = given[str(key)], f"signed[{str(key)!r}] is False"
+        else:
+            known = catalog_signedness(key)
+            reason = (f"{str(key)!r} is an unsigned method of the catalog (not in "
+                      "captum_transformers.methods.catalog.SIGNED_METHODS)")
+            out[key] = _any_negative(group) if known is None else known
+        if not out[key] and _any_negative(group):
+            low = min(float(m.min()) for m in group if m.numel())
+            raise InputError(f"the map(s) of {str(key)!r} hold negative values (min {low:.4g}) but are drawn unsigned: "
+                             f"{reason}. An unsigned scale (0..limit) would draw the negatives as zero. Pass "
+                             f"signed={{{str(key)!r}: True}} if this method's maps are signed, or check the map.")
+    return out
+
+
+def fit_scales(maps: dict, scale: ScaleOption, signed: SignedOption, percentile: float) -> dict:
+    """One ``ColorScale`` per key of ``maps`` ({key: list of tensors}): ``"shared"`` fits one
+    limit over all, ``"per-map"`` one scale per tensor (returned as a list per key), a number
+    fixes the limit. Signed or not is decided per key (``signed_per_key``), also when the
+    limit is shared: an unsigned map on a shared limit is drawn ``0..limit``."""
+    kinds = signed_per_key(maps, signed)
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        every = [m for group in maps.values() for m in group]
-        fixed = ColorScale.fit(every, signed=signed, limit=float(scale))
-        return {key: [fixed] * len(group) for key, group in maps.items()}
+        limit = ColorScale(True, float(scale)).limit  # refuses a limit that is not positive and finite
+        return {key: [ColorScale(kinds[key], limit)] * len(group) for key, group in maps.items()}
     if scale == "shared":
         every = [m for group in maps.values() for m in group]
-        common = ColorScale.fit(every, signed=signed, percentile=percentile)
-        return {key: [common] * len(group) for key, group in maps.items()}
+        limit = ColorScale.fit(every, signed=True, percentile=percentile).limit  # the limit only
+        return {key: [ColorScale(kinds[key], limit)] * len(group) for key, group in maps.items()}
     if scale == "per-map":
-        # Signed or not is decided per method (key), over all its maps: a signed method's map
-        # that happens to hold no negative value keeps the signed scale (and its legend).
-        return {key: [ColorScale.fit([m], signed=_any_negative(group) if signed is None else signed,
-                                     percentile=percentile) for m in group]
+        return {key: [ColorScale.fit([m], signed=kinds[key], percentile=percentile) for m in group]
                 for key, group in maps.items()}
     if scale == "per-method":
         out = {}
         for key, group in maps.items():
-            fitted = ColorScale.fit(group, signed=signed, percentile=percentile)
+            fitted = ColorScale.fit(group, signed=kinds[key], percentile=percentile)
             out[key] = [fitted] * len(group)
         return out
     raise InputError(f"scale={scale!r}: expected 'shared', 'per-method', 'per-map' or a positive number (the limit).")
+
+
+def common_scale(scales: Mapping) -> "ColorScale":
+    """The scale to show in the one colour bar of a shared limit: a signed one when any map is
+    signed (its positive half is the unsigned maps' 0..limit ramp), else the first."""
+    every = [scale for group in scales.values() for scale in group]
+    return next((scale for scale in every if scale.signed), every[0])

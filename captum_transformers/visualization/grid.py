@@ -16,7 +16,10 @@ rest (Captum's visualizer uses 98). Under the maps the image is drawn in grey
 
 Signed maps (a diverging ``±range`` scale) read red = for the explained class, blue =
 against; unsigned ones (GenericAttention, rollout: ``0..range``) read darker = more relevant,
-with no direction; the legend says which is which. Under each signed map its relevance sum
+with no direction; the legend says which is which. Which maps are signed is a property of the
+METHOD, whatever the scale: ``signed=`` takes a bool or a ``{method: bool}`` dict; by default a
+column named after a catalog method follows ``SIGNED_METHODS`` (``report`` passes it), and only
+a column of another name is guessed from its data (signed when a value is negative). Under each signed map its relevance sum
 is printed, and next to it the explained logit when ``logits`` (one per example) is given
 (``report`` passes the model's own): ``sum 1.83 · logit 2.10``. Conservative methods aim at
 equal numbers (docs/relevance-rules.md says how far the shipped models are from that).
@@ -35,7 +38,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ..errors import InputError
-from .colors import ColorScale, ScaleOption, as_float_tensor, fit_scales, legend_words
+from .colors import ColorScale, ScaleOption, SignedOption, as_float_tensor, common_scale, fit_scales, legend_words
 from .images import add_colorbar, display_image, draw, enlarge, map_to_pixels, zoom_factor
 from .output import Picture, agg_figure, data_uri, escape, legend_html, plain_text, png_bytes
 
@@ -45,7 +48,7 @@ class ExplanationGrid(Picture):
     drawing, ``scales[method][row]`` its ``ColorScale``."""
 
     def __init__(self, images, maps: Mapping[str, object], titles: Optional[Sequence[str]] = None, *,
-                 scale: ScaleOption = "per-map", signed: Optional[bool] = None, percentile: float = 100.0,
+                 scale: ScaleOption = "per-map", signed: SignedOption = None, percentile: float = 100.0,
                  opacity: float = 0.85, patch_grid: Optional[Tuple[int, int]] = None, outlines=None,
                  title: str = "Explanations", grayscale: bool = True, logits=None):
         if not isinstance(maps, Mapping) or not maps:
@@ -123,8 +126,8 @@ class ExplanationGrid(Picture):
             footer = "<tr><td>scale per method</td>" + "".join(
                 f"<td>{legend_html(self.scales[name][0], compact=True)}</td>" for name in self.methods) + "</tr>"
         else:
-            footer = (f"<tr><td colspan='{len(self.methods) + 1}'>one scale for every map: "
-                      f"{legend_html(self.scales[self.methods[0]][0])}</td></tr>")
+            footer = (f"<tr><td colspan='{len(self.methods) + 1}'>one limit for every map: "
+                      f"{legend_html(common_scale(self.scales))}</td></tr>")
         return (f"<h3>{escape(self.title)}</h3><table><tr><th>input</th>{head}</tr>{''.join(rows)}{footer}</table>"
                 f"<p class='legend'>Overlays: {escape(self.legend_words())} A pixel of zero relevance shows the "
                 "image itself.</p>")
@@ -179,7 +182,7 @@ class ExplanationGrid(Picture):
         total = sheet.shape[0] + bar_pixels
         bottom, thickness = 45 / total, 10 / total  # the colour bars: 10 pixels high, 45 above the edge (words below)
         if self.scale_mode in ("shared",) or isinstance(self.scale_mode, (int, float)):
-            add_colorbar(figure, (0.3, bottom, 0.4, thickness), self.scales[self.methods[0]][0])
+            add_colorbar(figure, (0.3, bottom, 0.4, thickness), common_scale(self.scales))
         elif self.scale_mode == "per-method":
             for col, name in enumerate(self.methods, start=1):
                 add_colorbar(figure, (col / cols + 0.02, bottom, 1 / cols - 0.04, thickness), self.scales[name][0])
@@ -200,9 +203,11 @@ def report(model, inputs, *, methods: Optional[Sequence[str]] = None, target=Non
     ``images`` are what is drawn (in [0, 1]); by default ``inputs`` themselves, which must then
     be in [0, 1] (a normalised batch is refused by the drawing: pass the raw images).
     ``target`` takes Captum's forms (None: the predicted class). Other keyword arguments go to
-    ``ExplanationGrid`` (``scale``, ``patch_grid``, ``outlines``, ``title``...).
+    ``ExplanationGrid`` (``scale``, ``patch_grid``, ``outlines``, ``title``...). Each method's
+    maps are labelled signed or unsigned by the catalog (``SIGNED_METHODS``), whatever the
+    scale or the values; a ``signed={name: bool}`` dict overrides names it gives.
     """
-    from ..methods.catalog import METHOD_NAMES, build_method
+    from ..methods.catalog import METHOD_NAMES, SIGNED_METHODS, build_method
 
     if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point():
         raise InputError(f"report draws image models; got {inputs.dtype} inputs of shape {tuple(inputs.shape)} "
@@ -215,6 +220,9 @@ def report(model, inputs, *, methods: Optional[Sequence[str]] = None, target=Non
     for name in names:
         attribution = build_method(name, model).attribute(inputs, target=target, forward_kwargs=forward_kwargs)
         maps[name] = (attribution[0] if isinstance(attribution, tuple) else attribution).detach()
+    given = grid_options.get("signed")
+    if given is None or isinstance(given, Mapping):
+        grid_options["signed"] = {**{name: name in SIGNED_METHODS for name in maps}, **dict(given or {})}
     if "logits" not in grid_options:
         grid_options["logits"] = explained_logits(model, inputs, target, forward_kwargs)
     return ExplanationGrid(inputs if images is None else images, maps, titles, **grid_options)

@@ -198,7 +198,10 @@ def image_overlay(image, attribution, *, title: str = "", caption: str = "", sig
                   ) -> ImageOverlay:
     """Draw ``attribution`` over ``image`` (see the module docstring for the blend).
 
-    ``signed=None`` picks the diverging scale when the map has a negative value; ``limit``
+    ``signed``: True for a signed method's map (LRP, AttnLRP, gradient x input, Integrated
+    Gradients: ``SIGNED_METHODS``), False for an unsigned one; ``signed=None`` only GUESSES
+    from the data (diverging when a value is negative), so a signed map with no negative value
+    would lose its signed legend and its sum: say it when you know the method. ``limit``
     fixes the scale (default: the ``percentile`` of ``|map|``, 100 = its maximum); ``scale``
     passes a ready ``ColorScale`` (shared by several overlays). ``patch_grid=(rows, cols)``
     draws the patch boundaries, ``outline`` a boolean (H, W) mask's edge in green, ``boxes``

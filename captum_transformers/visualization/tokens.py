@@ -17,6 +17,11 @@ Hover a token (HTML) for its exact score.
   absorbed (docs/relevance-rules.md). Unsigned maps get no sum: it has no meaning there.
 * **Legend**: signed lines read red = for the explained class, blue = against; unsigned ones
   (GenericAttention, rollout: ``0..range``) read darker = more relevant, with no direction.
+  Signed is a property of the METHOD, whatever the scale (a limit shared with a signed method
+  leaves an unsigned one ``0..limit``): ``signed=`` takes a bool or a ``{method: bool}`` dict;
+  by default a catalog method's name follows ``SIGNED_METHODS``, and only another name is
+  guessed from its scores (signed when one is negative: wrong for a signed method's
+  all-positive line, so say ``signed=`` for your own names).
 * **Special tokens** (``special_tokens``: ``[CLS]``, ``<s>``...) are drawn grey with a dashed
   border, their score in the tooltip only, and are left out of the colour scale: a
   self-relevance of ~1 on CLS would otherwise wash out every word. ``hide_special=True``
@@ -38,7 +43,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ..errors import InputError
-from .colors import ColorScale, ScaleOption, as_float_tensor, css_rgb, fit_scales, legend_words, text_colour
+from .colors import (ColorScale, ScaleOption, SignedOption, as_float_tensor, common_scale, css_rgb, fit_scales,
+                     legend_words, text_colour)
 from .output import Picture, agg_figure, escape, legend_html, plain_text
 
 WORD_START_MARKS = ("▁", "Ġ")
@@ -94,7 +100,7 @@ class TokenHeatmap(Picture):
 
     def __init__(self, tokens, scores, *, titles: Optional[Sequence[str]] = None, special_tokens=(),
                  attention_mask=None, merge_word_pieces: bool = False, hide_special: bool = False,
-                 scale: ScaleOption = "per-row", signed: Optional[bool] = None, title: str = "Token relevance",
+                 scale: ScaleOption = "per-row", signed: SignedOption = None, title: str = "Token relevance",
                  logits=None):
         examples = [list(tokens)] if tokens and isinstance(tokens[0], str) else [list(t) for t in tokens]
         if not examples or not all(isinstance(t, str) for ex in examples for t in ex):
@@ -215,8 +221,9 @@ class TokenHeatmap(Picture):
             parts.append("<div class='legend'>Each line is scaled by its largest |score| (its range is next to "
                          f"it). {escape(self._legend_words())} Grey dashed: special tokens, not coloured.</div>")
         else:
-            parts.append(legend_html(next(iter(self.scales.values()))[0],
-                                     "" if self.scale_mode == "shared" else "(first method's scale)"))
+            shared = self.scale_mode != "per-method"  # "shared" or a number: one limit for every line
+            parts.append(legend_html(common_scale(self.scales) if shared else next(iter(self.scales.values()))[0],
+                                     "" if shared else "(first method's scale)"))
             parts.append(f"<div class='legend'>{escape(self._legend_words())}</div>")
         return "".join(parts)
 
