@@ -14,6 +14,11 @@ put back when the hook returns or raises. The hook's own computation is therefor
 explained with the model (a hook that *replaces* a module's output changes the model; its
 replacement is a constant to the rules, like any value computed outside them).
 
+One package mode stays on in the hook: the train-mode watch of
+:mod:`.stochastic_layers` (it holds no recorder or rule). A hook that applies dropout or
+noise to the output of a model in training mode makes the explained forward random, and is
+refused like the model's own dropout; another model run from the hook follows its own rule.
+
 One thing cannot be isolated: an explanation of the *same* model (or of a model sharing a
 module with it) from inside its own explanation would patch and record the very modules that
 are running. :func:`refuse_nested` refuses it (:class:`~captum_transformers.errors.CaptureError`).
@@ -50,7 +55,10 @@ def _default(var: contextvars.ContextVar) -> Any:
 
 
 def _is_package_mode(mode: Any) -> bool:
-    return type(mode).__module__.startswith(_PREFIX + ".")
+    """A mode of the package that a user hook must not see. The train-mode watch
+    (``kept_in_user_hooks``) stays: it carries no recorder or rule, and a hook that adds
+    dropout or noise to the explained model's output makes its forward random too."""
+    return type(mode).__module__.startswith(_PREFIX + ".") and not getattr(mode, "kept_in_user_hooks", False)
 
 
 @contextlib.contextmanager

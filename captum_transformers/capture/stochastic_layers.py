@@ -51,7 +51,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import StochasticForwardError
-from . import module_walk
+from . import isolation, module_walk
 
 _ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("captum_transformers_allow_stochastic", default=False)
 # The models whose forward this thread is watching now (a nested watch of one of them adds nothing).
@@ -226,7 +226,134 @@ def _rrelu(args: tuple, kwargs: dict) -> Optional[Tuple[str, bool]]:
 
 
 def _bernoulli(args: tuple, kwargs: dict) -> Optional[Tuple[str, bool]]:
+    # Refused at any size: a one-element Bernoulli draw is a drop-path coin (torchvision's
+    # StochasticDepth in "batch" mode), not a harmless one like the layerdrop coin below.
     return "Bernoulli sampling (a random mask, as drop path or a hand-written dropout draws)", False
+
+
+# -- random draws other than Bernoulli: refused from two numbers up ----------------------------
+#
+# A draw of many numbers is noise or a mask applied to activations (router jitter in MoE
+# models, Gumbel noise, ``torch.rand_like(h) > p``). A draw of at most one number is a coin:
+# HuggingFace layers draw ``torch.rand([])`` in training mode even at ``layerdrop=0``, where it
+# changes nothing, and a coin that does change something is a ``layerdrop`` (or drop path) the
+# module walk refuses. The limit: a hand-written coin the walk cannot name (``if torch.rand([])
+# < 0.1: skip``) passes.
+
+def _first_tensor(args: tuple, kwargs: dict, *names: str) -> Optional[torch.Tensor]:
+    for name in names:
+        if isinstance(kwargs.get(name), torch.Tensor):
+            return kwargs[name]
+    return args[0] if args and isinstance(args[0], torch.Tensor) else None
+
+
+def _shape_count(shape: Any) -> int:
+    count = 1
+    for extent in shape:
+        count *= int(extent)
+    return count
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, (tuple, list, torch.Size))
+
+
+def _count_of_input(args: tuple, kwargs: dict) -> int:
+    """Numbers drawn by ``*_like``, in-place samplers, ``poisson`` and kin: one per input element."""
+    tensor = _first_tensor(args, kwargs, "input", "self", "tensor", "count", "logits")
+    return tensor.numel() if tensor is not None else 2  # unknown: counted as a draw of many
+
+
+def _count_of_size(args: tuple, kwargs: dict) -> int:
+    """``torch.rand(2, 3)``, ``torch.rand((2, 3))``, ``torch.rand(size=...)``, ``torch.randint(low,
+    high, size)``: the first shape given (or the leading integers)."""
+    if _is_shape(kwargs.get("size")):
+        return _shape_count(kwargs["size"])
+    for value in args:
+        if _is_shape(value):
+            return _shape_count(value)
+    leading = []
+    for value in args:
+        if not isinstance(value, int) or isinstance(value, bool):
+            break
+        leading.append(value)
+    return _shape_count(leading) if leading else 2
+
+
+def _count_of_randint(args: tuple, kwargs: dict) -> int:
+    if _is_shape(kwargs.get("size")):
+        return _shape_count(kwargs["size"])
+    shapes = [value for value in args if _is_shape(value)]
+    return _shape_count(shapes[0]) if shapes else 2
+
+
+def _count_of_randperm(args: tuple, kwargs: dict) -> int:
+    return int(_argument(args, kwargs, 0, "n", 2))
+
+
+def _count_of_normal(args: tuple, kwargs: dict) -> int:
+    """``normal(mean, std, size)`` with numbers, or with tensors broadcast together."""
+    if _is_shape(kwargs.get("size")) or any(_is_shape(value) for value in args):
+        return _count_of_randint(args, kwargs)
+    tensors = [value for value in (*args, kwargs.get("mean"), kwargs.get("std")) if isinstance(value, torch.Tensor)]
+    return _shape_count(torch.broadcast_shapes(*(t.shape for t in tensors))) if tensors else 2
+
+
+def _count_of_multinomial(args: tuple, kwargs: dict) -> int:
+    probabilities = _first_tensor(args, kwargs, "input", "self")
+    samples = int(_argument(args, kwargs, 1, "num_samples", 2))
+    rows = probabilities.shape[0] if probabilities is not None and probabilities.dim() == 2 else 1
+    return samples * rows
+
+
+def _count_of_fractional_pool(args: tuple, kwargs: dict) -> int:
+    # Draws its pooling offsets unless they are given (``_random_samples``).
+    return 0 if kwargs.get("_random_samples") is not None else _count_of_input(args, kwargs)
+
+
+def _draw(label: str, count: Callable[[tuple, dict], int]) -> Callable[[tuple, dict], Optional[Tuple[str, bool]]]:
+    def check(args: tuple, kwargs: dict) -> Optional[Tuple[str, bool]]:
+        drawn = count(args, kwargs)
+        if drawn <= 1:
+            return None
+        return f"{label} drawing {drawn} random numbers (noise or a mask applied to the activations)", False
+    return check
+
+
+def _random_draws() -> Dict[Any, Callable[[tuple, dict], Optional[Tuple[str, bool]]]]:
+    """Every random sampler of torch's public API the forward of a model may call (and the
+    Python-level functions that draw inside: a torch-function mode does not see the calls a
+    function it already saw makes)."""
+    counts: Dict[str, Callable[[tuple, dict], int]] = {
+        "rand": _count_of_size, "randn": _count_of_size, "randint": _count_of_randint,
+        "randperm": _count_of_randperm, "normal": _count_of_normal, "multinomial": _count_of_multinomial,
+        "rand_like": _count_of_input, "randn_like": _count_of_input, "randint_like": _count_of_input,
+        "poisson": _count_of_input, "binomial": _count_of_input, "_standard_gamma": _count_of_input,
+        "_sample_dirichlet": _count_of_input,
+    }
+    checks: Dict[Any, Callable] = {}
+    for name, count in counts.items():
+        function = getattr(torch, name, None)
+        if function is not None:
+            checks[function] = _draw(f"torch.{name}", count)
+    for name in ("uniform_", "normal_", "exponential_", "random_", "geometric_", "log_normal_", "cauchy_",
+                 "multinomial"):
+        method = getattr(torch.Tensor, name, None)
+        if method is not None:
+            checks[method] = _draw(f"Tensor.{name}",
+                                   _count_of_multinomial if name == "multinomial" else _count_of_input)
+    for name in ("uniform_", "normal_", "trunc_normal_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+                 "kaiming_normal_", "orthogonal_", "sparse_"):
+        function = getattr(nn.init, name, None)
+        if function is not None:
+            checks[function] = _draw(f"nn.init.{name}", _count_of_input)
+    checks[F.gumbel_softmax] = _draw("F.gumbel_softmax", _count_of_input)
+    for name in ("fractional_max_pool2d", "fractional_max_pool3d", "fractional_max_pool2d_with_indices",
+                 "fractional_max_pool3d_with_indices"):
+        function = getattr(F, name, None)
+        if function is not None:
+            checks[function] = _draw(f"F.{name}", _count_of_fractional_pool)
+    return checks
 
 
 def _checks() -> Dict[Any, Callable[[tuple, dict], Optional[Tuple[str, bool]]]]:
@@ -251,15 +378,29 @@ def _checks() -> Dict[Any, Callable[[tuple, dict], Optional[Tuple[str, bool]]]]:
         function = getattr(torch, name, None)
         if function is not None:
             checks[function] = _rrelu
+    checks.update(_random_draws())
     return checks
 
 
 _CHECKS = _checks()
 
 
+_MODULE_CALL = nn.Module._call_impl.__code__
+
+
 class _FunctionalWatch(TorchFunctionMode):
     """Passes every call through; a random or batch-dependent one (:data:`_CHECKS`) is refused
-    before it runs (so that no running statistic changes), naming the calling module."""
+    before it runs (so that no running statistic changes), naming the calling module.
+
+    It stays on inside the user's hooks on the model (``kept_in_user_hooks``, read by
+    :mod:`.isolation`, which sets the package's other modes aside there): a hook that adds
+    dropout or noise to a module's output makes the explained forward random just as the
+    module would. It holds no recorder or rule, so nothing else of the explanation reaches the
+    hook. Another model run or explained from such a hook follows its own rule, not this one:
+    a call made inside one of *its* modules passes here (its own :func:`watched`, if it is in
+    training mode, judges it)."""
+
+    kept_in_user_hooks = True
 
     def __init__(self, model: nn.Module, allowed: bool) -> None:
         super().__init__()
@@ -270,10 +411,24 @@ class _FunctionalWatch(TorchFunctionMode):
         check = _CHECKS.get(func)
         if check is not None:
             found = check(args, kwargs)
-            if found is not None and (found[1] or not self.allowed):
+            if found is not None and (found[1] or not self.allowed) and not self._another_models_call():
                 raise StochasticForwardError(refusal(self.model, [Finding(self._caller(), found[0], found[1])],
                                                      self.allowed))
         return func(*args, **kwargs)
+
+    def _another_models_call(self) -> bool:
+        """Whether the call is made inside a module of another model, run from one of this
+        model's user hooks (the innermost module being called is not one of this model's).
+        Outside those hooks every call of the forward is this model's (the refusal path only)."""
+        if id(self.model) not in isolation.inside_hooks_of():
+            return False
+        ours = {id(module) for _, module in module_walk.named_modules(self.model)}
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code is _MODULE_CALL:
+                return id(frame.f_locals.get("self")) not in ours
+            frame = frame.f_back
+        return False
 
     def _caller(self) -> str:
         """The innermost module of the model whose forward is on the stack (the error path only)."""
