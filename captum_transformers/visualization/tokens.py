@@ -32,7 +32,7 @@ Hover a token (HTML) for its exact score.
   starts instead (SentencePiece ``▁``, byte-level BPE ``Ġ``) a word starts at a marked piece.
   Special tokens are never merged.
 
->>> TokenHeatmap(tokens, {"AttnLRP": scores}, special_tokens={"[CLS]", "[SEP]"},
+>>> TokenHeatmap(tokens, {"attn-lrp": scores}, special_tokens={"[CLS]", "[SEP]"},
 ...              attention_mask=mask, merge_word_pieces=True).save("tokens.html")   # doctest: +SKIP
 """
 from __future__ import annotations
