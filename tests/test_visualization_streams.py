@@ -87,3 +87,23 @@ def test_curves_from_a_results_json_one_plot_per_curve_metric(tmp_path):
         curve_plots(rows, metrics=["aopc"])
     with pytest.raises(InputError, match="CurveResult"):
         CurvePlot({"rollout": rows[-1][1]})
+
+
+def test_stream_views_label_every_part_by_the_methods_signedness_not_by_its_values():
+    """An AttnLRP image map with no negative pixel stays signed beside its signed text part."""
+    tokens = [["<s>", "a", "dog", "</s>"]]
+    text, maps = torch.tensor([[0.0, 1.0, -0.5, 0.0]]), torch.rand(1, 3, 16, 16)
+    words, overlay = text_image_view(tokens, text, torch.rand(1, 3, 16, 16), maps, signed=True).rows[0]
+    assert words.scales["text"][0].signed and overlay.scale.signed and "sum of relevance" in overlay.caption
+    guessed = text_image_view(tokens, text, torch.rand(1, 3, 16, 16), maps).rows[0][1]
+    assert not guessed.scale.signed                                   # signed=None: a guess from the data
+    regions = torch.tensor([[0.5, 2.0, 1.0]])
+    boxes = torch.tensor([[[0.0, 0.0, 0.5, 0.5], [0.5, 0.5, 1.0, 1.0], [0.0, 0.5, 0.5, 1.0]]])
+    _, strip, drawn = text_regions_view([["a", "b", "c"]], regions, regions, images=torch.full((1, 3, 20, 20), 0.5),
+                                        boxes=boxes, signed=True).rows[0]
+    assert strip.scales["regions"][0].signed and drawn.scale.signed
+    found = Detections(maps=torch.rand(1, 3, 16, 12), image_index=torch.tensor([0]), query_index=torch.tensor([2]),
+                       label=torch.tensor([1]), score=torch.tensor([0.9]))
+    assert detection_view(torch.rand(1, 3, 16, 12), found, signed=True).rows[0][0].scale.signed
+    with pytest.raises(InputError, match="negative"):
+        text_image_view(tokens, text, torch.rand(1, 3, 16, 16), maps, signed=False)

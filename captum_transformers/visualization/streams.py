@@ -9,6 +9,11 @@ size and units (a text token vs an image pixel), so one shared number would favo
   "region 0 .. R-1", and the region boxes drawn over the image when both are given);
 * ``detection_view``: DETR, each explained detection's map over its image with its box.
 
+Signed or not is the method's (``signed=name in SIGNED_METHODS`` of
+``captum_transformers.methods.catalog``), the same for every part of a view: with
+``signed=None`` each part only GUESSES from its own values (signed when one is negative), so
+an AttnLRP image map with no negative pixel would lose its signed legend and its sum.
+
 >>> text, image = GenericAttention(clip).attribute((ids, pixels))                       # doctest: +SKIP
 >>> text_image_view(tokens, text, pictures, image, special_tokens={"<|endoftext|>"})    # doctest: +SKIP
 """
@@ -88,26 +93,29 @@ def _titles(titles: Optional[Sequence[str]], count: int) -> List[str]:
     return titles
 
 
-def _text_row(tokens, text_scores, row: int, special_tokens, attention_mask, merge_word_pieces) -> TokenHeatmap:
+def _text_row(tokens, text_scores, row: int, special_tokens, attention_mask, merge_word_pieces,
+              signed: Optional[bool] = None) -> TokenHeatmap:
     """The token heatmap of example ``row`` (its own padding mask)."""
     mask = None if attention_mask is None else torch.as_tensor(attention_mask)[row:row + 1]
     return TokenHeatmap([list(tokens[row])], {"text": text_scores[row:row + 1]}, special_tokens=special_tokens,
-                        attention_mask=mask, merge_word_pieces=merge_word_pieces, title="text")
+                        attention_mask=mask, merge_word_pieces=merge_word_pieces, title="text", signed=signed)
 
 
 def text_image_view(tokens: Sequence[Sequence[str]], text_scores, images, image_maps, *,
                     titles: Optional[Sequence[str]] = None, special_tokens=(), attention_mask=None,
-                    merge_word_pieces: bool = False, patch_grid=None, title: str = "Text and image relevance"
-                    ) -> StreamView:
-    """CLIP-like views: per example, its token heatmap beside its image overlay."""
+                    merge_word_pieces: bool = False, patch_grid=None, title: str = "Text and image relevance",
+                    signed: Optional[bool] = None) -> StreamView:
+    """CLIP-like views: per example, its token heatmap beside its image overlay (``signed``:
+    whether the method's maps are signed; None guesses per part, see the module docstring)."""
     count = len(tokens)
     text_scores = _batch(text_scores, count, "text_scores")
     image_maps = _batch(image_maps, count, "image_maps")
     titles = _titles(titles, count)
     rows = []
     for row in range(count):
-        text = _text_row(tokens, text_scores, row, special_tokens, attention_mask, merge_word_pieces)
-        rows.append([text, image_overlay(images[row], image_maps[row], title="image", patch_grid=patch_grid)])
+        text = _text_row(tokens, text_scores, row, special_tokens, attention_mask, merge_word_pieces, signed)
+        rows.append([text, image_overlay(images[row], image_maps[row], title="image", patch_grid=patch_grid,
+                                         signed=signed)])
     return StreamView(rows, titles, title)
 
 
@@ -115,15 +123,17 @@ class RegionBoxes(ImageOverlay):
     """An image (dimmed) with each region's box drawn in its relevance colour, strongest on top."""
 
 
-def region_boxes(image, scores: torch.Tensor, boxes, title: str = "regions") -> RegionBoxes:
-    """``boxes`` (R, 4): ``(x0, y0, x1, y1)`` as fractions of the image (LXMERT's visual_pos)."""
+def region_boxes(image, scores: torch.Tensor, boxes, title: str = "regions",
+                 signed: Optional[bool] = None) -> RegionBoxes:
+    """``boxes`` (R, 4): ``(x0, y0, x1, y1)`` as fractions of the image (LXMERT's visual_pos);
+    ``signed`` as in the module docstring (None: a guess from ``scores``)."""
     pixels = display_image(image)
     height, width = pixels.shape[:2]
     boxes = as_float_tensor(boxes, "boxes")
     if boxes.shape != (scores.shape[0], 4):
         raise InputError(f"boxes have shape {tuple(boxes.shape)}; expected ({scores.shape[0]}, 4): one "
                          "(x0, y0, x1, y1) in [0, 1] per region.")
-    scale = ColorScale.fit([scores])
+    scale = ColorScale.fit([scores], signed=signed)
     factor = zoom_factor(height, width)
     rgb = enlarge((pixels * 0.5 * 255 + 127).round().to(torch.uint8), factor)
     colours = scale.rgb(scores)
@@ -136,10 +146,12 @@ def region_boxes(image, scores: torch.Tensor, boxes, title: str = "regions") -> 
 
 def text_regions_view(tokens: Sequence[Sequence[str]], text_scores, region_scores, *, images=None, boxes=None,
                       titles: Optional[Sequence[str]] = None, special_tokens=(), attention_mask=None,
-                      merge_word_pieces: bool = False, title: str = "Text and region relevance") -> StreamView:
+                      merge_word_pieces: bool = False, title: str = "Text and region relevance",
+                      signed: Optional[bool] = None) -> StreamView:
     """LXMERT / VisualBERT views: per example, its token heatmap, its region scores as a strip
     ("region 0" ... in feature order), and with ``images`` and ``boxes`` ((B, R, 4) fractions
-    of the image, as LXMERT's ``visual_pos``) the boxes over the image."""
+    of the image, as LXMERT's ``visual_pos``) the boxes over the image. ``signed``: whether the
+    method's maps are signed (None guesses per part, see the module docstring)."""
     count = len(tokens)
     text_scores = _batch(text_scores, count, "text_scores")
     region_scores = _batch(region_scores, count, "region_scores")
@@ -148,21 +160,22 @@ def text_regions_view(tokens: Sequence[Sequence[str]], text_scores, region_score
     titles = _titles(titles, count)
     rows = []
     for row in range(count):
-        text = _text_row(tokens, text_scores, row, special_tokens, attention_mask, merge_word_pieces)
+        text = _text_row(tokens, text_scores, row, special_tokens, attention_mask, merge_word_pieces, signed)
         names = [f"region {index}" for index in range(region_scores.shape[1])]
-        regions = TokenHeatmap([names], {"regions": region_scores[row:row + 1]}, title="regions")
+        regions = TokenHeatmap([names], {"regions": region_scores[row:row + 1]}, title="regions", signed=signed)
         parts: List[Picture] = [text, regions]
         if images is not None:
-            parts.append(region_boxes(images[row], region_scores[row], torch.as_tensor(boxes)[row]))
+            parts.append(region_boxes(images[row], region_scores[row], torch.as_tensor(boxes)[row], signed=signed))
         rows.append(parts)
     return StreamView(rows, titles, title)
 
 
 def detection_view(images, detections, *, pred_boxes=None, class_names: Optional[Sequence[str]] = None,
-                   title: str = "Detections") -> StreamView:
+                   title: str = "Detections", signed: Optional[bool] = None) -> StreamView:
     """DETR views: one row per image, one picture per explained detection of it
     (``explain_detections``' result): its map over the image, and with ``pred_boxes`` (the model output's (B, Q, 4) boxes: centre x,
-    centre y, width, height as fractions of the image) its box in yellow."""
+    centre y, width, height as fractions of the image) its box in yellow. ``signed``: whether the
+    method's maps are signed (None guesses per map, see the module docstring)."""
     maps = detections.maps[0] if isinstance(detections.maps, tuple) else detections.maps
     by_image = {}
     for d in range(len(detections)):
@@ -177,7 +190,7 @@ def detection_view(images, detections, *, pred_boxes=None, class_names: Optional
             boxes = [((cx - w / 2) * width, (cy - h / 2) * height, (cx + w / 2) * width, (cy + h / 2) * height)]
         caption = f"query {query}: {name} {float(detections.score[d]):.2f}"
         by_image.setdefault(image_index, []).append(image_overlay(images[image_index], maps[d], title=caption,
-                                                                  boxes=boxes))
+                                                                  boxes=boxes, signed=signed))
     if not by_image:
         raise InputError("no detection to draw (D = 0): lower explain_detections' threshold.")
     return StreamView(list(by_image.values()), [f"image {index}" for index in by_image], title)
