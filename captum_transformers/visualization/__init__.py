@@ -1,12 +1,14 @@
-"""Pictures of explanations, with one colour convention everywhere (``colors``: white at zero,
-red for the explained class, blue against it, signed scales symmetric about zero and stated in
-a colour bar) and objects that show themselves in notebooks and ``save`` to PNG, SVG or one
-self-contained HTML file (``output``).
+"""Pictures of explanations, with one colour convention everywhere (``colors``: white at zero;
+a signed method's map red for the explained class and blue against it on a scale symmetric
+about zero; an unsigned method's map white to red, darker = more relevant, no direction; each
+scale stated in a colour bar) and objects that show themselves in notebooks and ``save`` to
+PNG, SVG or one self-contained HTML file (``output``). Signed or not follows the METHOD
+(``signed=``, or the catalog's ``SIGNED_METHODS`` for catalog names), never the scale or data.
 
 =====================  ==============================================================
 image_overlay          one map over its image (opacity, patch grid, mask outline, boxes)
 ExplanationGrid        methods x examples; ``report(model, inputs)`` computes it
-TokenHeatmap           signed token colours; special tokens; word pieces merged (sum)
+TokenHeatmap           token colours; special tokens; word pieces merged (sum)
 text_image_view        CLIP: text tokens beside the image overlay
 text_regions_view      LXMERT / VisualBERT: text tokens, region strip, region boxes
 detection_view         DETR: each explained detection's map and box

@@ -1,4 +1,4 @@
-"""Token relevance as signed colour: one line per (example, method), every token shaded.
+"""Token relevance as colour: one line per (example, method), every token shaded.
 
 ``TokenHeatmap(tokens, {method: scores})`` takes the tokens of each example and (B, S)
 scores (``return_tokens=True`` of any method). Colours follow ``colors``: white at 0, red
@@ -93,7 +93,7 @@ class TokenLine:
 
 
 class TokenHeatmap(Picture):
-    """Signed token heatmap of one or more examples and methods (see the module docstring).
+    """Token heatmap of one or more examples and methods (see the module docstring).
 
     ``scale``: ``"per-row"`` (default: each line by its largest |score|, so colours compare
     within a line), ``"per-method"``, ``"shared"`` or a number (the limit)."""
