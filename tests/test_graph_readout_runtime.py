@@ -224,3 +224,120 @@ def test_a_constant_mask_before_the_pooling_reads_the_masked_subset():
     model = _model(MaskedAdd)
     expected = _raw_truth(model, _weights([range(0, n, 2) for n in SIZES]))
     torch.testing.assert_close(_raw(model).to(torch.float64), expected)
+
+
+class NeighbourMixing(GraphClassifier):
+    """Hand-written message passing after the last attention layer: z_i = h_i + 3 * sum_{j -> i} h_j."""
+
+    def forward(self, x, edge_index, batch=None):
+        hidden = self.nodes(x, edge_index)
+        source, target = edge_index
+        return self.head(pyg.global_mean_pool(hidden.index_add(0, target, 3 * hidden[source]), batch))
+
+
+def _isolated_first_nodes():
+    """Two graphs (4 and 3 nodes) whose node 0 has no edge: 1-2, 2-3 and 1-2, both directions."""
+    x = torch.randn(7, 3, generator=torch.Generator().manual_seed(0))
+    edge_index = torch.tensor([[1, 2, 2, 3, 5, 6], [2, 1, 3, 2, 6, 5]])
+    return x, edge_index, torch.tensor([0, 0, 0, 0, 1, 1, 1])
+
+
+@pytest.mark.parametrize("method", [RawAttention, GenericAttention])
+def test_mixing_between_nodes_after_the_last_attention_layer_is_refused_when_the_first_node_is_isolated(method):
+    """The mixing check once sent a cotangent from each graph's first read node only: an
+    isolated first node hid the mixing of all the others (a uniform map was returned)."""
+    model = _model(NeighbourMixing)
+    x, edge_index, batch = _isolated_first_nodes()
+    with pytest.raises(CaptureError, match="nodes of graph 0 are mixed: the attention output of its node [123]"):
+        method(model).attribute(x, additional_forward_args=(edge_index, batch), target=[0, 1])
+    # The same graphs through a mean pooling of the attention outputs are explained.
+    plain = _model(GraphClassifier)
+    assert torch.isfinite(method(plain).attribute(x, additional_forward_args=(edge_index, batch), target=[0, 1],
+                                                  return_tokens=True)).all()
+
+
+class LastTwoSwapped(GraphClassifier):
+    """Each graph's last two nodes trade their attention outputs before a mean pooling: a
+    mixing between two nodes that are neither first nor connected to the first."""
+
+    def forward(self, x, edge_index, batch=None):
+        hidden = self.nodes(x, edge_index)
+        counts = torch.bincount(batch)
+        last = counts.cumsum(0) - 1
+        order = torch.arange(len(batch))
+        order[last], order[last - 1] = last - 1, last
+        return self.head(pyg.global_mean_pool(hidden[order] * 0.5 + hidden * 0.5, batch))
+
+
+def test_any_two_mixed_nodes_are_found_not_only_those_next_to_the_first():
+    model = _model(LastTwoSwapped)
+    _, (x, edge_index, batch) = graphs(SIZES)
+    with pytest.raises(CaptureError, match="are mixed"):
+        RawAttention(model).attribute(x, additional_forward_args=(edge_index, batch))
+
+
+def test_the_mixing_codes_tell_every_ordered_pair_of_positions_apart_in_few_passes():
+    from captum_transformers.adapters.graph_readout import _separating_codes
+
+    for count in (2, 3, 7, 25, 40):
+        codes = _separating_codes(count)
+        apart = (codes[:, None, :] & ~codes[None, :, :]).any(dim=2)
+        assert apart.logical_or(torch.eye(count, dtype=torch.bool)).all()
+        assert codes.shape[1] <= 2 * max(1, (count - 1).bit_length())
+
+
+GATE_SPELLINGS = {
+    "broadcast": lambda h, g: h * g,
+    "expand_as": lambda h, g: h * g.expand_as(h),
+    "expand": lambda h, g: g.expand(-1, h.shape[1]) * h,
+    "broadcast_to": lambda h, g: h * torch.broadcast_to(g, h.shape),
+    "repeat": lambda h, g: h * g.repeat(1, h.shape[1]),
+    "view": lambda h, g: h * g.view(-1).unsqueeze(-1),
+    "contiguous": lambda h, g: h * g.expand_as(h).contiguous(),
+    "einsum": lambda h, g: torch.einsum("nc,n->nc", h, g.squeeze(-1)),
+    "transposed": lambda h, g: (h.t() * g.t()).t(),
+    "reshaped_after": lambda h, g: (h * g).reshape(h.shape[0], -1),
+    "mul": lambda h, g: torch.mul(h, g.repeat(1, h.shape[1]).to(torch.float64).to(h.dtype)),
+}
+
+
+class SpelledGate(GraphClassifier):
+    """sum_i sigmoid(w . h_i) h_i, the product spelled in one of GATE_SPELLINGS."""
+
+    spelling = "broadcast"
+
+    def __init__(self, kind):
+        super().__init__(kind)
+        self.gate = nn.Linear(self.head.in_features, 1)
+
+    def forward(self, x, edge_index, batch=None):
+        hidden = self.nodes(x, edge_index)
+        gated = GATE_SPELLINGS[self.spelling](hidden, torch.sigmoid(self.gate(hidden)))
+        return self.head(pyg.global_add_pool(gated, batch))
+
+
+@pytest.mark.parametrize("spelling", sorted(GATE_SPELLINGS))
+def test_a_per_node_gate_is_refused_however_the_product_is_spelled(spelling):
+    model = _model(SpelledGate)
+    model.spelling = spelling
+    _, (x, edge_index, batch) = graphs(SIZES)
+    with pytest.raises(CaptureError, match="gated pooling"):
+        GenericAttention(model).attribute(x, additional_forward_args=(edge_index, batch), target=[0, 1, 0])
+
+
+class ChannelGate(GraphClassifier):
+    """A gate per node and channel (GLU-like, h_i * sigmoid(W h_i)): a per-node layer, read as such."""
+
+    def __init__(self, kind):
+        super().__init__(kind)
+        self.gate = nn.Linear(self.head.in_features, self.head.in_features)
+
+    def forward(self, x, edge_index, batch=None):
+        hidden = self.nodes(x, edge_index)
+        return self.head(pyg.global_mean_pool(hidden * torch.sigmoid(self.gate(hidden)), batch))
+
+
+def test_a_gate_per_channel_is_a_per_node_layer_not_a_gated_pooling():
+    model = _model(ChannelGate)
+    expected = _raw_truth(model, _weights([range(n) for n in SIZES]))
+    torch.testing.assert_close(_raw(model).to(torch.float64), expected)

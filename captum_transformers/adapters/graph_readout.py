@@ -19,13 +19,18 @@ each attention layer, from its output made a leaf):
    subset), a root-node readout (one node); each read node then has weight ``1 / |read|``.
    Unequal rows (a max or sort pooling) are refused: how the readout weighs its nodes is not
    known.
-2. ``Z`` must take each node's row from that node's row of ``H`` only: a cotangent on one read
-   node per graph, sent from ``Z`` back to ``H``, must reach no other node. A gate computed
-   over the graph's nodes (attention pooling, a softmax gate), a graph-wide norm, or message
-   passing between the last attention layer and the pooling mixes nodes and is refused.
+2. ``Z`` must take each node's row from that node's row of ``H`` only, for every node: each
+   position in a graph has a distinct code of ``m`` bits (no code inside another), and for
+   each bit the cotangent of the rows whose bit is 1, sent from ``Z`` back to ``H``, must
+   reach only such rows (``m`` backward passes through the head: 7 for graphs of up to 35
+   nodes). A gate computed over the graph's nodes (attention pooling, a softmax gate), a
+   graph-wide norm, or message passing between the last attention layer and the pooling mixes
+   nodes and is refused, also where a graph's first node has no edge.
 3. A pooling input made as a product with one scalar per node that carries a gradient (a
    gate ``sigmoid(w . h_i) * h_i``, seen as the product's factors in the autograd graph) is
-   refused too: the pooling weighs each node by its gate.
+   refused too, however the product is spelled (broadcast, ``expand``, ``repeat``, ``view``,
+   a transpose, an ``einsum``: operations that only reshape or copy are followed back): the
+   pooling weighs each node by its gate.
 
 Other operations on each node alone between ``H`` and the pooling (norms per node,
 activations, an MLP) are part of that node's row, as a token model's per-token layers are.
@@ -47,7 +52,10 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
+import functools
+import itertools
+import math
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -151,9 +159,8 @@ class ReadoutProbe:
         counts = torch.bincount(graph_of[read], minlength=graphs.num_graphs).to(torch.float64)
         weights = torch.zeros(graphs.num_graphs, graphs.max_nodes, dtype=torch.float64, device=grad.device)
         weights[graph_of[read], position_of[read]] = 1.0 / counts[graph_of[read]]
-        chosen = first.tolist()
         if pooled_node is not None:
-            self._refuse_mixing(scores, hidden, rows, pooled_node, pooled_grad, chosen, graph_of)
+            self._refuse_mixing(scores, hidden, rows, pooled_node, pooled_grad, graph_of, position_of)
         return weights
 
     def _pooling_input(self, scores: torch.Tensor, hidden: torch.Tensor, num_rows: int):
@@ -161,12 +168,15 @@ class ReadoutProbe:
         no tensor with one row per node lies between ``H`` and the scores (Z is H)."""
         depth = _depths(scores.grad_fn, stop=hidden.grad_fn)
         seen: List[Tuple[int, Any, int, torch.Tensor]] = []
+        shapes: Dict[Tuple[int, int], torch.Size] = {}  # (id(node), output) -> shape, for every node run
         handles = []
         for node, level in depth.items():
             if not node.next_functions and "AccumulateGrad" in node.name():
                 continue  # a leaf (a parameter, or H itself made a leaf): never the pooling input
             def prehook(grad_outputs, node=node, level=level):
                 for k, grad in enumerate(grad_outputs):
+                    if isinstance(grad, torch.Tensor):
+                        shapes[(id(node), k)] = grad.shape
                     if isinstance(grad, torch.Tensor) and grad.dim() >= 1 and grad.shape[0] == num_rows:
                         seen.append((level, node, k, grad.detach()))
                 return None
@@ -187,33 +197,73 @@ class ReadoutProbe:
             raise CaptureError(f"The score reads {len(found)} different per-node tensors at once (e.g. two poolings "
                                f"of different node states), so how it weighs the nodes is not known. {_HINT}")
         node, k, grad = next(iter(found.values()))
-        self._refuse_gate(node, grad, {id(n): g for _, n, _, g in seen}, num_rows)
+        self._refuse_gate(node, k, shapes, num_rows)
         return (node, k), grad, hidden_grad
 
     @staticmethod
-    def _refuse_gate(node, grad: torch.Tensor, grads: dict, num_rows: int) -> None:
+    def _refuse_gate(node, k: int, shapes: dict, num_rows: int) -> None:
         """Refuse a pooling input made as a product with one scalar per node that carries a
         gradient (a gate computed from the node states, ``sigmoid(w . h_i) * h_i``): the pooling
-        then weighs each node by its gate, which the attention rows cannot carry."""
-        if "Mul" not in node.name() and "Product" not in node.name():
+        then weighs each node by its gate, which the attention rows cannot carry. However it is
+        spelled: Z and each factor are followed back through operations that only reshape, copy
+        or repeat values (``expand``, ``view``, ``repeat``, ``permute``, an ``einsum`` without a
+        sum, ...) to the product and to the operation that computed the factor; a factor computed
+        as one value per node (``num_rows`` values in all) is a gate."""
+        product, out = _through_shape_ops(node, k)
+        if product is None or ("Mul" not in product.name() and "Product" not in product.name()):
             return
-        if grad[0].numel() <= 1:
-            return
-        for child, _ in node.next_functions:
-            factor = grads.get(id(child)) if child is not None else None
-            if factor is not None and factor.shape[0] == num_rows and factor[0].numel() == 1:
+        shape = shapes.get((id(product), out))
+        if shape is None or math.prod(shape) <= num_rows:
+            return  # one value per node: a scalar per node scaled, not node states gated
+        for child, index in product.next_functions:
+            source, index = _through_shape_ops(child, index)
+            factor = shapes.get((id(source), index)) if source is not None else None
+            if factor is not None and math.prod(factor) == num_rows and max(factor, default=0) == num_rows:
                 raise CaptureError(
                     "The pooled node states are each multiplied by one scalar per node computed from the node states "
-                    "(a gated pooling), so the readout weighs the nodes by their gates, which the rows of the "
-                    f"attention maps cannot carry. {_HINT}")
+                    f"(a gated pooling: {source.name()} gives {tuple(factor)} values for {num_rows} nodes, reaching "
+                    f"the product {product.name()} through reshapes or copies only), so the readout weighs the nodes "
+                    f"by their gates, which the rows of the attention maps cannot carry. {_HINT}")
 
-    def _refuse_mixing(self, scores, hidden, rows, pooled_node, pooled_grad, chosen: List[int],
-                       graph_of: torch.Tensor) -> None:
-        """A cotangent on one read node per graph, sent from Z back to H, must reach no other node."""
+    def _refuse_mixing(self, scores, hidden, rows, pooled_node, pooled_grad, graph_of: torch.Tensor,
+                       position_of: torch.Tensor) -> None:
+        """Each row of Z must come from the same row of H only. Every position in a graph gets a
+        distinct code of ``m`` bits, all with ``m // 2`` ones (:func:`_separating_codes`), so for
+        any two positions ``p != q`` some bit is 1 in ``p``'s code and 0 in ``q``'s; for each bit,
+        the cotangent of the rows whose bit is 1, sent from Z back to H, must reach only such
+        rows. Any node whose pooled state reads another node's attention output at another
+        position (in its graph, or in another graph) shows up, in ``m`` backward passes through
+        the head only (7 for graphs of up to 35 nodes, whatever the batch size); mixing only
+        between nodes at the same position of different graphs is not looked for. One
+        cotangent per graph, as before, missed a node with no edge to the one chosen."""
         node, k = pooled_node
-        cotangent = torch.zeros_like(pooled_grad)
-        cotangent[chosen] = pooled_grad[chosen]
+        count = pooled_grad.shape[0]
+        live = pooled_grad.reshape(count, -1).ne(0).any(dim=1)
+        if not bool(live.any()) or int(position_of.max()) < 1:
+            return
+        positions = position_of.to(pooled_grad.device)
+        codes = _separating_codes(int(positions.max()) + 1).to(pooled_grad.device)[positions]  # (cached: not written)
+        shape = (count,) + (1,) * (pooled_grad.dim() - 1)
+        zero = torch.zeros((), dtype=pooled_grad.dtype, device=pooled_grad.device)
+        for part in codes.unbind(dim=1):
+            if not bool((live & part).any()):
+                continue
+            grad = self._sent_back(scores, hidden, node, k, torch.where(part.view(shape), pooled_grad, zero))
+            if grad is None:
+                return
+            reached = rows(grad).reshape(count, -1).ne(0).any(dim=1).to(part.device) & ~part
+            if bool(reached.any()):
+                row = int(reached.nonzero()[0, 0])
+                graph, position = int(graph_of[row]), int(position_of[row])
+                raise CaptureError(
+                    f"Between the last attention layer and the readout, the nodes of graph {graph} are mixed: the "
+                    f"attention output of its node {position} reaches the pooled state of another node (message "
+                    "passing, a gate computed over the graph's nodes as in attention pooling, or a graph-wide norm), "
+                    f"so which rows of the attention maps explain the score is not known. {_HINT}")
 
+    @staticmethod
+    def _sent_back(scores, hidden, node, k, cotangent) -> Optional[torch.Tensor]:
+        """The gradient at H of ``cotangent`` placed at Z (output ``k`` of autograd ``node``)."""
         def replace(grad_outputs):
             return tuple(cotangent.to(g.dtype) if i == k and isinstance(g, torch.Tensor) else g
                          for i, g in enumerate(grad_outputs))
@@ -223,17 +273,40 @@ class ReadoutProbe:
             (grad,) = torch.autograd.grad(scores.sum(), hidden, retain_graph=True, allow_unused=True)
         finally:
             handle.remove()
-        if grad is None:
-            return
-        reached = rows(grad).reshape(graph_of.shape[0], -1).ne(0).any(dim=1)
-        reached[chosen] = False
-        if bool(reached.any()):
-            graph = int(graph_of[reached.nonzero()[0, 0]])
-            raise CaptureError(
-                f"Between the last attention layer and the readout, the nodes of graph {graph} are mixed (a gate "
-                "computed over the graph's nodes as in attention pooling, a graph-wide norm, or message passing): a "
-                "pooled node state depends on other nodes' attention outputs, so which rows of the attention maps "
-                f"explain the score is not known. {_HINT}")
+        return grad
+
+
+@functools.lru_cache(maxsize=16)
+def _separating_codes(count: int) -> torch.Tensor:
+    """(count, m) booleans: a distinct code per row, each with ``m // 2`` ones, ``m`` the least
+    with ``C(m, m // 2) >= count``. No code is inside another, so every ordered pair of rows is
+    told apart by some column (1 for the first, 0 for the second): Sperner's bound, the fewest
+    columns that can do so."""
+    width = 1
+    while math.comb(width, width // 2) < count:
+        width += 1
+    ones = torch.tensor(list(itertools.islice(itertools.combinations(range(width), width // 2), count)),
+                        dtype=torch.long).reshape(count, width // 2)
+    return torch.zeros(count, width, dtype=torch.bool).scatter_(1, ones, True)
+
+
+# Autograd nodes of operations that only reshape, copy, repeat or re-type their one input: a
+# value reaching a product through them is still the value that was computed before them.
+_SHAPE_ONLY = ("ExpandBackward", "ViewBackward", "UnsafeViewBackward", "ReshapeAliasBackward", "UnsqueezeBackward",
+               "SqueezeBackward", "RepeatBackward", "PermuteBackward", "TransposeBackward", "TBackward",
+               "NumpyTBackward", "CloneBackward", "AliasBackward", "ToCopyBackward", "ExpandAsBackward")
+
+
+def _through_shape_ops(node, output: int):
+    """``(node, output)`` followed back through :data:`_SHAPE_ONLY` nodes to the first other one."""
+    for _ in range(256):
+        if node is None or node.name().rstrip("0123456789") not in _SHAPE_ONLY:
+            break
+        inputs = [(child, index) for child, index in node.next_functions if child is not None]
+        if len(inputs) != 1:
+            break
+        node, output = inputs[0]
+    return node, output
 
 
 def _node_rows(hidden: torch.Tensor, graphs: GraphBatch, num_rows: int):
