@@ -132,3 +132,22 @@ def test_explain_draws_motif_graphs_and_refuses_methods_that_do_not_apply(tmp_pa
     assert (tmp_path / "run" / "explanations.png").stat().st_size > 0
     assert main(["explain", "--motifs", "1", "--method", "transformer-relevance", "--out", str(tmp_path / "no")]) == 2
     assert "do not apply" in capsys.readouterr().err
+
+
+def test_the_motif_picture_colours_each_map_by_its_methods_signedness(tmp_path, monkeypatch):
+    """A signed method whose maps happen to be all positive keeps the diverging colours, and an
+    unsigned one the sequential ramp: decided by the method, never by one graph's values."""
+    import networkx as nx
+
+    from captum_transformers.cli import graph_explain
+    from captum_transformers.tasks.graph_motifs import motif_graphs
+    from captum_transformers.tasks.train_motifs import TEST_SEED
+
+    pytest.importorskip("matplotlib")
+    data = motif_graphs(2, seed=TEST_SEED)
+    seen = []
+    drawn = nx.draw_networkx_nodes
+    monkeypatch.setattr(nx, "draw_networkx_nodes", lambda *a, **k: (seen.append((k["cmap"], k["vmin"])), drawn(*a, **k))[1])
+    positive = torch.rand(data.x.shape[0]) + 0.1
+    graph_explain.graph_grid(data, {"conservative-lrp": positive, "rollout": positive}, ["a", "b"], tmp_path / "g.png")
+    assert seen[0][0] == "bwr" and seen[0][1] < 0 and seen[1] == ("Reds", 0.0)

@@ -15,7 +15,7 @@ import torch
 
 from ..adapters.graph_nodes import GraphBatch
 from ..errors import InputError
-from ..methods.catalog import build_method
+from ..methods.catalog import SIGNED_METHODS, build_method
 from ..visualization.output import agg_figure
 
 # The catalog methods the motif model's TransformerConv layers support (docs/graphs.md).
@@ -44,7 +44,7 @@ def graph_grid(data, scores: Dict[str, torch.Tensor], titles: Sequence[str], pat
         for col, (name, values) in enumerate(scores.items()):
             axis = axes[row][col]
             node_values = values[nodes].numpy()
-            signed = bool((values[nodes] < 0).any())
+            signed = name in SIGNED_METHODS  # by the method, never guessed from this graph's values
             limit = float(values[nodes].abs().max()) or 1.0
             nx.draw_networkx_edges(graph, layout, ax=axis, width=0.6, edge_color="#999999")
             nx.draw_networkx_nodes(graph, layout, ax=axis, node_size=60, node_color=node_values,
@@ -52,7 +52,8 @@ def graph_grid(data, scores: Dict[str, torch.Tensor], titles: Sequence[str], pat
                                    edgecolors=["black" if t else "none" for t in truth], linewidths=1.2)
             axis.set_axis_off()
             if row == 0:
-                axis.set_title(name, fontsize=7)
+                axis.set_title(f"{name}\n{'red for, blue against' if signed else 'unsigned: darker = more'}",
+                               fontsize=7)
         axes[row][0].text(0.0, 1.02, titles[row], transform=axes[row][0].transAxes, fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
