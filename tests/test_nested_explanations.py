@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from captum_transformers import AttnLRP, ConservativeLRP, GenericAttention, TransformerRelevance
-from captum_transformers.errors import CaptureError
+from captum_transformers.errors import CaptureError, StochasticForwardError
 from captum_transformers.methods.catalog import METHOD_FACTORIES
 from hf_models import CASES
 from restore import assert_same, snapshot
@@ -201,3 +201,67 @@ def test_the_users_hooks_are_put_back_exactly_even_after_an_error_and_a_self_rem
     assert module._forward_hooks[kept.id] is observer and module._forward_pre_hooks[failure.id] is failing
     failure.remove()
     kept.remove()
+
+
+# -- the train-mode rule stays on inside the hook, for the hooked model only -------------------------
+
+class _SeededNoise(torch.nn.Module):
+    """Noise drawn in the forward at any mode, from its own seeded generator (the same numbers
+    on every call): a random draw that is this model's business, not the hooked model's."""
+
+    def forward(self, hidden):
+        return hidden + 0.1 * torch.randn(hidden.shape, generator=torch.Generator().manual_seed(0))
+
+
+def _timm_vit_with(p=0.0, noise=False):
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5,
+                              drop_rate=p, attn_drop_rate=p, proj_drop_rate=p)
+    if noise:
+        model.norm_pre = _SeededNoise()
+    return model, torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+
+
+def _explained_in_a_hook_of_a_training_model(outer_method, explain_inner):
+    """Explain a timm ViT in training mode without dropout (its train-mode watch is on) whose
+    first block runs ``explain_inner`` from a forward hook; the hook's results."""
+    outer, x = _timm_vit_with()
+    outer.train()
+    seen = []
+    handle = _hooked_module(outer).register_forward_hook(lambda *_: seen.append(explain_inner()))
+    try:
+        METHOD_FACTORIES[outer_method](outer).attribute(x, target=[0, 1, 2])
+    finally:
+        handle.remove()
+    assert seen, "the hook never ran"
+    return seen
+
+
+@pytest.mark.parametrize("outer_method", ["generic-attention", "attn-lrp"])
+def test_another_model_in_a_hook_follows_its_own_train_mode_rule_not_the_hooked_ones(outer_method):
+    # In eval mode, its own random draws are not the hooked model's: explained as alone.
+    noisy, y = _timm_vit_with(noise=True)
+    noisy.eval()
+    alone = GenericAttention(noisy).attribute(y, target=[0, 1, 2])
+    inside = _explained_in_a_hook_of_a_training_model(
+        outer_method, lambda: GenericAttention(noisy).attribute(y, target=[0, 1, 2]))
+    assert all(torch.equal(found, alone) for found in inside)
+
+    # In training mode with dropout and its own opt-in: one draw, the same as alone with the same seed.
+    dropping, y = _timm_vit_with(p=0.3)
+    dropping.train()
+
+    def allowed():
+        torch.manual_seed(7)
+        return GenericAttention(dropping, allow_stochastic=True).attribute(y, target=[0, 1, 2])
+
+    alone = allowed()
+    inside = _explained_in_a_hook_of_a_training_model(outer_method, allowed)
+    assert all(torch.equal(found, alone) for found in inside)
+
+    # Without its opt-in: refused by its own rule, naming its own layer.
+    with pytest.raises(StochasticForwardError, match=r"blocks\.0\.attn\.attn_drop: Dropout\(p=0\.3\)"):
+        _explained_in_a_hook_of_a_training_model(
+            outer_method, lambda: GenericAttention(dropping).attribute(y, target=[0, 1, 2]))

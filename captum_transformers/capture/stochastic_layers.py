@@ -20,8 +20,23 @@ Two stages, so that the check costs nothing on a model in eval mode:
    as PyG convolutions and HF attention call it inline; ``scaled_dot_product_attention`` with
    ``dropout_p > 0``; ``F.multi_head_attention_forward`` with dropout; ``F.batch_norm`` /
    ``F.instance_norm`` on batch statistics; ``F.rrelu`` in training; Bernoulli sampling, as drop
-   path and hand-written dropout draw masks). The first such call is refused before it runs,
-   naming the module whose forward made it.
+   path and hand-written dropout draw masks; every other random draw of more than one number:
+   ``torch.rand`` / ``randn`` / ``randint`` / ``randperm`` / ``multinomial`` / ``normal`` /
+   ``poisson`` and their ``*_like`` forms, the in-place samplers ``uniform_`` / ``normal_`` /
+   ``exponential_`` / ``random_`` / ``geometric_`` / ``log_normal_`` / ``cauchy_``,
+   ``F.gumbel_softmax``, ``nn.init`` in the forward: MoE router jitter, Gumbel noise,
+   ``h * (torch.rand_like(h) > p)``). The first such call is refused before it runs, naming the
+   module whose forward made it. The user's hooks on the model are part of its forward: the
+   watch stays on inside them (a hook adding dropout is refused), while another model run from
+   such a hook follows its own rule.
+
+A random draw of at most one number is let through: it is a coin, not noise on activations.
+HuggingFace layers draw ``torch.rand([])`` in training mode, at some versions even at
+``layerdrop=0`` where it skips nothing, and a coin that does skip layers is a ``layerdrop > 0``
+that stage 1 refuses. The limit: a hand-written coin with no ``layerdrop`` attribute
+(``if torch.rand([]) < 0.1: skip``) is not seen. (Bernoulli draws are refused at any size: a
+one-number Bernoulli mask is a drop-path coin.) Comparing the generator's state before and
+after the forward is no backstop: the harmless coin moves it too.
 
 The opt-in: a method built with ``allow_stochastic=True`` explains the random forward on
 purpose (each call's map is that call's forward); it enters :func:`allowing` around its passes.
@@ -29,8 +44,9 @@ Layers that would *change the model* (batch / instance norm updating their runni
 in training mode) are refused even then: an explanation never changes the model.
 
 Functions called with ``training=True`` from a model in eval mode (a hand-written
-``F.dropout(x, 0.1)`` whose ``training`` defaults to True) are not seen: stage 2 runs only when
-some module is in training mode.
+``F.dropout(x, 0.1)`` whose ``training`` defaults to True), or random draws made at any mode,
+are not seen: stage 2 runs only when some module is in training mode. Neither are draws made
+outside torch (NumPy, Python's ``random``) or inside a compiled kernel.
 
 Example::
 
