@@ -45,17 +45,38 @@ class Cancelled(BaseException):
     probe or a fallback must not swallow it and go on computing."""
 
 
+#: Torch calls that only set or read state, never compute: the stop check does not fire on
+#: them (see ``_StopCheck``). ``__get__`` / ``__set__`` are tensor attribute reads and writes
+#: (``.requires_grad``, ``.grad``, ``.data``).
+_STATE_SETTERS = frozenset({"requires_grad_", "_set_grad_enabled", "set_grad_enabled", "_set_fwd_grad_enabled",
+                            "__get__", "__set__", "__delete__", "register_hook"})
+
+
+def _name_of(func) -> str:
+    return getattr(func, "__name__", "") or ""
+
+
 class _StopCheck(TorchFunctionMode):
     """Asks ``should_stop`` before each torch function this thread runs (torch-function modes
     are per thread), raising ``Cancelled`` once it is true. It changes no model and no result:
-    every call goes on unchanged."""
+    every call goes on unchanged.
+
+    It raises ONCE: the explanation then unwinds through the package's context managers, and
+    their cleanup runs torch calls too (``Tensor.requires_grad_`` restoring a frozen
+    parameter, ``torch._C._set_grad_enabled`` leaving ``no_grad``); raising again there would
+    stop that cleanup half-way and leave the model and the thread changed. For the same
+    reason it never fires on a call that only sets state (``_STATE_SETTERS``): such a call
+    may be the first of a cleanup that has already begun, and the stop waits for the next
+    computing call instead."""
 
     def __init__(self, should_stop: Callable[[], bool]) -> None:
         super().__init__()
         self.should_stop = should_stop
+        self.fired = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self.should_stop():
+        if not self.fired and _name_of(func) not in _STATE_SETTERS and self.should_stop():
+            self.fired = True
             raise Cancelled()
         return func(*args, **(kwargs or {}))
 
