@@ -143,3 +143,59 @@ def test_edge_relevance_after_a_pool_lands_on_the_edges_between_kept_nodes():
     assert (relevance.edges[1][~between_kept] == 0).all()
     assert (relevance.edges[1][between_kept] != 0).any()
     assert (relevance.edges[0] != 0).any()
+
+
+class ParallelPools(nn.Module):
+    """Two TopK pools on parallel branches, both fed conv1's output: pool_a keeps 5 of 6 nodes,
+    conv2 runs on them; pool_b, scored by a given ``attn`` falling with the node number, keeps
+    nodes 0, 1, 2 of the original list, and conv3 runs on them. Composing pool_b's ``perm`` with
+    pool_a's would place conv3's maps on pool_a's nodes 0, 1, 2, which are other nodes."""
+
+    def __init__(self):
+        super().__init__()
+        self.encode = nn.Linear(FEATURES, CHANNELS)
+        self.conv1 = pyg.TransformerConv(CHANNELS, CHANNELS // 2, heads=2)
+        self.pool_a = pyg.TopKPooling(CHANNELS, ratio=0.7)
+        self.conv2 = pyg.TransformerConv(CHANNELS, CHANNELS // 2, heads=2)
+        self.pool_b = pyg.TopKPooling(CHANNELS, ratio=0.5)
+        with torch.no_grad():
+            self.pool_b.select.weight.fill_(1.0)
+        self.conv3 = pyg.TransformerConv(CHANNELS, CHANNELS // 2, heads=2)
+        self.head = nn.Linear(CHANNELS, 2)
+
+    def forward(self, x, edge_index, batch):
+        hidden = self.conv1(self.encode(x), edge_index)
+        kept_a, edges_a, _, batch_a, _, _ = self.pool_a(hidden, edge_index, batch=batch)
+        left = pyg.global_mean_pool(self.conv2(kept_a, edges_a), batch_a)
+        falling = -torch.arange(len(x), dtype=hidden.dtype)[:, None].expand(-1, CHANNELS)
+        kept_b, edges_b, _, batch_b, perm_b, _ = self.pool_b(hidden, edge_index, batch=batch, attn=falling)
+        assert perm_b.tolist() == [0, 1, 2]
+        right = pyg.global_mean_pool(self.conv3(kept_b, edges_b), batch_b)
+        return self.head(left + right)
+
+
+def test_two_pools_on_parallel_branches_fed_the_same_nodes_are_refused_naming_both():
+    torch.manual_seed(0)
+    model = ParallelPools().eval()
+    (x, edge_index), = graphs((6,), seed=3)[0]
+    batch = torch.zeros(6, dtype=torch.long)
+    with pytest.raises(CaptureError, match=r"'pool_b' \(TopKPooling\) was called on 6 nodes, but the node list after "
+                                           r"'pool_a', which kept 5 of the batch's 6 nodes, has 5"):
+        RawAttention(model).attribute(x, additional_forward_args=(edge_index, batch))
+
+
+def test_chained_pools_are_still_followed():
+    from captum_transformers.adapters.graph_pooling import SurvivingNodes
+
+    torch.manual_seed(0)
+    first, second = pyg.TopKPooling(CHANNELS, ratio=0.5), pyg.TopKPooling(CHANNELS, ratio=0.5)
+    _, (x, edge_index, batch) = graphs(SIZES, seed=3)
+    hidden = torch.randn(len(x), CHANNELS)
+    nodes = SurvivingNodes(len(x))
+    out = first(hidden, edge_index, batch=batch)
+    nodes.pooled("first", first, out, hidden)
+    again = second(out[0], out[1], batch=out[3])
+    nodes.pooled("second", second, again, out[0])
+    assert torch.equal(nodes.ids, out[4][again[4]])
+    with pytest.raises(CaptureError, match="'third' .* called on 15 nodes"):
+        nodes.pooled("third", second, second(hidden, edge_index, batch=batch), hidden)

@@ -8,20 +8,22 @@ the batch's original nodes, its maps would land on the wrong nodes (or outside a
 all-zero map). So the pools are observed at run time, by forward hooks on the model's
 ``torch_geometric.nn.pool`` modules (:func:`~captum_transformers.capture.patching.forward_hook`,
 per context): :class:`SurvivingNodes` composes their ``perm`` into the original node of every
-node of the current list, and the attention layers place their edges through it (dropped
+node of the current list (each pool's input must have that list's length: two pools on
+parallel branches, both fed the same nodes, are refused), and the attention layers place their edges through it (dropped
 nodes get zero rows and columns in the later maps).
 
 Refused with the reason (:class:`CaptureError`): pools that merge or re-cluster nodes
 (``EdgePooling``, ``ASAPooling``, ``ClusterPooling``, ``PANPooling``, ``MemPooling``: a new
-node is no one original node); an attention layer called on a node list whose size is neither
+node is no one original node); a pool whose input is not the current node list (pools on
+parallel branches fed the same nodes); an attention layer called on a node list whose size is neither
 the batch's nor the last pool's (a node subset made otherwise, e.g. by indexing); GPS layers
 after a pool (their dense batch is built from the pooled batch vector).
 
 Example::
 
     >>> nodes = SurvivingNodes(num_nodes=12)
-    >>> nodes.pooled("pool", pool, pool(x, edge_index, batch=batch))   # keeps 6 nodes
-    >>> nodes.layer_nodes("convs.1", 6)                                # their original numbers (6,)
+    >>> nodes.pooled("pool", pool, pool(x, edge_index, batch=batch), x)   # keeps 6 nodes
+    >>> nodes.layer_nodes("convs.1", 6)                                   # their original numbers (6,)
 """
 from __future__ import annotations
 
@@ -61,9 +63,13 @@ class SurvivingNodes:
     def __init__(self, num_nodes: int) -> None:
         self.num_nodes = num_nodes
         self.ids: Optional[torch.Tensor] = None
+        self.last_pool: Optional[str] = None
 
-    def pooled(self, name: str, module: nn.Module, output: Any) -> None:
-        """A pool's call: compose its ``perm``, or refuse a pool that merges nodes."""
+    def pooled(self, name: str, module: nn.Module, output: Any, x: Any = None) -> None:
+        """A pool's call (``x``: its input node features): compose its ``perm``, or refuse a pool
+        that merges nodes, or one whose input is not the current node list (two pools on
+        parallel branches, both fed the same nodes: composing the second's ``perm`` with the
+        first's would place its nodes wrongly)."""
         if not any(key in SELECTING for key in _keys(module)):
             raise CaptureError(
                 f"{name!r} ({type(module).__name__}) pools the nodes of each graph into new nodes that are no one "
@@ -75,11 +81,22 @@ class SurvivingNodes:
             raise CaptureError(f"{name!r} ({type(module).__name__}) returned no node permutation (perm) where PyG's "
                                "pools return it (output[4]); the nodes it kept cannot be followed.")
         current = torch.arange(self.num_nodes, device=perm.device) if self.ids is None else self.ids
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] != current.shape[0]:
+            before = ("the batch's node list" if self.last_pool is None else
+                      f"the node list after {self.last_pool!r}, which kept {current.shape[0]} of the batch's "
+                      f"{self.num_nodes} nodes,")
+            raise CaptureError(
+                f"{name!r} ({type(module).__name__}) was called on {x.shape[0]} nodes, but {before} has "
+                f"{current.shape[0]}: its input is not the node list the explanation follows (e.g. two pools on "
+                "parallel branches, both fed the same nodes), so which original nodes it keeps cannot be followed. "
+                "Chain the pools (each fed the previous one's output), or use an LRP method (ConservativeLRP, "
+                "AttnLRP), which reads relevance at the node features.")
         if perm.numel() and int(perm.max()) >= current.shape[0]:
             raise CaptureError(f"{name!r} kept node {int(perm.max())} of a node list of {current.shape[0]} nodes; its "
                                "input is not the node list the explanation follows (pools on different branches "
                                "cannot be followed).")
         self.ids = current.to(perm.device)[perm]
+        self.last_pool = name
 
     def layer_nodes(self, name: str, count: int) -> Optional[torch.Tensor]:
         """The original nodes of an attention layer's ``count`` input nodes (None: all, in order)."""
@@ -107,10 +124,10 @@ def following_pools(model: nn.Module, nodes: Callable[[], Optional[SurvivingNode
     """Forward hooks (this context only) handing every pool call of ``model`` to ``nodes()``."""
     with contextlib.ExitStack() as stack:
         for name, module in node_pools(model):
-            def hook(module, _args, output, name=name):
+            def hook(module, args, kwargs, output, name=name):
                 surviving = nodes()
                 if surviving is not None:
-                    surviving.pooled(name, module, output)
+                    surviving.pooled(name, module, output, args[0] if args else kwargs.get("x"))
                 return None
-            stack.enter_context(patching.forward_hook(module, hook))
+            stack.enter_context(patching.forward_hook(module, hook, with_kwargs=True))
         yield
