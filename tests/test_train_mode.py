@@ -560,3 +560,30 @@ def test_noise_drawn_in_a_users_hook_is_refused():
             ct.AttnLRP(model.train()).attribute(inputs, target=1)
     finally:
         handle.remove()
+
+
+_IMAGE = torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(1))
+_OFFSETS = torch.rand(1, 2, 2, generator=torch.Generator().manual_seed(2))  # given: nothing drawn
+
+
+@pytest.mark.parametrize("draw, refused", [
+    (lambda: torch.rand([]), False), (lambda: torch.rand(1), False), (lambda: torch.randn(size=(1, 1)), False),
+    (lambda: torch.randint(0, 5, ()), False), (lambda: torch.randperm(1), False),
+    (lambda: torch.empty(()).uniform_(), False), (lambda: torch.normal(0.0, 1.0, (1,)), False),
+    (lambda: torch.rand(2), True), (lambda: torch.randn(size=(1, 2)), True), (lambda: torch.randint(0, 5, (1, 2)), True),
+    (lambda: torch.randperm(2), True), (lambda: torch.empty(2).uniform_(), True),
+    (lambda: torch.normal(torch.zeros(2), 1.0), True), (lambda: torch.multinomial(torch.ones(2, 3), 1), True),
+    (lambda: F.fractional_max_pool2d(_IMAGE, 2, output_size=4), True),
+    (lambda: nn.FractionalMaxPool3d(2, output_size=2, return_indices=True)(_IMAGE), True),
+    (lambda: F.fractional_max_pool2d(_IMAGE, 2, output_size=4, _random_samples=_OFFSETS), False),
+])
+def test_a_draw_is_refused_from_two_numbers_up(draw, refused):
+    """A one-number draw is a coin (HF's ``torch.rand([])`` layerdrop coin); two or more are noise."""
+    model = nn.Linear(2, 2).train()
+    if not refused:
+        with stochastic_layers.watched(model):
+            draw()
+        return
+    with pytest.raises(StochasticForwardError, match="random numbers"):
+        with stochastic_layers.watched(model):
+            draw()

@@ -322,9 +322,16 @@ def _count_of_multinomial(args: tuple, kwargs: dict) -> int:
     return samples * rows
 
 
-def _count_of_fractional_pool(args: tuple, kwargs: dict) -> int:
-    # Draws its pooling offsets unless they are given (``_random_samples``).
-    return 0 if kwargs.get("_random_samples") is not None else _count_of_input(args, kwargs)
+def _count_of_fractional_pool(spatial: int) -> Callable[[tuple, dict], int]:
+    def count(args: tuple, kwargs: dict) -> int:
+        # One offset per pooled dimension and channel, unless they are given (``_random_samples``).
+        if _argument(args, kwargs, 5, "_random_samples", None) is not None:
+            return 0
+        tensor = _first_tensor(args, kwargs, "input")
+        if tensor is None or tensor.dim() < spatial:
+            return 2
+        return tensor.numel() // max(_shape_count(tensor.shape[-spatial:]), 1) * spatial
+    return count
 
 
 def _draw(label: str, count: Callable[[tuple, dict], int]) -> Callable[[tuple, dict], Optional[Tuple[str, bool]]]:
@@ -364,11 +371,11 @@ def _random_draws() -> Dict[Any, Callable[[tuple, dict], Optional[Tuple[str, boo
         if function is not None:
             checks[function] = _draw(f"nn.init.{name}", _count_of_input)
     checks[F.gumbel_softmax] = _draw("F.gumbel_softmax", _count_of_input)
-    for name in ("fractional_max_pool2d", "fractional_max_pool3d", "fractional_max_pool2d_with_indices",
-                 "fractional_max_pool3d_with_indices"):
+    for name in ("fractional_max_pool2d", "fractional_max_pool3d", "_fractional_max_pool2d", "_fractional_max_pool3d",
+                 "fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_indices"):
         function = getattr(F, name, None)
         if function is not None:
-            checks[function] = _draw(f"F.{name}", _count_of_fractional_pool)
+            checks[function] = _draw(f"F.{name.lstrip('_')}", _count_of_fractional_pool(3 if "3d" in name else 2))
     return checks
 
 
