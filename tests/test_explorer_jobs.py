@@ -131,3 +131,75 @@ def test_the_stop_check_changes_no_map():
                 assert found["values"] == expected[int(index)]["values"], method
     finally:
         jobs.close()
+
+
+def test_unfinished_jobs_are_never_dropped_and_their_number_is_bounded():
+    """Eviction drops only finished jobs: a running job submitted before ``KEPT_JOBS`` newer
+    ones can still be polled and cancelled, and still makes curves 409. Past
+    ``MAX_UNFINISHED_JOBS`` queued or running jobs a new one is refused (429); a request
+    answered from the cache is not (it queues no work)."""
+    from captum_transformers.explorer.jobs import KEPT_JOBS
+    from captum_transformers.explorer.method_arguments import MAX_UNFINISHED_JOBS
+
+    workspace = image_workspace(batch=2)
+    client = client_for(workspace)
+    jobs = client.app.app.state.jobs
+    workspace.explain("rollout", {}, {0: 0})  # cached: answered at once, whatever runs
+    entered, proceed, forwards = threading.Event(), threading.Event(), []
+
+    def hold_the_first_forward(module, args):
+        forwards.append(1)
+        if len(forwards) == 1:
+            entered.set()
+            proceed.wait(30)
+
+    def explain(methods, targets):
+        return client.post("/api/explain", headers=HEADERS, json={"methods": methods, "targets": targets})
+
+    handle = workspace.model.register_forward_pre_hook(hold_the_first_forward)
+    unfinished = []
+    try:
+        response = explain([{"name": IG, "arguments": {"n_steps": 200, "internal_batch_size": 4}}], {"0": 0, "1": 1})
+        long_job = response.json()["id"]
+        unfinished.append(long_job)
+        assert entered.wait(30), "the job never ran its first forward pass"
+        for _ in range(MAX_UNFINISHED_JOBS - 1):  # queued behind the held job
+            response = explain([{"name": "rollout"}], {"1": 1})
+            assert response.status_code == 200 and response.json()["state"] == "running", response.text
+            unfinished.append(response.json()["id"])
+
+        refused = explain([{"name": "rollout"}], {"1": 2})
+        assert refused.status_code == 429, refused.text
+        message = refused.json()["error"]
+        assert f"{MAX_UNFINISHED_JOBS} jobs of this model are unfinished" in message
+        assert f"the limit is {MAX_UNFINISHED_JOBS}" in message and "Cancel one" in message and long_job in message
+
+        # more than KEPT_JOBS jobs answered from the cache: accepted, and only finished ones are dropped
+        answered = [explain([{"name": "rollout"}], {"0": 0}).json() for _ in range(KEPT_JOBS + 3)]
+        assert all(job["state"] == "done" for job in answered)
+        assert client.get(f"/api/jobs/{answered[0]['id']}", headers=HEADERS).status_code == 404
+        assert client.get(f"/api/jobs/{answered[-1]['id']}", headers=HEADERS).json()["state"] == "done"
+        for job_id in unfinished:
+            assert client.get(f"/api/jobs/{job_id}", headers=HEADERS).json()["state"] == "running", job_id
+        assert jobs.busy()["id"] == long_job
+        busy = client.post("/api/curve", headers=HEADERS, json={
+            "method": "saliency", "arguments": {}, "example": 0, "target": 0})
+        assert busy.status_code == 409 and long_job in busy.json()["error"], busy.text
+
+        # cancelling a queued job makes room for one more
+        queued = unfinished.pop()
+        assert client.post(f"/api/jobs/{queued}/cancel", headers=HEADERS, json={}).json()["state"] == "cancelled"
+        response = explain([{"name": "rollout"}], {"1": 2})
+        assert response.status_code == 200, response.text
+        unfinished.append(response.json()["id"])
+        assert explain([{"name": "rollout"}], {"1": 3}).status_code == 429
+    finally:
+        for job_id in unfinished:
+            jobs.cancel(job_id)
+        proceed.set()
+    try:
+        for job_id in unfinished:
+            assert jobs.wait(job_id, timeout=60)["state"] == "cancelled", job_id
+    finally:
+        handle.remove()
+        jobs.close()

@@ -17,7 +17,9 @@ Routes (every ``/api/`` route needs the session token, see ``security``)::
 A request's work (examples x ``n_steps``, summed over its methods) is bounded by
 ``method_arguments.WORK_BUDGET`` (400 naming it). Jobs run in a worker thread, so a long one
 holds up no request: a curve or export that needs a map not cached while a job runs is
-answered 409 at once (naming the job to cancel) instead of waiting for the model.
+answered 409 at once (naming the job to cancel) instead of waiting for the model. At most
+``method_arguments.MAX_UNFINISHED_JOBS`` jobs of a model may be queued or running: one more
+is answered 429 (naming them, to cancel one or wait), so the queued work stays bounded.
 
 Example::
 
@@ -42,7 +44,7 @@ from starlette.staticfiles import StaticFiles
 from ..errors import CaptumTransformersError, InputError
 from ..methods.catalog import METHOD_NAMES
 from .curves import deletion_insertion
-from .jobs import Jobs
+from .jobs import Jobs, TooManyJobs
 from .method_arguments import check_work, checked_arguments, method_catalog
 from .security import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS, SecurityMiddleware
 
@@ -319,6 +321,9 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
     async def model_busy(request: Request, error: Exception) -> Response:
         return JSONResponse({"error": str(error), "busy": True}, status_code=409)
 
+    async def too_many_jobs(request: Request, error: Exception) -> Response:
+        return JSONResponse({"error": str(error), "too_many_jobs": True}, status_code=429)
+
     async def still_loading(request: Request, error: Exception) -> Response:
         return JSONResponse({"loading": True, "seconds": error.seconds, "error": str(error)}, status_code=503)
 
@@ -338,7 +343,8 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
         Mount("/static", app=StaticFiles(directory=str(static_dir())), name="static"),
     ]
     app = Starlette(routes=routes, exception_handlers={CaptumTransformersError: input_error,
-                                                       StillLoading: still_loading, ModelBusy: model_busy})
+                                                       StillLoading: still_loading, ModelBusy: model_busy,
+                                                       TooManyJobs: too_many_jobs})
     if source is None:
         for model in range(len(workspaces)):
             context(model)  # ready workspaces: build the sessions now, so that their errors surface here

@@ -6,7 +6,11 @@ each method is one ``Workspace.explain`` call (one ``attribute`` call for the ex
 cached). The page polls ``GET /api/jobs/{id}`` and shows ``done / total`` methods and the
 method running now. Jobs run one at a time (explanations of one model are serialised anyway
 by ``capture.exclusive``); one waiting behind another says which (``queued_behind``), so the
-page can say so. Finished jobs are kept up to ``KEPT_JOBS``.
+page can say so. Finished jobs are kept up to ``KEPT_JOBS`` (the oldest finished one is
+dropped first; an unfinished job is never dropped, so it can always be polled and cancelled,
+and ``busy()`` always knows it). At most ``MAX_UNFINISHED_JOBS`` jobs may be queued or running
+at once: one more is refused with ``TooManyJobs`` (429), which bounds the work queued on the
+model (each job is within ``WORK_BUDGET``). A job answered from the cache at once is never refused.
 
 **Cancelling** (``cancel(id)``, ``POST /api/jobs/{id}/cancel``): a job not started yet ends
 at once; a running one stops at the next torch operation it runs (inside the forward pass
@@ -27,10 +31,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..errors import CaptumTransformersError
+from .method_arguments import MAX_UNFINISHED_JOBS, WORK_BUDGET
 from .workspace import Cancelled
 
+#: Finished jobs kept (their maps can still be read); unfinished ones are kept until they end.
 KEPT_JOBS = 64
 FINISHED = ("done", "error", "cancelled")
+
+
+class TooManyJobs(Exception):
+    """A job was submitted while ``MAX_UNFINISHED_JOBS`` jobs of the model were unfinished
+    (answered 429): queued work stays bounded, and no unfinished job is dropped to make room."""
 
 
 class Jobs:
@@ -49,25 +60,39 @@ class Jobs:
                background: bool = False) -> Dict[str, Any]:
         """Start a job (or finish it at once when every map is cached); returns its state.
         ``background``: always queue it (a warm-up nobody waits for)."""
-        job_id = f"job-{next(self._ids)}"
-        state = {"id": job_id, "state": "running", "done": 0, "total": len(requests), "running": None,
+        cached = [] if background else [self.workspace.cached(method, arguments, targets)
+                                        for method, arguments in requests]
+        at_once = not background and all(len(found) == len(targets) for found in cached)
+        state = {"id": None, "state": "running", "done": 0, "total": len(requests), "running": None,
                  "results": [], "error": None, "started": time.time(), "seconds": None, "queued_behind": None}
         stop = threading.Event()
         with self._lock:
+            unfinished = [key for key, known in self._jobs.items() if known["state"] not in FINISHED]
+            if not at_once and len(unfinished) >= MAX_UNFINISHED_JOBS:
+                raise TooManyJobs(
+                    f"{len(unfinished)} jobs of this model are unfinished (queued or running: "
+                    f"{', '.join(unfinished)}); the limit is {MAX_UNFINISHED_JOBS} at once (each within the work "
+                    f"budget of {WORK_BUDGET} model passes). Cancel one (the page's Cancel button, or POST "
+                    f"api/jobs/{unfinished[-1]}/cancel) or wait until one ends, then ask again.")
+            job_id = state["id"] = f"job-{next(self._ids)}"
             self._jobs[job_id] = state
             self._stops[job_id] = stop
-            while len(self._jobs) > KEPT_JOBS:
-                dropped, _ = self._jobs.popitem(last=False)
-                self._stops.pop(dropped, None)
-        cached = [] if background else [self.workspace.cached(method, arguments, targets)
-                                        for method, arguments in requests]
-        if not background and all(len(found) == len(targets) for found in cached):
+            self._drop_old_finished()
+        if at_once:
             self._run(state, requests, targets, stop, worker=False)  # cache hit: answered here, no model run
         else:
             with self._lock:
                 state["queued_behind"] = self._running or self._last_queued(job_id)
             self._executor.submit(self._run, state, requests, targets, stop)
         return self.read(job_id)
+
+    def _drop_old_finished(self) -> None:
+        """Drop the oldest finished jobs beyond ``KEPT_JOBS`` (called under the lock); an
+        unfinished job is never dropped: it must stay cancellable and visible to ``busy()``."""
+        finished = [key for key, known in self._jobs.items() if known["state"] in FINISHED]
+        for dropped in finished[:max(0, len(finished) - KEPT_JOBS)]:
+            del self._jobs[dropped]
+            self._stops.pop(dropped, None)
 
     def _last_queued(self, job_id: str) -> Optional[str]:
         """The newest unfinished job submitted before ``job_id`` (called under the lock)."""

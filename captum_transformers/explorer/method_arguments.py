@@ -44,6 +44,13 @@ NUMBER_BOUND = 10_000
 #: ran for minutes is refused with this figure in its message.
 WORK_BUDGET = 4096
 
+#: The most jobs of one model that may be unfinished (queued or running) at once; one more is
+#: refused (429) until one is cancelled or ends. With ``WORK_BUDGET`` per request this bounds
+#: the work queued on a model at 8 x 4096 model passes (a few minutes of one CPU core). The
+#: page keeps one job at a time (it cancels the one it replaces) and the warm-up adds one, so
+#: 8 leaves room for several tabs, while a script submitting in a loop is stopped early.
+MAX_UNFINISHED_JOBS = 8
+
 #: Ranges of arguments whose constructors accept any number but whose methods fail later on
 #: one outside them (inside the job, after the request was accepted): checked with the request.
 #: ``(low, high, high_included)`` by argument name, whichever method takes it.
