@@ -242,7 +242,8 @@ class ReadoutProbe:
         if not bool(live.any()) or int(position_of.max()) < 1:
             return
         positions = position_of.to(pooled_grad.device)
-        codes = _separating_codes(int(positions.max()) + 1).to(pooled_grad.device)[positions]  # (cached: not written)
+        # (the cached table is never written)
+        codes = _separating_codes(int(positions.max()) + 1).to(pooled_grad.device)[positions]
         shape = (count,) + (1,) * (pooled_grad.dim() - 1)
         zero = torch.zeros((), dtype=pooled_grad.dtype, device=pooled_grad.device)
         for part in codes.unbind(dim=1):
