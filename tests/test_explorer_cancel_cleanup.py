@@ -73,3 +73,28 @@ def test_a_cancel_at_any_torch_call_restores_the_model_and_the_thread(method):
         assert workspace.cached(method, {}, {0: 1}) == {}, (method, calls)
         after_map = plain_attribution(workspace, method)
         assert torch.equal(after_map, before_map), (method, calls)
+
+
+def test_a_map_computed_after_a_swallowed_cancel_is_neither_returned_nor_cached():
+    """The stop check raises once; a method that caught ``Cancelled`` and tried again would
+    finish its map after the stop. ``explain`` refuses it (``Cancelled``) and caches nothing."""
+
+    def retrying_builder(name, model, arguments):
+        explainer = METHOD_FACTORIES[name](model, **arguments)
+        original = explainer.attribute
+
+        def attribute(*args, **kwargs):
+            try:
+                return original(*args, **kwargs)
+            except BaseException:  # a careless fallback: tries again
+                return original(*args, **kwargs)
+        explainer.attribute = attribute
+        return explainer
+
+    workspace = frozen_workspace()
+    workspace.method_builder = retrying_builder
+    should_stop, _ = stop_after(20)
+    with pytest.raises(Cancelled):
+        workspace.explain("rollout", {}, {0: 1}, should_stop=should_stop)
+    assert workspace.cached("rollout", {}, {0: 1}) == {}
+    assert workspace.explain("rollout", {}, {0: 1})[0]["values"]  # a normal call still answers

@@ -237,8 +237,9 @@ class Workspace:
         attribution summed over channels (average-pooled to ``MAX_MAP_SIDE``); token maps keep
         each example's real tokens, special tokens scored 0. A map with NaN or infinite values
         is refused; an all-zero map is flagged so the page says so instead of drawing a blank.
-        ``should_stop``: checked before each forward pass of the model in this thread; once it
-        returns true the explanation raises ``Cancelled`` (nothing of it is cached)."""
+        ``should_stop``: checked before each torch operation of this thread that computes
+        (``_StopCheck``); once it returns true the explanation raises ``Cancelled`` (nothing of
+        it is cached), and the explanation's cleanup restores the model and the thread."""
         checked = checked_arguments(method, arguments)
         key = arguments_key(checked)
         targets = self.check_targets(targets)
@@ -265,9 +266,14 @@ class Workspace:
                   else v for k, v in self.forward_kwargs.items()}
         target = torch.tensor(targets, dtype=torch.long, device=inputs[0].device)
         explainer = self.method_builder(method, self.model, constructor_arguments(method, checked))
-        with self._stoppable(should_stop):
+        stop_check = self._stoppable(should_stop)
+        with stop_check:
             attribution = explainer.attribute(inputs[0] if len(inputs) == 1 else inputs, target=target,
                                               forward_kwargs=kwargs or None, return_tokens=self.modality == "text")
+        if getattr(stop_check, "fired", False):
+            # the check raises once; code that caught Cancelled and went on computed the rest
+            # of this map after a stop: it is neither returned nor cached
+            raise Cancelled()
         if isinstance(attribution, tuple):
             attribution = attribution[0]
         attribution = attribution.detach().float().cpu()
