@@ -98,7 +98,10 @@ def exact_message_required(tensor: torch.Tensor) -> bool:
     """Whether a recomputed message must equal the layer's bit for bit: on the CPU, and wherever
     deterministic algorithms are enabled. Elsewhere (CUDA) PyG's softmax sums each target's
     edges with an atomic ``scatter_add_``, in an order that changes from call to call, so the
-    recomputed alpha may differ from the layer's by a rounding step for nodes with 3+ edges."""
+    recomputed alpha may differ from the layer's by a rounding step for nodes with 3+ edges
+    (measured on one H200, float32: every message of the motif model and of a 2,000-node graph
+    with 40 edges into each node differed, by at most 2.5e-7 of the largest value, about 2
+    units of rounding; with deterministic algorithms, none did)."""
     return tensor.device.type == "cpu" or torch.are_deterministic_algorithms_enabled()
 
 
