@@ -26,6 +26,7 @@ import functools
 import threading
 from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List
 
+import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -484,10 +485,21 @@ def parameters_require_grad(model: nn.Module) -> Iterator[None]:
                 entered.append(parameter)
         yield
     finally:
+        # Every entry is restored even if one restore raises (an interrupt, or a torch-function
+        # mode that raises, such as the explorer's cancel check): that flag is then set with torch
+        # functions disabled, and the first error is raised again after the loop.
+        failure = None
         with _FORCED_GRAD_LOCK:
             for parameter in entered:
                 entry = _FORCED_GRAD[id(parameter)]
                 entry[2] -= 1
                 if entry[2] == 0:
                     del _FORCED_GRAD[id(parameter)]
-                    parameter.requires_grad_(entry[1])
+                    try:
+                        parameter.requires_grad_(entry[1])
+                    except BaseException as error:  # noqa: B902 - raised again below
+                        failure = failure or error
+                        with torch._C.DisableTorchFunction():
+                            parameter.requires_grad_(entry[1])
+        if failure is not None:
+            raise failure
