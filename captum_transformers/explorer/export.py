@@ -113,6 +113,6 @@ def explorer_html(workspace, maps: Mapping[str, Mapping[int, Dict[str, Any]]], t
     title = html.escape(f"captum_transformers explorer: {workspace.name}")
     return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>" + title + "</title></head><body>"
             f"<h3>{title}</h3><p>Signed methods: red = relevance for the explained class, blue = against it. "
-            "Unsigned methods (attention maps, rollout, Grad-CAM, Saliency): darker red = more relevant, with no "
+            "Unsigned methods (every other, each marked under its name): darker red = more relevant, with no "
             "direction. Each map scaled by its largest absolute value.</p><table style=\"border-collapse:collapse;font:12px sans-serif\">"
             "<tr>" + "".join(head) + "</tr>" + "".join(rows) + "</table></body></html>")
