@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
-import copyreg
 import functools
 import threading
 from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List
@@ -32,25 +31,9 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import InputError
 from . import isolation, module_walk
+from .contextual import _IMPLEMENTATIONS, _ContextualValue, _contextual_config_class, _entered, _is_entered
 
 _MISSING = object()
-
-# The changes entered in the current context (one opaque token per helper call).
-_ENTERED: contextvars.ContextVar[FrozenSet[object]] = contextvars.ContextVar(
-    "captum_transformers_entered_patches", default=frozenset())
-
-
-@contextlib.contextmanager
-def _entered(token: object) -> Iterator[None]:
-    reset = _ENTERED.set(_ENTERED.get() | {token})
-    try:
-        yield
-    finally:
-        _ENTERED.reset(reset)
-
-
-def _is_entered(token: object) -> bool:
-    return token in _ENTERED.get()
 
 
 @contextlib.contextmanager
@@ -211,43 +194,6 @@ def message_passing_hook(module: nn.Module, kind: str, hook: Callable) -> Iterat
         handle.remove()
 
 
-class _ContextualValue:
-    """A flag that is ``value`` where its context is entered and ``original`` elsewhere.
-
-    Stands in for an instance flag read as ``if module.flag:`` or compared (timm's
-    ``fused_attn`` and ``grad_checkpointing``; torch's ``use_nested_tensor`` and
-    ``activation_relu_or_gelu``, an int compared with ``== 2``)."""
-
-    __slots__ = ("token", "value", "original")
-
-    def __init__(self, token: object, value: Any, original: Any):
-        self.token, self.value, self.original = token, value, original
-
-    def current(self) -> Any:
-        return self.value if _is_entered(self.token) else self.original
-
-    def __bool__(self) -> bool:
-        return bool(self.current())
-
-    def __eq__(self, other: Any) -> bool:
-        return self.current() == other
-
-    def __ne__(self, other: Any) -> bool:
-        return self.current() != other
-
-    def __hash__(self) -> int:
-        return hash(self.current())
-
-    def __int__(self) -> int:
-        return int(self.current())
-
-    def __index__(self) -> int:
-        return int(self.current())
-
-    def __repr__(self) -> str:
-        return f"{self.current()!r} (captum_transformers: {self.value!r} while explaining, else {self.original!r})"
-
-
 @contextlib.contextmanager
 def flag(obj: Any, name: str, value: Any) -> Iterator[None]:
     """Set the flag ``obj.name`` (a bool or small int) to ``value`` in the current context only.
@@ -305,37 +251,9 @@ def _find_configs(model: nn.Module) -> List[Any]:
     return list(seen.values())
 
 
-# Per context: id(config) -> the attention implementation it reports there.
-_IMPLEMENTATIONS: contextvars.ContextVar[Dict[int, str]] = contextvars.ContextVar(
-    "captum_transformers_attn_implementations", default={})
-_CONTEXTUAL_CONFIG_CLASSES: Dict[type, type] = {}
 # id(config) -> [original class, number of contexts using the contextual class].
 _SWAPPED_CONFIGS: Dict[int, list] = {}
 _CONFIG_GUARD = threading.Lock()
-
-
-def _contextual_config_class(cls: type) -> type:
-    """``cls`` with an ``_attn_implementation`` that reads this context's choice first."""
-    found = _CONTEXTUAL_CONFIG_CLASSES.get(cls)
-    if found is None:
-        inherited = cls._attn_implementation
-
-        def read(config):
-            chosen = _IMPLEMENTATIONS.get().get(id(config))
-            return inherited.fget(config) if chosen is None else chosen
-
-        def reduce_ex(config, protocol):
-            # Pickled (and copied) as the original class: another thread may save the config now.
-            constructor, arguments, *rest = cls.__reduce_ex__(config, protocol)
-            if arguments and arguments[0] is found:
-                constructor, arguments = copyreg._reconstructor, (cls, object, None)
-            return (constructor, arguments, *rest)
-
-        found = type(cls.__name__, (cls,), {"_attn_implementation": property(read, inherited.fset),
-                                            "__reduce_ex__": reduce_ex,
-                                            "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-        _CONTEXTUAL_CONFIG_CLASSES[cls] = found
-    return found
 
 
 @contextlib.contextmanager
