@@ -62,18 +62,11 @@ from .graph_nodes import GraphBatch, batch_argument
 from .graph_pooling import SurvivingNodes, following_pools
 from .graph_readout import READOUTS, ReadoutProbe, node_targets, uniform_weights
 from .input_checks import model_dtype, refuse_unexplainable_batch, relevance_carrying
-from .pyg_softmax_rule import identity_softmax, refuse_identity_softmax, rerouted_alpha
-from .pyg_transformer_alpha import recomputed_alpha, this_call_alpha
+from .pyg_layer_hooks import _GRAPHS, _NODES, _recording, _tapped_input, current_graphs, layer_key, surviving_nodes
+from .pyg_softmax_rule import identity_softmax, refuse_identity_softmax
+from .pyg_transformer_alpha import recomputed_alpha
 from .relevance_reading import RelevanceResult, seeded
 
-# Layer class (dotted key) -> where alpha is found after propagate: recomputed from this call's
-# message (never the module's _alpha field, which another thread's forward may overwrite), or
-# a propagate kwarg.
-_LAYERS = {
-    "torch_geometric.nn.conv.transformer_conv.TransformerConv": ("message", None),
-    "torch_geometric.nn.conv.gat_conv.GATConv": ("kwarg", "alpha"),
-    "torch_geometric.nn.conv.gatv2_conv.GATv2Conv": ("kwarg", "alpha"),
-}
 _MESSAGE_PASSING = "torch_geometric.nn.conv.message_passing.MessagePassing"
 _GAT_LIKE = ("torch_geometric.nn.conv.gat_conv.GATConv", "torch_geometric.nn.conv.gatv2_conv.GATv2Conv")
 # PyG norms whose scale depends on the data (statistics over a graph); BatchNorm in eval mode
@@ -81,36 +74,9 @@ _GAT_LIKE = ("torch_geometric.nn.conv.gat_conv.GATConv", "torch_geometric.nn.con
 _STATISTICS_NORMS = {"LayerNorm", "GraphNorm", "InstanceNorm", "PairNorm", "MessageNorm", "DiffGroupNorm",
                      "HeteroLayerNorm"}
 
-# The graphs of the batch being explained, set around each forward in this context.
-_GRAPHS: contextvars.ContextVar[Optional[GraphBatch]] = contextvars.ContextVar("captum_transformers_pyg_graphs",
-                                                                                 default=None)
-# The original node of each node of the current node list (node-dropping pools), per forward.
-_NODES: contextvars.ContextVar[Optional[SurvivingNodes]] = contextvars.ContextVar("captum_transformers_pyg_nodes",
-                                                                                    default=None)
 # Per forward: [whether the output is per node, whether the explained rows must be known].
 _OUTPUT: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("captum_transformers_pyg_output",
                                                                           default=None)
-
-
-def layer_key(module: nn.Module) -> Optional[str]:
-    """The dotted key of ``module``'s class (or base) among the supported layers, or None."""
-    for base in type(module).__mro__:
-        key = f"{base.__module__}.{base.__qualname__}"
-        if key in _LAYERS:
-            return key
-    return None
-
-
-def surviving_nodes() -> Optional[SurvivingNodes]:
-    """The pools followed in this context's forward (None outside one)."""
-    return _NODES.get()
-
-
-def current_graphs() -> GraphBatch:
-    graphs = _GRAPHS.get()
-    if graphs is None:
-        raise CaptureError("A PyG attention layer ran outside an explanation's forward pass.")
-    return graphs
 
 
 class PyGAttentionAdapter(Adapter):
@@ -429,65 +395,5 @@ def _kept_edges(kept: List[list]):
         if kept and kept[-1][2] is None:
             nodes = surviving_nodes()
             kept[-1][2] = inputs[0] if nodes is None else nodes.place(inputs[0])  # the batch's node numbers
-
-    return hook
-
-
-def _tapped_input(block: Block, recorder: Recorder):
-    """A pre-hook connecting the layer's node features to the recorder's anchor, refusing
-    bipartite inputs (attention dropout in training mode: the rule of ``capture.stochastic_layers``)."""
-    module = block.module
-
-    def hook(_module, args, kwargs):
-        nodes = args[0] if args else kwargs.get("x")
-        if not isinstance(nodes, torch.Tensor):
-            raise CaptureError(f"{block.name!r} ({type(module).__name__}) was called with bipartite node features "
-                               f"({type(nodes).__name__}); the pyg_attention adapter explains one node set per graph.")
-        if surviving_nodes() is not None:
-            surviving_nodes().layer_nodes(block.name, nodes.shape[0])  # refused if not the followed node list
-        tapped = recorder.connect(nodes)
-        if args:
-            return (tapped, *args[1:]), kwargs
-        return args, {**kwargs, "x": tapped}
-
-    return hook
-
-
-def _recording(block: Block, recorder: Optional[Recorder]):
-    """A propagate hook that reads ``alpha`` and the edges used: recorded as per-graph maps
-    (``recorder``), or, without one, given a zero gradient (the AH gate)."""
-    where, name = _LAYERS[layer_key(block.module)]
-    module = block.module
-
-    def hook(_module, inputs, _out):
-        edge_index, _size, kwargs = inputs
-        alpha = this_call_alpha(module) if where == "message" else kwargs.get(name)
-        alpha = rerouted_alpha(module) if rerouted_alpha(module) is not None else alpha  # identity softmax rule
-        if not isinstance(edge_index, torch.Tensor) or edge_index.dim() != 2:
-            raise CaptureError(f"{block.name!r} propagated over a {type(edge_index).__name__}; the pyg_attention "
-                               "adapter reads edge_index tensors (2, E), not sparse adjacency matrices.")
-        if not isinstance(alpha, torch.Tensor):
-            raise CaptureError(f"{block.name!r} ({type(module).__name__}) kept no attention weights to record.")
-        if recorder is None:
-            if alpha.requires_grad:
-                alpha.register_hook(torch.zeros_like)  # AH: the softmax output is a constant of A V
-            return None
-        alpha = alpha if alpha.dim() == 2 else alpha.unsqueeze(-1)
-        graphs = current_graphs()
-        nodes = surviving_nodes()
-        if nodes is not None:  # after a node-dropping pool: the batch's node numbers
-            edge_index = nodes.place(edge_index)
-        places = graphs.edge_places(edge_index, getattr(module, "flow", "source_to_target"))
-        if recorder.spec.forward_reduce is None and not recorder.spec.needs_gradient:
-            # Nothing reads the map (a relevance pass records only that attention ran): no dense copy.
-            size = graphs.max_nodes
-            recorder.record(block, alpha.new_zeros(()).expand(graphs.num_graphs, alpha.shape[1], size, size),
-                            key_valid=graphs.node_mask())
-            return None
-        probs = graphs.dense_edges(places, alpha.detach())
-        recorder.record(block, probs, grad_tensor=alpha,
-                        grad_view=lambda grad: graphs.dense_edges(places, grad, accumulate=False),
-                        key_valid=graphs.node_mask())
-        return None
 
     return hook

@@ -34,7 +34,8 @@ from ..errors import CaptureError, InputError
 from ..propagation.rules import RuleSet
 from .graph_nodes import GraphBatch
 from .graph_pooling import following_pools
-from .pyg_attention import PyGAttentionAdapter, _recording, _tapped_input, layer_key, surviving_nodes
+from .pyg_attention import PyGAttentionAdapter
+from .pyg_layer_hooks import _recording, _tapped_input, layer_key, surviving_nodes
 from .pyg_softmax_rule import identity_softmax
 from .pyg_transformer_alpha import recomputed_alpha
 from .torch_mha import TorchMHAAdapter, _recording_forward

@@ -39,7 +39,7 @@ from torch_geometric.explain.algorithm import ExplainerAlgorithm
 from torch_geometric.explain.config import ExplanationType, MaskType, ModelMode, ModelTaskLevel
 
 from ..adapters.graph_nodes import GraphBatch
-from ..adapters.pyg_attention import layer_key
+from ..adapters.pyg_layer_hooks import layer_key
 from ..errors import InputError
 from ..methods.catalog import CAPTUM_BASELINES, METHOD_FACTORIES, resolve_method_names
 from ..methods.lrp import RuleGradientXInput
