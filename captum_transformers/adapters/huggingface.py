@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import warnings
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
@@ -26,6 +25,7 @@ from ..capture.trace import CONTEXT, Block, InputSpan, StreamLayouts, Streams, T
 from .base import Adapter
 from .hf_kernel import ATTENTION_KEY, SDPA_KEY, active_recorder, active_rules, block_kind
 from .kept_logits import kept_logit_positions
+from .position_padding import _learned_position_table, warn_left_padding_without_positions
 from .query_rows import QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen_rows
 from ..capture.recorder import Recorder
 
@@ -103,47 +103,6 @@ def _takes_decoder_inputs(model: nn.Module) -> bool:
     except (TypeError, ValueError):
         return False
     return "decoder_input_ids" in parameters and "decoder_inputs_embeds" in parameters
-
-
-# Learned absolute position tables looked up by position index (GPT-2's ``wpe``, BERT's and
-# DistilBERT's ``position_embeddings``). Not: rotary models (no table), OPT (its
-# OPTLearnedPositionalEmbedding subclass counts positions from the attention mask) and
-# RoBERTa-style tables (``padding_idx`` set: positions counted from the non-pad input ids).
-_LEARNED_POSITION_NAMES = ("wpe", "position_embeddings")
-
-
-def _learned_position_table(model: nn.Module) -> Optional[str]:
-    """The dotted path of a plain ``nn.Embedding`` of absolute positions, or None."""
-    for name, module in module_walk.named_modules(model):
-        if type(module) is nn.Embedding and name.rsplit(".", 1)[-1] in _LEARNED_POSITION_NAMES \
-                and module.padding_idx is None:
-            return name
-    return None
-
-
-def warn_left_padding_without_positions(model: nn.Module, forward_kwargs: Optional[Mapping[str, Any]],
-                                        table: Optional[str]) -> None:
-    """A ``UserWarning`` when a model with learned absolute positions (``table``) gets a
-    left-padded batch (a row of ``attention_mask`` starting with 0) and no ``position_ids``.
-
-    Such a model numbers a row's tokens from the first (padding) position, so a left-padded
-    text sits at other positions than the same text alone: its logits, and every map, differ
-    from single calls (measured 0.118 on GPT-2). The fix is the caller's: positions counted
-    from the first real token, or padding on the right."""
-    if table is None or not forward_kwargs or forward_kwargs.get("position_ids") is not None:
-        return
-    mask = forward_kwargs.get("attention_mask")
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] == 0:
-        return
-    left = (mask[:, 0] == 0).nonzero().flatten().tolist()
-    if not left:
-        return
-    warnings.warn(
-        f"{type(model).__name__} adds learned absolute position embeddings ({table}) and rows {left[:8]} of "
-        "attention_mask start with 0 (left padding), but no position_ids were passed: those rows' tokens are "
-        "numbered from the padding, so their logits and maps differ from the same text explained alone. Fix: pass "
-        "forward_kwargs={'attention_mask': mask, 'position_ids': (mask.long().cumsum(-1) - 1).clamp(min=0)}, or pad "
-        "on the right (tokenizer.padding_side = 'right').", UserWarning, stacklevel=2)
 
 
 def _is_attention_module(module: nn.Module) -> bool:
