@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from ..capture import patching
-from ..capture import module_walk
 from ..capture import stochastic_layers
 from ..capture.compiled import uncompiled
 from ..capture.exclusive import exclusive, holding_the_model
@@ -27,6 +26,7 @@ from ..capture.targets import output_scores, select_targets
 from ..capture.trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
 from ..capture.recorder import Recorder
 from .foreign_patches import check_library_classes
+from .model_parts import _enclosing_layer, find_patch_size
 from .input_checks import model_dtype, ordinary_tensors, refuse_unexplainable_batch, relevance_carrying
 from .query_rows import QueryRows, ReadRows, chosen_rows, refuse_examples_without_tokens
 from .relevance_reading import RelevanceResult, read_layer_input, seeded
@@ -34,14 +34,6 @@ from .relevance_reading import RelevanceResult, read_layer_input, seeded
 if TYPE_CHECKING:  # pragma: no cover
     from ..propagation.rules import RuleSet
     from .kept_logits import KeptLogitPositions
-
-
-def find_patch_size(model: nn.Module) -> Optional[Tuple[int, int]]:
-    """The patch size of the first patch-embedding convolution (kernel == stride)."""
-    for module in module_walk.modules(model):
-        if isinstance(module, nn.Conv2d) and tuple(module.kernel_size) == tuple(module.stride):
-            return tuple(module.kernel_size)
-    return None
 
 
 class Adapter(abc.ABC):
@@ -445,12 +437,3 @@ class Adapter(abc.ABC):
                           for t in inputs)
         total = sum(r.reshape(r.shape[0], -1).sum(-1) for r in per_input)
         return RelevanceResult(None, per_input, layout, explained, index, total)
-
-
-def _enclosing_layer(model: nn.Module, block: Block) -> nn.Module:
-    """The ancestor of ``block`` that is an element of a layer list (its path ends in a number)."""
-    parts = block.name.split(".")
-    for end in range(len(parts), 0, -1):
-        if parts[end - 1].isdigit():
-            return model.get_submodule(".".join(parts[:end]))
-    return block.module

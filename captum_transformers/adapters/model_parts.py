@@ -1,0 +1,33 @@
+"""Parts of a model found from its modules: the patch size of its patch embedding, and the
+layer (an element of a layer list) that encloses an attention block.
+
+Read-only lookups that :class:`~captum_transformers.adapters.base.Adapter`'s defaults
+(:meth:`~captum_transformers.adapters.base.Adapter.patch_size`,
+:meth:`~captum_transformers.adapters.base.Adapter.first_layer`) are built from, held apart
+from the adapter contract and its capture loop.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from torch import nn
+
+from ..capture import module_walk
+from ..capture.trace import Block
+
+
+def find_patch_size(model: nn.Module) -> Optional[Tuple[int, int]]:
+    """The patch size of the first patch-embedding convolution (kernel == stride)."""
+    for module in module_walk.modules(model):
+        if isinstance(module, nn.Conv2d) and tuple(module.kernel_size) == tuple(module.stride):
+            return tuple(module.kernel_size)
+    return None
+
+
+def _enclosing_layer(model: nn.Module, block: Block) -> nn.Module:
+    """The ancestor of ``block`` that is an element of a layer list (its path ends in a number)."""
+    parts = block.name.split(".")
+    for end in range(len(parts), 0, -1):
+        if parts[end - 1].isdigit():
+            return model.get_submodule(".".join(parts[:end]))
+    return block.module
