@@ -8,8 +8,6 @@ shape of each input.
 from __future__ import annotations
 
 import abc
-import functools
-import inspect
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -25,9 +23,9 @@ from ..adapters.query_rows import refuse_masked_explained_rows
 from ..adapters.registry import get_adapter
 from .relevancy_maps import explained_rows
 from ..capture.inputs import passed_by_name, split_mapping
-from ..capture.stochastic_layers import OPT_IN, allowing
 from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec, InputSpan, TokenLayout
 from . import functional
+from .stochastic_opt_in import StochasticOptIn, _opt_in_flag
 
 #: What :meth:`TraceAttribution.reduce` returns: token scores (B, N) of a one-stream model,
 #: or scores per stream name.
@@ -186,58 +184,6 @@ def _all_finite(tensor: torch.Tensor) -> bool:
 def _query_vectors(layout: TokenLayout, dtype: torch.dtype) -> torch.Tensor:
     """One row vector (B, N) per example mixing the layout's explained rows."""
     return functional.query_vectors(layout.query_rows, layout.num_tokens, dtype, layout.query_weights)
-
-
-def _taking_opt_in(init: Any) -> Any:
-    """``init`` taking the keyword-only ``allow_stochastic`` too, stored on the instance after
-    ``init`` ran (so an outer subclass's value wins over the default its ``super().__init__`` set)."""
-
-    @functools.wraps(init)
-    def __init__(self, *args: Any, allow_stochastic: bool = False, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        self.allow_stochastic = _opt_in_flag(allow_stochastic)
-
-    signature = inspect.signature(init)
-    parameters = list(signature.parameters.values())
-    keyword = inspect.Parameter(OPT_IN, inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool)
-    at = next((i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), len(parameters))
-    __init__.__signature__ = signature.replace(parameters=parameters[:at] + [keyword] + parameters[at:])
-    __init__._takes_opt_in = True
-    return __init__
-
-
-def _opt_in_flag(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise InputError(f"{OPT_IN} must be True or False, got {value!r}.")
-    return value
-
-
-class StochasticOptIn:
-    """Every method's ``allow_stochastic`` keyword (default False), one rule for all of them.
-
-    A model in training mode whose forward is random or batch-dependent (active dropout, drop
-    path, batch norm on batch statistics) is refused by every method
-    (:mod:`~captum_transformers.capture.stochastic_layers`): each call would explain another
-    forward. ``Method(model, ..., allow_stochastic=True)`` explains it on purpose, one random
-    draw per call (layers that would update running statistics stay refused). Training mode
-    without such layers (gradient checkpointing, dropouts with ``p = 0``) needs no opt-in.
-
-    Subclasses get the keyword on their own ``__init__`` without forwarding it (it is added
-    here, when the subclass is defined), and run their passes inside :meth:`stochastic_rule`.
-    """
-
-    allow_stochastic: bool = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        init = cls.__dict__.get("__init__")
-        if init is not None and not getattr(init, "_takes_opt_in", False) \
-                and OPT_IN not in inspect.signature(init).parameters:
-            cls.__init__ = _taking_opt_in(init)
-
-    def stochastic_rule(self):
-        """The context the method's forward passes run in: refused or allowed, as chosen."""
-        return allowing(self.allow_stochastic)
 
 
 class TraceAttribution(StochasticOptIn, Attribution):

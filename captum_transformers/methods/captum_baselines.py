@@ -58,7 +58,8 @@ from ..capture.targets import output_scores
 from ..errors import InputError
 from ..adapters.input_checks import ordinary_tensors, refuse_inference_mode, refuse_non_finite
 from ..capture.stochastic_layers import watched
-from .base import StochasticOptIn, attribution_dtype, finished
+from .base import attribution_dtype, finished
+from .stochastic_opt_in import StochasticOptIn
 
 TensorOrTuple = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 

@@ -13,8 +13,8 @@ from ..errors import CaptureError, InputError
 from ..adapters.registry import get_adapter
 from ..propagation.rules import RuleSet
 from ..capture.inputs import passed_by_name
-from .base import (StochasticOptIn, TensorOrTuple, _format_additional, _prepared_inputs, attribution_dtype,
-                   finished, span_to_input)
+from .base import TensorOrTuple, _format_additional, _prepared_inputs, attribution_dtype, finished, span_to_input
+from .stochastic_opt_in import StochasticOptIn
 
 
 class RuleGradientXInput(StochasticOptIn, GradientAttribution):
