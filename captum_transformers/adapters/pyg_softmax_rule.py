@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -45,7 +44,7 @@ from ..capture import patching
 from ..capture.trace import Block
 from ..errors import CaptureError
 from ..propagation.operation_rules import IdentityRelevance
-from .pyg_transformer_alpha import refuse_unless_layer_message
+from .pyg_transformer_alpha import refuse_unless_layer_message, transformer_scores
 
 TRANSFORMER_CONV = "torch_geometric.nn.conv.transformer_conv.TransformerConv"
 
@@ -102,10 +101,10 @@ def _message_hook(block: Block, rerouted: Dict[int, torch.Tensor], scatter_softm
 
     def hook(_module, inputs, out):
         kwargs = inputs[0]
-        query, key, value = kwargs["query_i"], kwargs["key_j"], kwargs["value_j"]
         if not torch.is_grad_enabled():
             return None
-        scores = (query * key).sum(dim=-1) / math.sqrt(module.out_channels)
+        scores, _ = transformer_scores(module, kwargs)  # no edge term: edge_dim layers are refused above
+        value = kwargs["value_j"]
         index, ptr, size = kwargs["index"], kwargs["ptr"], kwargs["size_i"]
         # This call's alpha from its own arguments, never the module's _alpha field, which a
         # forward of the same model in another thread may overwrite (see .pyg_transformer_alpha).

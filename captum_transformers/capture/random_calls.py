@@ -1,7 +1,7 @@
 """The table of calls that make a forward random or batch-dependent, with their argument checks.
 
 Stage 2 of the train-mode rule (:mod:`.stochastic_layers`) looks each call of the forward up in
-:data:`_CHECKS`: ``F.dropout`` and its kin, ``scaled_dot_product_attention`` and
+:data:`RANDOM_CALL_CHECKS`: ``F.dropout`` and its kin, ``scaled_dot_product_attention`` and
 ``multi_head_attention_forward`` with dropout, batch / instance norm on batch statistics,
 ``rrelu``, Bernoulli sampling, and every other random sampler with the number of values it draws
 (a draw of at most one number is a coin and passes). Each check reads the call's arguments and
@@ -232,4 +232,4 @@ def _checks() -> Dict[Any, Callable[[tuple, dict], Optional[Tuple[str, bool]]]]:
     return checks
 
 
-_CHECKS = _checks()
+RANDOM_CALL_CHECKS = _checks()

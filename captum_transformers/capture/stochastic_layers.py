@@ -66,7 +66,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import StochasticForwardError
 from . import isolation, module_walk
-from .random_calls import _CHECKS
+from .random_calls import RANDOM_CALL_CHECKS
 
 _ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("captum_transformers_allow_stochastic", default=False)
 # The models whose forward this thread is watching now (a nested watch of one of them adds nothing).
@@ -192,8 +192,9 @@ _MODULE_CALL = nn.Module._call_impl.__code__
 
 
 class _FunctionalWatch(TorchFunctionMode):
-    """Passes every call through; a random or batch-dependent one (:data:`.random_calls._CHECKS`) is refused
-    before it runs (so that no running statistic changes), naming the calling module.
+    """Passes every call through; a random or batch-dependent one
+    (:data:`.random_calls.RANDOM_CALL_CHECKS`) is refused before it runs (so that no running
+    statistic changes), naming the calling module.
 
     It stays on inside the user's hooks on the model (``kept_in_user_hooks``, read by
     :mod:`.isolation`, which sets the package's other modes aside there): a hook that adds
@@ -211,7 +212,7 @@ class _FunctionalWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        check = _CHECKS.get(func)
+        check = RANDOM_CALL_CHECKS.get(func)
         if check is not None:
             found = check(args, kwargs)
             if found is not None and (found[1] or not self.allowed) and not self._another_models_call():
