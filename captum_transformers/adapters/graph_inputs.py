@@ -14,7 +14,7 @@ edges and graphs, not tokens and examples.
 
 Example::
 
-    >>> refuse_unexplainable_graphs(x, (edge_index, batch), None, graphs)
+    >>> refuse_unexplainable_graphs(x, (edge_index, batch), None)
 """
 from __future__ import annotations
 
@@ -96,10 +96,9 @@ def refuse_empty_graphs(graphs: GraphBatch) -> None:
 
 
 def refuse_unexplainable_graphs(nodes: torch.Tensor, additional_forward_args: Sequence[Any],
-                                forward_kwargs: Optional[dict], graphs: Optional[GraphBatch] = None) -> None:
-    """Every refusal above, in the order an explanation meets them."""
+                                forward_kwargs: Optional[dict]) -> None:
+    """The refusals above that need no batch vector, in the order an explanation meets them
+    (:func:`refuse_empty_graphs` follows once the graphs are numbered)."""
     refuse_sparse_adjacency(additional_forward_args, forward_kwargs)
     refuse_no_nodes(nodes)
     refuse_non_finite_nodes(nodes)
-    if graphs is not None:
-        refuse_empty_graphs(graphs)

@@ -35,14 +35,11 @@ from torch import nn
 
 from ..capture import patching
 from ..errors import CaptureError
+from .graph_refusal import class_keys
 
 POOL_PACKAGE = "torch_geometric.nn.pool."
 #: Pools that keep a subset of their input nodes and return it as ``perm`` (output[4]).
 SELECTING = ("torch_geometric.nn.pool.topk_pool.TopKPooling", "torch_geometric.nn.pool.sag_pool.SAGPooling")
-
-
-def _keys(module: nn.Module) -> List[str]:
-    return [f"{base.__module__}.{base.__qualname__}" for base in type(module).__mro__]
 
 
 def node_pools(model: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -51,7 +48,7 @@ def node_pools(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     found: List[Tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         inside = any(name.startswith(f"{outer}.") or not outer for outer, _ in found)
-        if not inside and any(key.startswith(POOL_PACKAGE) for key in _keys(module)):
+        if not inside and any(key.startswith(POOL_PACKAGE) for key in class_keys(module)):
             found.append((name, module))
     return found
 
@@ -70,7 +67,7 @@ class SurvivingNodes:
         that merges nodes, or one whose input is not the current node list (two pools on
         parallel branches, both fed the same nodes: composing the second's ``perm`` with the
         first's would place its nodes wrongly)."""
-        if not any(key in SELECTING for key in _keys(module)):
+        if not any(key in SELECTING for key in class_keys(module)):
             raise CaptureError(
                 f"{name!r} ({type(module).__name__}) pools the nodes of each graph into new nodes that are no one "
                 "original node (merged or clustered), so the attention maps after it cannot be placed on the input's "

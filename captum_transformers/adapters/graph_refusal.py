@@ -21,7 +21,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Set
 
 from torch import nn
 
@@ -39,7 +39,7 @@ PYG_ATTENTION = (
     "torch_geometric.nn.conv.gatv2_conv.GATv2Conv",
 )
 # A message-passing layer is refused when it wraps an nn.MultiheadAttention.
-_MESSAGE_PASSING = "torch_geometric.nn.conv.message_passing.MessagePassing"
+MESSAGE_PASSING = "torch_geometric.nn.conv.message_passing.MessagePassing"
 
 _WHY = {
     "hidden_mha": "an nn.MultiheadAttention inside a message-passing layer mixes nodes in a way no built-in adapter "
@@ -51,7 +51,9 @@ _WHY = {
 }
 
 
-def _keys(module: nn.Module):
+def class_keys(module: nn.Module) -> Set[str]:
+    """The dotted names of ``module``'s class and its bases: matched against dotted keys, so that
+    recognising a torch_geometric layer needs no import of torch_geometric."""
     return {f"{base.__module__}.{base.__qualname__}" for base in type(module).__mro__}
 
 
@@ -59,7 +61,7 @@ def graph_model_reason(model: nn.Module, adapter_name: Optional[str] = None) -> 
     """Why ``model`` cannot be explained by the built-in adapter ``adapter_name`` (None: the one
     the lookup chose), naming the graph layer (name, class and path), or None."""
     for name, module in model.named_modules():
-        keys = _keys(module)
+        keys = class_keys(module)
         where = f"{type(module).__name__} ({{}}) at {name or 'the top level'}"
         known = next((key for key in _LINEAR_ATTENTION if key in keys), None)
         if known is not None:
@@ -69,9 +71,9 @@ def graph_model_reason(model: nn.Module, adapter_name: Optional[str] = None) -> 
             if adapter_name not in (None, "pyg_gps"):
                 return f"{where.format(known)}: {_WHY['other_adapter'].format('pyg_gps')}"
             continue
-        if _MESSAGE_PASSING in keys and not keys & set(PYG_ATTENTION) and any(
+        if MESSAGE_PASSING in keys and not keys & set(PYG_ATTENTION) and any(
                 isinstance(sub, nn.MultiheadAttention) for sub in module.modules()):
-            return f"{where.format(_MESSAGE_PASSING)}: {_WHY['hidden_mha']}"
+            return f"{where.format(MESSAGE_PASSING)}: {_WHY['hidden_mha']}"
         known = next((key for key in PYG_ATTENTION if key in keys), None)
         if known is not None and adapter_name not in (None, "pyg_attention", "pyg_gps"):
             return f"{where.format(known)}: {_WHY['other_adapter'].format('pyg_attention')}"

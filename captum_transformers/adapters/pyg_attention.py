@@ -57,6 +57,7 @@ from ..errors import CaptureError, InputError
 from ..propagation.operation_rules import operation_rules
 from ..propagation.rules import RuleSet, find_norms, norm_rules, refuse_rounding_sensitive
 from .base import Adapter
+from .graph_refusal import MESSAGE_PASSING, class_keys
 from .graph_inputs import refuse_empty_graphs, refuse_graph_target_count, refuse_unexplainable_graphs
 from .graph_nodes import GraphBatch, batch_argument
 from .graph_pooling import SurvivingNodes, following_pools
@@ -67,7 +68,6 @@ from .pyg_softmax_rule import identity_softmax, refuse_identity_softmax
 from .pyg_transformer_alpha import recomputed_alpha
 from .relevance_reading import RelevanceResult, seeded
 
-_MESSAGE_PASSING = "torch_geometric.nn.conv.message_passing.MessagePassing"
 _GAT_LIKE = ("torch_geometric.nn.conv.gat_conv.GATConv", "torch_geometric.nn.conv.gatv2_conv.GATv2Conv")
 # PyG norms whose scale depends on the data (statistics over a graph); BatchNorm in eval mode
 # (running statistics), GraphSizeNorm and MeanSubtractionNorm are linear and need no rule.
@@ -201,7 +201,6 @@ class PyGAttentionAdapter(Adapter):
             raise InputError(f"The explained input of a PyG model is its node features x (N, F), floating point; got "
                              f"{nodes.dtype} of shape {tuple(nodes.shape)}. Pass (edge_index, batch) as "
                              "additional_forward_args.")
-        refuse_unexplainable_graphs(nodes, additional_forward_args, forward_kwargs)
         batch = batch_argument(model, (*inputs, *additional_forward_args), forward_kwargs, self.batch_argument)
         graphs = GraphBatch.of(batch, nodes.shape[0])
         refuse_empty_graphs(graphs)
@@ -251,15 +250,13 @@ class PyGAttentionAdapter(Adapter):
         attention-chain methods unless ``ignore_message_passing``)."""
         seen = {id(sub) for block in self.blocks(model) for sub in block.module.modules()}
         return [name for name, module in model.named_modules()
-                if id(module) not in seen and any(f"{base.__module__}.{base.__qualname__}" == _MESSAGE_PASSING
-                                                  for base in type(module).__mro__)]
+                if id(module) not in seen and MESSAGE_PASSING in class_keys(module)]
 
     def trace(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
-              *args: Any, **kwargs: Any):
+              target: Any, spec: CaptureSpec, forward_kwargs: Optional[dict] = None, **kwargs: Any):
         """:meth:`Adapter.trace` with the explained rows checked against the readout."""
         if inputs:  # a batch of graphs refused in graph words before the token checks
-            named = kwargs.get("forward_kwargs", args[2] if len(args) > 2 else None)  # (target, spec, forward_kwargs)
-            refuse_unexplainable_graphs(inputs[0], additional_forward_args, named)
+            refuse_unexplainable_graphs(inputs[0], additional_forward_args, forward_kwargs)
         unseen = self.unseen_message_passing(model)
         if unseen and not self.ignore_message_passing:
             raise CaptureError(
@@ -270,7 +267,7 @@ class PyGAttentionAdapter(Adapter):
             )
         token = _OUTPUT.set([False, True])
         try:
-            return super().trace(model, inputs, additional_forward_args, *args, **kwargs)
+            return super().trace(model, inputs, additional_forward_args, target, spec, forward_kwargs, **kwargs)
         finally:
             _OUTPUT.reset(token)
 

@@ -44,9 +44,7 @@ from ..capture import patching
 from ..capture.trace import Block
 from ..errors import CaptureError
 from ..propagation.operation_rules import IdentityRelevance
-from .pyg_transformer_alpha import refuse_unless_layer_message, transformer_scores
-
-TRANSFORMER_CONV = "torch_geometric.nn.conv.transformer_conv.TransformerConv"
+from .pyg_transformer_alpha import TRANSFORMER_CONV, refuse_unless_layer_message, transformer_scores
 
 # The alpha of each layer on the rule's gradient path, per forward, in this context.
 _REROUTED: contextvars.ContextVar[Optional[Dict[int, torch.Tensor]]] = contextvars.ContextVar(

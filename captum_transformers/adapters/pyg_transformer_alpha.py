@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, FrozenSet, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -36,16 +36,20 @@ from torch import nn
 from ..capture import patching
 from ..capture.trace import Block
 from ..errors import CaptureError
+from .graph_refusal import class_keys
 
 TRANSFORMER_CONV = "torch_geometric.nn.conv.transformer_conv.TransformerConv"
 
 # Per context: id(module) -> the alpha its last message computed in this context.
 _ALPHA: contextvars.ContextVar[Optional[Dict[int, torch.Tensor]]] = contextvars.ContextVar(
     "captum_transformers_pyg_transformer_alpha", default=None)
+# Per context: ids of the TransformerConv layers whose message is already hooked.
+_HOOKED: contextvars.ContextVar[FrozenSet[int]] = contextvars.ContextVar(
+    "captum_transformers_pyg_transformer_alpha_hooked", default=frozenset())
 
 
 def is_transformer_conv(module: nn.Module) -> bool:
-    return any(f"{base.__module__}.{base.__qualname__}" == TRANSFORMER_CONV for base in type(module).__mro__)
+    return TRANSFORMER_CONV in class_keys(module)
 
 
 def this_call_alpha(module: nn.Module) -> Optional[torch.Tensor]:
@@ -74,17 +78,23 @@ def recomputed_alpha(blocks: List[Block]) -> Iterator[None]:
     :func:`this_call_alpha` from its message's own arguments (the module docstring)."""
     from torch_geometric.utils import softmax as scatter_softmax
 
-    kept = _ALPHA.get()
-    token = _ALPHA.set({}) if kept is None else None
-    kept = _ALPHA.get()
+    kept, token = _ALPHA.get(), None
+    if kept is None:
+        kept = {}
+        token = _ALPHA.set(kept)
+    # A layer already hooked by an enclosing context (capture, then propagation, of one
+    # explanation) is not hooked again: one recomputation per call.
+    hooked = _HOOKED.get()
+    fresh = [b for b in blocks if is_transformer_conv(b.module) and id(b.module) not in hooked]
+    hooked_token = _HOOKED.set(hooked | {id(b.module) for b in fresh})
     try:
         with contextlib.ExitStack() as stack:
-            for block in blocks:
-                if is_transformer_conv(block.module):
-                    stack.enter_context(patching.message_passing_hook(
-                        block.module, "message", _message_hook(block, kept, scatter_softmax)))
+            for block in fresh:
+                stack.enter_context(patching.message_passing_hook(
+                    block.module, "message", _message_hook(block, kept, scatter_softmax)))
             yield
     finally:
+        _HOOKED.reset(hooked_token)
         if token is not None:
             _ALPHA.reset(token)
 

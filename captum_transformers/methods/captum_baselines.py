@@ -51,6 +51,7 @@ from captum.attr import Attribution, IntegratedGradients, Saliency
 from torch import nn
 
 from ..adapters.foreign_patches import check_library_classes
+from ..adapters.graph_refusal import MESSAGE_PASSING, class_keys
 from ..capture import patching
 from ..capture.compiled import uncompiled
 from ..capture.exclusive import exclusive
@@ -183,9 +184,6 @@ class _CaptumGradientBaseline(StochasticOptIn, Attribution):
         return finished(scores, self.model)
 
 
-_MESSAGE_PASSING = "torch_geometric.nn.conv.message_passing.MessagePassing"
-
-
 class CaptumIntegratedGradients(_CaptumGradientBaseline):
     """Captum's Integrated Gradients (Sundararajan et al., ICML 2017), called like the package's
     methods; settings and baselines in the module docstring.
@@ -254,7 +252,7 @@ def _refuse_graph_batches(model: nn.Module) -> None:
     match the nodes (PyG then fails with an error about indices, or worse, a map of mixed
     graphs). Refuse it in graph words instead."""
     for module in model.modules():
-        if any(f"{c.__module__}.{c.__qualname__}" == _MESSAGE_PASSING for c in type(module).__mro__):
+        if MESSAGE_PASSING in class_keys(module):
             raise InputError(f"integrated-gradients on {type(model).__name__}, a graph model ({type(module).__name__} "
                              "layers): Captum's Integrated Gradients stacks its steps along the node dimension, so "
                              "edge_index and batch would no longer match the nodes. Use 'saliency', the package's "
