@@ -107,3 +107,16 @@ def test_stream_views_label_every_part_by_the_methods_signedness_not_by_its_valu
     assert detection_view(torch.rand(1, 3, 16, 12), found, signed=True).rows[0][0].scale.signed
     with pytest.raises(InputError, match="negative"):
         text_image_view(tokens, text, torch.rand(1, 3, 16, 16), maps, signed=False)
+
+
+def test_stream_views_take_the_mask_as_the_tokenizers_output_like_token_heatmap():
+    """``text_image_view`` passes each row's mask to TokenHeatmap, which accepts a BatchEncoding or a
+    ``{"attention_mask": ...}`` dict: the view must accept them too, not fail slicing the dict."""
+    tokens = [["<s>", "a", "cat", "</s>"], ["<s>", "dog", "</s>", "<pad>"]]
+    text = torch.tensor([[0.0, 1.0, 0.5, 0.1], [0.0, 2.0, 0.1, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    images, maps = torch.rand(2, 3, 16, 16), torch.rand(2, 3, 16, 16)
+    as_tensor = text_image_view(tokens, text, images, maps, attention_mask=mask, special_tokens={"<s>", "</s>"})
+    as_dict = text_image_view(tokens, text, images, maps, attention_mask={"attention_mask": mask},
+                              special_tokens={"<s>", "</s>"})
+    assert [row[0].lines[0].tokens for row in as_dict.rows] == [row[0].lines[0].tokens for row in as_tensor.rows]

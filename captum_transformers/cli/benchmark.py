@@ -87,9 +87,8 @@ def run(args) -> int:
     _check_device(args.device)
     # Settled before the run (minutes) and before joining a process group; only rank 0 writes,
     # and a run that fails leaves no empty folder behind.
-    with contextlib.ExitStack() as claimed:
-        out = (claimed.enter_context(claimed_output_folder(args.out, "results.json", "benchmark"))
-               if int(os.environ.get("RANK", "0")) == 0 else None)
+    writes = int(os.environ.get("RANK", "0")) == 0
+    with claimed_output_folder(args.out, "results.json", "benchmark") if writes else contextlib.nullcontext() as out:
         return _run_into(args, out)
 
 

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..methods.catalog import KNOWN_METHOD_NAMES, SIGNED_METHODS
+from ..methods.catalog import CAPTUM_BASELINES, KNOWN_METHOD_NAMES, SIGNED_METHODS
 from ..visualization import ExplanationGrid, TokenHeatmap
 
 # The baselines of the papers' tables (Chefer et al. 2021a/b, Ali et al. 2022): shown for
@@ -23,7 +23,6 @@ from ..visualization import ExplanationGrid, TokenHeatmap
 # baselines users compare against. Every other catalog method is one of the papers' methods.
 PAPER_BASELINES = frozenset({"raw-attention", "grad-cam", "partial-lrp", "lrp", "gradient-x-input",
                              "conservative-lrp-ah"})
-CAPTUM_BASELINES = frozenset({"integrated-gradients", "saliency"})
 
 
 def column_title(name: str) -> str:

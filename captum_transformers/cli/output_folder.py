@@ -5,12 +5,12 @@ at once (not after a benchmark of many minutes). A folder holding an earlier run
 ``marker`` file: ``explanations.png``, ``results.json``) is never overwritten: the run goes
 to the first of ``OUT-2``, ``OUT-3``, ... that holds none, and one line says so.
 
-Example: ``output_folder("captum_transformers_explain", "explanations.png")`` returns
-``captum_transformers_explain-2`` on the second run in the same directory.
+The folder is claimed for the run, which may still fail (a model that cannot be loaded, a
+device that runs out of memory): the folders it created are removed again when the run raises
+before writing anything into them, so a failed run leaves nothing behind.
 
-``claimed_output_folder`` does the same for a run that may still fail (a model that cannot
-be loaded, a device that runs out of memory): the folders it created are removed again when
-the run raises before writing anything into them, so a failed run leaves nothing behind.
+Example: ``with claimed_output_folder("captum_transformers_explain", "explanations.png", "explain") as out:``
+gives ``captum_transformers_explain-2`` on the second run in the same directory.
 """
 from __future__ import annotations
 
@@ -23,15 +23,11 @@ from typing import Iterator, List, Tuple
 from ..errors import InputError
 
 
-def output_folder(requested: str, marker: str, command: str) -> Path:
-    """Create (if needed) and return the folder to write to; see the module docstring."""
-    return _settled(requested, marker, command)[0]
-
-
 @contextlib.contextmanager
 def claimed_output_folder(requested: str, marker: str, command: str) -> Iterator[Path]:
-    """``output_folder`` for the body of a run: if the body raises, the folders this call
-    created are removed again as long as they are still empty."""
+    """The folder to write to (created if needed; see the module docstring) for the body of a
+    run: if the body raises, the folders this call created are removed again as long as they
+    are still empty."""
     path, created = _settled(requested, marker, command)
     try:
         yield path

@@ -37,6 +37,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..capture.targets import output_scores, select_targets
 from ..errors import InputError
 from .colors import ColorScale, ScaleOption, SignedOption, as_float_tensor, common_scale, fit_scales, legend_words
 from .images import add_colorbar, display_image, draw, enlarge, map_to_pixels, zoom_factor
@@ -207,7 +208,7 @@ def report(model, inputs, *, methods: Optional[Sequence[str]] = None, target=Non
     maps are labelled signed or unsigned by the catalog (``SIGNED_METHODS``), whatever the
     scale or the values; a ``signed={name: bool}`` dict overrides names it gives.
     """
-    from ..methods.catalog import METHOD_NAMES, SIGNED_METHODS, build_method
+    from ..methods.catalog import METHOD_NAMES, build_method
 
     if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point():
         raise InputError(f"report draws image models; got {inputs.dtype} inputs of shape {tuple(inputs.shape)} "
@@ -220,9 +221,6 @@ def report(model, inputs, *, methods: Optional[Sequence[str]] = None, target=Non
     for name in names:
         attribution = build_method(name, model).attribute(inputs, target=target, forward_kwargs=forward_kwargs)
         maps[name] = (attribution[0] if isinstance(attribution, tuple) else attribution).detach()
-    given = grid_options.get("signed")
-    if given is None or isinstance(given, Mapping):
-        grid_options["signed"] = {**{name: name in SIGNED_METHODS for name in maps}, **dict(given or {})}
     if "logits" not in grid_options:
         grid_options["logits"] = explained_logits(model, inputs, target, forward_kwargs)
     return ExplanationGrid(inputs if images is None else images, maps, titles, **grid_options)
@@ -232,15 +230,11 @@ def report(model, inputs, *, methods: Optional[Sequence[str]] = None, target=Non
 def explained_logits(model, inputs, target=None, forward_kwargs=None) -> Optional[torch.Tensor]:
     """The logit of ``target`` (None: the predicted class) per example, from one forward pass;
     None when the output is not a (B, classes) score matrix (then no logit is printed)."""
-    output = model(inputs, **(forward_kwargs or {}))
-    scores = getattr(output, "logits", output[0] if isinstance(output, (tuple, list)) else output)
-    if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
-        return None
-    if target is None:
-        index = scores.argmax(-1)
-    else:
-        try:
-            index = torch.as_tensor(target, device=scores.device).reshape(-1).expand(scores.shape[0])
-        except (TypeError, ValueError, RuntimeError):  # a target of another form: no logit rather than a wrong one
+    try:
+        scores = output_scores(model(inputs, **(forward_kwargs or {})))
+        scores = scores[0] if isinstance(scores, tuple) else scores
+        if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
             return None
-    return scores.gather(1, index[:, None].long())[:, 0].float().cpu()
+        return select_targets(scores, target)[0].float().cpu()
+    except InputError:  # a target or output of another form: no logit rather than a wrong one
+        return None
