@@ -274,6 +274,7 @@ def train_movie_model(cache_dir: str | os.PathLike | None = None, epochs: int = 
 # of wall time at half a core). Said before training starts, so a first user knows the wait is
 # expected and bounded.
 TRAINING_MINUTES = "10-22"
+TRAINING_WAIT = "21-23 minutes of waiting measured on a busy 2-core machine"
 
 
 def _to_stderr(message: str) -> None:
@@ -284,7 +285,7 @@ def training_announcement(path: Path) -> str:
     """What :func:`load_movie_model` says before it trains (first use only)."""
     return (f"captum_transformers: no fine-tuned movie model in {path}; training it now (first use only). "
             f"Fine-tuning the pretrained MiniLM-L6 on the movie-snippet train split (2 epochs) takes "
-            f"{TRAINING_MINUTES} CPU minutes (21-23 minutes of waiting measured on a busy 2-core machine); progress is printed every "
+            f"{TRAINING_MINUTES} CPU minutes ({TRAINING_WAIT}); progress is printed every "
             f"50 steps. The result is cached in {path} and loaded from there next time (delete that folder to "
             f"retrain; set $CAPTUM_TRANSFORMERS_CACHE or pass cache_dir= to cache elsewhere).")
 
