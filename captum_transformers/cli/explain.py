@@ -18,7 +18,7 @@ from ..capture.targets import output_scores
 from ..errors import InputError
 from ..methods.catalog import KNOWN_METHOD_NAMES, build_method, resolve_method_names
 from . import figures
-from .device import ACCEPTED, checked_device
+from .device import ACCEPTED, checked_device, on_device
 from .model_loading import LoadedModel, load_model, read_image
 from .output_folder import claimed_output_folder
 from .scores_file import write_scores
@@ -101,10 +101,7 @@ def run(args) -> int:
 def _explain(args, methods: List[str], device: torch.device, out) -> int:
     loaded = load_model(args.model, args.arch, args.random_init)
     inputs, forward_kwargs, displays, labels = _raw_inputs(loaded, args)
-    if device.type != "cpu":  # a model this command loaded itself: moving it changes nobody else's
-        loaded.model.to(device)
-        inputs = tuple(t.to(device) for t in inputs)
-        forward_kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in forward_kwargs.items()}
+    _, inputs, forward_kwargs = on_device(device, loaded.model, inputs, forward_kwargs)
     logits = _logits(loaded.model, inputs, forward_kwargs)
     if logits.dim() != 2:
         raise InputError(f"{loaded.name} returns scores of shape {tuple(logits.shape)}; expected (batch, classes).")

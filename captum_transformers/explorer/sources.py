@@ -7,23 +7,11 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 from ..errors import InputError
+from ..cli.device import on_device
 from .workspace import Workspace
-
-
-def _on_device(device, model, inputs: Tuple, forward_kwargs: Optional[Dict[str, Any]] = None):
-    """``model`` (loaded here, so moving it changes nobody else's), its inputs and keyword
-    tensors on ``device`` (``None`` or the CPU: as they are)."""
-    forward_kwargs = dict(forward_kwargs or {})
-    if device is None or str(device) == "cpu":
-        return model, tuple(inputs), forward_kwargs
-    import torch
-
-    model.to(device)
-    return (model, tuple(t.to(device) for t in inputs),
-            {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in forward_kwargs.items()})
 
 
 def builtin_workspace(samples: int = 48, seed: int = 0, variant: str = "one", device=None) -> Workspace:
@@ -37,7 +25,7 @@ def builtin_workspace(samples: int = 48, seed: int = 0, variant: str = "one", de
     loaded = load_model(None)
     canvases = digit_canvases(split="test", variant=variant, n=samples, seed=seed)
     name = loaded.name if variant == "one" else f"{loaded.name}, two-digit canvases"
-    model, inputs, _ = _on_device(device, loaded.model, (normalize(canvases.images),))
+    model, inputs, _ = on_device(device, loaded.model, (normalize(canvases.images),))
     return Workspace(model, inputs, list(canvases.images), "image",
                      labels=canvases.labels, class_names=loaded.class_names, name=name)
 
@@ -54,7 +42,7 @@ def movie_workspace(samples: int = 48, cache_dir: Optional[str] = None, device=N
     encoded = encode(data, tokenizer)
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     tokens = [tokenizer.convert_ids_to_tokens(row[keep.bool()]) for row, keep in zip(ids, mask)]
-    model, inputs, forward_kwargs = _on_device(device, model, (ids,), {"attention_mask": mask})
+    model, inputs, forward_kwargs = on_device(device, model, (ids,), {"attention_mask": mask})
     return Workspace(model, inputs, tokens, "text", labels=data.labels, class_names=["negative", "positive"],
                      forward_kwargs=forward_kwargs, name="fine-tuned MiniLM, movie snippets",
                      special_tokens=frozenset(tokenizer.all_special_tokens),
@@ -99,7 +87,7 @@ def loaded_workspace(model: Optional[str], arch: Optional[str] = None, random_in
         raise InputError(f"nothing to explore: give --image FILE or --text STRING (repeatable) for {loaded.name}.")
     raws = [read_image(path) for path in images] if images else list(texts)
     inputs, forward_kwargs, displays = loaded.prepare(raws)
-    model, inputs, forward_kwargs = _on_device(device, loaded.model, inputs, forward_kwargs)
+    model, inputs, forward_kwargs = on_device(device, loaded.model, inputs, forward_kwargs)
     classes = loaded.class_names
     if classes is None:
         import torch
