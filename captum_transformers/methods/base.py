@@ -25,6 +25,7 @@ from .relevancy_maps import explained_rows
 from ..capture.inputs import passed_by_name, split_mapping
 from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec, InputSpan, TokenLayout
 from . import functional
+from .pass_plan import PassPlan, resolved_target
 from .stochastic_opt_in import StochasticOptIn, _opt_in_flag
 
 #: What :meth:`TraceAttribution.reduce` returns: token scores (B, N) of a one-stream model,
@@ -229,10 +230,23 @@ class TraceAttribution(StochasticOptIn, Attribution):
         with passed_by_name(self.model, name), self.stochastic_rule():
             return self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
 
+    def pass_plan(self, inputs: Tuple[torch.Tensor, ...], additional: Tuple[Any, ...],
+                  forward_kwargs: Optional[dict]) -> PassPlan:
+        """The passes this method's trace takes (:class:`PassPlan`): by default one capture
+        with :meth:`capture_spec`; methods with rules or two passes override it."""
+        return PassPlan(self.capture_spec())
+
     def _trace(self, inputs: Tuple[torch.Tensor, ...], target: Any, additional: Tuple[Any, ...],
                forward_kwargs: Optional[dict]) -> AttentionTrace:
-        """The passes a method needs; one capture by default, methods with two passes override."""
-        return self.adapter.trace(self.model, inputs, additional, target, self.capture_spec(), forward_kwargs)
+        """Run :meth:`pass_plan` on one batch."""
+        plan = self.pass_plan(inputs, additional, forward_kwargs)
+        trace = self.adapter.trace(self.model, inputs, additional, target, plan.spec, forward_kwargs,
+                                   rules=plan.rules, plain_spec=plan.plain_spec)
+        if plan.then is not None:  # freed before the second trace runs (peak = the larger one)
+            target, trace = resolved_target(trace.target), None
+            trace = self.adapter.trace(self.model, inputs, additional, target, plan.then.spec, forward_kwargs,
+                                       rules=plan.then.rules, plain_spec=plan.then.plain_spec)
+        return trace
 
     @log_usage()
     def attribute(self, inputs: TensorOrTuple, target: Any = None, additional_forward_args: Any = None,

@@ -10,6 +10,7 @@ from . import functional
 from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec
 from ..errors import CaptureError, InputError
 from .base import TraceAttribution
+from .pass_plan import PassPlan
 
 HeadWeights = Literal["row", "all"]
 HEAD_WEIGHTS = ("row", "all")
@@ -83,7 +84,7 @@ class AttentionGradCAM(TraceAttribution):
             return CaptureSpec(backward_reduce=_heads_and_gradients, backward_blocks="last")
         return CaptureSpec(backward_reduce=_weighted_by_real_keys, backward_blocks="last")
 
-    def _trace(self, inputs, target, additional, forward_kwargs) -> AttentionTrace:
+    def pass_plan(self, inputs, additional, forward_kwargs) -> PassPlan:
         # Prefix tokens come only with an image's patch grid: token inputs need no (B, 2, H, Q, K)
         # copy of the last layer (an LLM's last layer over a long prompt would make it large).
         # Windowed models (Swin) have no prefix tokens and stack each example's windows into one
@@ -91,8 +92,7 @@ class AttentionGradCAM(TraceAttribution):
         tensors = [*inputs, *additional, *(forward_kwargs or {}).values()]
         image = any(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() for t in tensors)
         keep_heads = image and self.adapter.single_token_grid
-        return self.adapter.trace(self.model, inputs, additional, target, self.capture_spec(keep_heads=keep_heads),
-                                  forward_kwargs)
+        return PassPlan(self.capture_spec(keep_heads=keep_heads))
 
     def reduce(self, trace: AttentionTrace):
         if self.head_weights == "row":

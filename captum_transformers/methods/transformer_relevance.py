@@ -1,7 +1,7 @@
 """Chefer et al. (CVPR 2021): gradient-weighted attention relevance, and Partial LRP."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Dict
 
 import torch
 
@@ -10,19 +10,13 @@ from ..errors import InputError
 from ..propagation.rules import RuleSet
 from ..capture.trace import AttentionTrace, CaptureSpec
 from .base import StartLayer, TraceAttribution
+from .pass_plan import PassPlan
 
 
 def _relevance(probs: torch.Tensor, lrp_grad: torch.Tensor) -> torch.Tensor:
     """LRP relevance at an attention map in gradient x input form: ``R_A = A * g_A``."""
     dtype = torch.promote_types(lrp_grad.dtype, torch.float32)
     return probs.to(dtype) * lrp_grad.to(dtype)
-
-
-def _resolved(target_index: torch.Tensor) -> Any:
-    """The target index of a first pass as a per-example list for the next pass."""
-    if target_index.numel() == 0:
-        return None
-    return [tuple(row) for row in target_index.tolist()]
 
 
 class TransformerRelevance(TraceAttribution):
@@ -69,8 +63,7 @@ class TransformerRelevance(TraceAttribution):
     def capture_spec(self) -> CaptureSpec:  # the relevance pass
         return CaptureSpec(backward_reduce=lambda probs, lrp_grad, valid: _relevance(probs, lrp_grad))
 
-    def _trace(self, inputs: Tuple[torch.Tensor, ...], target: Any, additional: Tuple[Any, ...],
-               forward_kwargs: Optional[dict]) -> AttentionTrace:
+    def pass_plan(self, inputs, additional, forward_kwargs) -> PassPlan:
         # Per-head R_A of each map, kept from the relevance pass until its gradient arrives.
         by_call: Dict[int, torch.Tensor] = {}
 
@@ -87,14 +80,10 @@ class TransformerRelevance(TraceAttribution):
         if self.rules.attention_gate == "gradient":
             # One forward under the rules, then two backward passes through the same graph:
             # the relevance (rules), then the plain gradient (every rule switched off).
-            return self.adapter.trace(self.model, inputs, additional, target, relevance_spec, forward_kwargs,
-                                      rules=self.rules, plain_spec=gradient_spec)
+            return PassPlan(relevance_spec, self.rules, plain_spec=gradient_spec)
         # A detached attention gate changes the graph itself: a separate plain pass. The
         # relevance pass runs first and is freed before the gradient pass (peak = the larger).
-        relevance = self.adapter.trace(self.model, inputs, additional, target, relevance_spec, forward_kwargs,
-                                       rules=self.rules)
-        return self.adapter.trace(self.model, inputs, additional, _resolved(relevance.target), gradient_spec,
-                                  forward_kwargs)
+        return PassPlan(relevance_spec, self.rules, then=PassPlan(gradient_spec))
 
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
@@ -142,9 +131,8 @@ class PartialLRP(TraceAttribution):
         return CaptureSpec(backward_reduce=lambda probs, grad, valid: _relevance(probs, grad).clamp_(min=0).mean(1),
                            backward_blocks="last")
 
-    def _trace(self, inputs, target, additional, forward_kwargs) -> AttentionTrace:
-        return self.adapter.trace(self.model, inputs, additional, target, self.capture_spec(), forward_kwargs,
-                                  rules=self.rules)
+    def pass_plan(self, inputs, additional, forward_kwargs) -> PassPlan:
+        return PassPlan(self.capture_spec(), self.rules)
 
     def reduce(self, trace: AttentionTrace):
         return self.last_map_rows(trace, backward=True)
