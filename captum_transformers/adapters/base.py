@@ -238,6 +238,23 @@ class Adapter(abc.ABC):
                  contexts: Sequence[ContextManager[None]] = ()):
         """Run the model once under the capture (and ``contexts``); return the layout, the
         logits, the explained score per example and its target index."""
+        streams, output, kept = self.captured_forward(model, inputs, additional_forward_args, forward_kwargs,
+                                                      recorder, contexts)
+        self.check_output(model, output, target)
+        logits_layout = streams.layouts[streams.explained[0]]
+        if kept is not None:
+            logits_layout = kept.layout_for_logits(logits_layout, recorder.causal)
+        logits = self.logits(model, output, logits_layout, recorder.causal)
+        scores, index = self.resolve_target(model, logits, target)
+        return self.rows_for_target(model, streams, index), logits, scores, index
+
+    def captured_forward(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...],
+                         additional_forward_args: Sequence[Any], forward_kwargs: Optional[dict], recorder: Recorder,
+                         contexts: Sequence[ContextManager[None]] = (), keep_logits: Any = None):
+        """The forward pass alone, under the capture (and ``contexts``): ``(streams, output,
+        kept)``, where ``kept`` says which positions' logits the model computed (None: all).
+        ``keep_logits`` overrides the adapter's choice: ``"all"``, or the positions to keep
+        (the generation engine keeps the explained steps' positions)."""
         with contextlib.ExitStack() as stack:
             # One explanation of a module at a time; compiled parts run as their originals.
             stack.enter_context(exclusive(model))
@@ -248,7 +265,8 @@ class Adapter(abc.ABC):
                 stack.enter_context(context)
             # Innermost: a random or batch-dependent forward (training mode) is refused before it runs.
             stack.enter_context(stochastic_layers.watched(model))
-            kept = self.kept_logits(model, inputs, additional_forward_args, forward_kwargs)
+            kept = (self.kept_logits(model, inputs, additional_forward_args, forward_kwargs) if keep_logits is None
+                    else None if keep_logits == "all" else keep_logits)
             if kept is not None:
                 forward_kwargs = {**(forward_kwargs or {}), "logits_to_keep": kept.keep}
             output = self.call_model(model, inputs, additional_forward_args, forward_kwargs)
@@ -261,13 +279,7 @@ class Adapter(abc.ABC):
         streams = self.stream_layouts(model, inputs, recorder)
         for name, layout in streams.layouts.items():
             refuse_examples_without_tokens(layout.token_mask, name)
-        self.check_output(model, output, target)
-        logits_layout = streams.layouts[streams.explained[0]]
-        if kept is not None:
-            logits_layout = kept.layout_for_logits(logits_layout, recorder.causal)
-        logits = self.logits(model, output, logits_layout, recorder.causal)
-        scores, index = self.resolve_target(model, logits, target)
-        return self.rows_for_target(model, streams, index), logits, scores, index
+        return streams, output, kept
 
     def kept_logits(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
                     forward_kwargs: Optional[dict]) -> Optional["KeptLogitPositions"]:

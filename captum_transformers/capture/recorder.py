@@ -57,6 +57,8 @@ class Site:
     observer: Optional["SiteObserver"] = None
     map_like: Optional[tuple] = None
     selected: bool = False
+    # A causal self-attention call: key k is real for query q only when k <= q.
+    causal: bool = False
 
     @property
     def requires_grad(self) -> bool:
@@ -141,6 +143,8 @@ class Recorder:
         self.keep_probs: bool = False
         # The spec of the previous backward pass through the same graph (None in the first).
         self.first_spec: Optional[CaptureSpec] = None
+        # Whether this pass is the first of a pair reduced together (None: when keep_probs).
+        self.pair_first: Optional[bool] = None
 
     @property
     def wants_maps(self) -> bool:
@@ -200,6 +204,7 @@ class Recorder:
             key_valid = key_valid.expand(probs.shape[0], -1) if key_valid.shape[0] == 1 else key_valid
             self.stream_valid.setdefault(site.streams[1], key_valid)
         self.causal = self.causal or causal
+        site.causal = causal
         self.sites.append(site)
 
     def stream_length(self, stream: str) -> int:
@@ -230,7 +235,7 @@ class Recorder:
         queries = self.stream_valid.get(site.streams[0])
         keys = self.stream_valid.get(site.streams[1])
         if queries is None and keys is None:
-            return None
+            return self._causal_pairs(site, None)
         device = (queries if queries is not None else keys).device
         # A stream's mask covers its tokens; a call over other lengths (none known here) is all valid.
         if queries is None or queries.shape[-1] != site.num_queries:
@@ -238,7 +243,18 @@ class Recorder:
         if keys is None or keys.shape[-1] != site.num_keys:
             keys = torch.ones(site.batch_size, site.num_keys, dtype=torch.bool, device=device)
         queries, keys = queries.to(torch.bool), keys.to(torch.bool)
-        return (queries[:, :, None] & keys[:, None, :]).unsqueeze(1)
+        return self._causal_pairs(site, (queries[:, :, None] & keys[:, None, :]).unsqueeze(1))
+
+    @staticmethod
+    def _causal_pairs(site: Site, pairs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``pairs`` (B, 1, Q, K) without the keys after each query of a causal call: what a
+        query never attends to is no (query, key) pair (a row's real keys are those before it,
+        the same whether the sequence ends there or goes on)."""
+        if not site.causal or site.num_queries != site.num_keys:
+            return pairs
+        device = pairs.device if pairs is not None else None
+        earlier = torch.ones(site.num_queries, site.num_keys, dtype=torch.bool, device=device).tril_()
+        return earlier[None, None] if pairs is None else pairs & earlier
 
     def reduce_gradient(self, site: Site, grad: torch.Tensor, probs: Optional[torch.Tensor] = None) -> None:
         """Fuse ``site``'s heads with its gradient (B, H, Q, K), then drop the raw map (unless
@@ -263,8 +279,8 @@ class Recorder:
         if site.observer is None:
             self.reduce_gradient(site, torch.zeros_like(site.probs))
             return
-        if self.keep_probs:  # the first of two passes: both are reduced in the second
-            site.received_gradient = True
+        if self.keep_probs if self.pair_first is None else self.pair_first:
+            site.received_gradient = True  # the first of two passes: both are reduced in the second
             return
         shape, dtype, device = site.map_like
         zeros = torch.zeros(shape, dtype=dtype, device=device)
@@ -282,6 +298,17 @@ class Recorder:
         maps are dropped as they are reduced). The previous pass's values are overwritten."""
         self.first_spec, self.spec = self.spec, spec
         self.keep_probs = False
+        for site in self.sites:
+            site.received_gradient = False
+
+    def begin_pass(self, spec: CaptureSpec, first_spec: Optional[CaptureSpec], keep_probs: bool,
+                   pair_first: bool = False) -> None:
+        """Set up one more backward pass through the same graph, for graphs that serve many
+        explained rows (one generation step after another): reduced by ``spec``, after
+        ``first_spec``'s pass when the two form a pair (:meth:`next_pass`), the maps kept when
+        ``keep_probs`` (a later pass will read them); ``pair_first``: the first pass of a pair.
+        The previous pass's values are overwritten."""
+        self.spec, self.first_spec, self.keep_probs, self.pair_first = spec, first_spec, keep_probs, pair_first
         for site in self.sites:
             site.received_gradient = False
 

@@ -1,0 +1,191 @@
+r"""Why a language model wrote each token: any method of the package, one forward pass.
+
+:class:`GenerationAttribution` wraps a method (AttnLRP, ConservativeLRP, GenericAttention,
+TransformerRelevance, AttentionGradCAM, PartialLRP, TransformerLRP, RawAttention,
+AttentionRollout, AttentionFlow, or Captum's IG / Saliency rows of the catalog) and explains
+every generated token ``y_t`` of a causal LM (or an encoder-decoder) given the prompt and the
+tokens before it:
+
+.. math:: \text{token\_attr}[t] = \mathcal{A}\big(s_t(x, y_{<t})\big)\big|_{x}, \qquad
+          \text{target\_attr}[t] = \mathcal{A}\big(s_t(x, y_{<t})\big)\big|_{y_{<t}}
+
+where :math:`s_t` is the step's score (``"logit"``, ``"log_prob"``, ``"prob"``, or a contrast
+with foil tokens) and :math:`\mathcal{A}` the wrapped method. The package's methods run one
+forward pass over prompt + output and one backward pass per explained token through it
+(TransformerRelevance: two, as in its single calls); each row equals a separate call of the
+method on the prefix (:mod:`captum_transformers.generation.engine`). Captum's own rows (IG,
+Saliency) run one call per step on the prefix.
+
+Example::
+
+    >>> explainer = GenerationAttribution(AttnLRP(llm), tokenizer)
+    >>> result = explainer.attribute("k = 3 ; q ?", target="3")       # Captum's LLMAttributionResult
+    >>> result.token_attr.shape          # (output tokens, prompt tokens)
+    >>> results = explainer.attribute(["a = 1 ?", "b = 2 ; c = 4 ?"])  # generated, one batched pass
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+from captum.attr import Attribution
+from captum.log import log_usage
+
+from ..errors import InputError
+from ..methods.base import TraceAttribution, finished
+from ..methods.lrp import RuleGradientXInput
+from .assembly import assemble_results, encoder_decoder_model
+from .batch import GenerationBatch, decoder_batch, encoder_decoder_batch
+from .engine import relevance_steps, trace_steps
+from .generate import generated_targets
+from .prefix_calls import prefix_scores
+from .prompts import EncodedPrompt, encode_prompt, encode_target
+from .result import GenerationResult
+from .steps import SCORE_KINDS, ExplainedSteps
+
+Span = Union[slice, Sequence[int]]
+
+
+class GenerationAttribution(Attribution):
+    r"""Explain each generated token of a language model with a method of the package.
+
+    Args:
+        method: a method instance built on the model (``AttnLRP(model)``, ``GenericAttention(model)``...).
+        tokenizer: the model's tokenizer (a HuggingFace tokenizer: ``__call__``, ``decode``,
+            ``convert_ids_to_tokens``, ``pad_token_id``).
+        score: ``"logit"`` (default; what LRP conserves), ``"log_prob"`` (Captum's LLM target) or
+            ``"prob"``.
+        sink_tokens: how many first tokens ``first_token_share`` counts (attention sinks).
+
+    ``attribute`` returns a :class:`~captum_transformers.generation.result.GenerationResult`
+    (a ``captum.attr.LLMAttributionResult``) per prompt: one for a single prompt, a list for a
+    list of prompts (explained in one batched pass, left padded, equal to the single calls).
+    """
+
+    def __init__(self, method: Any, tokenizer: Any, score: str = "logit", sink_tokens: int = 1) -> None:
+        model = getattr(method, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            raise InputError(f"GenerationAttribution wraps a method of the package built on a model (e.g. "
+                             f"AttnLRP(model)); got {type(method).__name__}, which has no .model.")
+        if score not in SCORE_KINDS:
+            raise InputError(f"score must be one of {SCORE_KINDS}, got {score!r}.")
+        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 1:
+            raise InputError(f"sink_tokens must be a positive int, got {sink_tokens!r}.")
+        super().__init__(model)
+        self.method, self.model, self.tokenizer = method, model, tokenizer
+        self.score, self.sink_tokens = score, sink_tokens
+
+    @log_usage()
+    def attribute(self, inp: Any, target: Any = None, gen_args: Optional[Dict[str, Any]] = None, *,
+                  contrast: Any = None, span: Optional[Span] = None, skip_tokens: Optional[Sequence[Any]] = None,
+                  score: Optional[str] = None) -> Union[GenerationResult, List[GenerationResult]]:
+        """Explain the target (or generated) tokens of one prompt or a list of prompts.
+
+        Args:
+            inp: a string, token ids (list, tensor, chat-template ids), Captum's ``TextTokenInput``
+                or ``TextTemplateInput``; or a list of those (a batch).
+            target: a string, token ids, or None (the model generates with ``gen_args``, greedy
+                by default); for a batch, one per prompt.
+            gen_args: ``generate`` arguments when ``target`` is None (default
+                ``{"max_new_tokens": 25, "do_sample": False}``).
+            contrast: foil tokens (a string or ids, one per target token, or one token for all):
+                each step explains ``score(y_t) - score(foil_t)``.
+            span: explain the SUM of the scores of these output steps (a slice or indices) in
+                one backward pass; the result then has one row.
+            skip_tokens: prompt tokens (strings or ids) left out of ``token_attr`` (e.g. BOS).
+            score: overrides the instance's score kind for this call.
+        """
+        kind = self.score if score is None else score
+        batched = isinstance(inp, (list, tuple)) and not all(isinstance(v, int) for v in inp)
+        prompts = [encode_prompt(p, self.tokenizer) for p in (inp if batched else [inp])]
+        if not prompts:
+            raise InputError("inp is an empty list; give at least one prompt.")
+        encoder_decoder = encoder_decoder_model(self.model)
+        targets = self._targets(prompts, target, gen_args, batched, encoder_decoder)
+        batch = self._batch(prompts, targets, encoder_decoder)
+        foils = self._foils(contrast, batch, batched)
+        groups = None if span is None else (self._span(span, batch.targets.shape[1]),)
+        steps = ExplainedSteps(batch.positions, batch.targets, kind, foils, groups)
+        per_stream, logits = self._explain(batch, steps)
+        results = assemble_results(self, prompts, batch, steps, per_stream, logits, skip_tokens)
+        return results if batched else results[0]
+
+    # -- inputs -----------------------------------------------------------------------
+    def _targets(self, prompts: List[EncodedPrompt], target: Any, gen_args: Optional[dict], batched: bool,
+                 encoder_decoder: bool) -> List[List[int]]:
+        if target is None:
+            return generated_targets(self.model, self.tokenizer, [p.ids for p in prompts], gen_args, encoder_decoder)
+        if gen_args is not None:
+            raise InputError("gen_args is only used to generate a target; it was given together with a target.")
+        if batched:
+            if not isinstance(target, (list, tuple)) or len(target) != len(prompts) or \
+                    all(isinstance(t, int) for t in target):
+                raise InputError(f"For a batch of {len(prompts)} prompts, target must be a list of {len(prompts)} "
+                                 f"targets (strings or token ids), one per prompt, or None; got {target!r:.80}.")
+            return [encode_target(t, self.tokenizer) for t in target]
+        return [encode_target(target, self.tokenizer)]
+
+    def _batch(self, prompts: List[EncodedPrompt], targets: List[List[int]], encoder_decoder: bool) -> GenerationBatch:
+        device = next(self.model.parameters()).device
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(self.tokenizer, "eos_token_id", None)
+        ids = [p.ids for p in prompts]
+        if encoder_decoder:
+            start = getattr(self.model.config, "decoder_start_token_id", None)
+            if start is None:
+                raise InputError(f"{type(self.model).__name__}'s config has no decoder_start_token_id; set it.")
+            return encoder_decoder_batch(ids, targets, pad, start, device)
+        import inspect
+        takes_positions = "position_ids" in inspect.signature(type(self.model).forward).parameters
+        return decoder_batch(ids, targets, pad, device, position_ids=takes_positions)
+
+    def _foils(self, contrast: Any, batch: GenerationBatch, batched: bool) -> Optional[torch.Tensor]:
+        if contrast is None:
+            return None
+        foils = contrast if batched else [contrast]
+        if not isinstance(foils, (list, tuple)) or len(foils) != len(batch.target_lengths):
+            raise InputError(f"For a batch, contrast must be a list with one foil per prompt; got {contrast!r:.80}.")
+        rows = []
+        for foil, length in zip(foils, batch.target_lengths):
+            ids = encode_target(foil, self.tokenizer)
+            if len(ids) == 1:
+                ids = ids * length
+            if len(ids) != length:
+                raise InputError(f"The contrast has {len(ids)} tokens but the target has {length}; give one foil token "
+                                 "per target token, or a single token used at every step.")
+            rows.append(ids + [ids[-1]] * (batch.targets.shape[1] - length))
+        return torch.tensor(rows, dtype=torch.long, device=batch.targets.device)
+
+    @staticmethod
+    def _span(span: Span, steps: int) -> tuple:
+        chosen = list(range(steps))[span] if isinstance(span, slice) else list(span)
+        if not chosen or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < steps for t in chosen):
+            raise InputError(f"span must select output steps in [0, {steps}) (a slice or a list of ints); got {span!r}.")
+        return tuple(chosen)
+
+    # -- the engine -----------------------------------------------------------------------
+    def _explain(self, batch: GenerationBatch, steps: ExplainedSteps):
+        """Scores per explained group and stream, {stream: (G, B, N)}, and the step logits."""
+        method, collected = self.method, []
+
+        def keep(group: int, value: Any) -> None:
+            scores = method.stream_scores(value) if isinstance(method, TraceAttribution) else value
+            collected.append({name: finished(tensor.detach(), self.model) for name, tensor in scores.items()})
+
+        if isinstance(method, TraceAttribution):
+            plan = method.pass_plan(batch.inputs, (), batch.forward_kwargs)
+            with method.stochastic_rule():
+                logits = trace_steps(method.adapter, self.model, batch.inputs, (), batch.forward_kwargs, steps, plan,
+                                     keep)
+        elif isinstance(method, RuleGradientXInput):
+            if method.relevance_at == "inputs":
+                raise InputError("Generation explains token ids: build the method with relevance_at='tokens' or "
+                                 "'auto', not 'inputs'.")
+            with method.stochastic_rule():
+                logits = relevance_steps(method.adapter, self.model, batch.inputs, (), batch.forward_kwargs, steps,
+                                         method.rules, keep)
+        else:  # Captum's own methods: one call per step on the prefix (each computes what it computes)
+            logits = prefix_scores(method, batch, steps, keep)
+        stacked = {name: torch.stack([c[name] for c in collected]) for name in collected[0]}
+        return stacked, logits

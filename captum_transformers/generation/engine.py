@@ -1,0 +1,211 @@
+"""One forward pass, then one backward pass per explained generation step.
+
+A method's classifier path runs its :class:`~captum_transformers.methods.pass_plan.PassPlan`
+once per batch. Here the plan's forward pass runs once over prompt + generated tokens (the
+language-model head computed only at the explained positions: at a 32k vocabulary it costs
+more than the layers), and for each explained step (or span of steps) the plan's backward
+pass(es) run through the same graph, seeded with that step's score. The recorder reduces each
+map as its gradient arrives, and the step's :class:`AttentionTrace` (the same records, the
+explained row moved to the step's position) is handed to the method's own reduction before
+the next step starts: every method is reused as it is, with no per-step forward.
+
+Because the model is causal, nothing after position ``P + t - 1`` reaches step ``t``'s score,
+so each step's maps and relevance equal those of a separate call on the prefix (the tests
+check it to 1e-10 in float64).
+
+Example::
+
+    >>> trace_steps(adapter, model, (ids,), (), {"attention_mask": mask}, steps, plan, on_step)
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..adapters.base import Adapter
+from ..adapters.input_checks import model_dtype, ordinary_tensors, refuse_unexplainable_batch, relevance_carrying
+from ..adapters.kept_logits import KeptLogitPositions, _forward_signature
+from ..adapters.relevance_reading import read_layer_input, seeded
+from ..capture import patching
+from ..capture.exclusive import exclusive
+from ..capture.recorder import Recorder
+from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec, StreamLayouts
+from ..errors import CaptureError
+from ..methods.pass_plan import PassPlan
+from ..propagation.backward_switch import switchable_backward
+from ..propagation.rules import RuleSet, refuse_rounding_sensitive
+from .steps import ExplainedSteps, group_scores
+
+#: Called with (group index, the group's trace) for trace methods, or (group index, token
+#: relevance per stream (B, N)) for relevance methods, before the next group is explained.
+OnStep = Callable[[int, Any], None]
+
+
+@dataclasses.dataclass
+class StepLogits:
+    """What the forward pass gave: the explained positions' logits (B, T, V), detached, and the
+    streams' layouts."""
+
+    logits: torch.Tensor
+    streams: StreamLayouts
+
+
+def kept_positions(model: nn.Module, positions: torch.Tensor) -> Any:
+    """``logits_to_keep`` for the explained positions when the model takes it, else ``"all"``."""
+    signature = _forward_signature(type(model))
+    if signature is None or "logits_to_keep" not in signature.parameters:
+        return "all"
+    listed = tuple(int(p) for p in positions.tolist())
+    return KeptLogitPositions(positions.to(torch.long), tuple(sorted(set(listed))))
+
+
+def _step_logits(adapter: Adapter, model: nn.Module, output: Any, kept: Optional[KeptLogitPositions],
+                 positions: torch.Tensor, streams: StreamLayouts) -> torch.Tensor:
+    """The logits (B, T, V) at the explained positions, with their graph."""
+    logits = adapter.logits(model, output, streams.layouts[streams.explained[0]], False)
+    if logits.dim() != 3:
+        raise CaptureError(
+            f"{type(model).__name__} returned scores of shape {tuple(logits.shape)}; explaining generated tokens needs "
+            "next-token logits per position (batch, positions, vocabulary), as a causal or seq2seq LM returns."
+        )
+    if kept is not None:
+        index = {position: i for i, position in enumerate(kept.positions)}
+        rows = torch.tensor([index[int(p)] for p in positions.tolist()], device=logits.device)
+    else:
+        rows = positions.to(logits.device)
+    return logits.index_select(1, rows)
+
+
+def _step_streams(streams: StreamLayouts, position: int) -> StreamLayouts:
+    """The layouts with the explained stream's row moved to ``position`` for every example."""
+    name = streams.explained[0]
+    layout = streams.layouts[name]
+    batch = layout.query_rows.shape[0]
+    rows = torch.full((batch, 1), position, dtype=torch.long, device=layout.query_rows.device)
+    moved = dataclasses.replace(layout, query_rows=rows, query_weights=None)
+    return StreamLayouts({**streams.layouts, name: moved}, streams.explained, streams.inputs)
+
+
+def _refuse_non_causal(recorder: Recorder, streams: StreamLayouts) -> None:
+    if not recorder.causal:
+        raise CaptureError(
+            "The explained stream's attention is not causal, so one forward pass over prompt + generated tokens would "
+            "let later tokens change earlier scores: explaining generated tokens needs a causal decoder (a causal LM, "
+            f"or the decoder of a seq2seq model). Streams seen: {sorted(streams.layouts)}."
+        )
+
+
+def trace_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional: Sequence[Any],
+                forward_kwargs: Optional[dict], steps: ExplainedSteps, plan: PassPlan, on_step: OnStep) -> StepLogits:
+    """Run ``plan`` for every explained group of ``steps`` from one forward pass.
+
+    ``on_step(g, trace)`` receives group ``g``'s :class:`AttentionTrace` (its records are
+    overwritten by the next group's backward pass: reduce it there). A plan with a second,
+    separate trace (``plan.then``: a detached attention gate) is refused; its single calls
+    need two forward passes per step.
+    """
+    if plan.then is not None:
+        raise CaptureError(
+            "This method's rules detach the attention gate, so its plain gradient needs a forward pass of its own for "
+            "every explained token; use rules whose attention gate is 'gradient' (the default) for generation."
+        )
+    refuse_unexplainable_batch(inputs)
+    refuse_rounding_sensitive(plan.rules, model_dtype(model))
+    additional, forward_kwargs = ordinary_tensors(tuple(additional)), ordinary_tensors(forward_kwargs)
+    inputs = relevance_carrying(inputs)
+    spec, plain_spec = plan.spec, plan.plain_spec
+    recorder = Recorder(spec)
+    recorder.keep_probs = True  # every step's backward pass goes through the same graph
+    groups = steps.explained_groups
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(exclusive(model))
+        stack.enter_context(torch.enable_grad() if spec.needs_gradient else torch.no_grad())
+        if spec.needs_gradient:
+            stack.enter_context(patching.parameters_require_grad(model))
+        switch = stack.enter_context(switchable_backward()) if plain_spec is not None else None
+        contexts = [adapter.propagation(model, plan.rules)] if plan.rules is not None else []
+        keep = kept_positions(model, steps.positions)
+        streams, output, kept = adapter.captured_forward(model, inputs, additional, forward_kwargs, recorder,
+                                                         contexts, keep_logits=keep)
+        _refuse_non_causal(recorder, streams)
+        logits = _step_logits(adapter, model, output, kept, steps.positions, streams)
+        for g, group in enumerate(groups):
+            last = g == len(groups) - 1
+            if spec.needs_gradient:
+                score = group_scores(logits, steps, group)
+                recorder.begin_pass(spec, None, keep_probs=not last or plain_spec is not None,
+                                    pair_first=plain_spec is not None)
+                adapter._backward(recorder, seeded(score, plan.rules), retain_graph=not last or switch is not None)
+                if switch is not None:
+                    recorder.begin_pass(plain_spec, spec, keep_probs=not last)
+                    with switch.plain_gradient():
+                        adapter._backward(recorder, score, retain_graph=not last)
+            records = tuple(AttentionRecord(s.block, s.call_index, s.forward_value, s.backward_value, s.streams,
+                                            s.group) for s in recorder.sites)
+            step_streams = _step_streams(streams, int(steps.positions[group[-1]]))
+            layout = step_streams.layouts[step_streams.explained[0]]
+            target = steps.targets[:, list(group)]
+            on_step(g, AttentionTrace(records, layout, logits[:, group[-1]].detach(), target, step_streams))
+    return StepLogits(logits.detach(), streams)
+
+
+def relevance_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional: Sequence[Any],
+                    forward_kwargs: Optional[dict], steps: ExplainedSteps, rules: RuleSet,
+                    on_step: OnStep) -> StepLogits:
+    """Gradient x Input under ``rules`` at the hidden states entering each stream's first
+    layer, one backward pass per explained group from one forward pass.
+
+    ``on_step(g, relevance)`` receives ``{stream: (B, N)}`` (the hidden size summed, padding
+    zeroed) for group ``g``; the explained score's relevance is its value under rules seeded
+    with the score (AttnLRP, ConservativeLRP) and 1 under rules seeded with one.
+    """
+    refuse_unexplainable_batch(inputs)
+    refuse_rounding_sensitive(rules, model_dtype(model))
+    additional, forward_kwargs = ordinary_tensors(tuple(additional)), ordinary_tensors(forward_kwargs)
+    layers = adapter.first_layers(model)
+    entering: Dict[Optional[str], list] = {stream: [] for stream in layers}
+    groups = steps.explained_groups
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(exclusive(model))
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(patching.parameters_require_grad(model))
+        contexts = [adapter.propagation(model, rules)]
+        contexts.extend(read_layer_input(layer, entering[stream]) for stream, layer in layers.items())
+        keep = kept_positions(model, steps.positions)
+        recorder = Recorder(CaptureSpec())
+        streams, output, kept = adapter.captured_forward(model, relevance_carrying(inputs), additional,
+                                                         forward_kwargs, recorder, contexts, keep_logits=keep)
+        _refuse_non_causal(recorder, streams)
+        logits = _step_logits(adapter, model, output, kept, steps.positions, streams)
+        read = {streams.explained[0] if stream is None else stream: store[0]
+                for stream, store in entering.items() if store}
+        if not read:
+            raise CaptureError("The first Transformer layer never ran, so no token relevance could be read.")
+        for g, group in enumerate(groups):
+            score = group_scores(logits, steps, group)
+            if not score.requires_grad:
+                raise CaptureError("The explained score does not depend on the inputs (it does not require grad).")
+            grads = torch.autograd.grad(seeded(score, rules).sum(), list(read.values()), allow_unused=True,
+                                        retain_graph=g < len(groups) - 1)
+            on_step(g, _token_relevance(adapter, streams, read, grads))
+    return StepLogits(logits.detach(), streams)
+
+
+def _token_relevance(adapter: Adapter, streams: StreamLayouts, read: Dict[str, torch.Tensor],
+                     grads: Sequence[Optional[torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """``sum_d x * g`` per token (B, N) and stream, in at least float32, padding zeroed."""
+    relevance = {}
+    for (stream, leaf), grad in zip(read.items(), grads):
+        dtype = torch.promote_types(leaf.dtype, torch.float32)
+        product = leaf.detach().to(dtype) * (0 if grad is None else grad.to(dtype))
+        hidden = adapter.token_states(product)
+        tokens = hidden.reshape(hidden.shape[0], hidden.shape[1], -1).sum(-1)
+        mask = streams.layouts[stream].token_mask if stream in streams.layouts else None
+        if mask is not None and mask.shape == tokens.shape:
+            tokens = tokens * mask.to(tokens.dtype)
+        relevance[stream] = tokens
+    return relevance

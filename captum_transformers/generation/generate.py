@@ -1,0 +1,63 @@
+"""The tokens a model generates for a batch of prompts, when no target is given.
+
+Greedy by default (``{"max_new_tokens": 25, "do_sample": False}``, Captum's default), the
+prompts left padded as ``generate`` expects, each answer cut after its first end-of-sequence
+token (the padding ``generate`` adds after it is not part of the answer).
+
+Example::
+
+    >>> generated_targets(llm, tokenizer, [[1, 5, 6]], None, encoder_decoder=False)   # [[7, 8, 2]]
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import InputError
+
+DEFAULT_GEN_ARGS: Dict[str, Any] = {"max_new_tokens": 25, "do_sample": False}
+
+
+def _end_ids(model: nn.Module, tokenizer: Any) -> set:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return {int(v) for v in ids}
+
+
+def generated_targets(model: nn.Module, tokenizer: Any, prompts: Sequence[Sequence[int]],
+                      gen_args: Optional[Dict[str, Any]], encoder_decoder: bool) -> List[List[int]]:
+    """Per prompt, the generated ids (each cut after its first end token)."""
+    if not callable(getattr(model, "generate", None)):
+        raise InputError(f"{type(model).__name__} has no generate(); pass the target to explain (a string or ids).")
+    args = dict(DEFAULT_GEN_ARGS if not gen_args else gen_args)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None) or 0
+    args.setdefault("pad_token_id", pad)
+    device = next(model.parameters()).device
+    longest = max(len(p) for p in prompts)
+    if encoder_decoder:  # sources right padded
+        ids = [list(p) + [pad] * (longest - len(p)) for p in prompts]
+        mask = [[1] * len(p) + [0] * (longest - len(p)) for p in prompts]
+    else:
+        ids = [[pad] * (longest - len(p)) + list(p) for p in prompts]
+        mask = [[0] * (longest - len(p)) + [1] * len(p) for p in prompts]
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor(ids, device=device),
+                             attention_mask=torch.tensor(mask, device=device), **args)
+    sequences = out.sequences if hasattr(out, "sequences") else out
+    answers = sequences[:, 1:] if encoder_decoder else sequences[:, longest:]
+    ends = _end_ids(model, tokenizer)
+    targets = []
+    for row in answers.tolist():
+        cut = next((i + 1 for i, token in enumerate(row) if token in ends), len(row))
+        targets.append(row[:cut])
+    if any(not t for t in targets):
+        raise InputError(f"generate() returned no new token for some prompt (arguments {args}); raise max_new_tokens "
+                         "or pass the target to explain.")
+    return targets

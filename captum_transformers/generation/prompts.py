@@ -1,0 +1,150 @@
+"""Prompts and targets as token ids: strings, ids, chat-template ids, Captum's text inputs.
+
+A prompt is a string (tokenized with the tokenizer's special tokens, as Captum's
+``TextTokenInput`` does), token ids (a list, a 1-D tensor, or the ids
+``tokenizer.apply_chat_template`` returns), or Captum's ``TextTokenInput`` /
+``TextTemplateInput``. For a ``TextTemplateInput`` each template segment is one
+interpretable feature: its score is the exact sum of its tokens' scores, found from the
+tokenizer's character offsets. A target is a string (tokenized without special tokens), ids,
+or None (generated).
+
+Example::
+
+    >>> prompt = encode_prompt("k = 3 ; q ?", tokenizer)
+    >>> prompt.ids, prompt.features        # ids and, per token, its feature (None: its own)
+"""
+from __future__ import annotations
+
+import dataclasses
+import string
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+from ..errors import InputError
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedPrompt:
+    """One prompt's ids, and per token the interpretable feature it belongs to.
+
+    ``features``: None when every token is its own feature; else a list of feature indices
+    (-1: the token belongs to no feature, e.g. the template's fixed text); ``feature_names``:
+    the features' display strings. ``inp``: the Captum input it came from, if any.
+    """
+
+    ids: List[int]
+    features: Optional[List[int]] = None
+    feature_names: Optional[List[str]] = None
+    inp: Any = None
+
+
+def _ids(value: Any, what: str) -> List[int]:
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 2 and value.shape[0] == 1:
+            value = value[0]
+        if value.dim() != 1 or value.is_floating_point():
+            raise InputError(f"{what} given as a tensor must be one sequence of integer token ids (n,) or (1, n); got "
+                             f"shape {tuple(value.shape)} dtype {value.dtype}. Pass a list of prompts for a batch.")
+        return [int(v) for v in value.tolist()]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return list(value)
+    if hasattr(value, "keys") and "input_ids" in value:  # a BatchEncoding from apply_chat_template(return_dict=True)
+        return _ids(torch.as_tensor(value["input_ids"]), what)
+    raise InputError(f"{what} must be a string, token ids (list or tensor), or Captum's TextTokenInput / "
+                     f"TextTemplateInput; got {type(value).__name__}.")
+
+
+def encode_prompt(prompt: Any, tokenizer: Any) -> EncodedPrompt:
+    """The ids and features of one prompt (see the module docstring)."""
+    from captum.attr import TextTemplateInput, TextTokenInput
+
+    if isinstance(prompt, TextTokenInput):
+        return EncodedPrompt(_ids(prompt.to_model_input(), "TextTokenInput"), inp=prompt)
+    if isinstance(prompt, TextTemplateInput):
+        return _template_prompt(prompt, tokenizer)
+    if isinstance(prompt, str):
+        return EncodedPrompt(list(tokenizer(prompt, add_special_tokens=True)["input_ids"]))
+    return EncodedPrompt(_ids(prompt, "The prompt"))
+
+
+def encode_target(target: Any, tokenizer: Any) -> List[int]:
+    """A target's ids: a string without special tokens (as Captum does), or ids."""
+    if isinstance(target, str):
+        ids = list(tokenizer(target, add_special_tokens=False)["input_ids"])
+    else:
+        ids = _ids(target, "The target")
+    if not ids:
+        raise InputError(f"The target {target!r} has no tokens; give at least one token to explain.")
+    return ids
+
+
+def _template_spans(template: str, values: Any) -> tuple:
+    """(text, [(start, end) per segment]) of a ``str.format`` template filled with ``values``."""
+    named = isinstance(values, dict)
+    keys = list(values) if named else list(range(len(values)))
+    spans = {}
+    parts: List[str] = []
+    position, auto = 0, 0
+    for literal, field, spec, conversion in string.Formatter().parse(template):
+        parts.append(literal)
+        position += len(literal)
+        if field is None:
+            continue
+        if spec or conversion:
+            raise InputError(f"TextTemplateInput fields with a format spec or conversion ({field!r}) are not supported; "
+                             "use plain {} or {name} fields.")
+        key = field if named else (int(field) if field else auto)
+        auto += 0 if field else 1
+        if key not in keys:
+            raise InputError(f"The template names the field {field!r}, which the values {keys} do not have.")
+        text = str(values[key])
+        spans[key] = (position, position + len(text))
+        parts.append(text)
+        position += len(text)
+    return "".join(parts), [spans.get(key) for key in keys], keys
+
+
+def _template_prompt(prompt: Any, tokenizer: Any) -> EncodedPrompt:
+    if not isinstance(prompt.template, str):
+        raise InputError("A TextTemplateInput with a callable template gives no character positions for its segments, "
+                         "so its tokens cannot be assigned to them; use a str.format template ('{} ... {}').")
+    values = prompt.values if isinstance(prompt.values, (list, dict)) else list(prompt.values)
+    text, spans, keys = _template_spans(prompt.template, dict(zip(prompt.dict_keys, values))
+                                        if getattr(prompt, "dict_keys", None) else values)
+    if not getattr(tokenizer, "is_fast", False):
+        raise InputError(f"A TextTemplateInput needs a fast tokenizer (character offsets per token) to assign tokens to "
+                         f"segments; {type(tokenizer).__name__} is not one. Pass token ids or a TextTokenInput instead.")
+    encoded = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+    mask = getattr(prompt, "mask", None)
+    segment_feature = list(range(len(keys))) if mask is None else [int(m) for m in mask.tolist()]
+    features = []
+    for start, end in encoded["offset_mapping"]:
+        owner = -1
+        for index, span in enumerate(spans):
+            if span is not None and start < span[1] and end > span[0] and end > start:
+                if owner != -1 and segment_feature[owner] != segment_feature[index]:
+                    raise InputError(f"A token of {text[start:end]!r} spans two template segments, so its score cannot "
+                                     "be split between them; separate the segments with a space or punctuation.")
+                owner = index
+        features.append(-1 if owner == -1 else segment_feature[owner])
+    names = [str(prompt.values[k]) if not isinstance(prompt.values, dict) else str(prompt.values[k]) for k in keys] \
+        if mask is None else [str(i) for i in range(max(segment_feature) + 1)]
+    return EncodedPrompt(list(encoded["input_ids"]), features, names, prompt)
+
+
+def special_token_mask(ids: Sequence[int], tokenizer: Any, skip_tokens: Optional[Sequence[Any]]) -> List[bool]:
+    """True for the prompt tokens to leave out of ``token_attr`` (``skip_tokens``: token strings
+    or ids, as Captum's ``TextTokenInput`` takes them)."""
+    if not skip_tokens:
+        return [False] * len(ids)
+    skipped = set()
+    for token in skip_tokens:
+        if isinstance(token, str):
+            converted = tokenizer.convert_tokens_to_ids(token)
+            if converted is None or converted == getattr(tokenizer, "unk_token_id", None) and token != tokenizer.unk_token:
+                raise InputError(f"skip_tokens names {token!r}, which is not a token of the tokenizer's vocabulary.")
+            skipped.add(int(converted))
+        else:
+            skipped.add(int(token))
+    return [i in skipped for i in ids]
