@@ -251,10 +251,9 @@ class Adapter(abc.ABC):
     def captured_forward(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...],
                          additional_forward_args: Sequence[Any], forward_kwargs: Optional[dict], recorder: Recorder,
                          contexts: Sequence[ContextManager[None]] = (), keep_logits: Any = None):
-        """The forward pass alone, under the capture (and ``contexts``): ``(streams, output,
-        kept)``, where ``kept`` says which positions' logits the model computed (None: all).
-        ``keep_logits`` overrides the adapter's choice: ``"all"``, or the positions to keep
-        (the generation engine keeps the explained steps' positions)."""
+        """The forward pass alone, under the capture (and ``contexts``): ``(streams, output, kept)``,
+        ``kept`` the positions whose logits the model computed (None: all); ``keep_logits``
+        overrides the adapter's choice with ``"all"`` or positions (the generation steps')."""
         with contextlib.ExitStack() as stack:
             # One explanation of a module at a time; compiled parts run as their originals.
             stack.enter_context(exclusive(model))

@@ -25,6 +25,7 @@ Example::
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -136,7 +137,6 @@ class GenerationAttribution(Attribution):
             if start is None:
                 raise InputError(f"{type(self.model).__name__}'s config has no decoder_start_token_id; set it.")
             return encoder_decoder_batch(ids, targets, pad, start, device)
-        import inspect
         takes_positions = "position_ids" in inspect.signature(type(self.model).forward).parameters
         return decoder_batch(ids, targets, pad, device, position_ids=takes_positions)
 
@@ -174,6 +174,10 @@ class GenerationAttribution(Attribution):
             collected.append({name: finished(tensor.detach(), self.model) for name, tensor in scores.items()})
 
         if isinstance(method, TraceAttribution):
+            if getattr(method, "head_weights", None) == "all":  # AttentionGradCAM(head_weights="all")
+                raise InputError("AttentionGradCAM(head_weights='all') weights each head by its gradient averaged over "
+                                 "every query row of the sequence, so a step's map depends on the rows after it; use "
+                                 "head_weights='row' (the default) for generation.")
             plan = method.pass_plan(batch.inputs, (), batch.forward_kwargs)
             with method.stochastic_rule():
                 logits = trace_steps(method.adapter, self.model, batch.inputs, (), batch.forward_kwargs, steps, plan,
