@@ -81,12 +81,17 @@ def _step_logits(adapter: Adapter, model: nn.Module, output: Any, kept: Optional
 
 
 def _step_streams(streams: StreamLayouts, position: int) -> StreamLayouts:
-    """The layouts with the explained stream's row moved to ``position`` for every example."""
+    """The layouts with the explained stream's row moved to ``position`` for every example, and
+    the tokens after it masked as padding: the step's prefix call never saw them, and a
+    reduction that reads other rows than the explained one (rollout's ``(R^{qq})^T`` between
+    streams, Chefer et al. Eq. 12) would otherwise count their attention."""
     name = streams.explained[0]
     layout = streams.layouts[name]
-    batch = layout.query_rows.shape[0]
-    rows = torch.full((batch, 1), position, dtype=torch.long, device=layout.query_rows.device)
-    moved = dataclasses.replace(layout, query_rows=rows, query_weights=None)
+    batch, device = layout.query_rows.shape[0], layout.query_rows.device
+    rows = torch.full((batch, 1), position, dtype=torch.long, device=device)
+    prefix = (torch.arange(layout.num_tokens, device=device) <= position)[None].expand(batch, -1)
+    mask = prefix if layout.token_mask is None else layout.token_mask.to(torch.bool) & prefix
+    moved = dataclasses.replace(layout, query_rows=rows, query_weights=None, token_mask=mask)
     return StreamLayouts({**streams.layouts, name: moved}, streams.explained, streams.inputs)
 
 
