@@ -85,13 +85,15 @@ def assemble_results(explainer: Any, prompts: List[EncodedPrompt], batch: Genera
         target = steps.targets[b, :length].tolist()
         output_tokens = _tokens(tokenizer, target)
         read_tokens = (_tokens(tokenizer, [start_id]) + output_tokens[:-1]) if batch.encoder_decoder else output_tokens
-        if steps.groups is not None:
+        step_probs = probabilities[b, :length]
+        if steps.groups is not None:  # one row: its tokens joined, their probabilities multiplied
             output_tokens = ["+".join(output_tokens[t] for t in groups[0])]
+            step_probs = step_probs[list(groups[0])].prod().reshape(1)
         contrast = None if steps.foils is None else _tokens(tokenizer, steps.foils[b, :length].tolist())
         results.append(GenerationResult(
             input_tokens=input_tokens, output_tokens=output_tokens, token_attr=token_attr.cpu(),
             target_attr=output_part.cpu(), target_attr_tokens=read_tokens,
-            output_probs=probabilities[b, :length].cpu(), scores=explained_scores[b, rows].cpu(),
+            output_probs=step_probs.cpu(), scores=explained_scores[b, rows].cpu(),
             score_kind=steps.score, method=type(explainer.method).__name__, first_token_share=share.cpu(),
             input_ids=list(prompt.ids), output_ids=target, inp=prompt.inp, contrast_tokens=contrast))
     return results
