@@ -26,6 +26,7 @@ from ..capture.inputs import passed_by_name, split_mapping
 from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec, InputSpan, TokenLayout
 from . import functional
 from .pass_plan import PassPlan, resolved_target
+from .row_chains import record_without_padding, row_layout
 from .stochastic_opt_in import StochasticOptIn, _opt_in_flag
 
 #: What :meth:`TraceAttribution.reduce` returns: token scores (B, N) of a one-stream model,
@@ -190,7 +191,10 @@ def _query_vectors(layout: TokenLayout, dtype: torch.dtype) -> torch.Tensor:
 class TraceAttribution(StochasticOptIn, Attribution):
     """Base of the attention methods: Captum's ``Attribution`` over an adapter trace.
 
-    Subclasses implement :meth:`capture_spec` and :meth:`reduce`.
+    Subclasses implement :meth:`capture_spec` and :meth:`reduce`. A method whose one-sequence
+    case is written over :mod:`~captum_transformers.methods.row_chains` (any layout: dense,
+    windowed) sets ``uses_row_chains = True``; others read whole maps and are refused on
+    layouts that hold none (Swin's windows).
 
     Output dtype, one rule for every method (this base and
     :class:`~captum_transformers.methods.lrp.RuleGradientXInput`): attributions are float32
@@ -206,6 +210,9 @@ class TraceAttribution(StochasticOptIn, Attribution):
     ``model.eval()``; every method takes ``allow_stochastic=True`` to explain one random draw on
     purpose (maps then differ from call to call).
     """
+
+    #: True: :meth:`reduce` works on every row layout (:func:`~.row_chains.row_layout`).
+    uses_row_chains: bool = False
 
     def __init__(self, model: nn.Module, adapter: Union[Adapter, str, None] = None, *,
                  allow_stochastic: bool = False) -> None:
@@ -298,8 +305,9 @@ class TraceAttribution(StochasticOptIn, Attribution):
         for name in streams.explained:  # a padded explained row would zero the example's whole map
             layout = streams.layouts[name]
             refuse_masked_explained_rows(layout.query_rows, layout.query_weights, layout.token_mask, name)
-        from .windowed import is_windowed, windowed_scores  # Swin: rows carried through the windows
-        scores = windowed_scores(self, trace) if is_windowed(trace) else self.reduce(trace)
+        if not self.uses_row_chains:
+            row_layout(trace).refuse_whole_map_method(type(self).__name__)
+        scores = self.reduce(trace)
         if not isinstance(scores, dict):
             scores = {streams.explained[0]: scores}
         reference = next(iter(scores.values()))
@@ -356,6 +364,13 @@ class TraceAttribution(StochasticOptIn, Attribution):
                 kept.append(record)
         return kept
 
+    @classmethod
+    def values_from(cls, trace: AttentionTrace, start_layer: StartLayer, backward: bool) -> List[Optional[torch.Tensor]]:
+        """Each call's value in call order (backward or forward), ``None`` for the calls before
+        ``start_layer`` (:meth:`records_from`): the ``values`` of the row chains."""
+        kept = {id(record) for record in cls.records_from(trace, start_layer)}
+        return [(r.backward_value if backward else r.forward_value) if id(r) in kept else None for r in trace.records]
+
     @staticmethod
     def is_one_sequence(trace: AttentionTrace) -> bool:
         """True for one stream attending only to itself: the fast row-vector paths apply."""
@@ -377,19 +392,7 @@ class TraceAttribution(StochasticOptIn, Attribution):
     @staticmethod
     def without_padding(trace: AttentionTrace, record: AttentionRecord, value: torch.Tensor) -> torch.Tensor:
         """A fused (B, Q, K) map with padded queries and keys zeroed, from the streams' masks."""
-        layouts = trace.streams.layouts
-        for axis, name in ((1, record.streams[0]), (2, record.streams[1])):
-            mask = layouts[name].token_mask if name in layouts else None
-            if mask is None:
-                continue
-            if mask.shape[-1] != value.shape[axis]:
-                raise CaptureError(
-                    f"Attention call {record.call_index} ({record.block.name}) has {value.shape[axis]} "
-                    f"{'queries' if axis == 1 else 'keys'} but the {name!r} stream's padding mask covers "
-                    f"{mask.shape[-1]} tokens; the adapter's layout does not describe this call."
-                )
-            value = value * (mask.to(value.dtype)[:, :, None] if axis == 1 else mask.to(value.dtype)[:, None, :])
-        return value
+        return record_without_padding(trace, record, value)
 
     def explained_stream_rows(self, trace: AttentionTrace, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
         """Row vectors (B, N_q) selecting the explained token(s) of each explained stream."""

@@ -3,6 +3,9 @@
 Shapes: ``probs`` and ``grad`` are attention probabilities and their gradients,
 ``(B, H, Q, K)``; fused maps are ``(B, Q, K)``; relevance rows are ``(B, N)``.
 Reductions accumulate in at least float32 so half-precision models stay accurate.
+The methods carry their rows with :mod:`~captum_transformers.methods.row_chains` (any layout);
+the dense row products below (:func:`rollout_rows`, :func:`rollout_rows_of_attention`,
+:func:`self_attention_relevance_rows`) are the plain-matrix statements tests compare with.
 """
 from __future__ import annotations
 

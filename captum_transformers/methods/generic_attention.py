@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import functional, relevancy_maps
+from .row_chains import relevance_chain, row_layout
 from ..capture.trace import AttentionTrace, CaptureSpec
 from .base import StartLayer, TraceAttribution
 
@@ -42,6 +43,8 @@ class GenericAttention(TraceAttribution):
             (e.g. only CLIP's image tower, as the ICCV code did for ViT-B/16).
     """
 
+    uses_row_chains = True
+
     def __init__(self, model, adapter=None, start_layer: StartLayer = 0) -> None:
         super().__init__(model, adapter)
         self.start_layer = start_layer
@@ -52,8 +55,7 @@ class GenericAttention(TraceAttribution):
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
         if self.is_one_sequence(trace):
-            maps = [r.backward_value for r in self.records_from(trace, self.start_layer)]
-            return functional.self_attention_relevance_rows(maps, self.start_rows(trace, maps[-1].dtype))
+            return relevance_chain(row_layout(trace), self.values_from(trace, self.start_layer, backward=True))
         records = self.records_from(trace, self.start_layer)
         steps = [(r.streams, self.without_padding(trace, r, r.backward_value)) for r in records]
         maps = relevancy_maps.accumulate(steps, self.stream_sizes(trace), groups=[r.group for r in records])

@@ -11,6 +11,7 @@ from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec
 from ..errors import CaptureError, InputError
 from .base import TraceAttribution
 from .pass_plan import PassPlan
+from .row_chains import last_map_row, row_layout
 
 HeadWeights = Literal["row", "all"]
 HEAD_WEIGHTS = ("row", "all")
@@ -66,6 +67,8 @@ class AttentionGradCAM(TraceAttribution):
         >>> cam = AttentionGradCAM(bert, head_weights="all").attribute(ids, target=labels)  # BERT code
     """
 
+    uses_row_chains = True
+
     def __init__(self, model, adapter=None, head_weights: HeadWeights = "row") -> None:
         if head_weights not in HEAD_WEIGHTS:
             raise InputError(f"head_weights must be one of {HEAD_WEIGHTS}, got {head_weights!r}: 'row' weighs each head "
@@ -98,6 +101,8 @@ class AttentionGradCAM(TraceAttribution):
         if self.head_weights == "row":
             records = tuple(self._row_weighted(trace, r) if r.backward_value is not None else r for r in trace.records)
             trace = dataclasses.replace(trace, records=records)
+        if self.is_one_sequence(trace):
+            return last_map_row(row_layout(trace), [r.backward_value for r in trace.records])
         return self.last_map_rows(trace, backward=True)
 
     @staticmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import functional
+from .row_chains import last_map_row, row_layout
 from ..capture.trace import AttentionTrace, CaptureSpec
 from .base import TraceAttribution
 
@@ -31,6 +32,8 @@ class RawAttention(TraceAttribution):
         head_fusion: ``"mean"`` (default), ``"max"`` or ``"min"`` over heads.
     """
 
+    uses_row_chains = True
+
     def __init__(self, model, adapter=None, head_fusion: functional.HeadFusion = "mean") -> None:
         super().__init__(model, adapter)
         functional.fuse_heads(torch.zeros(1, 1, 1, 1), head_fusion)  # validates the option now
@@ -40,4 +43,6 @@ class RawAttention(TraceAttribution):
         return CaptureSpec(forward_reduce=lambda probs: functional.fuse_heads(probs, self.head_fusion))
 
     def reduce(self, trace: AttentionTrace):
+        if self.is_one_sequence(trace):
+            return last_map_row(row_layout(trace), [r.forward_value for r in trace.records])
         return self.last_map_rows(trace, backward=False)

@@ -6,6 +6,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import functional, relevancy_maps
+from .row_chains import rollout_chain, row_layout
 from ..capture.trace import AttentionTrace, CaptureSpec
 from .base import StartLayer, TraceAttribution
 
@@ -41,6 +42,8 @@ class AttentionRollout(TraceAttribution):
             stream with several streams, or ``{stream: int}`` (see GenericAttention).
     """
 
+    uses_row_chains = True
+
     def __init__(self, model, adapter=None, head_fusion: functional.HeadFusion = "mean",
                  discard_ratio: Union[float, Sequence[float], torch.Tensor] = 0.0, start_layer: StartLayer = 0) -> None:
         super().__init__(model, adapter)
@@ -67,9 +70,8 @@ class AttentionRollout(TraceAttribution):
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
         if self.is_one_sequence(trace):
-            maps = [functional.discard_lowest(r.forward_value, self.discard_ratio, self._valid_pairs(trace, r))
-                    for r in self.records_from(trace, self.start_layer)]
-            return functional.rollout_rows_of_attention(maps, self.start_rows(trace, maps[-1].dtype))
+            values = self.values_from(trace, self.start_layer, backward=False)
+            return rollout_chain(row_layout(trace), values, self.discard_ratio)
         sizes = self.stream_sizes(trace)
         records = self.records_from(trace, self.start_layer)
         dtype = torch.promote_types(records[0].forward_value.dtype, torch.float32)

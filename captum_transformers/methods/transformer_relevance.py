@@ -5,12 +5,13 @@ from typing import Dict
 
 import torch
 
-from . import functional, relevancy_maps
+from . import relevancy_maps
 from ..errors import InputError
 from ..propagation.rules import RuleSet
 from ..capture.trace import AttentionTrace, CaptureSpec
 from .base import StartLayer, TraceAttribution
 from .pass_plan import PassPlan
+from .row_chains import last_map_row, relevance_chain, rollout_chain, row_layout
 
 
 def _relevance(probs: torch.Tensor, lrp_grad: torch.Tensor) -> torch.Tensor:
@@ -51,6 +52,8 @@ class TransformerRelevance(TraceAttribution):
         >>> maps = TransformerRelevance(vit).attribute(pixel_values, target=labels)   # (B, 3, H, W)
     """
 
+    uses_row_chains = True
+
     def __init__(self, model, adapter=None, start_layer: StartLayer = 0, rules: RuleSet = RuleSet.CHEFER,
                  row_normalize: bool = False) -> None:
         if not isinstance(row_normalize, bool):
@@ -88,11 +91,10 @@ class TransformerRelevance(TraceAttribution):
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
         if self.is_one_sequence(trace):
-            maps = [r.backward_value for r in self.records_from(trace, self.start_layer)]
-            start = self.start_rows(trace, maps[-1].dtype)
+            values = self.values_from(trace, self.start_layer, backward=True)
             if self.row_normalize:  # the authors' BERT generator: rownorm(I + Abar) at every layer
-                return functional.rollout_rows_of_attention(maps, start)
-            return functional.self_attention_relevance_rows(maps, start)
+                return rollout_chain(row_layout(trace), values)
+            return relevance_chain(row_layout(trace), values)
         if self.row_normalize:
             raise InputError("row_normalize=True follows the authors' BERT generator, defined for one token sequence "
                              "attending to itself; this model mixes several streams "
@@ -123,6 +125,8 @@ class PartialLRP(TraceAttribution):
         >>> maps = PartialLRP(vit).attribute(pixel_values, target=labels)
     """
 
+    uses_row_chains = True
+
     def __init__(self, model, adapter=None, rules: RuleSet = RuleSet.LRP) -> None:
         super().__init__(model, adapter)
         self.rules = rules
@@ -135,4 +139,6 @@ class PartialLRP(TraceAttribution):
         return PassPlan(self.capture_spec(), self.rules)
 
     def reduce(self, trace: AttentionTrace):
+        if self.is_one_sequence(trace):
+            return last_map_row(row_layout(trace), [r.backward_value for r in trace.records])
         return self.last_map_rows(trace, backward=True)
