@@ -142,20 +142,22 @@ def make_example(pairs: List[Tuple[str, str]], queries: List[str]) -> RecallExam
         pairs=list(pairs), queries=list(queries))
 
 
-def _draw(rng: random.Random) -> RecallExample:
-    n_pairs = rng.randint(MIN_PAIRS, MAX_PAIRS)
+def _draw(rng: random.Random, max_pairs: int, max_queries: int) -> RecallExample:
+    n_pairs = rng.randint(MIN_PAIRS, max_pairs)
     keys = rng.sample(KEYS, n_pairs)
     values = rng.sample(VALUES, n_pairs)
-    queries = rng.sample(keys, rng.randint(MIN_QUERIES, min(MAX_QUERIES, n_pairs)))
+    queries = rng.sample(keys, rng.randint(MIN_QUERIES, min(max_queries, n_pairs)))
     return make_example(list(zip(keys, values)), queries)
 
 
-def recall_examples(n: int, seed: int = 0, split: str = "test") -> List[RecallExample]:
+def recall_examples(n: int, seed: int = 0, split: str = "test", max_pairs: int = MAX_PAIRS,
+                    max_queries: int = MAX_QUERIES) -> List[RecallExample]:
     """``n`` examples of ``split`` ("train", "val" or "test"), the same for the same ``seed``.
 
     Each split draws from its own stream (seeded by split name and ``seed``) and keeps only the
     prompts that :func:`split_of` assigns to it, so no prompt is in two splits. Prompts may
-    repeat within a split (the space is large: repeats are rare).
+    repeat within a split (the space is large: repeats are rare). ``max_pairs`` and
+    ``max_queries`` lower the upper bounds (a training curriculum); the defaults are the task.
 
     Example::
 
@@ -166,10 +168,13 @@ def recall_examples(n: int, seed: int = 0, split: str = "test") -> List[RecallEx
         raise InputError(f"split must be one of {SPLITS}, received {split!r}.")
     if not isinstance(n, int) or n < 0:
         raise InputError(f"n must be a non-negative int, received {n!r}.")
+    if not (MIN_PAIRS <= max_pairs <= MAX_PAIRS and MIN_QUERIES <= max_queries <= MAX_QUERIES):
+        raise InputError(f"max_pairs must be in [{MIN_PAIRS}, {MAX_PAIRS}] and max_queries in [{MIN_QUERIES}, "
+                         f"{MAX_QUERIES}], received {max_pairs!r} and {max_queries!r}.")
     rng = random.Random(f"recall:{split}:{seed}")  # str seeds hash deterministically (SHA-512)
     examples: List[RecallExample] = []
     while len(examples) < n:
-        example = _draw(rng)
+        example = _draw(rng, max_pairs, max_queries)
         if split_of(example.prompt) == split:
             examples.append(example)
     return examples

@@ -1,0 +1,152 @@
+"""The built-in generative model: a tiny Llama that solves associative recall, and its tokenizer.
+
+``LlamaForCausalLM`` (``MODEL_CONFIG``: grouped-query attention with 4 query heads sharing 2
+key-value heads, rotary positions, RMSNorm, SwiGLU) over the word vocabulary of
+:mod:`.recall_task`, trained by :mod:`.train_recall` to answer ``<bos> k1 = v1 ; ... ? q1 q2 :``
+with ``v(q1) v(q2) <eos>``. Every answer token has known evidence in the prompt
+(``RecallExample.evidence``), so explanations of its generations can be scored.
+
+The tokenizer is a real ``transformers.PreTrainedTokenizerFast`` (a ``tokenizers`` WordLevel
+model split on whitespace) that prepends ``<bos>``, pads on the left (for batched
+``generate``) and carries a chat template. The weights ship as
+``captum_transformers/assets/recall_llama.pt`` (float16 state dict, loaded as float32) next to
+``recall_llama.json`` (accuracies, training time, seed and the command that produced them).
+
+Example::
+
+    >>> from captum_transformers.tasks.recall_model import load_recall_model
+    >>> model, tokenizer = load_recall_model()
+    >>> batch = tokenizer(["a = 1 ; b = 2 ; c = 3 ; d = 4 ? c a :"], return_tensors="pt")
+    >>> out = model.generate(**batch, max_new_tokens=4)
+    >>> tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    '3 1'
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from .recall_task import BOS, EOS, PAD, UNK, vocabulary
+from .shipped_weights import asset, load_shipped_record, load_shipped_weights
+
+WEIGHTS_FILE = "recall_llama.pt"
+RECORD_FILE = "recall_llama.json"
+RETRAIN_COMMAND = "python -m captum_transformers.tasks.train_recall"
+# Three layers: answer i must find its query (the i-th token after '?') before the pair whose key matches
+# it; with two layers (hidden 64) the val answer accuracy sat at 0.45 after 4000 steps.
+# The longest prompt is 8 pairs + 4 queries: 1 + 31 + 1 + 4 + 1 = 38 tokens, the answer 5 more.
+MODEL_CONFIG: Dict[str, Any] = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                    attention_dropout=0.0)
+# Answers are at most 4 values and <eos>.
+MAX_NEW_TOKENS = 5
+# Renders a conversation of user turns (the prompt text) and assistant turns (the answer text);
+# the prompt already ends with the answer mark ":", so the generation prompt adds nothing.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + ' ' + eos_token }}"
+    "{% else %}{{ raise_exception('The recall chat template takes user and assistant turns, received role '"
+    " + message['role']) }}{% endif %}"
+    "{% endfor %}")
+
+
+def recall_tokenizer():
+    """The recall task's ``PreTrainedTokenizerFast``: WordLevel on whitespace, ``<bos>`` prepended, left padding.
+
+    Example::
+
+        >>> tokenizer = recall_tokenizer()
+        >>> tokenizer("a = 1 ? a :")["input_ids"]
+        [1, 8, 5, 29, 6, 8, 7]
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = vocabulary()
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])])
+    # WordLevel has no decoder of its own: a word-piece decoder with no prefix joins words by spaces.
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                        unk_token=UNK, padding_side="left", model_input_names=["input_ids",
+                                                                                               "attention_mask"])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_recall_model(attn_implementation: Optional[str] = None):
+    """A randomly initialised recall ``LlamaForCausalLM`` (``MODEL_CONFIG``), in train mode.
+
+    Its ``generation_config`` is greedy (no sampling, one beam), stops at ``<eos>`` and pads
+    with ``<pad>``. ``attn_implementation`` ("eager", "sdpa", ...) goes to the config.
+
+    Example::
+
+        >>> build_recall_model().config.num_key_value_heads
+        2
+    """
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    vocab = vocabulary()
+    special = dict(bos_token_id=vocab[BOS], eos_token_id=vocab[EOS], pad_token_id=vocab[PAD])
+    config = LlamaConfig(vocab_size=len(vocab), **MODEL_CONFIG, **special)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(**special, do_sample=False, num_beams=1,
+                                               max_new_tokens=MAX_NEW_TOKENS)
+    return model
+
+
+def weights_path():
+    """Where the shipped weights live inside the installed package (a Traversable)."""
+    return asset(WEIGHTS_FILE)
+
+
+def recall_model_record() -> Dict[str, Any]:
+    """The JSON record of the shipped weights: test accuracies, seed, training time, command."""
+    return load_shipped_record(RECORD_FILE, "The recall model record", RETRAIN_COMMAND)
+
+
+def load_recall_model(dtype: torch.dtype = torch.float32, attn_implementation: Optional[str] = None) -> Tuple[Any, Any]:
+    """``(model, tokenizer)``: the shipped recall Llama in eval mode (in ``dtype``) and its tokenizer.
+
+    Raises :class:`InputError` naming the expected path and the retrain command when the
+    weights file is missing.
+
+    Example::
+
+        >>> model, tokenizer = load_recall_model()
+        >>> model.training, tokenizer.padding_side
+        (False, 'left')
+    """
+    model = load_shipped_weights(build_recall_model(attn_implementation), weights_path(), "The recall model weights",
+                                 RETRAIN_COMMAND)
+    return model.to(dtype), recall_tokenizer()
+
+
+def save_recall_pretrained(directory, dtype: torch.dtype = torch.float32) -> Path:
+    """Write the shipped model and its tokenizer with ``save_pretrained`` into ``directory``.
+
+    ``AutoModelForCausalLM.from_pretrained(directory)`` and
+    ``AutoTokenizer.from_pretrained(directory)`` then load them offline: the Hugging Face path.
+
+    Example::
+
+        >>> from transformers import AutoModelForCausalLM
+        >>> folder = save_recall_pretrained(tmp_path / "recall")
+        >>> AutoModelForCausalLM.from_pretrained(folder).config.model_type
+        'llama'
+    """
+    directory = Path(directory)
+    model, tokenizer = load_recall_model(dtype)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
