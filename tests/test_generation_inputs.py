@@ -128,3 +128,9 @@ def test_refusals_of_the_wrapper(model, tokenizer):
         GenerationAttribution(object(), tokenizer)
     with pytest.raises(InputError, match="head_weights='row'"):
         GenerationAttribution(AttentionGradCAM(model, head_weights="all"), tokenizer).attribute(PROMPT, target=TARGET)
+
+
+def test_a_generation_with_non_finite_scores_is_refused(model, tokenizer):
+    # A float64 eager Llama computes its softmax in float32: a left-padded row's -inf mask becomes NaN.
+    with pytest.raises(InputError, match="non-finite next-token scores"):
+        GenerationAttribution(AttnLRP(model), tokenizer).attribute([PROMPT, "the cat"], gen_args={"max_new_tokens": 2})

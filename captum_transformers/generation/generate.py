@@ -47,9 +47,12 @@ def generated_targets(model: nn.Module, tokenizer: Any, prompts: Sequence[Sequen
     else:
         ids = [[pad] * (longest - len(p)) + list(p) for p in prompts]
         mask = [[0] * (longest - len(p)) + [1] * len(p) for p in prompts]
+    args.setdefault("output_scores", True)
+    args.setdefault("return_dict_in_generate", True)
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor(ids, device=device),
                              attention_mask=torch.tensor(mask, device=device), **args)
+    _refuse_non_finite_scores(out, model)
     sequences = out.sequences if hasattr(out, "sequences") else out
     answers = sequences[:, 1:] if encoder_decoder else sequences[:, longest:]
     ends = _end_ids(model, tokenizer)
@@ -61,3 +64,20 @@ def generated_targets(model: nn.Module, tokenizer: Any, prompts: Sequence[Sequen
         raise InputError(f"generate() returned no new token for some prompt (arguments {args}); raise max_new_tokens "
                          "or pass the target to explain.")
     return targets
+
+
+def _refuse_non_finite_scores(out: Any, model: nn.Module) -> None:
+    """A generation whose next-token scores held NaN picked its tokens from garbage (e.g. a float64
+    model whose eager attention softmax, computed in float32, turns a left-padded row into NaN):
+    refused rather than explained."""
+    scores = getattr(out, "scores", None)
+    if not scores:
+        return
+    bad = [step for step, s in enumerate(scores) if not bool(torch.isfinite(s).all())]
+    if bad:
+        raise InputError(
+            f"model.generate() produced non-finite next-token scores at step(s) {bad[:5]} of {len(scores)}, so the "
+            f"generated tokens are not the model's answer ({type(model).__name__}, dtype "
+            f"{next(model.parameters()).dtype}). Generate in float32 or with attn_implementation='sdpa', or pass "
+            "the target to explain."
+        )
