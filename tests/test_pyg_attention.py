@@ -25,12 +25,13 @@ from pyg_models import graph_classifier, graphs  # noqa: E402
 from restore import assert_same, raising_after, snapshot  # noqa: E402
 
 KINDS = ["TransformerConv", "GATConv", "GATv2Conv"]
-# The methods whose math applies to PyG layers (TransformerRelevance's normalised adds are refused
-# on graphs; the identity-softmax rule sets and AttnLRP on GAT layers: see the refusal tests).
+# The methods whose math applies to PyG layers (the identity-softmax rule sets and AttnLRP are
+# refused on GAT layers: see the refusal tests; TransformerRelevance's normalised adds run per
+# graph: tests/test_pyg_transformer_relevance.py).
 APPLIES = {
     "TransformerConv": ["raw-attention", "rollout", "grad-cam", "generic-attention", "gradient-x-input",
                         "conservative-lrp-ah", "conservative-lrp", "attn-lrp", "partial-lrp", "lrp",
-                        "attention-flow"],
+                        "attention-flow", "transformer-relevance"],
     "GATConv": ["raw-attention", "rollout", "grad-cam", "generic-attention", "gradient-x-input",
                 "conservative-lrp-ah", "conservative-lrp", "attention-flow"],
 }

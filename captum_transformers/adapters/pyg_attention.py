@@ -145,9 +145,10 @@ class PyGAttentionAdapter(Adapter):
                                                                   _recording(block, recorder)))
             yield
 
-    def refuse_rules(self, model: nn.Module, blocks: List[Block], rules: RuleSet) -> None:
+    def refuse_rules(self, model: nn.Module, blocks: List[Block], rules: RuleSet, graph_adds: bool = False) -> None:
         """Refuse the rules PyG's sparse attention layers (``blocks``), its graph norms or a graph
-        batch cannot follow."""
+        batch cannot follow. ``graph_adds``: normalised adds run per graph (:meth:`propagation`);
+        they are then refused only in layers that add per-edge tensors."""
         if rules.norm != "gradient":
             found = {id(site.module) for site in find_norms(model)}
             graph_norms = [name for name, module in model.named_modules()
@@ -170,16 +171,26 @@ class PyGAttentionAdapter(Adapter):
                 f"layers {gat} score edges by multiplying node features with a parameter vector, which the rule would "
                 "halve too. Use ConservativeLRP (AH, AH+LN) on GAT models, or AttnLRP on TransformerConv models."
             )
-        if rules.add != "gradient":
+        if rules.add != "gradient" and not graph_adds:
             raise CaptureError(
                 f"The rule set {rules.name} normalises residual adds per example, but the examples of a graph batch "
                 "are node sets of different sizes in one node list, not a batch dimension. Use ConservativeLRP, "
                 "AttnLRP or the attention methods on graph models."
             )
+        # Per-edge adds (GAT's alpha_i + alpha_j, TransformerConv's key_j + edge features) have an
+        # edge per row, whose graph the per-graph normalisation does not know.
+        edge_adds = [b.name for b in blocks if layer_key(b.module) in _GAT_LIKE
+                     or getattr(b.module, "lin_edge", None) is not None]
+        if rules.add != "gradient" and edge_adds:
+            raise CaptureError(
+                f"The rule set {rules.name} normalises adds per graph, but the layers {edge_adds} add per-edge "
+                "tensors (GAT's source and target scores, TransformerConv's edge features), whose rows are edges, "
+                "not nodes. Use ConservativeLRP or AttnLRP on this model, or TransformerConv without edge_dim."
+            )
 
     @contextlib.contextmanager
     def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
-        self.refuse_rules(model, self.blocks(model), rules)
+        self.refuse_rules(model, self.blocks(model), rules, graph_adds=True)
         with contextlib.ExitStack() as stack:
             if rules.attention_gate != "gradient":
                 stack.enter_context(recomputed_alpha(self.blocks(model)))
@@ -189,7 +200,8 @@ class PyGAttentionAdapter(Adapter):
             if rules.softmax == "identity":
                 stack.enter_context(identity_softmax(self.blocks(model)))
             stack.enter_context(norm_rules(model, rules))
-            stack.enter_context(operation_rules(model, rules))
+            # Normalised adds sum per graph: the rows of the model's first input are the batch's nodes.
+            stack.enter_context(operation_rules(model, rules, groups=_graph_of_each_node))
             yield
 
     # -- the forward: the graphs of the batch are known around it -------------------
@@ -394,3 +406,9 @@ def _kept_edges(kept: List[list]):
             kept[-1][2] = inputs[0] if nodes is None else nodes.place(inputs[0])  # the batch's node numbers
 
     return hook
+
+
+def _graph_of_each_node() -> Optional[torch.Tensor]:
+    """(N,) the graph of each node of the batch being explained (None outside a forward)."""
+    graphs = _GRAPHS.get()
+    return None if graphs is None else graphs.graph

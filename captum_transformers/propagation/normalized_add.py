@@ -2,8 +2,11 @@
 the operation-rule mode (:mod:`.operation_rules`) puts it on ``u + v`` under ``add="normalized"``."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from ..errors import CaptureError
 from .backward_switch import _SWITCH
 from .backward_switch import plain_requested as _plain
 from .linear_rule import safe_divide
@@ -19,18 +22,23 @@ class NormalizedAdd(torch.autograd.Function):
     each keeps its share. In gradient x input form the gradient of each operand is scaled by its
     factor. ``batch_dim`` is the dimension of the examples (None: the whole tensor is one
     example); an operand shared by the batch (a (1, ...) position embedding) gets the sum over
-    examples. Under a plain backward switch both operands get the plain gradient.
+    examples. ``groups`` (optional, one example index per position of ``batch_dim``) makes
+    several positions one example: the nodes of a graph in a PyG batch's flat node list, so
+    each graph's sums run over its own nodes, as if it were explained alone. Under a plain
+    backward switch both operands get the plain gradient.
 
     Example::
 
         >>> out = NormalizedAdd.apply(u, v, 0, torch.add, (u, v), {})
+        >>> out = NormalizedAdd.apply(h, skip, 0, torch.add, (h, skip), {}, graph_of_node)  # per graph
     """
 
     @staticmethod
-    def forward(ctx, a, b, batch_dim, func, args, kwargs):
+    def forward(ctx, a, b, batch_dim, func, args, kwargs, groups=None):
         output = func(*args, **kwargs)
         ctx.save_for_backward(a, b)
         ctx.batch_dim = batch_dim
+        ctx.groups = groups
         ctx.switch = _SWITCH.get()
         return output
 
@@ -38,7 +46,7 @@ class NormalizedAdd(torch.autograd.Function):
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
         if _plain(ctx):
-            return grad.sum_to_size(a.shape), grad.sum_to_size(b.shape), None, None, None, None
+            return grad.sum_to_size(a.shape), grad.sum_to_size(b.shape), None, None, None, None, None
         dtype = torch.promote_types(grad.dtype, torch.float32)
         g = grad.to(dtype)
         batch_dim = ctx.batch_dim
@@ -57,6 +65,9 @@ class NormalizedAdd(torch.autograd.Function):
             else:
                 total = torch.linalg.vecdot(operand.movedim(batch_dim, 0).reshape(g.shape[batch_dim], -1),
                                             g.movedim(batch_dim, 0).reshape(g.shape[batch_dim], -1))
+            if ctx.groups is not None:  # one sum per group (graph), read back at each of its positions
+                groups = ctx.groups.to(total.device)
+                total = total.new_zeros(int(groups.max()) + 1).index_add_(0, groups, total)[groups]
             if batch_dim is not None:
                 shape[batch_dim] = -1
             return total.reshape(shape)
@@ -67,4 +78,20 @@ class NormalizedAdd(torch.autograd.Function):
         share_b = safe_divide(s_b.abs(), s_a.abs() + s_b.abs()) * safe_divide(s, s_b)
         # An operand shared by the batch (a (1, ...) position embedding) gets the sum over examples.
         g_a, g_b = (g * share_a).sum_to_size(a.shape), (g * share_b).sum_to_size(b.shape)
-        return g_a.to(grad.dtype), g_b.to(grad.dtype), None, None, None, None
+        return g_a.to(grad.dtype), g_b.to(grad.dtype), None, None, None, None, None
+
+
+def row_groups(groups: torch.Tensor, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """The example of each row of an add's operand ``tensor``, given each batch row's example
+    ``groups`` (a PyG batch: each node's graph): ``groups`` for a tensor of the batch's rows
+    (nodes), None (a row per example) for a tensor of examples (pooled graphs); anything else
+    (edges, nodes a pooling dropped) is refused."""
+    examples = int(groups.max()) + 1 if groups.numel() else 0
+    if tensor.dim() and tensor.shape[0] == groups.shape[0]:
+        return groups
+    if tensor.dim() and tensor.shape[0] == examples:
+        return None
+    raise CaptureError(
+        f"The normalised add rule normalises per example, here the {examples} graphs of {groups.shape[0]} nodes, but "
+        f"it reached an add of tensors of shape {tuple(tensor.shape)}, whose rows are neither nodes nor graphs (edges, "
+        "or nodes a pooling dropped). Use a rule set with plain adds (ConservativeLRP, AttnLRP) on this model.")

@@ -47,13 +47,14 @@ from torch.overrides import TorchFunctionMode
 
 from ..capture import patching
 from ..capture import module_walk
+from ..errors import CaptureError
 from .activation_discovery import is_activation
 from .backward_switch import _SWITCH, plain_gradient_of
 from .backward_switch import plain_requested as _plain
 from .gated_product import ConstantGateProduct, GateTracker, gate_scopes
 from .identity_ratio import identity_ratio
 from .linear_rule import _LinearAlphaBeta, _LinearGamma, safe_divide  # noqa: F401  (safe_divide: part of this API)
-from .normalized_add import NormalizedAdd
+from .normalized_add import NormalizedAdd, row_groups
 from .pixel_rule import PixelBoundedConv
 
 
@@ -197,10 +198,14 @@ def _grad_tensors(args, kwargs):
 class OperationRules(TorchFunctionMode):
     """The torch-function mode that swaps operations for their rule Functions."""
 
-    def __init__(self, rules, batch_size: Optional[int] = None):
+    def __init__(self, rules, batch_size: Optional[int] = None, groups: Optional[torch.Tensor] = None):
         super().__init__()
+        if groups is not None and (groups.dim() != 1 or groups.shape[0] != batch_size):
+            raise CaptureError(f"{tuple(groups.shape)} example indices (graphs) for a forward whose first input has "
+                               f"{batch_size} rows; the normalised add rule needs one per row.")
         self.rules = rules
         self.batch_size = batch_size
+        self.groups = groups  # (batch_size,) each row's example (a PyG batch: node -> graph), or None
         self._tokens: list = []
         self.gates = GateTracker(rules.gated_product == "constant")
         self.handled = _handled_operations(rules)
@@ -260,8 +265,10 @@ class OperationRules(TorchFunctionMode):
             a, b = args
             if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.requires_grad and b.requires_grad \
                     and a.is_floating_point() and (a.shape == b.shape or self._batch_broadcast(a, b)):
-                return NormalizedAdd.apply(a, b, self._batch_dim(a if a.shape[0] >= b.shape[0] else b), func,
-                                            args, kwargs)
+                wide = a if a.shape[0] >= b.shape[0] else b
+                if self.groups is not None:
+                    return NormalizedAdd.apply(a, b, 0, func, args, kwargs, row_groups(self.groups, wide))
+                return NormalizedAdd.apply(a, b, self._batch_dim(wide), func, args, kwargs)
         return func(*args, **kwargs)
 
     def _batch_broadcast(self, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -381,8 +388,12 @@ def _activation_forward(identity: bool):
 
 
 @contextlib.contextmanager
-def operation_rules(model: nn.Module, rules) -> Iterator[None]:
+def operation_rules(model: nn.Module, rules,
+                    groups: Optional[Callable[[], Optional[torch.Tensor]]] = None) -> Iterator[None]:
     """Run ``model``'s forward under :class:`OperationRules` (reversibly: instance forward).
+
+    ``groups``, if given, returns each row's example for the forward about to run (a PyG batch:
+    each node's graph), so that the normalised add sums per example.
 
     With ``activation="identity"``, activation *modules* found by probing (parameter-free,
     elementwise, ``f(0) = 0``) get the identity rule as a whole, so hand-written activations
@@ -403,7 +414,7 @@ def operation_rules(model: nn.Module, rules) -> Iterator[None]:
                 return original(*args, **kwargs)
             first = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
             batch = first.shape[0] if first is not None and first.dim() > 0 else None
-            mode = OperationRules(rules, batch)
+            mode = OperationRules(rules, batch, groups() if groups is not None else None)
             token = _ACTIVE_MODE.set(mode)
             try:
                 with mode:

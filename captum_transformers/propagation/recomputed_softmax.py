@@ -52,7 +52,7 @@ def recompute_under_rules(scores_fn: Callable[..., torch.Tensor], leaves, mode: 
             return scores_fn(*leaves)
         token = _SWITCH.set(switch)
         try:
-            with OperationRules(mode.rules, mode.batch_size):
+            with OperationRules(mode.rules, mode.batch_size, mode.groups):
                 return scores_fn(*leaves)
         finally:
             _SWITCH.reset(token)
