@@ -70,7 +70,10 @@ def _reference(case, method, model, inputs, kwargs, target):
         a, g = attentions[-1], grads[-1]
         mask = kwargs.get("attention_mask")
         real = torch.arange(tokens) if mask is None else mask[0].nonzero().squeeze(1)
-        relevance = (sum(g[h][real][:, real].mean() * a[h] for h in range(heads)) / heads).clamp(min=0)
+        # A causal query attends to no key after it: those are no pairs, like padding.
+        pairs = torch.ones(len(real), len(real)).tril() if case == "gpt2" else torch.ones(len(real), len(real))
+        weights = [float((g[h][real][:, real] * pairs).sum() / pairs.sum()) for h in range(heads)]
+        relevance = (sum(weights[h] * a[h] for h in range(heads)) / heads).clamp(min=0)
     elif method is AttentionGradCAM:
         # The authors' ViT baseline (generate_cam_attn): for the explained row r, each head's
         # weight is its gradient averaged over r's patch columns (after the prefix tokens),
