@@ -53,6 +53,8 @@ def test_result_is_captums_type_with_the_generation_parts(model, tokenizer):
     assert abs(float(result.first_token_share[1]) - float(row[0] / row.sum())) < TOL
     figure, _ = result.plot_token_attr()
     assert figure is not None
+    assert result.signed and not GenerationAttribution(GenericAttention(model), tokenizer).attribute(
+        PROMPT, target=TARGET).signed
 
 
 def test_token_ids_text_token_input_and_skipped_tokens(model, tokenizer):

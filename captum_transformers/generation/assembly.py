@@ -32,6 +32,15 @@ def encoder_decoder_model(model: nn.Module) -> bool:
     return bool(getattr(config, "is_encoder_decoder", False)) and callable(getattr(model, "get_encoder", None))
 
 
+def signed_method(method: Any) -> bool:
+    """Whether ``method``'s scores carry a direction (for or against the token): relevance
+    propagation and Gradient x Input do (the catalog's ``SIGNED_METHODS``), attention maps and
+    Saliency (an absolute gradient) do not."""
+    from ..methods.captum_baselines import CaptumIntegratedGradients
+    from ..methods.lrp import RuleGradientXInput
+    return isinstance(method, (RuleGradientXInput, CaptumIntegratedGradients))
+
+
 def _tokens(tokenizer: Any, ids: Sequence[int]) -> List[str]:
     return [str(t) for t in tokenizer.convert_ids_to_tokens([int(i) for i in ids])]
 
@@ -95,5 +104,6 @@ def assemble_results(explainer: Any, prompts: List[EncodedPrompt], batch: Genera
             target_attr=output_part.cpu(), target_attr_tokens=read_tokens,
             output_probs=step_probs.cpu(), scores=explained_scores[b, rows].cpu(),
             score_kind=steps.score, method=type(explainer.method).__name__, first_token_share=share.cpu(),
-            input_ids=list(prompt.ids), output_ids=target, inp=prompt.inp, contrast_tokens=contrast))
+            input_ids=list(prompt.ids), output_ids=target, inp=prompt.inp, contrast_tokens=contrast,
+            signed=signed_method(explainer.method)))
     return results

@@ -13,7 +13,8 @@
   earlier output): attention sinks (Xiao et al., ICLR 2024) show up as a large share.
 * ``scores`` (T,): the explained score of each step (logit, log-probability or probability,
   or the contrast); ``score_kind``; ``method`` (the wrapped method's class name);
-  ``input_ids`` and ``output_ids``.
+  ``signed`` (whether the method's scores have a direction: relevance and gradient x input do,
+  attention maps do not); ``input_ids`` and ``output_ids``.
 
 Example::
 
@@ -35,7 +36,7 @@ class GenerationResult(LLMAttributionResult):
                  target_attr: torch.Tensor, target_attr_tokens: List[str], output_probs: torch.Tensor,
                  scores: torch.Tensor, score_kind: str, method: str, first_token_share: torch.Tensor,
                  input_ids: List[int], output_ids: List[int], inp: Any = None,
-                 contrast_tokens: Optional[List[str]] = None) -> None:
+                 contrast_tokens: Optional[List[str]] = None, signed: bool = False) -> None:
         super().__init__(input_tokens=input_tokens, output_tokens=output_tokens, seq_attr=token_attr.sum(0),
                          token_attr=token_attr, output_probs=output_probs, inp=inp)
         self.target_attr = target_attr
@@ -47,6 +48,7 @@ class GenerationResult(LLMAttributionResult):
         self.input_ids = input_ids
         self.output_ids = output_ids
         self.contrast_tokens = contrast_tokens
+        self.signed = signed
 
     def __repr__(self) -> str:
         return (f"GenerationResult(method={self.method}, score={self.score_kind}, "
