@@ -59,8 +59,8 @@ def kept_positions(model: nn.Module, positions: torch.Tensor) -> Any:
     signature = _forward_signature(type(model))
     if signature is None or "logits_to_keep" not in signature.parameters:
         return "all"
-    listed = tuple(int(p) for p in positions.tolist())
-    return KeptLogitPositions(positions.to(torch.long), tuple(sorted(set(listed))))
+    listed = tuple(sorted({int(p) for p in positions.tolist()}))
+    return KeptLogitPositions(torch.tensor(listed, dtype=torch.long, device=positions.device), listed)
 
 
 def _step_logits(adapter: Adapter, model: nn.Module, output: Any, kept: Optional[KeptLogitPositions],
