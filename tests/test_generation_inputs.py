@@ -117,7 +117,7 @@ def test_captum_rows_run_one_call_per_prefix(model, tokenizer):
     (lambda e: e.attribute(PROMPT, target=TARGET, span=[5]), "span must select"),
     (lambda e: e.attribute(PROMPT, target=TARGET, gen_args={"max_new_tokens": 2}), "gen_args"),
     (lambda e: e.attribute(PROMPT, target=TARGET, score="probability"), "score must be one of"),
-    (lambda e: e.attribute(torch.zeros(2, 3, dtype=torch.long), target=TARGET), "one sequence"),
+    (lambda e: e.attribute(torch.zeros(1, 2, 3, dtype=torch.long), target=TARGET), "one sequence"),
     (lambda e: e.attribute(PROMPT, target=TARGET, skip_tokens=["zebra"]), "not a token"),
 ])
 def test_bad_input_is_refused_with_the_fix(model, tokenizer, call, message):
@@ -136,3 +136,15 @@ def test_a_generation_with_non_finite_scores_is_refused(model, tokenizer):
     # A float64 eager Llama computes its softmax in float32: a left-padded row's -inf mask becomes NaN.
     with pytest.raises(InputError, match="non-finite next-token scores"):
         GenerationAttribution(AttnLRP(model), tokenizer).attribute([PROMPT, "the cat"], gen_args={"max_new_tokens": 2})
+
+
+def test_a_tokenizers_padded_batch_is_a_list_of_prompts(model, tokenizer):
+    explainer = GenerationAttribution(AttnLRP(model), tokenizer)
+    prompts, targets = [PROMPT, "the dog ran"], [TARGET, "under a tree"]
+    tokenizer.padding_side = "right"  # padding on either side is read from the mask
+    encoded = tokenizer(prompts, padding=True, return_tensors="pt")
+    from_batch = explainer.attribute(encoded, target=targets)
+    from_list = explainer.attribute(prompts, target=targets)
+    for ours, expected in zip(from_batch, from_list):
+        assert ours.input_tokens == expected.input_tokens
+        assert torch.allclose(ours.token_attr, expected.token_attr, atol=TOL, rtol=0)

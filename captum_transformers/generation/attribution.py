@@ -40,7 +40,7 @@ from .batch import GenerationBatch, decoder_batch, encoder_decoder_batch
 from .engine import relevance_steps, trace_steps
 from .generate import generated_targets
 from .prefix_calls import prefix_scores
-from .prompts import EncodedPrompt, encode_prompt, encode_target
+from .prompts import EncodedPrompt, encode_prompt, encode_target, prompt_list
 from .result import GenerationResult
 from .steps import SCORE_KINDS, ExplainedSteps
 
@@ -84,7 +84,8 @@ class GenerationAttribution(Attribution):
 
         Args:
             inp: a string, token ids (list, tensor, chat-template ids), Captum's ``TextTokenInput``
-                or ``TextTemplateInput``; or a list of those (a batch).
+                or ``TextTemplateInput``; or a batch: a list of those, a (B, N) tensor of ids, or a
+                tokenizer's padded batch (each row's padding, marked by its attention mask, removed).
             target: a string, token ids, or None (the model generates with ``gen_args``, greedy
                 by default); for a batch, one per prompt.
             gen_args: ``generate`` arguments when ``target`` is None (default
@@ -97,10 +98,10 @@ class GenerationAttribution(Attribution):
             score: overrides the instance's score kind for this call.
         """
         kind = self.score if score is None else score
-        batched = isinstance(inp, (list, tuple)) and not all(isinstance(v, int) for v in inp)
-        prompts = [encode_prompt(p, self.tokenizer) for p in (inp if batched else [inp])]
-        if not prompts:
+        if isinstance(inp, (list, tuple)) and not inp:
             raise InputError("inp is an empty list; give at least one prompt.")
+        listed, batched = prompt_list(inp)
+        prompts = [encode_prompt(p, self.tokenizer) for p in listed]
         encoder_decoder = encoder_decoder_model(self.model)
         targets = self._targets(prompts, target, gen_args, batched, encoder_decoder)
         batch = self._batch(prompts, targets, encoder_decoder)

@@ -133,6 +133,23 @@ def _template_prompt(prompt: Any, tokenizer: Any) -> EncodedPrompt:
     return EncodedPrompt(list(encoded["input_ids"]), features, names, prompt)
 
 
+def prompt_list(inp: Any) -> tuple:
+    """``(prompts, batched)``: a list or tuple of prompts (not of ints) is a batch; so is a 2-D
+    tensor of ids (one prompt per row) and a tokenizer's batch (``input_ids`` with an
+    ``attention_mask``: each row's padding removed, wherever it sits)."""
+    if isinstance(inp, (list, tuple)) and inp and not all(isinstance(v, int) for v in inp):
+        return list(inp), True
+    if isinstance(inp, torch.Tensor) and inp.dim() == 2 and inp.shape[0] > 1:
+        return [row for row in inp], True
+    if hasattr(inp, "keys") and "input_ids" in inp:
+        ids = torch.as_tensor(inp["input_ids"])
+        if ids.dim() == 2 and ids.shape[0] > 1:
+            mask = inp.get("attention_mask")
+            mask = torch.ones_like(ids) if mask is None else torch.as_tensor(mask)
+            return [row[m.to(torch.bool)] for row, m in zip(ids, mask)], True
+    return [inp], False
+
+
 def special_token_mask(ids: Sequence[int], tokenizer: Any, skip_tokens: Optional[Sequence[Any]]) -> List[bool]:
     """True for the prompt tokens to leave out of ``token_attr`` (``skip_tokens``: token strings
     or ids, as Captum's ``TextTokenInput`` takes them)."""
