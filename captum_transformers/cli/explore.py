@@ -7,6 +7,11 @@ only; ``--host`` another address needs ``--allow-remote`` and prints a warning. 
 URL carries the session token the page needs. ``--port`` is 0 to 65535 (0: any free port);
 ``--device`` puts the model on cpu, cuda, cuda:N or mps. Each is checked, with ``--results``,
 before any model is loaded: a mistake is one line and exit status 2.
+
+``--prompt TEXT`` (repeatable) or ``--generation`` opens the generation page instead: a
+causal LM (the built-in recall Llama, or ``--model`` a causal-LM folder; a ``--model`` folder
+whose config names a causal LM opens it too) generates greedily from a prompt and each
+generated token is explained (``explorer/generation_app.py``).
 """
 from __future__ import annotations
 
@@ -27,6 +32,10 @@ def add_parser(subparsers) -> None:
                                                       "default; digits-two; movies: needs the cached fine-tuned model)")
     parser.add_argument("--cache-dir", help="movies: where the data and fine-tuned model are cached")
     parser.add_argument("--samples", type=int, default=48, help="built-in model or task: number of test examples")
+    parser.add_argument("--prompt", action="append", default=[],
+                        help="generation page: a prompt to start with (repeatable; offered as samples)")
+    parser.add_argument("--generation", action="store_true",
+                        help="generation page on the built-in recall Llama (or --model, a causal-LM folder)")
     parser.add_argument("--results", help="a benchmark's results.json: its curves are shown beside the maps")
     parser.add_argument("--port", type=int, default=8765, help="port, 0 to 65535 (default: %(default)s; 0: any free "
                                                                 "port, the URL printed says which)")
@@ -50,6 +59,13 @@ def run(args) -> int:
     device = checked_device(args.device)
     from ..explorer.app import benchmark_curves
 
+    if _generation_page(args):
+        from ..explorer.generation_sources import LoadingGenerationWorkspace, loaded_generation_workspace
+
+        page = LoadingGenerationWorkspace(lambda: loaded_generation_workspace(args.model, args.prompt, device))
+        start(page, host=args.host, port=args.port, blocking=True, allow_remote=args.allow_remote,
+              extra_hosts=args.allowed_host)
+        return 0
     benchmark = benchmark_curves(args.results) if args.results else None
     # the server listens (and prints its URL) while the model loads; a load error stops it and
     # is reported like any other (one line, exit status 2)
@@ -59,3 +75,22 @@ def run(args) -> int:
     start(workspace, host=args.host, port=args.port, blocking=True, benchmark=benchmark,
           allow_remote=args.allow_remote, extra_hosts=args.allowed_host)
     return 0
+
+
+def _generation_page(args) -> bool:
+    """Whether the arguments ask for the generation page; a mix with the classifier's inputs is
+    refused (one line, exit status 2) before any model is loaded."""
+    from ..errors import InputError
+    from ..explorer.generation_sources import causal_lm_folder
+
+    asked = bool(args.prompt) or args.generation
+    causal = causal_lm_folder(args.model) and not args.image and not args.text
+    if not (asked or causal):
+        return False
+    mixed = [flag for flag, given in (("--text", args.text), ("--image", args.image), ("--task", args.task),
+                                      ("--results", args.results), ("--arch", args.arch)) if given]
+    if mixed:
+        raise InputError(f"--prompt/--generation open the generation page, which takes none of {', '.join(mixed)}; "
+                         "give either a prompt (with --model a causal-LM folder, or none for the built-in recall "
+                         "Llama) or the classifier's inputs.")
+    return True

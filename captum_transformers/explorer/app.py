@@ -204,9 +204,12 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
     ``warm``: compute the page's default view in the background as soon as the workspace is
     ready, so that the first page finds it cached.
     """
+    from .generation_app import create_generation_app, is_generation
     from .loading import LoadingWorkspace, StillLoading
     from .workspace import available_methods
 
+    if is_generation(workspace):  # a causal LM: the generation page (generation_app.py)
+        return create_generation_app(workspace, token, allowed_hosts, max_body_bytes, methods)
     source = workspace if isinstance(workspace, LoadingWorkspace) else None
     # several workspaces (one per model, as Captum Insights' list of models): the page picks one
     # with ?model=<index> on every API call; each has its own cache, jobs and session
