@@ -13,6 +13,9 @@ text_image_view        CLIP: text tokens beside the image overlay
 text_regions_view      LXMERT / VisualBERT: text tokens, region strip, region boxes
 detection_view         DETR: each explained detection's map and box
 CurvePlot, curve_plots perturbation curves from results or a benchmark's results.json
+GenerationMatrix       an LLM's generated tokens x the prompt and earlier output tokens
+GenerationText         one generated token's evidence coloured over the text
+generation_report      several methods' views of one generation side by side
 =====================  ==============================================================
 
 >>> from captum_transformers.visualization import report
@@ -20,6 +23,8 @@ CurvePlot, curve_plots perturbation curves from results or a benchmark's results
 """
 from .colors import ColorScale
 from .curves import CurvePlot, curve_plots, plot_curves
+from .generation import GenerationMatrix
+from .generation_text import GenerationReport, GenerationText, generation_report
 from .grid import ExplanationGrid, report
 from .images import ImageOverlay, image_overlay
 from .streams import StreamView, detection_view, text_image_view, text_regions_view
@@ -28,5 +33,5 @@ from .tokens import TokenHeatmap, merge_word_pieces
 __all__ = [
     "ColorScale", "CurvePlot", "curve_plots", "plot_curves", "ExplanationGrid", "report", "ImageOverlay",
     "image_overlay", "StreamView", "detection_view", "text_image_view", "text_regions_view", "TokenHeatmap",
-    "merge_word_pieces",
+    "merge_word_pieces", "GenerationMatrix", "GenerationText", "GenerationReport", "generation_report",
 ]
