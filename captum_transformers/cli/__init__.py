@@ -1,6 +1,8 @@
 """The ``captum-transformers`` command line: ``explain``, ``benchmark`` and ``explore``.
 
-``python -m captum_transformers`` with no arguments runs ``explain`` on the built-in model.
+``python -m captum_transformers`` with no arguments runs ``explain`` on the built-in model;
+``explain --prompt TEXT`` explains a language model's generation token by token
+(``generation_explain``).
 Errors a user can fix (unknown model or method, a model folder without config.json or
 weights, unreachable hub, unreadable image, target out of range, an unknown --device, an
 --out that is a file or cannot be written) print one line saying what to do and exit with

@@ -6,6 +6,10 @@ checkpoint (see ``model_loading``); ``--image`` / ``--text`` give the inputs. Th
 (``explanations.png`` and a self-contained ``explanations.html``) are drawn by
 ``captum_transformers.visualization``; ``--save-scores`` adds the raw scores as
 ``scores.json`` (schema in ``scores_file``).
+
+``--prompt TEXT`` switches to language models: each generated (or ``--target``) token is
+explained by every method, written as ``generation.html``, ``generation.png`` and
+``scores.json`` (see ``generation_explain``).
 """
 from __future__ import annotations
 
@@ -33,9 +37,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--random-init", action="store_true", help="timm: random weights instead of pretrained")
     parser.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     parser.add_argument("--text", action="append", default=[], help="text to classify (repeatable)")
-    parser.add_argument("--method", action="append", choices=KNOWN_METHOD_NAMES + ("all",), default=None,
-                        help="method to run (repeatable; default: all)")
-    parser.add_argument("--target", type=int, help="class to explain (default: the predicted class)")
+    # Checked in run(), not by argparse: with --prompt a wrong name is one line, as every generation error.
+    parser.add_argument("--method", action="append", metavar="{" + ",".join(KNOWN_METHOD_NAMES + ("all",)) + "}",
+                        default=None, help="method to run (repeatable; default: all)")
+    parser.add_argument("--target", help="class to explain (default: the predicted class); with --prompt, the "
+                                         "continuation to explain (text)")
     parser.add_argument("--samples", type=int, default=4, help="built-in model: number of sample canvases")
     parser.add_argument("--motifs", type=int, metavar="N",
                         help="explain N BA-2Motifs test graphs with the built-in graph model (PyG TransformerConv); "
@@ -46,7 +52,30 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--out", default="captum_transformers_explain",
                         help="output folder (default: %(default)s); one that holds an earlier explanations.png is "
                              "never overwritten: the run goes to OUT-2, OUT-3, ... and says so")
-    parser.set_defaults(run=run)
+    from .generation_explain import add_generation_arguments
+
+    add_generation_arguments(parser)
+    parser.set_defaults(run=run, explain_parser=parser)
+
+
+def _classifier_arguments(args) -> None:
+    """What argparse checked before --prompt shared --method and --target: an unknown method
+    or a --target that is no int is a usage error (exit 2); generation options need --prompt."""
+    parser = args.explain_parser
+    for name in args.method or ():
+        if name not in KNOWN_METHOD_NAMES + ("all",):
+            parser.error(f"argument --method: invalid choice: {name!r} (choose from "
+                         f"{', '.join(map(repr, KNOWN_METHOD_NAMES + ('all',)))})")
+    if args.target is not None:
+        try:
+            args.target = int(args.target)
+        except ValueError:
+            parser.error(f"argument --target: invalid int value: {args.target!r}")
+    given = [option for option, value in (("--generate", args.generate), ("--contrast", args.contrast),
+                                          ("--score", args.score)) if value is not None]
+    if given:
+        raise InputError(f"{', '.join(given)} explain(s) a language model's generation and need(s) --prompt TEXT; "
+                         "add --prompt, or drop them to explain a classifier.")
 
 
 def _raw_inputs(loaded: LoadedModel, args) -> tuple:
@@ -78,6 +107,11 @@ def _logits(model, inputs, forward_kwargs) -> torch.Tensor:
 
 
 def run(args) -> int:
+    if args.prompt is not None:
+        from .generation_explain import run_generation
+
+        return run_generation(args)
+    _classifier_arguments(args)
     device = checked_device(args.device)
     if args.motifs is not None:
         from .graph_explain import GRAPH_METHODS, explain_motifs
