@@ -3,6 +3,8 @@ method from the command line: the three files, scores.json equal to GenerationAt
 results, --target / --contrast / --score, a local save_pretrained folder, and one-line errors."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -73,8 +75,8 @@ def test_default_methods_write_the_three_files_and_scores_read_back_equal(random
 
 def test_target_contrast_and_score_reach_the_explanation(random_folder, tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["explain", "--prompt", PROMPT, "--model", str(random_folder), "--target", "green cat", "--contrast", "blue",
-                 "--score", "log_prob", "--method", "gradient-x-input", "--method", "attn-lrp", "--out",
+    assert main(["explain", "--prompt", PROMPT, "--model", str(random_folder), "--target", "green cat", "--contrast",
+                 "blue", "--score", "log_prob", "--method", "gradient-x-input", "--method", "attn-lrp", "--out",
                  str(out)]) == 0
     assert "(given)" in capsys.readouterr().out
     read = serialization.load_scores_json(out / "scores.json")
@@ -84,8 +86,6 @@ def test_target_contrast_and_score_reach_the_explanation(random_folder, tmp_path
         made = GenerationAttribution(build_method(name, model), tokenizer, score="log_prob").attribute(
             PROMPT, target="green cat", contrast="blue")
         _assert_equal_results(read[name], made)
-    import json
-
     payload = json.loads((out / "scores.json").read_text())
     assert payload["prompt"] == PROMPT and payload["model"] == str(random_folder)
     assert payload["score_kind"] == "log_prob" and payload["target"] == "green cat" and payload["contrast"] == "blue"

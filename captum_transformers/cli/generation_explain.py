@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import InputError
-from ..methods.catalog import CAPTUM_BASELINES, KNOWN_METHOD_NAMES, ON_REQUEST, PACKAGE_METHOD_NAMES, build_method, \
+from ..methods.catalog import CAPTUM_BASELINES, ON_REQUEST, PACKAGE_METHOD_NAMES, build_method, \
     resolve_method_names
 from .device import checked_device
 from .output_folder import claimed_output_folder
@@ -58,8 +58,9 @@ def add_generation_arguments(parser) -> None:
     parser.add_argument("--prompt", help="explain a language model's continuation of TEXT token by token "
                                          "(default model: the built-in recall Llama); writes generation.html, "
                                          "generation.png and scores.json")
-    parser.add_argument("--generate", metavar="N", help="with --prompt: generate up to N new tokens greedily "
-                                                        f"(default: the built-in model's answer length, else {DEFAULT_NEW_TOKENS})")
+    parser.add_argument("--generate", metavar="N",
+                        help="with --prompt: generate up to N new tokens greedily (default: the built-in model's "
+                             f"answer length, else {DEFAULT_NEW_TOKENS})")
     parser.add_argument("--contrast", metavar="TEXT", help="with --prompt: explain score(token) - score(foil), the "
                                                            "foil tokens of TEXT (one per output token, or one for all)")
     parser.add_argument("--score", metavar="{" + ",".join(SCORE_CHOICES) + "}",
@@ -111,16 +112,13 @@ def _checked_arguments(args) -> Tuple[List[str], Optional[int], str]:
         except ValueError:
             new_tokens = 0
         if new_tokens < 1:
-            raise InputError(f"--generate {args.generate}: expected a positive number of new tokens, e.g. --generate 5.")
+            raise InputError(f"--generate {args.generate}: expected a positive number of new tokens, e.g. "
+                             "--generate 5.")
     kind = args.score or "logit"
     if kind not in SCORE_CHOICES:
         raise InputError(f"--score {kind!r}: expected one of {', '.join(SCORE_CHOICES)}.")
     if args.contrast is not None and not args.contrast.strip():
         raise InputError("--contrast is empty; give the foil token(s) to explain against, or drop --contrast.")
-    unknown = [name for name in args.method or () if name not in KNOWN_METHOD_NAMES + ("all",)]
-    if unknown:
-        raise InputError(f"unknown method {', '.join(map(repr, unknown))}; expected one of "
-                         f"{', '.join(KNOWN_METHOD_NAMES)} (or 'all').")
     methods = list(dict.fromkeys(GENERATION_METHODS if args.method is None else resolve_method_names(args.method)))
     captum_rows = [name for name in methods if name in CAPTUM_BASELINES]
     if captum_rows and (kind != "logit" or args.contrast is not None):
@@ -270,7 +268,8 @@ def _huggingface_lm(source: str, local: bool):
             found = "has no config.json" if not (Path(source) / "config.json").exists() else \
                 f"has a config.json that transformers cannot read ({_first_line(error)})"
             raise InputError(f"--model {source!r} is a directory that {found}; expected a language model folder "
-                             "written by model.save_pretrained(folder) and tokenizer.save_pretrained(folder).") from None
+                             "written by model.save_pretrained(folder) and tokenizer.save_pretrained(folder).") \
+                from None
         where = f"the hub cannot be reached ({unreachable})" if unreachable else \
             "the HuggingFace hub could not provide it (unreachable, or no such model)"
         raise InputError(f"unknown model {source!r}: not a directory, not in the local HuggingFace cache, and {where}. "
