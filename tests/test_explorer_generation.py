@@ -132,7 +132,8 @@ def test_export_is_one_escaped_html_file_without_script(client):
     assert answer.status_code == 200, answer.text
     document = answer.json()["html"]
     assert "<script" not in document and "<img" not in document and "&lt;img src=x" in document
-    assert "recall Llama &lt;b&gt;random&lt;/b&gt;" in document and document.count("<tr><td><b>") == 2
+    assert "<h3>recall Llama &lt;b&gt;random&lt;/b&gt;: why each token" in document
+    assert "<h3>raw-attention</h3>" in document and len(re.findall(r"<th class='row[^>]*>", document)) == 2
 
 
 # -- the page in headless Chromium ---------------------------------------------------------------
