@@ -105,5 +105,5 @@ def assemble_results(explainer: Any, prompts: List[EncodedPrompt], batch: Genera
             output_probs=step_probs.cpu(), scores=explained_scores[b, rows].cpu(),
             score_kind=steps.score, method=type(explainer.method).__name__, first_token_share=share.cpu(),
             input_ids=list(prompt.ids), output_ids=target, inp=prompt.inp, contrast_tokens=contrast,
-            signed=signed_method(explainer.method)))
+            signed=signed_method(explainer.method), encoder_decoder=batch.encoder_decoder))
     return results

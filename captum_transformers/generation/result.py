@@ -14,7 +14,8 @@
 * ``scores`` (T,): the explained score of each step (logit, log-probability or probability,
   or the contrast); ``score_kind``; ``method`` (the wrapped method's class name);
   ``signed`` (whether the method's scores have a direction: relevance and gradient x input do,
-  attention maps do not); ``input_ids`` and ``output_ids``.
+  attention maps do not); ``encoder_decoder`` (the model reads a source and a decoder
+  sequence); ``input_ids`` and ``output_ids``.
 
 Example::
 
@@ -36,7 +37,8 @@ class GenerationResult(LLMAttributionResult):
                  target_attr: torch.Tensor, target_attr_tokens: List[str], output_probs: torch.Tensor,
                  scores: torch.Tensor, score_kind: str, method: str, first_token_share: torch.Tensor,
                  input_ids: List[int], output_ids: List[int], inp: Any = None,
-                 contrast_tokens: Optional[List[str]] = None, signed: bool = False) -> None:
+                 contrast_tokens: Optional[List[str]] = None, signed: bool = False,
+                 encoder_decoder: bool = False) -> None:
         super().__init__(input_tokens=input_tokens, output_tokens=output_tokens, seq_attr=token_attr.sum(0),
                          token_attr=token_attr, output_probs=output_probs, inp=inp)
         self.target_attr = target_attr
@@ -49,6 +51,7 @@ class GenerationResult(LLMAttributionResult):
         self.output_ids = output_ids
         self.contrast_tokens = contrast_tokens
         self.signed = signed
+        self.encoder_decoder = encoder_decoder
 
     def __repr__(self) -> str:
         return (f"GenerationResult(method={self.method}, score={self.score_kind}, "

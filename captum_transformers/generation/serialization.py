@@ -6,6 +6,7 @@ One result (``result_to_dict`` / ``result_from_dict``), schema
     {
       "schema": "captum_transformers.generation/1",
       "method": "AttnLRP", "score_kind": "logit", "signed": true,
+      "encoder_decoder": false,                     # a source and a decoder sequence (BART, T5)
       "input_tokens": ["<s>", "k", ...],            # n prompt tokens (or template features)
       "output_tokens": ["3", "</s>"],               # T explained rows (a span: one, "a+b")
       "target_attr_tokens": ["3", "</s>"],          # the columns of target_attr
@@ -128,7 +129,7 @@ def result_to_dict(result: GenerationResult) -> Dict[str, Any]:
         raise InputError(f"Expected a GenerationResult (what GenerationAttribution.attribute returns), got "
                          f"{type(result).__name__}.")
     out: Dict[str, Any] = {"schema": SCHEMA, "method": str(result.method), "score_kind": str(result.score_kind),
-                           "signed": bool(result.signed)}
+                           "signed": bool(result.signed), "encoder_decoder": bool(result.encoder_decoder)}
     for field in TOKEN_FIELDS:
         out[field] = [str(t) for t in getattr(result, field)]
     for field in ID_FIELDS:
@@ -182,7 +183,8 @@ def result_from_dict(d: Mapping[str, Any]) -> GenerationResult:
         **tokens, token_attr=arrays["token_attr"], target_attr=arrays["target_attr"],
         output_probs=arrays["output_probs"], scores=arrays["scores"], score_kind=str(d["score_kind"]),
         method=str(d["method"]), first_token_share=arrays["first_token_share"], input_ids=list(d["input_ids"]),
-        output_ids=list(d["output_ids"]), contrast_tokens=contrast, signed=bool(d["signed"]))
+        output_ids=list(d["output_ids"]), contrast_tokens=contrast, signed=bool(d["signed"]),
+        encoder_decoder=bool(d.get("encoder_decoder", False)))
 
 
 def save_scores_json(results: Mapping[str, GenerationResult], path: Union[str, Path], **meta: Any) -> Path:
