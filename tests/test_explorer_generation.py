@@ -8,6 +8,7 @@ page and the API do not depend on what it answers. The browser tests skip, with 
 where no Chromium binary or no Playwright package exists (as ``test_explorer_browser.py``)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -126,6 +127,22 @@ def test_the_session_token_and_the_host_are_required(client):
     assert foreign.status_code == 400
 
 
+def test_cli_opens_the_generation_page_for_a_causal_lm_folder_and_refuses_mixes(tmp_path, capsys):
+    from captum_transformers.cli import main
+    from captum_transformers.explorer.generation_sources import causal_lm_folder, loaded_generation_workspace
+
+    recall_workspace().model.save_pretrained(tmp_path)
+    recall_tokenizer().save_pretrained(tmp_path)
+    assert causal_lm_folder(str(tmp_path)) and not causal_lm_folder(str(tmp_path / "none"))
+    loaded = loaded_generation_workspace(str(tmp_path), [PROMPT])
+    assert loaded.samples == [PROMPT] and 1 <= loaded.max_new_tokens <= 16
+    assert loaded.check_request({"prompt": PROMPT}).max_new_tokens == loaded.default_new_tokens
+    assert main(["explore", "--prompt", PROMPT, "--text", "a film", "--port", "0"]) == 2
+    assert "takes none of --text" in capsys.readouterr().err
+    assert main(["explore", "--generation", "--model", "/no/such/folder", "--port", "0"]) == 2
+    assert "is not a folder whose config.json names a causal LM" in capsys.readouterr().err
+
+
 def test_export_is_one_escaped_html_file_without_script(client):
     body = {"prompt": PROMPT + " " + MARKUP, "max_new_tokens": 2, "methods": [{"name": "raw-attention"}]}
     answer = client.post("/api/generate/export", json=body, headers=HEADERS)
@@ -208,6 +225,14 @@ def test_typed_markup_generate_click_recolours_the_prompt(browser, server):
     # the typed markup stayed text: no element was made from it and nothing ran
     assert page.locator("#content img").count() == 0 and page.evaluate("() => window.__pwned") is None
     assert page.input_value("#prompt") == typed
+    with page.expect_download() as download:
+        page.click("#export-json")
+    exported = json.loads(open(download.value.path()).read())
+    assert exported["request"]["prompt"] == typed and exported["result"]["token_attr"] == result["token_attr"]
+    with page.expect_download() as download:
+        page.click("#export-html")
+    document = open(download.value.path()).read()
+    assert "<script" not in document and "&lt;img src=x onerror=" in document
     assert errors == []
     page.close()
 
@@ -216,6 +241,10 @@ def test_a_refused_prompt_shows_the_bound_on_the_page(browser, server):
     page = browser.new_page()
     page.goto(server.url)
     page.wait_for_selector("body[data-ready=yes]", timeout=30_000)
+    assert page.locator("#contrast-box").is_hidden()  # the foil is asked for with score "contrast" only
+    page.select_option("#score", "contrast")
+    assert page.locator("#contrast-box").is_visible()
+    page.select_option("#score", "logit")
     page.fill("#max-new-tokens", "99")
     page.click("#generate")
     page.wait_for_selector("#error:not([hidden])")
