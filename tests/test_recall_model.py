@@ -9,10 +9,10 @@ from captum_transformers.errors import InputError
 from captum_transformers.tasks import recall_model, train_recall
 from captum_transformers.tasks.recall_model import (build_recall_model, load_recall_model, recall_model_record,
                                                     recall_tokenizer, save_recall_pretrained)
-from captum_transformers.tasks.recall_task import (ANSWER_MARK, QUERY_MARK, make_example, recall_examples,
-                                                   split_of, vocabulary)
+from captum_transformers.tasks.recall_task import (ANIMALS, ASSIGN, COLOURS, QUERY_MARK, make_example,
+                                                   recall_examples, split_of, vocabulary)
 
-# Accuracy on 200 prompts (~500 value tokens) scatters around the recorded value (2000 prompts):
+# Accuracy on 200 prompts (400 value words) scatters around the recorded value (2000 prompts):
 # a binomial standard error below 0.01 at 0.98, so 0.03 is > 3 standard errors.
 TOLERANCE = 0.03
 
@@ -35,30 +35,47 @@ def test_splits_are_deterministic_and_disjoint():
 
 def test_examples_follow_the_specification():
     for example in recall_examples(200, seed=2, split="train"):
-        assert 4 <= len(example.pairs) <= 8 and 1 <= len(example.queries) <= 4
-        assert len(set(example.queries)) == len(example.queries)
-        assert example.prompt.endswith(f"{QUERY_MARK} {' '.join(example.queries)} {ANSWER_MARK}")
-        assert example.answer == " ".join(dict(example.pairs)[q] for q in example.queries)
+        assert 4 <= len(example.pairs) <= 8 and example.query in dict(example.pairs)
+        words = [word for _, value in example.pairs for word in value]
+        assert len(set(words)) == len(words) and len({key for key, _ in example.pairs}) == len(example.pairs)
+        assert all(value[0] in COLOURS and value[1] in ANIMALS and len(value) == 2 for _, value in example.pairs)
+        assert example.prompt.endswith(f"{QUERY_MARK} {example.query} {ASSIGN}")
+        assert example.answer == " ".join(dict(example.pairs)[example.query])
         assert example.answer_ids[-1] == vocabulary()["<eos>"] and len(example.evidence) == len(example.answer_ids) - 1
+
+
+def test_every_answer_word_is_a_copy_of_the_prompt_word_after_the_same_context():
+    """Induction: the bigram the answer continues appeared in the prompt, followed by the answer word."""
+    for example in recall_examples(200, seed=6, split="train"):
+        sequence = example.prompt_ids + example.answer_ids
+        start = len(example.prompt_ids)
+        for step, evidence in enumerate(example.evidence):
+            context = sequence[start + step - 2:start + step]
+            assert example.prompt_ids[evidence.value - 2:evidence.value] == context
 
 
 def test_evidence_points_at_value_key_and_query_tokens():
     token = {index: text for text, index in vocabulary().items()}
     for example in recall_examples(200, seed=3, split="test"):
         ids = example.prompt_ids
-        for answer_id, query, evidence in zip(example.answer_ids, example.queries, example.evidence):
+        assert [e.value for e in example.evidence] == [example.evidence[0].value + i for i in range(2)]
+        for step, (answer_id, evidence) in enumerate(zip(example.answer_ids, example.evidence)):
             assert ids[evidence.value] == answer_id  # primary evidence: the answer token itself
-            assert ids.count(answer_id) == 1  # values are distinct, so no other position holds it
-            assert token[ids[evidence.key]] == query and token[ids[evidence.query]] == query
-            assert evidence.key + 2 == evidence.value and evidence.positions[0] == evidence.value
-            assert token[ids[evidence.key + 1]] == "=" and evidence.query > evidence.value
+            assert ids.count(answer_id) == 1  # value words are distinct, so no other position holds it
+            assert token[ids[evidence.key]] == example.query and token[ids[evidence.query]] == example.query
+            assert evidence.key + 2 + step == evidence.value and evidence.positions[0] == evidence.value
+            assert token[ids[evidence.key + 1]] == ASSIGN and evidence.query == len(ids) - 2
 
 
-def test_make_example_refuses_duplicate_keys_and_unknown_queries():
+def test_make_example_refuses_duplicates_unknown_words_and_unknown_queries():
     with pytest.raises(InputError, match="distinct keys"):
-        make_example([("a", "1"), ("a", "2")], ["a"])
-    with pytest.raises(InputError, match="queries"):
-        make_example([("a", "1"), ("b", "2")], ["c"])
+        make_example([("a", ("red", "fox")), ("a", ("blue", "owl"))], "a")
+    with pytest.raises(InputError, match="distinct keys and distinct value words"):
+        make_example([("a", ("red", "fox")), ("b", ("red", "owl"))], "a")
+    with pytest.raises(InputError, match="unknown"):
+        make_example([("a", ("red", "unicorn")), ("b", ("blue", "owl"))], "a")
+    with pytest.raises(InputError, match="query"):
+        make_example([("a", ("red", "fox")), ("b", ("blue", "owl"))], "c")
     with pytest.raises(InputError, match="split"):
         recall_examples(1, split="dev")
 
@@ -73,7 +90,7 @@ def test_tokenizer_is_a_left_padding_fast_tokenizer_with_bos():
     batch = tokenizer([e.prompt for e in examples], padding=True, return_tensors="pt")
     lengths = [len(e.prompt_ids) for e in examples]
     assert batch["attention_mask"].sum(-1).tolist() == lengths
-    assert (batch["input_ids"][:, -1] == vocabulary()[ANSWER_MARK]).all()  # left padded: prompts end together
+    assert (batch["input_ids"][:, -1] == vocabulary()[ASSIGN]).all()  # left padded: prompts end together
 
 
 def test_chat_template_renders_the_prompt():

@@ -1,10 +1,11 @@
 """The built-in generative model: a tiny Llama that solves associative recall, and its tokenizer.
 
-``LlamaForCausalLM`` (``MODEL_CONFIG``: grouped-query attention with 4 query heads sharing 2
-key-value heads, rotary positions, RMSNorm, SwiGLU) over the word vocabulary of
-:mod:`.recall_task`, trained by :mod:`.train_recall` to answer ``<bos> k1 = v1 ; ... ? q1 q2 :``
-with ``v(q1) v(q2) <eos>``. Every answer token has known evidence in the prompt
-(``RecallExample.evidence``), so explanations of its generations can be scored.
+``LlamaForCausalLM`` (``MODEL_CONFIG``: two layers, grouped-query attention with 4 query heads
+sharing 2 key-value heads, rotary positions, RMSNorm, SwiGLU, tied embeddings) over the word
+vocabulary of :mod:`.recall_task`, trained by :mod:`.train_recall` to answer
+``<bos> k1 = c1 a1 ; ... ? k =`` with the colour and animal bound to ``k``, then ``<eos>``.
+Every answer token is a copy of one prompt token (an induction step) and has known evidence in
+the prompt (``RecallExample.evidence``), so explanations of its generations can be scored.
 
 The tokenizer is a real ``transformers.PreTrainedTokenizerFast`` (a ``tokenizers`` WordLevel
 model split on whitespace) that prepends ``<bos>``, pads on the left (for batched
@@ -16,10 +17,10 @@ Example::
 
     >>> from captum_transformers.tasks.recall_model import load_recall_model
     >>> model, tokenizer = load_recall_model()
-    >>> batch = tokenizer(["a = 1 ; b = 2 ; c = 3 ; d = 4 ? c a :"], return_tensors="pt")
-    >>> out = model.generate(**batch, max_new_tokens=4)
+    >>> batch = tokenizer(["c = red fox ; q = blue owl ; h = green cat ; m = pink bee ? h ="], return_tensors="pt")
+    >>> out = model.generate(**batch)
     >>> tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True)
-    '3 1'
+    'green cat'
 """
 from __future__ import annotations
 
@@ -34,18 +35,17 @@ from .shipped_weights import asset, load_shipped_record, load_shipped_weights
 WEIGHTS_FILE = "recall_llama.pt"
 RECORD_FILE = "recall_llama.json"
 RETRAIN_COMMAND = "python -m captum_transformers.tasks.train_recall"
-# Three layers: answer i must find its query (the i-th token after '?') before the pair whose key matches
-# it. Not yet shown to train: 2 layers x 64 and 3 layers x 96 both sat near 0.45 val answer accuracy
-# (4000-6000 steps), so these sizes are still open.
-# The longest prompt is 8 pairs + 4 queries: 1 + 31 + 1 + 4 + 1 = 38 tokens, the answer 5 more.
-MODEL_CONFIG: Dict[str, Any] = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3,
+# Two layers are what induction needs (Olsson et al. 2022): layer 1 writes each position's preceding
+# tokens into it, layer 2 matches the current context against them and copies the token found.
+# The longest prompt is 8 pairs: 1 + 8 * 4 + 7 + 3 = 43 tokens, the answer 3 more.
+MODEL_CONFIG: Dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                     rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                                     attention_dropout=0.0)
-# Answers are at most 4 values and <eos>.
-MAX_NEW_TOKENS = 5
+# Answers are two value words and <eos>.
+MAX_NEW_TOKENS = 3
 # Renders a conversation of user turns (the prompt text) and assistant turns (the answer text);
-# the prompt already ends with the answer mark ":", so the generation prompt adds nothing.
+# the prompt already ends with "key =", so the generation prompt adds nothing.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -62,8 +62,8 @@ def recall_tokenizer():
     Example::
 
         >>> tokenizer = recall_tokenizer()
-        >>> tokenizer("a = 1 ? a :")["input_ids"]
-        [1, 8, 5, 29, 6, 8, 7]
+        >>> tokenizer("a = red fox ? a =")["input_ids"]
+        [1, 7, 5, 27, 47, 6, 7, 5]
     """
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, decoders
     from transformers import PreTrainedTokenizerFast
