@@ -18,10 +18,16 @@ pytest.importorskip("matplotlib")
 serialization = pytest.importorskip("captum_transformers.generation.serialization")
 pytest.importorskip("captum_transformers.visualization.generation_text")
 
-from captum_transformers.tasks.recall_model import (MAX_NEW_TOKENS, build_recall_model,  # noqa: E402
+from captum_transformers.tasks.recall_model import (MAX_NEW_TOKENS, MODEL_CONFIG, build_recall_model,  # noqa: E402
                                                     recall_tokenizer, save_recall_pretrained, weights_path)
+from captum_transformers.tasks.recall_task import make_example  # noqa: E402
 
-PROMPT = "c = red fox ; q = blue owl ; h = green cat ; m = pink bee ? h ="
+# The task writes the prompt (its format is the task's): "h" is asked, the answer is "green cat".
+EXAMPLE = make_example([("c", ("red", "fox")), ("q", ("blue", "owl")), ("h", ("green", "cat")),
+                        ("m", ("pink", "bee"))], "h")
+PROMPT, ANSWER = EXAMPLE.prompt, EXAMPLE.answer
+PROMPT_TOKENS = len(EXAMPLE.prompt_ids)
+POSITIONS = MODEL_CONFIG["max_position_embeddings"]
 FILES = ("generation.html", "generation.png", "scores.json")
 needs_shipped_weights = pytest.mark.skipif(
     not weights_path().is_file(), reason="the recall model's shipped weights (captum_transformers/assets/"
@@ -75,7 +81,7 @@ def test_default_methods_write_the_three_files_and_scores_read_back_equal(random
 
 def test_target_contrast_and_score_reach_the_explanation(random_folder, tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["explain", "--prompt", PROMPT, "--model", str(random_folder), "--target", "green cat", "--contrast",
+    assert main(["explain", "--prompt", PROMPT, "--model", str(random_folder), "--target", ANSWER, "--contrast",
                  "blue", "--score", "log_prob", "--method", "gradient-x-input", "--method", "attn-lrp", "--out",
                  str(out)]) == 0
     assert "(given)" in capsys.readouterr().out
@@ -84,11 +90,11 @@ def test_target_contrast_and_score_reach_the_explanation(random_folder, tmp_path
     for name in ("gradient-x-input", "attn-lrp"):
         assert read[name].output_tokens == ["green", "cat"] and read[name].contrast_tokens == ["blue", "blue"]
         made = GenerationAttribution(build_method(name, model), tokenizer, score="log_prob").attribute(
-            PROMPT, target="green cat", contrast="blue")
+            PROMPT, target=ANSWER, contrast="blue")
         _assert_equal_results(read[name], made)
     payload = json.loads((out / "scores.json").read_text())
     assert payload["prompt"] == PROMPT and payload["model"] == str(random_folder)
-    assert payload["score_kind"] == "log_prob" and payload["target"] == "green cat" and payload["contrast"] == "blue"
+    assert payload["score_kind"] == "log_prob" and payload["target"] == ANSWER and payload["contrast"] == "blue"
 
 
 @needs_shipped_weights
@@ -99,7 +105,7 @@ def test_builtin_model_answers_and_its_scores_equal_generation_attribution(tmp_p
     assert main(["explain", "--prompt", PROMPT, "--method", "attn-lrp", "--method", "generic-attention", "--out",
                  str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "built-in recall Llama" in printed and "-> 'green cat <eos>' (generated)" in printed
+    assert "built-in recall Llama" in printed and f"-> '{ANSWER} <eos>' (generated)" in printed
     read = serialization.load_scores_json(out / "scores.json")
     model, tokenizer = load_recall_model()
     for name in ("attn-lrp", "generic-attention"):
@@ -131,8 +137,10 @@ def _no_config_folder(tmp_path):
 @pytest.mark.parametrize("extra, message", [
     (["--generate", "3", "--target", "cat"], "--generate 3 and --target 'cat' both say what to explain"),
     (["--prompt", "   "], "--prompt is empty"),
-    (["--prompt", " ".join(["a = red fox ;"] * 16)], "but the model reads at most 64 positions"),
-    (["--generate", "50"], "need 73 positions, but the model reads at most 64"),
+    (["--prompt", " ".join(["a"] * POSITIONS)], f"--prompt has {POSITIONS + 1} tokens but the model reads at most "
+                                                 f"{POSITIONS} positions"),
+    (["--generate", str(POSITIONS)], f"need {PROMPT_TOKENS + POSITIONS} positions, but the model reads at most "
+                                     f"{POSITIONS}"),
     (["--method", "nope"], "unknown method 'nope'; expected one of"),
     (["--score", "probability"], "--score 'probability': expected one of logit, log_prob, prob"),
     (["--generate", "0"], "--generate 0: expected a positive number"),

@@ -8,7 +8,7 @@ probability of ``y_t``; ``--contrast FOIL``: ``score(y_t) - score(foil)``). One 
 shared by all methods, so their rows explain the same tokens.
 
 Without ``--model`` the built-in recall Llama answers associative-recall prompts
-(``"c = red fox ; q = blue owl ; h = green cat ; m = pink bee ? h ="`` -> ``"green cat <eos>"``); ``--model`` is a local
+(``"c red fox ; q blue owl ; h green cat ; m pink bee ? h"`` -> ``"green cat <eos>"``); ``--model`` is a local
 HuggingFace folder (``AutoModelForCausalLM``, or ``AutoModelForSeq2SeqLM`` when its config is
 an encoder-decoder, with ``AutoTokenizer``) or a hub id, read offline when the hub cannot be
 reached (``model_loading.hub_unreachable``).
@@ -22,7 +22,7 @@ out).
 
 Example::
 
-    captum-transformers explain --prompt "c = red fox ; q = blue owl ; h = green cat ; m = pink bee ? h =" \
+    captum-transformers explain --prompt "c red fox ; q blue owl ; h green cat ; m pink bee ? h" \
         --method attn-lrp
     # prints per method: 'green' <- <its top prompt token> (score) | 'cat' <- ... | '<eos>' <- ...
 """
@@ -98,7 +98,7 @@ def _checked_arguments(args) -> Tuple[List[str], Optional[int], str]:
                          "classifier explanations. Drop them (scores.json is always written with --prompt).")
     if not args.prompt.strip():
         raise InputError("--prompt is empty; give the text the model continues, e.g. --prompt "
-                         "\"c = red fox ; q = blue owl ? q =\".")
+                         "\"c red fox ; q blue owl ? q\".")
     if args.generate is not None and args.target is not None:
         raise InputError(f"--generate {args.generate} and --target {args.target!r} both say what to explain; give "
                          "--generate N to explain what the model writes, or --target TEXT to explain that text.")
