@@ -9,7 +9,7 @@ from captum_transformers.errors import InputError
 from captum_transformers.tasks import recall_model, train_recall
 from captum_transformers.tasks.recall_model import (build_recall_model, load_recall_model, recall_model_record,
                                                     recall_tokenizer, save_recall_pretrained)
-from captum_transformers.tasks.recall_task import (ANIMALS, ASSIGN, COLOURS, QUERY_MARK, make_example,
+from captum_transformers.tasks.recall_task import (ANIMALS, COLOURS, QUERY_MARK, make_example,
                                                    recall_examples, split_of, vocabulary)
 
 # Accuracy on 200 prompts (400 value words) scatters around the recorded value (2000 prompts):
@@ -39,19 +39,19 @@ def test_examples_follow_the_specification():
         words = [word for _, value in example.pairs for word in value]
         assert len(set(words)) == len(words) and len({key for key, _ in example.pairs}) == len(example.pairs)
         assert all(value[0] in COLOURS and value[1] in ANIMALS and len(value) == 2 for _, value in example.pairs)
-        assert example.prompt.endswith(f"{QUERY_MARK} {example.query} {ASSIGN}")
+        assert example.prompt.endswith(f"{QUERY_MARK} {example.query}")
         assert example.answer == " ".join(dict(example.pairs)[example.query])
         assert example.answer_ids[-1] == vocabulary()["<eos>"] and len(example.evidence) == len(example.answer_ids) - 1
 
 
 def test_every_answer_word_is_a_copy_of_the_prompt_word_after_the_same_context():
-    """Induction: the bigram the answer continues appeared in the prompt, followed by the answer word."""
+    """Induction: the token the answer continues appeared in the prompt, followed by the answer word."""
     for example in recall_examples(200, seed=6, split="train"):
         sequence = example.prompt_ids + example.answer_ids
         start = len(example.prompt_ids)
         for step, evidence in enumerate(example.evidence):
-            context = sequence[start + step - 2:start + step]
-            assert example.prompt_ids[evidence.value - 2:evidence.value] == context
+            context = sequence[start + step - 1:start + step]
+            assert example.prompt_ids[evidence.value - 1:evidence.value] == context
 
 
 def test_evidence_points_at_value_key_and_query_tokens():
@@ -63,8 +63,8 @@ def test_evidence_points_at_value_key_and_query_tokens():
             assert ids[evidence.value] == answer_id  # primary evidence: the answer token itself
             assert ids.count(answer_id) == 1  # value words are distinct, so no other position holds it
             assert token[ids[evidence.key]] == example.query and token[ids[evidence.query]] == example.query
-            assert evidence.key + 2 + step == evidence.value and evidence.positions[0] == evidence.value
-            assert token[ids[evidence.key + 1]] == ASSIGN and evidence.query == len(ids) - 2
+            assert evidence.key + 1 + step == evidence.value and evidence.positions[0] == evidence.value
+            assert evidence.query == len(ids) - 1
 
 
 def test_make_example_refuses_duplicates_unknown_words_and_unknown_queries():
@@ -90,7 +90,8 @@ def test_tokenizer_is_a_left_padding_fast_tokenizer_with_bos():
     batch = tokenizer([e.prompt for e in examples], padding=True, return_tensors="pt")
     lengths = [len(e.prompt_ids) for e in examples]
     assert batch["attention_mask"].sum(-1).tolist() == lengths
-    assert (batch["input_ids"][:, -1] == vocabulary()[ASSIGN]).all()  # left padded: prompts end together
+    queries = torch.tensor([vocabulary()[e.query] for e in examples])
+    assert (batch["input_ids"][:, -1] == queries).all()  # left padded: prompts end together
 
 
 def test_chat_template_renders_the_prompt():

@@ -7,7 +7,7 @@ HuggingFace causal-LM folder (``--model``), with ``--prompt`` texts offered as s
 Example::
 
     >>> workspace = builtin_generation_workspace()          # shipped weights, offline
-    >>> workspace.samples[0]                                # 'c = 7 ; q = 2 ; ... ? h c :'
+    >>> workspace.samples[0]                                # 'c red fox ; q blue owl ; ... ? h'
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 ``LlamaForCausalLM`` (``MODEL_CONFIG``: two layers, grouped-query attention with 4 query heads
 sharing 2 key-value heads, rotary positions, RMSNorm, SwiGLU, tied embeddings) over the word
 vocabulary of :mod:`.recall_task`, trained by :mod:`.train_recall` to answer
-``<bos> k1 = c1 a1 ; ... ? k =`` with the colour and animal bound to ``k``, then ``<eos>``.
+``<bos> k1 c1 a1 ; ... ? k`` with the colour and animal bound to ``k``, then ``<eos>``.
 Every answer token is a copy of one prompt token (an induction step) and has known evidence in
 the prompt (``RecallExample.evidence``), so explanations of its generations can be scored.
 
@@ -17,7 +17,7 @@ Example::
 
     >>> from captum_transformers.tasks.recall_model import load_recall_model
     >>> model, tokenizer = load_recall_model()
-    >>> batch = tokenizer(["c = red fox ; q = blue owl ; h = green cat ; m = pink bee ? h ="], return_tensors="pt")
+    >>> batch = tokenizer(["c red fox ; q blue owl ; h green cat ; m pink bee ? h"], return_tensors="pt")
     >>> out = model.generate(**batch)
     >>> tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True)
     'green cat'
@@ -37,10 +37,10 @@ RECORD_FILE = "recall_llama.json"
 RETRAIN_COMMAND = "python -m captum_transformers.tasks.train_recall"
 # Two layers are what induction needs (Olsson et al. 2022): layer 1 writes each position's preceding
 # tokens into it, layer 2 matches the current context against them and copies the token found.
-# The longest prompt is 8 pairs: 1 + 8 * 4 + 7 + 3 = 43 tokens, the answer 3 more.
+# The longest prompt is 8 pairs: 1 + 8 * 3 + 7 + 2 = 34 tokens, the answer 3 more.
 MODEL_CONFIG: Dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                    rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                    rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
                                     attention_dropout=0.0)
 # Answers are two value words and <eos>.
 MAX_NEW_TOKENS = 3

@@ -2,12 +2,12 @@
 
 A prompt lists ``n`` key-value pairs (``n`` from 4 to 8): distinct single-letter keys
 ``a``..``t``, each bound to a two-word value, a colour then an animal, with every colour and
-every animal used at most once per prompt. It ends by repeating one listed key and ``=``::
+every animal used at most once per prompt. It ends by repeating one listed key::
 
-    <bos> c = red fox ; q = blue owl ; h = green cat ; m = pink bee ? h =   ->   green cat <eos>
+    <bos> c red fox ; q blue owl ; h green cat ; m pink bee ? h   ->   green cat <eos>
 
 Every answer token is a copy (an induction step, Olsson et al. 2022, "In-context Learning and
-Induction Heads"): the prompt ends with the bigram ``h =`` that appeared earlier, followed by
+Induction Heads"): the prompt ends with the key ``h``, which appeared earlier followed by
 ``green``; and ``green`` appeared earlier followed by ``cat``. The evidence of answer token
 ``i`` is known exactly: the prompt position of that same word (primary; the only position that
 holds it, since words are distinct within a prompt), the key token of its pair, and the query
@@ -40,7 +40,7 @@ COLOURS: Tuple[str, ...] = ("red", "blue", "green", "pink", "gold", "gray", "tea
 ANIMALS: Tuple[str, ...] = ("fox", "owl", "cat", "bee", "cow", "dog", "elk", "yak", "ant", "bat",
                             "eel", "hen", "pig", "ram", "emu", "crab", "deer", "frog", "goat", "wolf")
 VALUE_WORDS: Tuple[str, ...] = COLOURS + ANIMALS
-PAIR_SEPARATOR, ASSIGN, QUERY_MARK = ";", "=", "?"
+PAIR_SEPARATOR, QUERY_MARK = ";", "?"
 BOS, EOS, PAD, UNK = "<bos>", "<eos>", "<pad>", "<unk>"
 SPECIAL_TOKENS: Tuple[str, ...] = (PAD, BOS, EOS, UNK)
 MIN_PAIRS, MAX_PAIRS = 4, 8
@@ -58,7 +58,7 @@ def vocabulary() -> Dict[str, int]:
         >>> vocabulary()["<pad>"], len(vocabulary())
         (0, 67)
     """
-    tokens = SPECIAL_TOKENS + (PAIR_SEPARATOR, ASSIGN, QUERY_MARK) + KEYS + VALUE_WORDS
+    tokens = SPECIAL_TOKENS + (PAIR_SEPARATOR, QUERY_MARK) + KEYS + VALUE_WORDS
     return {token: index for index, token in enumerate(tokens)}
 
 
@@ -85,7 +85,7 @@ class RecallEvidence:
 class RecallExample:
     """One prompt, its answer and the evidence of each answer token.
 
-    ``prompt`` is the text without ``<bos>`` (it ends with ``? key =``); ``prompt_ids`` starts
+    ``prompt`` is the text without ``<bos>`` (it ends with ``? key``); ``prompt_ids`` starts
     with ``<bos>`` (what the tokenizer of :mod:`.recall_model` gives). ``answer`` is the queried
     value's words separated by spaces; ``answer_ids`` ends with ``<eos>``. ``evidence[i]``
     belongs to ``answer_ids[i]`` (no evidence for ``<eos>``). ``pairs`` are ``(key, value
@@ -106,7 +106,7 @@ def split_of(prompt: str) -> str:
 
     Example::
 
-        >>> split_of("a = red fox ; b = blue owl ; c = tan cat ; d = gold bee ? a =") in SPLITS
+        >>> split_of("a red fox ; b blue owl ; c tan cat ; d gold bee ? a") in SPLITS
         True
     """
     bucket = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big") % 100
@@ -121,9 +121,9 @@ def make_example(pairs: List[Tuple[str, Tuple[str, ...]]], query: str) -> Recall
         >>> pairs = [("a", ("red", "fox")), ("b", ("blue", "owl")), ("c", ("tan", "cat")), ("d", ("gold", "bee"))]
         >>> example = make_example(pairs, "c")
         >>> example.prompt, example.answer
-        ('a = red fox ; b = blue owl ; c = tan cat ; d = gold bee ? c =', 'tan cat')
+        ('a red fox ; b blue owl ; c tan cat ; d gold bee ? c', 'tan cat')
         >>> example.evidence[0]
-        RecallEvidence(value=13, key=11, query=21)
+        RecallEvidence(value=10, key=9, query=17)
     """
     keys = [key for key, _ in pairs]
     words = [word for _, value in pairs for word in value]
@@ -140,12 +140,11 @@ def make_example(pairs: List[Tuple[str, Tuple[str, ...]]], query: str) -> Recall
         if index:
             tokens.append(PAIR_SEPARATOR)
         key_position[key] = len(tokens)
-        tokens += [key, ASSIGN]
+        tokens.append(key)
         value_positions[key] = list(range(len(tokens), len(tokens) + len(value)))
         tokens += list(value)
     tokens += [QUERY_MARK, query]
     query_position = len(tokens) - 1
-    tokens.append(ASSIGN)
     answer = list(dict(pairs)[query])
     ids = vocabulary()
     return RecallExample(
