@@ -112,8 +112,13 @@ def test_builtin_model_answers_and_its_scores_equal_generation_attribution(tmp_p
         made = GenerationAttribution(build_method(name, model), tokenizer).attribute(
             PROMPT, gen_args={"max_new_tokens": MAX_NEW_TOKENS, "do_sample": False})
         _assert_equal_results(read[name], made)
-    # The trained model copies the value bound to h: the top prompt token of 'green' is that 'green'.
-    assert "'green' <- 'green'" in printed.split("attn-lrp:")[1].splitlines()[0]
+    # The trained model copies the words bound to the asked key: each answer word's top prompt token
+    # (after <bos>) is one of its evidence tokens (the word, its key, the asked key), and it is printed.
+    rows = read["attn-lrp"].token_attr
+    for row, evidence in enumerate(EXAMPLE.evidence):
+        top = 1 + int(rows[row, 1:].argmax())
+        assert top in (evidence.value, evidence.key, evidence.query), (row, top, evidence)
+        assert f"{read['attn-lrp'].output_tokens[row]!r} <- {read['attn-lrp'].input_tokens[top]!r}" in printed
 
 
 @needs_shipped_weights
