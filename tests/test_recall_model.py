@@ -9,7 +9,7 @@ from captum_transformers.errors import InputError
 from captum_transformers.tasks import recall_model, train_recall
 from captum_transformers.tasks.recall_model import (build_recall_model, load_recall_model, recall_model_record,
                                                     recall_tokenizer, save_recall_pretrained)
-from captum_transformers.tasks.recall_task import (ANIMALS, COLOURS, QUERY_MARK, make_example,
+from captum_transformers.tasks.recall_task import (QUERY_MARK, VALUE_WORDS, make_example,
                                                    recall_examples, split_of, vocabulary)
 
 # Accuracy on 200 prompts (400 value words) scatters around the recorded value (2000 prompts):
@@ -38,7 +38,7 @@ def test_examples_follow_the_specification():
         assert 4 <= len(example.pairs) <= 8 and example.query in dict(example.pairs)
         words = [word for _, value in example.pairs for word in value]
         assert len(set(words)) == len(words) and len({key for key, _ in example.pairs}) == len(example.pairs)
-        assert all(value[0] in COLOURS and value[1] in ANIMALS and len(value) == 2 for _, value in example.pairs)
+        assert all(set(value) <= set(VALUE_WORDS) and len(value) == 2 for _, value in example.pairs)
         assert example.prompt.endswith(f"{QUERY_MARK} {example.query}")
         assert example.answer == " ".join(dict(example.pairs)[example.query])
         assert example.answer_ids[-1] == vocabulary()["<eos>"] and len(example.evidence) == len(example.answer_ids) - 1

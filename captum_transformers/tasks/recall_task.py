@@ -1,8 +1,8 @@
 """Associative recall: a synthetic generation task whose every answer token has known evidence.
 
 A prompt lists ``n`` key-value pairs (``n`` from 4 to 8): distinct single-letter keys
-``a``..``t``, each bound to a two-word value, a colour then an animal, with every colour and
-every animal used at most once per prompt. It ends by repeating one listed key::
+``a``..``t``, each bound to two words drawn from one pool of colours and animals, every word used
+at most once per prompt. It ends by repeating one listed key::
 
     <bos> c red fox ; q blue owl ; h green cat ; m pink bee ? h   ->   green cat <eos>
 
@@ -44,7 +44,8 @@ PAIR_SEPARATOR, QUERY_MARK = ";", "?"
 BOS, EOS, PAD, UNK = "<bos>", "<eos>", "<pad>", "<unk>"
 SPECIAL_TOKENS: Tuple[str, ...] = (PAD, BOS, EOS, UNK)
 MIN_PAIRS, MAX_PAIRS = 4, 8
-VALUE_LENGTH = 2  # words per value: a colour, then an animal
+VALUE_LENGTH = 2  # words per value, from one pool: a fixed colour-then-animal order let the model
+# settle on "some colour of the prompt" and never learn the lookup (0.17 after 1000 steps; 1.0 after 250 without it)
 SPLITS: Tuple[str, ...] = ("train", "val", "test")
 # Hash buckets of the prompt text (out of 100): test 0-9, val 10-14, train the rest.
 _SPLIT_BUCKETS: Dict[str, range] = {"test": range(0, 10), "val": range(10, 15), "train": range(15, 100)}
@@ -158,7 +159,8 @@ def make_example(pairs: List[Tuple[str, Tuple[str, ...]]], query: str) -> Recall
 def _draw(rng: random.Random) -> RecallExample:
     n_pairs = rng.randint(MIN_PAIRS, MAX_PAIRS)
     keys = rng.sample(KEYS, n_pairs)
-    values = list(zip(rng.sample(COLOURS, n_pairs), rng.sample(ANIMALS, n_pairs)))
+    words = rng.sample(VALUE_WORDS, VALUE_LENGTH * n_pairs)
+    values = [tuple(words[i:i + VALUE_LENGTH]) for i in range(0, len(words), VALUE_LENGTH)]
     return make_example(list(zip(keys, values)), rng.choice(keys))
 
 

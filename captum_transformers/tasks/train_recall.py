@@ -62,15 +62,16 @@ IGNORE_INDEX = -100  # the label of prompt and padding positions (no loss)
 
 
 def answered_sequence(example: RecallExample, extra_queries: Sequence[str] = ()) -> Tuple[List[int], List[int]]:
-    """``(ids, labels)`` of the prompt and its answer, then ``? key words`` for each of ``extra_queries``.
+    """``(ids, labels)`` of the prompt and its answer, then ``? key words <eos>`` for each of
+    ``extra_queries``.
 
-    ``labels`` hold the value words of every query and the final ``<eos>``, ``IGNORE_INDEX``
-    elsewhere (the model shifts labels by one itself). Up to the first answer the row is exactly
-    what the model sees when asked (causal attention cannot look ahead); the extra queries only
-    add copy targets to the same prompt (up to eight answers per forward pass instead of one):
-    with one answer per row the 2-layer model sat on the "any value word of the prompt"
-    plateau (val accuracy ~0.17) for thousands of steps. The ``?`` after each
-    answer but the last is context, not target, so ``<eos>`` is the only end the model learns.
+    ``labels`` hold every answer's words and its ``<eos>``, ``IGNORE_INDEX`` elsewhere (the model
+    shifts labels by one itself). Up to the first answer the row is exactly what the model sees
+    when asked (causal attention cannot look ahead); the extra queries add copy targets to the
+    same prompt (with one answer per row the 2-layer model sat on the "any value word of the
+    prompt" plateau, val accuracy ~0.17, for thousands of steps), and a key asked again is a
+    plain copy of its earlier answer, which forms the induction circuit. Every answer ends with
+    ``<eos>``, so that is what the model learns to write after an answer.
 
     Example::
 
@@ -85,14 +86,13 @@ def answered_sequence(example: RecallExample, extra_queries: Sequence[str] = ())
     if unknown:
         raise InputError(f"extra_queries must be keys of the example's pairs {sorted(values)!r}, "
                          f"received {list(extra_queries)!r}.")
-    ids, labels = list(example.prompt_ids), [IGNORE_INDEX] * len(example.prompt_ids)
-    ids += example.answer_ids[:-1]
-    labels += example.answer_ids[:-1]
+    ids = list(example.prompt_ids) + list(example.answer_ids)
+    labels = [IGNORE_INDEX] * len(example.prompt_ids) + list(example.answer_ids)
     for key in extra_queries:
-        words = [vocab[word] for word in values[key]]
+        words = [vocab[word] for word in values[key]] + [vocab[EOS]]
         ids += [vocab[QUERY_MARK], vocab[key]] + words
         labels += [IGNORE_INDEX] * 2 + words
-    return ids + [vocab[EOS]], labels + [vocab[EOS]]
+    return ids, labels
 
 
 def collate(examples: Sequence[RecallExample], pad_id: int,
