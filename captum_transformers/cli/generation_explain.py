@@ -24,7 +24,7 @@ Example::
 
     captum-transformers explain --prompt "c red fox ; q blue owl ; h green cat ; m pink bee ? h" \
         --method attn-lrp
-    # prints per method: 'green' <- <its top prompt token> (score) | 'cat' <- ... | '<eos>' <- ...
+    #       attn-lrp: 'green' <- 'h'@9 (+10.8) | 'cat' <- 'cat'@11 (+5.02) | '<eos>' <- '?'@16 (+9.67)
 """
 from __future__ import annotations
 
@@ -197,8 +197,9 @@ def explain_generation(model, tokenizer, prompt: str, target_ids: List[int], met
 
 
 def summary_line(result, special_ids=frozenset()) -> str:
-    """Per output token, the prompt token with the largest score (special tokens left out unless
-    the prompt has no other): ``'0' <- 'h' (+0.83) | ...``."""
+    """Per output token, the prompt token with the largest score and its position (special tokens
+    left out unless the prompt has no other): ``'green' <- 'h'@9 (+10.8) | ...``; a row with no
+    positive score says so instead of naming an arbitrary token."""
     allowed = torch.tensor([int(i) not in special_ids for i in result.input_ids], dtype=torch.bool)
     if not bool(allowed.any()) or len(result.input_ids) != result.token_attr.shape[1]:
         allowed = torch.ones(result.token_attr.shape[1], dtype=torch.bool)
@@ -206,7 +207,9 @@ def summary_line(result, special_ids=frozenset()) -> str:
     for row, token in enumerate(result.output_tokens):
         scores = result.token_attr[row].float().masked_fill(~allowed, float("-inf"))
         top = int(scores.argmax())
-        parts.append(f"{token!r} <- {result.input_tokens[top]!r} ({float(result.token_attr[row, top]):+.3g})")
+        value = float(result.token_attr[row, top])
+        parts.append(f"{token!r} <- {result.input_tokens[top]!r}@{top} ({value:+.3g})" if value > 0 else
+                     f"{token!r} <- no prompt token scores above 0 (largest {value:+.3g})")
     return " | ".join(parts)
 
 
