@@ -62,8 +62,8 @@ def recall_tokenizer():
     Example::
 
         >>> tokenizer = recall_tokenizer()
-        >>> tokenizer("a = red fox ? a =")["input_ids"]
-        [1, 7, 5, 27, 47, 6, 7, 5]
+        >>> tokenizer("a red fox ? a")["input_ids"]
+        [1, 6, 26, 46, 5, 6]
     """
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, decoders
     from transformers import PreTrainedTokenizerFast
