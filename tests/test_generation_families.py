@@ -338,3 +338,25 @@ def test_model_restored_after_a_call_and_after_an_exception(family):
     assert_same(before, snapshot(model))
     with torch.no_grad():
         assert torch.equal(model(ids, **decoder).logits, logits)
+
+
+def test_a_wrapped_model_taking_kwargs_gets_the_position_ids_of_its_left_padding():
+    """A forward(input_ids, attention_mask, **kwargs) (a wrapper, a PEFT model) still receives the
+    position ids, so a left-padded batch on learned absolute positions equals the single calls."""
+    from captum_transformers import AttnLRP, GenerationAttribution
+    from generation_models import IdTokenizer, build
+
+    base = build("gpt2")
+
+    class Wrapped(type(base)):
+        def forward(self, input_ids=None, attention_mask=None, **kwargs):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    model = Wrapped(base.config).double().eval()
+    model.load_state_dict(base.state_dict())
+    explainer = GenerationAttribution(AttnLRP(model), IdTokenizer())
+    prompts, targets = [[1, 5, 7, 9, 11], [1, 6]], [[12, 13], [14, 15]]
+    batch = explainer.attribute(prompts, target=targets)
+    for result, prompt, target in zip(batch, prompts, targets):
+        single = explainer.attribute(prompt, target=target)
+        assert torch.allclose(result.token_attr, single.token_attr, atol=1e-10, rtol=0)

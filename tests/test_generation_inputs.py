@@ -148,3 +148,42 @@ def test_a_tokenizers_padded_batch_is_a_list_of_prompts(model, tokenizer):
     for ours, expected in zip(from_batch, from_list):
         assert ours.input_tokens == expected.input_tokens
         assert torch.allclose(ours.token_attr, expected.token_attr, atol=TOL, rtol=0)
+
+
+def test_a_span_is_read_at_its_latest_step_whatever_its_order(model, tokenizer):
+    explainer = GenerationAttribution(GenericAttention(model), tokenizer)
+    forward = explainer.attribute(PROMPT, target=TARGET, span=[0, 2])
+    backward = explainer.attribute(PROMPT, target=TARGET, span=[2, 0])
+    assert torch.equal(forward.token_attr, backward.token_attr) and torch.equal(forward.target_attr, backward.target_attr)
+    with pytest.raises(InputError, match="twice"):
+        explainer.attribute(PROMPT, target=TARGET, span=[0, 0])
+
+
+def test_a_foil_equal_to_the_target_is_refused(model, tokenizer):
+    with pytest.raises(InputError, match="foil equals the explained token"):
+        GenerationAttribution(AttnLRP(model), tokenizer).attribute(PROMPT, target=TARGET, contrast="on dog mat")
+
+
+def test_a_one_row_padded_batch_drops_its_padding(model, tokenizer):
+    tokenizer.padding_side = "left"
+    encoded = tokenizer([PROMPT], padding="max_length", max_length=8, return_tensors="pt")
+    result = GenerationAttribution(AttnLRP(model), tokenizer).attribute(encoded, target=TARGET)
+    assert result.input_tokens == ["<s>", "the", "big", "cat", "sat"]
+
+
+def test_template_with_named_values(model, tokenizer):
+    explainer = GenerationAttribution(AttnLRP(model), tokenizer)
+    named = explainer.attribute(TextTemplateInput("the {size} sat", values={"size": "big cat"}), target=TARGET)
+    listed = explainer.attribute(TextTemplateInput("the {} sat", values=["big cat"]), target=TARGET)
+    assert named.input_tokens == ["big cat"] and torch.allclose(named.token_attr, listed.token_attr, atol=TOL, rtol=0)
+
+
+def test_generation_arguments_the_cut_cannot_follow_are_refused(model, tokenizer):
+    explainer = GenerationAttribution(AttnLRP(model), tokenizer)
+    with pytest.raises(InputError, match="num_return_sequences"):
+        explainer.attribute(PROMPT, gen_args={"max_new_tokens": 2, "num_return_sequences": 2, "do_sample": True})
+    ids = torch.tensor([tokenizer(PROMPT)["input_ids"]])
+    with torch.no_grad():
+        first = int(model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)[0, -1])
+    result = explainer.attribute(PROMPT, gen_args={"max_new_tokens": 3, "eos_token_id": first})
+    assert result.output_ids == [first]  # cut at the end token gen_args gave

@@ -138,7 +138,10 @@ class GenerationAttribution(Attribution):
             if start is None:
                 raise InputError(f"{type(self.model).__name__}'s config has no decoder_start_token_id; set it.")
             return encoder_decoder_batch(ids, targets, pad, start, device)
-        takes_positions = "position_ids" in inspect.signature(type(self.model).forward).parameters
+        parameters = inspect.signature(type(self.model).forward).parameters
+        # A forward taking **kwargs (a wrapper, a PEFT model) passes position_ids on to the model.
+        takes_positions = "position_ids" in parameters or any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
         return decoder_batch(ids, targets, pad, device, position_ids=takes_positions)
 
     def _foils(self, contrast: Any, batch: GenerationBatch, batched: bool) -> Optional[torch.Tensor]:
@@ -156,14 +159,22 @@ class GenerationAttribution(Attribution):
                 raise InputError(f"The contrast has {len(ids)} tokens but the target has {length}; give one foil token "
                                  "per target token, or a single token used at every step.")
             rows.append(ids + [ids[-1]] * (batch.targets.shape[1] - length))
-        return torch.tensor(rows, dtype=torch.long, device=batch.targets.device)
+        foils = torch.tensor(rows, dtype=torch.long, device=batch.targets.device)
+        same = [(b, t) for b, length in enumerate(batch.target_lengths) for t in range(length)
+                if int(foils[b, t]) == int(batch.targets[b, t])]
+        if same:
+            raise InputError(f"The foil equals the explained token at (prompt, step) {same[:5]}: the contrast is 0 there "
+                             "and its explanation would be empty. Give a foil that differs from every target token.")
+        return foils
 
     @staticmethod
     def _span(span: Span, steps: int) -> tuple:
         chosen = list(range(steps))[span] if isinstance(span, slice) else list(span)
         if not chosen or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < steps for t in chosen):
             raise InputError(f"span must select output steps in [0, {steps}) (a slice or a list of ints); got {span!r}.")
-        return tuple(chosen)
+        if len(set(chosen)) != len(chosen):
+            raise InputError(f"span names a step twice ({span!r}); each step's score is counted once.")
+        return tuple(sorted(chosen))  # the group is read at its latest step's position
 
     # -- the engine -----------------------------------------------------------------------
     def _explain(self, batch: GenerationBatch, steps: ExplainedSteps):

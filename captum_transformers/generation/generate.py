@@ -20,10 +20,14 @@ from ..errors import InputError
 DEFAULT_GEN_ARGS: Dict[str, Any] = {"max_new_tokens": 25, "do_sample": False}
 
 
-def _end_ids(model: nn.Module, tokenizer: Any) -> set:
+def _end_ids(model: nn.Module, tokenizer: Any, args: Dict[str, Any]) -> set:
+    """The ids ``generate`` stopped at: ``gen_args``' ``eos_token_id`` when given (it overrides the
+    model's), else the generation config's, the config's and the tokenizer's."""
+    given = args.get("eos_token_id")
+    values = [given] if given is not None else [getattr(source, "eos_token_id", None) for source in (
+        getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer)]
     ids = set()
-    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
-        value = getattr(source, "eos_token_id", None)
+    for value in values:
         if value is not None:
             ids.update(value if isinstance(value, (list, tuple)) else [value])
     return {int(v) for v in ids}
@@ -35,6 +39,11 @@ def generated_targets(model: nn.Module, tokenizer: Any, prompts: Sequence[Sequen
     if not callable(getattr(model, "generate", None)):
         raise InputError(f"{type(model).__name__} has no generate(); pass the target to explain (a string or ids).")
     args = dict(DEFAULT_GEN_ARGS if not gen_args else gen_args)
+    unsupported = [name for name in ("stop_strings", "stopping_criteria") if args.get(name) is not None]
+    if unsupported or args.get("num_return_sequences", 1) != 1:
+        raise InputError(f"gen_args {unsupported or ['num_return_sequences']} are not supported: an answer is cut at "
+                         "its end-of-sequence tokens (eos_token_id) and each prompt has one answer. Generate yourself "
+                         "and pass the answer as the target.")
     pad = getattr(tokenizer, "pad_token_id", None)
     if pad is None:
         pad = getattr(tokenizer, "eos_token_id", None) or 0
@@ -55,7 +64,7 @@ def generated_targets(model: nn.Module, tokenizer: Any, prompts: Sequence[Sequen
     _refuse_non_finite_scores(out, model)
     sequences = out.sequences if hasattr(out, "sequences") else out
     answers = sequences[:, 1:] if encoder_decoder else sequences[:, longest:]
-    ends = _end_ids(model, tokenizer)
+    ends = _end_ids(model, tokenizer, args)
     targets = []
     for row in answers.tolist():
         cut = next((i + 1 for i, token in enumerate(row) if token in ends), len(row))

@@ -110,8 +110,8 @@ def _template_prompt(prompt: Any, tokenizer: Any) -> EncodedPrompt:
         raise InputError("A TextTemplateInput with a callable template gives no character positions for its segments, "
                          "so its tokens cannot be assigned to them; use a str.format template ('{} ... {}').")
     values = prompt.values if isinstance(prompt.values, (list, dict)) else list(prompt.values)
-    text, spans, keys = _template_spans(prompt.template, dict(zip(prompt.dict_keys, values))
-                                        if getattr(prompt, "dict_keys", None) else values)
+    filled = dict(zip(prompt.dict_keys, values)) if getattr(prompt, "dict_keys", None) else values
+    text, spans, keys = _template_spans(prompt.template, filled)
     if not getattr(tokenizer, "is_fast", False):
         raise InputError(f"A TextTemplateInput needs a fast tokenizer (character offsets per token) to assign tokens to "
                          f"segments; {type(tokenizer).__name__} is not one. Pass token ids or a TextTokenInput instead.")
@@ -128,8 +128,7 @@ def _template_prompt(prompt: Any, tokenizer: Any) -> EncodedPrompt:
                                      "be split between them; separate the segments with a space or punctuation.")
                 owner = index
         features.append(-1 if owner == -1 else segment_feature[owner])
-    names = [str(prompt.values[k]) if not isinstance(prompt.values, dict) else str(prompt.values[k]) for k in keys] \
-        if mask is None else [str(i) for i in range(max(segment_feature) + 1)]
+    names = [str(filled[k]) for k in keys] if mask is None else [str(i) for i in range(max(segment_feature) + 1)]
     return EncodedPrompt(list(encoded["input_ids"]), features, names, prompt)
 
 
@@ -142,11 +141,16 @@ def prompt_list(inp: Any) -> tuple:
     if isinstance(inp, torch.Tensor) and inp.dim() == 2 and inp.shape[0] > 1:
         return [row for row in inp], True
     if hasattr(inp, "keys") and "input_ids" in inp:
-        ids = torch.as_tensor(inp["input_ids"])
-        if ids.dim() == 2 and ids.shape[0] > 1:
-            mask = inp.get("attention_mask")
+        try:
+            ids = torch.as_tensor(inp["input_ids"])
+        except (TypeError, ValueError) as error:
+            raise InputError(f"The batch's input_ids are rows of different lengths ({error}); tokenize with "
+                             "padding=True (its attention_mask marks the padding), or pass a list of prompts.") from None
+        mask = inp.get("attention_mask")
+        if ids.dim() == 2:  # padding is removed by the mask, also from a batch of one
             mask = torch.ones_like(ids) if mask is None else torch.as_tensor(mask)
-            return [row[m.to(torch.bool)] for row, m in zip(ids, mask)], True
+            rows = [row[m.to(torch.bool)] for row, m in zip(ids, mask)]
+            return (rows, True) if ids.shape[0] > 1 else (rows[:1], False)
     return [inp], False
 
 
