@@ -23,7 +23,7 @@ from .batch import GenerationBatch
 from .engine import StepLogits
 from .prompts import EncodedPrompt, special_token_mask
 from .result import GenerationResult, first_token_share
-from .steps import ExplainedSteps, step_scores, token_probabilities
+from .steps import ExplainedSteps, group_scores, token_probabilities
 
 
 def encoder_decoder_model(model: nn.Module) -> bool:
@@ -69,7 +69,7 @@ def assemble_results(explainer: Any, prompts: List[EncodedPrompt], batch: Genera
     tokenizer, groups = explainer.tokenizer, steps.explained_groups
     logits = step_logits.logits
     probabilities = token_probabilities(logits, steps.targets)
-    explained_scores = torch.stack([sum(step_scores(logits, steps, t) for t in group) for group in groups], dim=1)
+    explained_scores = torch.stack([group_scores(logits, steps, group) for group in groups], dim=1)
     if batch.encoder_decoder:
         source, outputs = per_stream["encoder"], per_stream["decoder"]
     else:

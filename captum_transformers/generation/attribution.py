@@ -36,7 +36,7 @@ from ..errors import InputError
 from ..methods.base import TraceAttribution, finished
 from ..methods.lrp import RuleGradientXInput
 from .assembly import assemble_results, encoder_decoder_model
-from .batch import GenerationBatch, decoder_batch, encoder_decoder_batch
+from .batch import GenerationBatch, decoder_batch, encoder_decoder_batch, padding_id
 from .engine import relevance_steps, trace_steps
 from .generate import generated_targets
 from .prefix_calls import prefix_scores
@@ -129,9 +129,7 @@ class GenerationAttribution(Attribution):
 
     def _batch(self, prompts: List[EncodedPrompt], targets: List[List[int]], encoder_decoder: bool) -> GenerationBatch:
         device = next(self.model.parameters()).device
-        pad = getattr(self.tokenizer, "pad_token_id", None)
-        if pad is None:
-            pad = getattr(self.tokenizer, "eos_token_id", None)
+        pad = padding_id(self.tokenizer)
         ids = [p.ids for p in prompts]
         if encoder_decoder:
             start = getattr(self.model.config, "decoder_start_token_id", None)

@@ -18,7 +18,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -41,6 +41,16 @@ class GenerationBatch:
     prompt_start: List[int]
     output_start: int
     encoder_decoder: bool
+
+
+def padding_id(tokenizer: Any) -> int:
+    """The id that fills padded positions: the tokenizer's pad token, else its end-of-sequence
+    token (as ``generate`` does), else 0. Padded positions are masked, so any id serves."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None:
+            return int(value)
+    return 0
 
 
 def _pad_id(pad_id: Optional[int]) -> int:

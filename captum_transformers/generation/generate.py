@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
+from .batch import padding_id
 
 DEFAULT_GEN_ARGS: Dict[str, Any] = {"max_new_tokens": 25, "do_sample": False}
 
@@ -44,9 +45,7 @@ def generated_targets(model: nn.Module, tokenizer: Any, prompts: Sequence[Sequen
         raise InputError(f"gen_args {unsupported or ['num_return_sequences']} are not supported: an answer is cut at "
                          "its end-of-sequence tokens (eos_token_id) and each prompt has one answer. Generate yourself "
                          "and pass the answer as the target.")
-    pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(tokenizer, "eos_token_id", None) or 0
+    pad = padding_id(tokenizer)
     args.setdefault("pad_token_id", pad)
     device = next(model.parameters()).device
     longest = max(len(p) for p in prompts)
