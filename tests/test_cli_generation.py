@@ -178,3 +178,17 @@ def test_generation_options_without_prompt_are_refused_and_classifier_checks_sta
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == 2 and usage in capsys.readouterr().err
+
+
+def test_methods_a_bfloat16_folder_cannot_run_are_refused_before_any_work(tmp_path, capsys):
+    import torch
+    from captum_transformers.cli import main
+    from captum_transformers.tasks.recall_model import save_recall_pretrained
+
+    folder = tmp_path / "bf16"
+    save_recall_pretrained(folder, dtype=torch.bfloat16)
+    out = tmp_path / "out"
+    status = main(["explain", "--prompt", "c red fox ; h green cat ? h", "--model", str(folder), "--out", str(out)])
+    assert status == 2 and not out.exists()
+    error = capsys.readouterr().err
+    assert "transformer-relevance" in error and "bfloat16" in error and "raw-attention" not in error

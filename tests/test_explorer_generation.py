@@ -263,3 +263,16 @@ def test_page_has_no_inline_script_or_style_and_writes_no_html():
     assert "innerHTML" not in script and "outerHTML" not in script and "insertAdjacentHTML" not in script
     assert "eval(" not in script and "document.write" not in script
     assert not re.search(r"""api\(["'`]/""", script)
+
+
+def test_an_encoder_decoder_is_refused_by_the_generation_page():
+    import transformers
+    from captum_transformers.errors import InputError
+    from captum_transformers.explorer.generation_workspace import GenerationWorkspace
+    from captum_transformers.tasks.recall_model import recall_tokenizer
+
+    bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=70, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64))
+    with pytest.raises(InputError, match="not a causal language model"):
+        GenerationWorkspace(bart, recall_tokenizer())

@@ -40,7 +40,7 @@ def make_result(inputs, outputs, signed=True, seed=0, read=None, token_attr=None
                             output_probs=torch.rand(rows, generator=g), scores=torch.randn(rows, generator=g),
                             score_kind="logit", method="AttnLRP",
                             first_token_share=torch.rand(rows, generator=g), input_ids=list(range(len(inputs))),
-                            output_ids=list(range(rows)), signed=signed)
+                            output_ids=list(range(rows)), signed=signed, encoder_decoder=read != list(outputs))
 
 
 class TagChecker(HTMLParser):
@@ -286,3 +286,11 @@ def test_64_by_512_renders_in_chromium(browser, tmp_path):
     assert page.locator("span.tok[style*='outline']").text_content() == "o40"
     page.close()
     assert errors == [] and text_errors == [] and requests == [] and text_requests == []
+
+
+def test_the_layout_comes_from_the_result_not_from_token_spellings():
+    # An encoder-decoder whose start token is spelled like the outputs: row 0 read the start token.
+    result = make_result(["x"], ["a", "a", "a"], read=["a", "a", "a"])
+    result.encoder_decoder = True
+    from captum_transformers.visualization.generation import checked_parts, read_mask
+    assert read_mask(checked_parts(result)).tolist() == [[True, False, False], [True, True, False], [True, True, True]]

@@ -74,6 +74,7 @@ def run_generation(args) -> int:
     with claimed_output_folder(args.out, "generation.html", "explain") as out:
         model, tokenizer, name, default_new = load_generative_model(args.model)
         _refuse_captum_rows_on_encoder_decoders(model, methods)
+        _refuse_methods_the_dtype_cannot_run(model, methods)
         model.to(device)
         prompt_ids = list(tokenizer(args.prompt, add_special_tokens=True)["input_ids"])
         target_ids = _target_ids(args, model, tokenizer, prompt_ids, default_new if new_tokens is None else new_tokens,
@@ -135,6 +136,26 @@ def _refuse_captum_rows_on_encoder_decoders(model, methods: List[str]) -> None:
     if captum_rows and encoder_decoder_model(model):
         raise InputError(f"{', '.join(captum_rows)} explain(s) one token-id input; this encoder-decoder is explained "
                          "by the package's methods only: drop them.")
+
+
+def _refuse_methods_the_dtype_cannot_run(model, methods: List[str]) -> None:
+    """Methods whose rules refuse this model's dtype (bfloat16: the identity softmax and norm rules),
+    refused before any work instead of after the others ran."""
+    from ..adapters.input_checks import model_dtype
+    from ..errors import CaptumTransformersError
+    from ..methods.catalog import build_method
+    from ..propagation.rules import refuse_rounding_sensitive
+
+    refused = []
+    for name in methods:
+        rules = getattr(build_method(name, model), "rules", None)
+        try:
+            refuse_rounding_sensitive(rules, model_dtype(model))
+        except CaptumTransformersError:
+            refused.append(name)
+    if refused:
+        raise InputError(f"{', '.join(refused)} refuse(s) a {model_dtype(model)} model (their rules round away the "
+                         "relevance); drop them with --method, or save the model in float32.")
 
 
 def _target_ids(args, model, tokenizer, prompt_ids: List[int], new_tokens: int, explicit: bool) -> List[int]:

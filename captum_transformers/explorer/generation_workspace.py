@@ -22,10 +22,10 @@ classifier's are.
 
 Example::
 
-    >>> workspace = GenerationWorkspace(model, tokenizer, name="recall Llama", samples=["a = 1 ; b = 2 ? b :"])
-    >>> request = workspace.check_request({"prompt": "a = 1 ; b = 2 ? b :", "max_new_tokens": 3})
+    >>> workspace = GenerationWorkspace(model, tokenizer, name="recall Llama", samples=["a red fox ; b tan cat ? b"])
+    >>> request = workspace.check_request({"prompt": "a red fox ; b tan cat ? b", "max_new_tokens": 3})
     >>> payload = workspace.explain("attn-lrp", {}, {0: request})[0]
-    >>> payload["output_tokens"], payload["token_attr"]["shape"]     # (['2', '<eos>'], [2, 14])
+    >>> payload["output_tokens"], payload["token_attr"]["shape"]     # (['tan', 'cat', '<eos>'], [3, 10])
 """
 from __future__ import annotations
 
@@ -101,9 +101,12 @@ class GenerationWorkspace:
     def __init__(self, model: nn.Module, tokenizer: Any, name: str = "language model", samples: Sequence[str] = (),
                  method_builder: Callable = _catalog_builder, max_new_tokens: int = MAX_NEW_TOKENS,
                  default_new_tokens: Optional[int] = None) -> None:
-        if not callable(getattr(model, "generate", None)):
-            raise InputError(f"{type(model).__name__} has no generate(); the generation page needs a causal language "
-                             "model (e.g. AutoModelForCausalLM).")
+        from ..generation.assembly import encoder_decoder_model
+
+        if not callable(getattr(model, "generate", None)) or encoder_decoder_model(model):
+            raise InputError(f"{type(model).__name__} is not a causal language model (no generate(), or a source and a "
+                             "decoder sequence); the generation page shows decoder-only models (AutoModelForCausalLM). "
+                             "Explain encoder-decoders with GenerationAttribution or `explain --prompt`.")
         self.model, self.tokenizer, self.name = model.eval(), tokenizer, name
         self.samples = [str(sample) for sample in samples]
         self.method_builder = method_builder

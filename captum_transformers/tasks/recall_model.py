@@ -1,7 +1,7 @@
 """The built-in generative model: a tiny Llama that solves associative recall, and its tokenizer.
 
 ``LlamaForCausalLM`` (``MODEL_CONFIG``: two layers, grouped-query attention with 4 query heads
-sharing 2 key-value heads, rotary positions, RMSNorm, SwiGLU, tied embeddings) over the word
+sharing 2 key-value heads, rotary positions, RMSNorm, SwiGLU, an untied head) over the word
 vocabulary of :mod:`.recall_task`, trained by :mod:`.train_recall` to answer
 ``<bos> k1 w w ; ... ? k`` with the two words bound to ``k``, then ``<eos>``.
 Every answer token is a copy of one prompt token (an induction step) and has known evidence in
@@ -45,7 +45,7 @@ MODEL_CONFIG: Dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_h
 # Answers are two value words and <eos>.
 MAX_NEW_TOKENS = 3
 # Renders a conversation of user turns (the prompt text) and assistant turns (the answer text);
-# the prompt already ends with "key =", so the generation prompt adds nothing.
+# the prompt already ends with "? key", so the generation prompt adds nothing.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"

@@ -57,7 +57,7 @@ def vocabulary() -> Dict[str, int]:
     Example::
 
         >>> vocabulary()["<pad>"], len(vocabulary())
-        (0, 67)
+        (0, 66)
     """
     tokens = SPECIAL_TOKENS + (PAIR_SEPARATOR, QUERY_MARK) + KEYS + VALUE_WORDS
     return {token: index for index, token in enumerate(tokens)}

@@ -86,7 +86,9 @@ def checked_parts(result) -> dict:
         raise InputError(f"a {type(result).__name__} without {missing}; expected a GenerationResult "
                          "(GenerationAttribution(method, tokenizer).attribute(prompt)).")
     parts = {"inputs": [str(t) for t in result.input_tokens], "outputs": [str(t) for t in result.output_tokens],
-             "read": [str(t) for t in result.target_attr_tokens], "signed": bool(result.signed)}
+             "read": [str(t) for t in result.target_attr_tokens], "signed": bool(result.signed),
+             # the layout the result says it has; spellings only for objects that do not say
+             "encoder_decoder": getattr(result, "encoder_decoder", None)}
     rows = len(parts["outputs"])
     shapes = {"token_attr": (rows, len(parts["inputs"])), "target_attr": (rows, len(parts["read"])),
               "output_probs": (rows,), "first_token_share": (rows,)}
@@ -100,6 +102,12 @@ def checked_parts(result) -> dict:
     return parts
 
 
+def is_encoder_decoder(parts: dict) -> bool:
+    """Whether the result's read tokens start with a decoder start token (encoder-decoders)."""
+    known = parts.get("encoder_decoder")
+    return bool(known) if known is not None else parts["read"] != parts["outputs"]
+
+
 def read_mask(parts: dict) -> torch.Tensor:
     """(T, m) True where row t's step read output column j: decoder-only models read the
     tokens before y_t (j < t); encoder-decoders the start token and those before (j <= t);
@@ -107,7 +115,7 @@ def read_mask(parts: dict) -> torch.Tensor:
     rows, columns = len(parts["outputs"]), len(parts["read"])
     if rows != columns:
         return torch.ones(rows, columns, dtype=torch.bool)
-    offset = 0 if parts["read"] == parts["outputs"] else 1
+    offset = 1 if is_encoder_decoder(parts) else 0
     return torch.arange(columns)[None, :] < torch.arange(rows)[:, None] + offset
 
 

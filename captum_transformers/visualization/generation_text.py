@@ -26,8 +26,8 @@ import torch
 
 from ..errors import InputError
 from .colors import ColorScale, css_rgb, text_colour
-from .generation import (GenerationMatrix, SpecialOption, checked_parts, fraction_rgb, legend_sentence,
-                         special_flags)
+from .generation import (GenerationMatrix, SpecialOption, checked_parts, fraction_rgb, is_encoder_decoder,
+                         legend_sentence, special_flags)
 from .images import add_colorbar
 from .output import Picture, agg_figure, escape, legend_html, plain_text
 from .tokens import merge_word_pieces
@@ -80,7 +80,7 @@ class GenerationText(Picture):
                              f"tokens are {parts['outputs']!r:.200}).")
         index = output_index % rows
         self.signed, self.output_index = parts["signed"], index
-        decoder_only = parts["read"] == parts["outputs"]
+        decoder_only = not is_encoder_decoder(parts)
         stream = parts["outputs"] if decoder_only else parts["read"] + parts["outputs"][-1:]
         chosen = index if decoder_only else index + 1  # position of y_t in the shown stream
         self.token = parts["outputs"][index]
