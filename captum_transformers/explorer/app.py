@@ -191,6 +191,36 @@ async def _json_body(request: Request) -> Dict[str, Any]:
     return body
 
 
+async def _input_error(request: Request, error: Exception) -> Response:
+    return JSONResponse({"error": str(error)}, status_code=400)
+
+
+async def _model_busy(request: Request, error: Exception) -> Response:
+    return JSONResponse({"error": str(error), "busy": True}, status_code=409)
+
+
+async def _too_many_jobs(request: Request, error: Exception) -> Response:
+    return JSONResponse({"error": str(error), "too_many_jobs": True}, status_code=429)
+
+
+async def _still_loading(request: Request, error: Exception) -> Response:
+    return JSONResponse({"loading": True, "seconds": error.seconds, "error": str(error)}, status_code=503)
+
+
+async def no_icon(request: Request) -> Response:
+    """Browsers ask for a favicon; the page has none."""
+    return Response(status_code=204)
+
+
+def error_handlers() -> dict:
+    """The JSON answers of every page's errors: 400 for a refused request, 409 while another job holds
+    the model, 429 over the job limit, 503 while the model loads."""
+    from .loading import StillLoading
+
+    return {CaptumTransformersError: _input_error, StillLoading: _still_loading, ModelBusy: _model_busy,
+            TooManyJobs: _too_many_jobs}
+
+
 def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Optional[Dict[str, Any]] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, methods: Optional[Sequence[str]] = None,
                warm: bool = True):
@@ -318,21 +348,6 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
         body = await _json_body(request)
         return JSONResponse(await run_in_threadpool(_export_sync, body, model_of(request)))
 
-    async def input_error(request: Request, error: Exception) -> Response:
-        return JSONResponse({"error": str(error)}, status_code=400)
-
-    async def model_busy(request: Request, error: Exception) -> Response:
-        return JSONResponse({"error": str(error), "busy": True}, status_code=409)
-
-    async def too_many_jobs(request: Request, error: Exception) -> Response:
-        return JSONResponse({"error": str(error), "too_many_jobs": True}, status_code=429)
-
-    async def still_loading(request: Request, error: Exception) -> Response:
-        return JSONResponse({"loading": True, "seconds": error.seconds, "error": str(error)}, status_code=503)
-
-    async def no_icon(request: Request) -> Response:
-        return Response(status_code=204)  # browsers ask for one; the page has none
-
     routes = [
         Route("/", page),
         Route("/favicon.ico", no_icon),
@@ -345,9 +360,7 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
         Route("/api/export", export, methods=["POST"]),
         Mount("/static", app=StaticFiles(directory=str(static_dir())), name="static"),
     ]
-    app = Starlette(routes=routes, exception_handlers={CaptumTransformersError: input_error,
-                                                       StillLoading: still_loading, ModelBusy: model_busy,
-                                                       TooManyJobs: too_many_jobs})
+    app = Starlette(routes=routes, exception_handlers=error_handlers())
     if source is None:
         for model in range(len(workspaces)):
             context(model)  # ready workspaces: build the sessions now, so that their errors surface here

@@ -38,9 +38,9 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ..errors import CaptumTransformersError, InputError
-from .app import ModelBusy, _json_body, _parse_methods, _shown, static_dir
+from .app import ModelBusy, _json_body, _parse_methods, _shown, error_handlers, no_icon, static_dir
 from .generation_workspace import SCORES, GenerationWorkspace, check_generation_work
-from .jobs import Jobs, TooManyJobs
+from .jobs import Jobs
 from .loading import StillLoading
 from .method_arguments import WORK_BUDGET, method_catalog
 from .security import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS, SecurityMiddleware
@@ -154,21 +154,6 @@ def create_generation_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS,
 
         return JSONResponse(await run_in_threadpool(_export_sync, await _json_body(request)))
 
-    async def input_error(request: Request, error: Exception) -> Response:
-        return JSONResponse({"error": str(error)}, status_code=400)
-
-    async def model_busy(request: Request, error: Exception) -> Response:
-        return JSONResponse({"error": str(error), "busy": True}, status_code=409)
-
-    async def too_many_jobs(request: Request, error: Exception) -> Response:
-        return JSONResponse({"error": str(error), "too_many_jobs": True}, status_code=429)
-
-    async def still_loading(request: Request, error: Exception) -> Response:
-        return JSONResponse({"loading": True, "seconds": error.seconds, "error": str(error)}, status_code=503)
-
-    async def no_icon(request: Request) -> Response:
-        return Response(status_code=204)
-
     routes = [
         Route("/", page),
         Route("/favicon.ico", no_icon),
@@ -179,9 +164,7 @@ def create_generation_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS,
         Route("/api/jobs/{job_id}/cancel", cancel_job, methods=["POST"]),
         Mount("/static", app=StaticFiles(directory=str(static_dir())), name="static"),
     ]
-    app = Starlette(routes=routes, exception_handlers={CaptumTransformersError: input_error,
-                                                       StillLoading: still_loading, ModelBusy: model_busy,
-                                                       TooManyJobs: too_many_jobs})
+    app = Starlette(routes=routes, exception_handlers=error_handlers())
     if source is None:
         context()  # a ready workspace: build the session now, so that its errors surface here
     return SecurityMiddleware(app, token, allowed_hosts, max_body_bytes)
