@@ -277,28 +277,10 @@ def load_generative_model(spec: Optional[str]):
 
 def _huggingface_lm(source: str, local: bool):
     """A causal (or encoder-decoder) LM and its tokenizer, with the classifier loader's one-line errors."""
-    try:
-        import transformers
-    except ImportError:
-        raise InputError("HuggingFace models need transformers: pip install 'captum_transformers[hf]'.") from None
-    from .model_loading import _first_line, _transformers_log_held, _weights_problem, hub_unreachable
+    from .model_loading import _first_line, _transformers_log_held, _weights_problem, hub_config
 
-    unreachable = None if local else hub_unreachable()
-    options = {"local_files_only": True} if unreachable else {}
-    try:
-        config = transformers.AutoConfig.from_pretrained(source, **options)
-    except (OSError, ValueError) as error:
-        if local:
-            found = "has no config.json" if not (Path(source) / "config.json").exists() else \
-                f"has a config.json that transformers cannot read ({_first_line(error)})"
-            raise InputError(f"--model {source!r} is a directory that {found}; expected a language model folder "
-                             "written by model.save_pretrained(folder) and tokenizer.save_pretrained(folder).") \
-                from None
-        where = f"the hub cannot be reached ({unreachable})" if unreachable else \
-            "the HuggingFace hub could not provide it (unreachable, or no such model)"
-        raise InputError(f"unknown model {source!r}: not a directory, not in the local HuggingFace cache, and {where}. "
-                         "Give the model as a local directory saved with save_pretrained (--model path/to/dir).") \
-            from None
+    transformers, config, options = hub_config(source, local, "a language model folder written by "
+                                               "model.save_pretrained(folder) and tokenizer.save_pretrained(folder)")
     auto = transformers.AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else \
         transformers.AutoModelForCausalLM
     with _transformers_log_held() as held:

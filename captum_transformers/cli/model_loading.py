@@ -183,13 +183,16 @@ def hub_unreachable() -> Optional[str]:
     return None
 
 
-def _huggingface(source: str, local: bool) -> LoadedModel:
+def hub_config(source: str, local: bool, expected: str, not_also: str = "") -> tuple:
+    """``(transformers, config, options)`` of a HuggingFace ``source`` (a folder, or a hub id read
+    from the local cache when the hub cannot be reached: transformers would retry for half a
+    minute), or the one-line :class:`InputError` saying what ``source`` is not; ``expected`` names
+    the folder wanted, ``not_also`` the other kinds of ``--model`` the caller tried first."""
     try:
         import transformers
     except ImportError:
         raise InputError("HuggingFace models need transformers: pip install 'captum_transformers[hf]'.") from None
     unreachable = None if local else hub_unreachable()
-    # an unreachable hub: read the local cache only (transformers would retry for half a minute)
     options = {"local_files_only": True} if unreachable else {}
     try:
         config = transformers.AutoConfig.from_pretrained(source, **options)
@@ -197,15 +200,19 @@ def _huggingface(source: str, local: bool) -> LoadedModel:
         if local:
             found = "has no config.json" if not (Path(source) / "config.json").exists() else \
                 f"has a config.json that transformers cannot read ({_first_line(error)})"
-            raise InputError(f"--model {source!r} is a directory that {found}; expected a model folder written by "
-                             "model.save_pretrained(folder) (config.json and the weights).") from None
-        if unreachable:
-            raise InputError(f"unknown model {source!r}: not a directory, checkpoint file or timm model name, not in "
-                             f"the local HuggingFace cache, and the hub cannot be reached ({unreachable}). Give the "
-                             "model as a local directory saved with save_pretrained (--model path/to/dir).") from None
-        raise InputError(f"unknown model {source!r}: not a directory, not a checkpoint file, not a timm model name, "
-                         "and the HuggingFace hub could not provide it (unreachable, or no such model). Give the "
-                         "model as a local directory saved with save_pretrained (--model path/to/dir).") from None
+            raise InputError(f"--model {source!r} is a directory that {found}; expected {expected}.") from None
+        where = f"the hub cannot be reached ({unreachable})" if unreachable else \
+            "the HuggingFace hub could not provide it (unreachable, or no such model)"
+        raise InputError(f"unknown model {source!r}: not a directory{not_also}, not in the local HuggingFace cache, "
+                         f"and {where}. Give the model as a local directory saved with save_pretrained "
+                         "(--model path/to/dir).") from None
+    return transformers, config, options
+
+
+def _huggingface(source: str, local: bool) -> LoadedModel:
+    transformers, config, options = hub_config(
+        source, local, "a model folder written by model.save_pretrained(folder) (config.json and the weights)",
+        ", not a checkpoint file, not a timm model name")
     names = _class_names(config)
     if getattr(config, "image_size", None) is not None and config.model_type not in _TEXT_TYPES:
         model = _from_pretrained(transformers.AutoModelForImageClassification, source, **options)
