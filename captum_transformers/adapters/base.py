@@ -29,7 +29,7 @@ from .foreign_patches import check_library_classes
 from .model_parts import _enclosing_layer, find_patch_size
 from .input_checks import model_dtype, ordinary_tensors, refuse_unexplainable_batch, relevance_carrying
 from .query_rows import QueryRows, ReadRows, chosen_rows, refuse_examples_without_tokens
-from .relevance_reading import RelevanceResult, read_layer_input, seeded
+from .relevance_reading import RelevanceResult, input_times_gradient, read_layer_input, seeded, token_sums
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..propagation.rules import RuleSet
@@ -421,25 +421,13 @@ class Adapter(abc.ABC):
                 raise CaptureError("The explained output does not depend on the inputs (it does not require grad).")
             explained = seeded(scores, rules)
             grads = torch.autograd.grad(explained.sum(), leaves, allow_unused=True)
-        # x * g and its sums in at least float32: a half-precision sum over the hidden size
-        # loses the small total of large terms of both signs.
-        products = []
-        for leaf, g in zip(leaves, grads):
-            dtype = torch.promote_types(leaf.dtype, torch.float32)
-            g = torch.zeros((), dtype=dtype, device=leaf.device) if g is None else g.to(dtype)
-            products.append(leaf.detach().to(dtype) * g)
+        products = [input_times_gradient(leaf, g) for leaf, g in zip(leaves, grads)]
         explained = explained.detach()
         if at == "tokens":
-            per_stream = {}
-            for stream, hidden in zip(read, products):
-                if hidden.shape[0] != scores.shape[0] and hidden.shape[1] == scores.shape[0]:
-                    hidden = hidden.transpose(0, 1)  # sequence-first layers
-                hidden = self.token_states(hidden)
-                token_relevance = hidden.reshape(hidden.shape[0], hidden.shape[1], -1).sum(-1)
-                mask = streams.layouts[stream].token_mask if stream in streams.layouts else None
-                if mask is not None and mask.shape == token_relevance.shape:
-                    token_relevance = token_relevance * mask.to(token_relevance.dtype)
-                per_stream[stream] = token_relevance
+            per_stream = {stream: token_sums(self.token_states, hidden,
+                                             streams.layouts[stream].token_mask if stream in streams.layouts else None,
+                                             scores.shape[0])
+                          for stream, hidden in zip(read, products)}
             first = next(iter(per_stream.values()))
             total = sum(r.sum(-1) for r in per_stream.values())
             return RelevanceResult(first, None, layout, explained, index, total, per_stream, streams)

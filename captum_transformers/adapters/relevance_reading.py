@@ -73,3 +73,27 @@ class RelevanceResult:
     total: torch.Tensor
     stream_tokens: Optional[Dict[str, torch.Tensor]] = None
     streams: Optional[StreamLayouts] = None
+
+
+def input_times_gradient(leaf: torch.Tensor, grad: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x * dy/dx`` in at least float32 (a half-precision sum over the hidden size loses the small
+    total of large terms of both signs); a leaf the score does not reach has a zero gradient."""
+    dtype = torch.promote_types(leaf.dtype, torch.float32)
+    g = torch.zeros((), dtype=dtype, device=leaf.device) if grad is None else grad.to(dtype)
+    return leaf.detach().to(dtype) * g
+
+
+def token_sums(token_states, product: torch.Tensor, mask: Optional[torch.Tensor],
+               batch: Optional[int] = None) -> torch.Tensor:
+    """(B, N) per-token sums of a relevance product over the hidden size, padding zeroed.
+
+    ``token_states`` is the adapter's (grids flattened to tokens); a sequence-first product
+    (N, B, ...) is transposed when ``batch`` says so."""
+    if batch is not None and product.shape[0] != batch and product.shape[1] == batch:
+        product = product.transpose(0, 1)  # sequence-first layers
+    hidden = token_states(product)
+    tokens = hidden.reshape(hidden.shape[0], hidden.shape[1], -1).sum(-1)
+    if mask is not None and mask.shape == tokens.shape:
+        tokens = tokens * mask.to(tokens.dtype)
+    return tokens
+

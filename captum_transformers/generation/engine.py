@@ -29,7 +29,7 @@ from torch import nn
 from ..adapters.base import Adapter
 from ..adapters.input_checks import model_dtype, ordinary_tensors, refuse_unexplainable_batch, relevance_carrying
 from ..adapters.kept_logits import KeptLogitPositions, _forward_signature
-from ..adapters.relevance_reading import read_layer_input, seeded
+from ..adapters.relevance_reading import input_times_gradient, read_layer_input, seeded, token_sums
 from ..capture import patching
 from ..capture.exclusive import exclusive
 from ..capture.recorder import Recorder
@@ -203,14 +203,6 @@ def relevance_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tens
 def _token_relevance(adapter: Adapter, streams: StreamLayouts, read: Dict[str, torch.Tensor],
                      grads: Sequence[Optional[torch.Tensor]]) -> Dict[str, torch.Tensor]:
     """``sum_d x * g`` per token (B, N) and stream, in at least float32, padding zeroed."""
-    relevance = {}
-    for (stream, leaf), grad in zip(read.items(), grads):
-        dtype = torch.promote_types(leaf.dtype, torch.float32)
-        product = leaf.detach().to(dtype) * (0 if grad is None else grad.to(dtype))
-        hidden = adapter.token_states(product)
-        tokens = hidden.reshape(hidden.shape[0], hidden.shape[1], -1).sum(-1)
-        mask = streams.layouts[stream].token_mask if stream in streams.layouts else None
-        if mask is not None and mask.shape == tokens.shape:
-            tokens = tokens * mask.to(tokens.dtype)
-        relevance[stream] = tokens
-    return relevance
+    return {stream: token_sums(adapter.token_states, input_times_gradient(leaf, grad),
+                               streams.layouts[stream].token_mask if stream in streams.layouts else None)
+            for (stream, leaf), grad in zip(read.items(), grads)}
