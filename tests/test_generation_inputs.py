@@ -187,3 +187,15 @@ def test_generation_arguments_the_cut_cannot_follow_are_refused(model, tokenizer
         first = int(model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)[0, -1])
     result = explainer.attribute(PROMPT, gen_args={"max_new_tokens": 3, "eos_token_id": first})
     assert result.output_ids == [first]  # cut at the end token gen_args gave
+
+
+def test_chat_template_ids_are_a_prompt():
+    from captum_transformers.tasks.recall_model import load_recall_model
+
+    recall, recall_tokenizer = load_recall_model()
+    prompt = "c red fox ; q blue owl ; h green cat ; m pink bee ? h"
+    ids = recall_tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    explainer = GenerationAttribution(AttnLRP(recall), recall_tokenizer)
+    from_template, from_text = explainer.attribute(ids), explainer.attribute(prompt)
+    assert from_template.input_ids == from_text.input_ids and from_template.output_tokens == ["green", "cat", "<eos>"]
+    assert torch.allclose(from_template.token_attr, from_text.token_attr, atol=1e-6, rtol=0)
