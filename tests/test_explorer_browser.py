@@ -245,7 +245,8 @@ def test_a_second_model_is_chosen_in_the_header(browser):
         page, errors = open_page(browser, running.url)
         assert page.locator("#model-select option").all_text_contents() == ["tiny encoder", "second encoder"]
         page.select_option("#model-select", "1")  # reloads the page for that model
-        page.wait_for_function("() => document.getElementById('model-name').textContent.startsWith('second')")
+        # The page reloads: until the new document has its header, the element is absent (not an error).
+        page.wait_for_function("() => (document.getElementById('model-name')?.textContent ?? '').startsWith('second')")
         page.wait_for_selector("body[data-ready=yes] #grid td[data-ready=yes]")
         assert page.locator("#model-select").input_value() == "1" and errors == []
         page.close()
