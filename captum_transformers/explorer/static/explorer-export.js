@@ -2,15 +2,6 @@
 // string is written with textContent (see explorer.js).
 "use strict";
 
-function download(blob, filename) {
-  const link = el("a", { download: filename });
-  link.href = URL.createObjectURL(blob);
-  document.body.append(link);
-  link.click();
-  link.remove();
-  setTimeout(() => URL.revokeObjectURL(link.href), 1000);
-}
-
 function currentView() {
   const methods = enabledMethods();
   const view = { model: state.session.model, classes: state.session.classes, methods: [], examples: [] };

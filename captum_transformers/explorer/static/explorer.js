@@ -9,17 +9,6 @@ const state = {
   curve: null, renders: 0, requestSeq: 0, job: null,
 };
 
-function el(tag, attributes, ...children) {
-  const node = document.createElement(tag);
-  for (const [key, value] of Object.entries(attributes || {})) {
-    if (key === "class") node.className = value;
-    else if (key === "text") node.textContent = value;
-    else node.setAttribute(key, value);
-  }
-  for (const child of children) node.append(child);  // strings become text nodes
-  return node;
-}
-
 function svgEl(tag, attributes) {
   const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
   for (const [key, value] of Object.entries(attributes || {})) node.setAttribute(key, value);
@@ -54,14 +43,6 @@ async function api(path, body) {
   return payload;
 }
 
-function setStatus(text, done, total) {  // total undefined: no bar; null: a bar with no known end
-  document.getElementById("status").textContent = text;
-  const bar = document.getElementById("progress");
-  bar.hidden = total === undefined;
-  if (total === null) bar.removeAttribute("value");
-  else if (total !== undefined) { bar.max = Math.max(total, 1); bar.value = done; }
-}
-
 async function loadSession() {  // the server answers 503 while the model is still loading
   for (;;) {
     const response = await fetch(withModel("api/session"), { headers: { "X-Explorer-Token": state.token || "" } });
@@ -71,12 +52,6 @@ async function loadSession() {  // the server answers 503 while the model is sti
     setStatus(`loading the model… ${payload.seconds.toFixed(1)} s`, null, null);
     await new Promise((resolve) => setTimeout(resolve, 250));
   }
-}
-
-function showError(message) {
-  const box = document.getElementById("error");
-  box.hidden = !message;
-  box.textContent = message || "";
 }
 
 // -- colours --------------------------------------------------------------------------------

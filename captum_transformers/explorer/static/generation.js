@@ -10,17 +10,6 @@ const state = {
   recolours: 0,
 };
 
-function el(tag, attributes, ...children) {
-  const node = document.createElement(tag);
-  for (const [key, value] of Object.entries(attributes || {})) {
-    if (key === "class") node.className = value;
-    else if (key === "text") node.textContent = value;
-    else node.setAttribute(key, value);
-  }
-  for (const child of children) node.append(child);  // strings become text nodes
-  return node;
-}
-
 function readToken() {
   const fromUrl = new URLSearchParams(window.location.search).get("token");
   if (fromUrl) {
@@ -46,20 +35,6 @@ async function api(path, body) {
     throw error;
   }
   return payload;
-}
-
-function setStatus(text, done, total) {  // total undefined: no bar; null: a bar with no known end
-  document.getElementById("status").textContent = text;
-  const bar = document.getElementById("progress");
-  bar.hidden = total === undefined;
-  if (total === null) bar.removeAttribute("value");
-  else if (total !== undefined) { bar.max = Math.max(total, 1); bar.value = done; }
-}
-
-function showError(message) {
-  const box = document.getElementById("error");
-  box.hidden = !message;
-  box.textContent = message || "";
 }
 
 async function loadSession() {  // 503 while the model is still loading
@@ -270,15 +245,6 @@ function select(t) {  // recolour from the loaded rows: token_attr[t] over the p
 }
 
 // -- exports ------------------------------------------------------------------------------------
-function download(blob, filename) {
-  const link = el("a", { download: filename });
-  link.href = URL.createObjectURL(blob);
-  document.body.append(link);
-  link.click();
-  link.remove();
-  setTimeout(() => URL.revokeObjectURL(link.href), 1000);
-}
-
 function exportJson() {
   if (!state.result) return;
   const view = { model: state.session.model, request: state.request, result: state.result };
