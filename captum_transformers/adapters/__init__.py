@@ -10,6 +10,7 @@ from .detr import DetrAdapter
 from .graphormer import MODEL_KEYS as _GRAPHORMER_KEYS, GraphormerAdapter
 from .huggingface import HuggingFaceAdapter
 from .inline_attention import InlineAttentionAdapter
+from .llava import LlavaAdapter
 from .swin import SwinAdapter, Swinv2Adapter
 from ..capture.recorder import Recorder
 from .timm import TimmAdapter
@@ -34,6 +35,8 @@ _BUILT_IN = (
     (InlineAttentionAdapter(), ("transformers.models.lxmert.modeling_lxmert.LxmertPreTrainedModel",
                                 "transformers.models.visual_bert.modeling_visual_bert.VisualBertPreTrainedModel")),
     (DetrAdapter(), ("transformers.models.detr.modeling_detr.DetrPreTrainedModel",)),
+    # Vision-language decoders: a vision tower feeding a causal LM's image tokens.
+    (LlavaAdapter(), ("transformers.models.llava.modeling_llava.LlavaForConditionalGeneration",)),
     # PyG's sparse attention layers, found as submodules of the user's graph model.
     (PyGAttentionAdapter(), PYG_ATTENTION),
     (PyGGPSAdapter(), GPS),

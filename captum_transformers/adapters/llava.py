@@ -1,0 +1,114 @@
+"""LLaVA (HF ``LlavaForConditionalGeneration``): a CLIP-style vision tower feeding a causal LM.
+
+The tower's hidden state at ``vision_feature_layer`` (the ``"default"`` strategy drops its
+CLS token, ``"full"`` keeps it) goes through the projector (linear, activation, linear: one
+token at a time) and replaces the ``image_token_id`` placeholders of ``input_ids``, image
+after image. Decoder image token ``k`` of an image is therefore vision token ``k + 1``
+(``"default"``) or ``k`` (``"full"``) of its row of the tower: a one-hot ``token_map``.
+
+Refused: several feature layers (their features are concatenated, so a decoder token comes
+from several hidden states), ``image_sizes`` (LLaVA-NeXT-style crops), and a tower whose
+token count is not a CLS token plus the patch grid.
+
+Example::
+
+    >>> adapter = LlavaAdapter()
+    >>> adapter.images(llava, input_ids, {"pixel_values": pixels})[0].grid     # (4, 4)
+"""
+from __future__ import annotations
+
+from typing import Any, List, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import InputError
+from .vision_language import IMAGE_STREAM, TEXT_STREAM, ImageTokens, VisionLanguageAdapter
+
+
+def _config(model: nn.Module) -> Any:
+    from .huggingface import _pretrained
+
+    return _pretrained(model).config
+
+
+class LlavaAdapter(VisionLanguageAdapter):
+    """``LlavaForConditionalGeneration`` (see the module docstring)."""
+
+    name = "llava"
+    families = "LLaVA (LlavaForConditionalGeneration: CLIP-style vision tower, projector, causal LM)"
+    stream_components: Mapping[str, str] = {"vision_tower": IMAGE_STREAM, "language_model": TEXT_STREAM}
+
+    def _checked_config(self, model: nn.Module) -> Any:
+        config = _config(model)
+        layer = getattr(config, "vision_feature_layer", -2)
+        if not isinstance(layer, int):
+            raise InputError(f"vision_feature_layer={layer!r} concatenates several hidden states of the vision tower "
+                             "into each image token; only one feature layer (an int) is mapped back to the patches.")
+        strategy = getattr(config, "vision_feature_select_strategy", "default")
+        if strategy not in ("default", "full"):
+            raise InputError(f"vision_feature_select_strategy={strategy!r} is not LLaVA's 'default' or 'full'.")
+        return config
+
+    def vision_tower(self, model: nn.Module) -> nn.Module:
+        return _find(model, "vision_tower")
+
+    def projector(self, model: nn.Module) -> nn.Module:
+        return _find(model, "multi_modal_projector")
+
+    def image_token_id(self, model: nn.Module) -> int:
+        return int(_config(model).image_token_id)
+
+    def feeding_calls(self, model: nn.Module) -> int:
+        """Layers run before ``hidden_states[vision_feature_layer]`` (index 0: the embeddings)."""
+        config = self._checked_config(model)
+        layers = int(config.vision_config.num_hidden_layers)
+        layer = int(config.vision_feature_layer)
+        return layer if layer >= 0 else layers + 1 + layer
+
+    def images(self, model: nn.Module, input_ids: torch.Tensor, image_inputs: Mapping[str, Any]) -> List[ImageTokens]:
+        config = self._checked_config(model)
+        if image_inputs.get("image_sizes") is not None:
+            raise InputError("image_sizes (LLaVA-NeXT-style crops of one image) are not mapped back to the image; give "
+                             "one pixel_values entry (C, H, W) per image.")
+        pixels = image_inputs.get("pixel_values")
+        if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4 or not pixels.is_floating_point():
+            raise InputError(f"LLaVA's images are pixel_values (images, C, H, W) in floating point; got "
+                             f"{type(pixels).__name__} {tuple(getattr(pixels, 'shape', ()))}.")
+        patch = int(config.vision_config.patch_size)
+        height, width = int(pixels.shape[-2]), int(pixels.shape[-1])
+        grid = (height // patch, width // patch)
+        prefix = 1 if config.vision_feature_select_strategy == "default" else 0
+        per_image = grid[0] * grid[1] + (0 if prefix else 1)  # "full" keeps the CLS token as an image token
+        found = self.image_token_positions(model, input_ids)
+        if len(found) != per_image * pixels.shape[0]:
+            raise InputError(f"input_ids hold {len(found)} image tokens (id {self.image_token_id(model)}) but "
+                             f"{pixels.shape[0]} image(s) of {height}x{width} give {per_image} tokens each; expand "
+                             "each image's placeholder to its number of tokens (as LlavaProcessor does).")
+        vision_tokens = grid[0] * grid[1] + 1
+        token_map = torch.zeros(per_image, vision_tokens, dtype=torch.float64)
+        token_map[torch.arange(per_image), torch.arange(per_image) + prefix] = 1.0
+        cells = torch.arange(1, vision_tokens)
+        images = []
+        for i in range(pixels.shape[0]):
+            chunk = found[i * per_image:(i + 1) * per_image]
+            examples = {b for b, _ in chunk}
+            if len(examples) != 1:
+                raise InputError(f"Image {i}'s {per_image} placeholder tokens are split over examples "
+                                 f"{sorted(examples)}; each image's tokens must sit in one prompt.")
+            positions = torch.tensor([p for _, p in chunk], dtype=torch.long)
+            images.append(ImageTokens(chunk[0][0], positions, i, (0, vision_tokens), token_map, grid, cells,
+                                      (height, width)))
+        return images
+
+    def pixel_relevance(self, model: nn.Module, products: Mapping[str, torch.Tensor],
+                        images: Sequence[ImageTokens]) -> List[torch.Tensor]:
+        summed = products["pixel_values"].sum(1)  # (images, H, W)
+        return [summed[image.vision_row] for image in images]
+
+
+def _find(model: nn.Module, name: str) -> nn.Module:
+    for path, module in model.named_modules():
+        if path.split(".")[-1] == name:
+            return module
+    raise InputError(f"{type(model).__name__} has no {name!r} module; it is not a LLaVA model.")
