@@ -17,17 +17,20 @@ from .output_folder import claimed_output_folder
 
 
 def add_parser(subparsers) -> None:
+    from ..tasks.recall_benchmark import CAPTUM_LLM_METHODS
     from ..tasks.runner import TASKS
 
     parser = subparsers.add_parser("benchmark", help="faithfulness metrics of methods on a benchmark task",
                                    description=__doc__.splitlines()[0])
     parser.add_argument("--task", required=True, choices=TASKS)
-    parser.add_argument("--methods", nargs="+", choices=KNOWN_METHOD_NAMES + ("all",), default=None,
-                        help="methods to evaluate (default: all)")
-    parser.add_argument("--limit", type=int, help="first N test examples only")
+    parser.add_argument("--methods", nargs="+", choices=KNOWN_METHOD_NAMES + CAPTUM_LLM_METHODS + ("all",),
+                        default=None, help="methods to evaluate (default: all; recall also takes Captum's LLM "
+                                           "wrappers: " + ", ".join(CAPTUM_LLM_METHODS) + ")")
+    parser.add_argument("--limit", type=int, help="first N test examples only (recall: default 200)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--explain", choices=("predicted", "label"),
-                        help="class to explain (default: predicted for digits, label for movies)")
+                        help="class to explain (default: predicted for digits, label for movies; "
+                             "recall: label, the true answer)")
     parser.add_argument("--pixel-steps", choices=tuple(PIXEL_PROTOCOLS), default="fine",
                         help="digits: removed-pixel fractions, 'fine' (0-10%% in 1%% steps, then 10%% steps to "
                              "90%%; default) or 'cvpr21' (the authors' 0, 10, ..., 90%%)")

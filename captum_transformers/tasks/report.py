@@ -7,6 +7,7 @@ from typing import Dict, List, Tuple
 
 from ..evaluation import plot_curves, write_csv, write_json
 from ..evaluation.results import CurveResult
+from .recall_benchmark import recall_columns
 from .runner import BenchmarkReport
 
 # Columns per task: (header, metric name, field, format). Arrows say which way is better.
@@ -32,6 +33,7 @@ _COLUMNS: Dict[str, List[Tuple[str, str, str, str]]] = {
 _COLUMNS["digits-swin"], _COLUMNS["digits-two-swin"] = _COLUMNS["digits"], _COLUMNS["digits-two"]
 # The same graphs and metrics with the built-in Graphormer, without PyG's fidelity (tasks.motif_evaluation).
 _COLUMNS["motifs-graphormer"] = [column for column in _COLUMNS["motifs"] if not column[1].startswith("fidelity")]
+_COLUMNS["recall"] = recall_columns()  # means with bootstrap 95 % intervals (tasks.recall_benchmark)
 
 
 def table(report: BenchmarkReport) -> str:

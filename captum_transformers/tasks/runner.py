@@ -18,6 +18,8 @@ Tasks (``TASKS``):
 * ``motifs-graphormer``: the same graphs and metrics, the built-in Graphormer
   (``tasks.graphormer_motifs``), every package method; no PyG fidelity (it masks node
   features only, which this model's predictions do not depend on: ``motif_metrics``).
+* ``recall``: the built-in recall Llama's answers; evidence-token hit rates, shares and cost
+  with bootstrap intervals (:mod:`.recall_benchmark`, which runs it).
 * ``movies``: Rotten Tomatoes snippets, fine-tuned MiniLM. Token relevance explains the true
   class (Ali et al.'s AUAC measures p(true class)); AUAC, AU-MSE, and token F1 of the top
   words against silver VADER-lexicon rationales.
@@ -49,7 +51,7 @@ from ..evaluation.pixel_perturbation import PIXEL_PROTOCOLS
 from ..evaluation.results import ResultRecord
 from ..methods.catalog import METHOD_NAMES, PACKAGE_METHOD_NAMES, build_method, resolve_method_names
 
-TASKS = ("digits", "digits-two", "digits-swin", "digits-two-swin", "movies", "motifs", "motifs-graphormer")
+TASKS = ("digits", "digits-two", "digits-swin", "digits-two-swin", "movies", "motifs", "motifs-graphormer", "recall")
 # Tasks with pixel perturbation, and the two-digit tasks (both labels explained).
 _PIXEL_TASKS = ("digits", "digits-swin")
 _TWO_DIGIT_TASKS = ("digits-two", "digits-two-swin")
@@ -276,6 +278,12 @@ def run_benchmark(task: str, methods: Optional[Sequence[str]] = None, limit: Opt
     ``"cvpr21"``). Under ``torch.distributed`` each process evaluates its shard of
     batches and the results are reduced; every process returns the full report.
     """
+    if task == "recall":  # per-prompt bootstrap intervals, not accumulators: its own runner
+        from .recall_benchmark import run_recall_benchmark
+
+        if pixel_steps != "fine":
+            raise InputError(f"pixel_steps={pixel_steps!r} applies to the digits task only; drop the option.")
+        return run_recall_benchmark(methods, limit, batch_size, progress, device, explain)
     if task not in _RUNNERS:
         raise InputError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}.")
     if limit is not None and limit < 1:
