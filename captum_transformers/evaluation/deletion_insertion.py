@@ -115,7 +115,7 @@ class RiseDeletion(_RiseCurve):
 
 
 class RiseInsertion(_RiseCurve):
-    """RISE insertion: pixels most relevant first are restored into ``canvas`` (default ``"blur"``); higher AUC is better.
+    """RISE insertion: pixels most relevant first go back into ``canvas`` (default ``"blur"``); higher AUC is better.
 
     ``canvas`` takes the occlusion choices of :mod:`image_occlusion`; ``score`` as in
     :class:`RiseDeletion`.
