@@ -14,11 +14,11 @@ LRG = A(LIF) - A(random)) and cancels in their sum, which is why SRG ranks expla
 consistently across occlusion choices. The AttnLRP paper (Achtibat et al., ICML 2024)
 reports the same difference as ``Delta A^F``.
 
-**Score.** ``score="prob"`` (default): ``softmax(logits)[y]``, no further rescaling, as in
-the port of the paper's metric to Quantus 0.6 (``SymmetricRelevanceGain``): the x axis is
-the removed fraction, so both areas lie in [0, 1] and SRG in [-1, 1], comparable across
-models and step schedules. ``"logit"`` (the scale of AttnLRP's ``Delta A^F`` tables, which
-exceed 1) and ``"log_prob"`` are the alternatives; the score is never rescaled per example.
+**Score and normalisation.** ``score="prob"`` (default): ``softmax(logits)[y]``, not
+rescaled per example, as Quantus' port of the metric (``SymmetricRelevanceGain``) tracks
+it; the x axis is the removed fraction, so both areas lie in [0, 1] and SRG in [-1, 1],
+comparable across models and step schedules. ``"logit"`` and ``"log_prob"`` are the
+alternatives (unbounded scales, e.g. to compare with tables computed on logits).
 
 **Order.** MIF sorts relevance descending (ties: earlier feature first, a stable sort);
 LIF is its exact reverse, so tied features are removed in mirrored order by the two

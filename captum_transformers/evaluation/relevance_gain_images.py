@@ -23,9 +23,9 @@ class ImageRelevanceGain(RelevanceGain):
     Features are ``patch_size``-square patches (1: single pixels), ranked by the map summed
     over each patch. Step ``x_t`` replaces the ``ceil(x_t * n)`` most (MIF) or least (LIF)
     relevant patches of every channel by the ``occlusion`` fill (``"zero"``, ``"mean"``
-    (default: the image's channel means, as Quantus' SRG), ``"blur"``, a constant or a
-    callable), then ``normalize`` and the model run on the result. Occlusion acts on the
-    images as given (e.g. [0, 1] pixels), before ``normalize``.
+    (default: the image's own channel means), ``"blur"``, a constant or a callable), then
+    ``normalize`` and the model run on the result. Occlusion acts on the images as given
+    (e.g. [0, 1] pixels), before ``normalize``.
 
         SRG = trapezoid(mean LIF curve) - trapezoid(mean MIF curve)    (higher is better)
 
