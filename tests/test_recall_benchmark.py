@@ -80,6 +80,14 @@ def test_ranks_and_shares_of_a_hand_made_attribution():
     assert rows["share_value"].excluded == 0 and rows["share_value"].count == 2
 
 
+@pytest.mark.parametrize("scores, hit", [([0.9, 0.1, 0.5, 0.2, 0.9], False), ([0.5, 0.1, 0.5, 0.2, 0.0], False),
+                                         ([0.4, 0.1, 0.2, 0.5, 0.0], True)])
+def test_a_record_hit_needs_a_record_token_strictly_above_the_rest(scores, hit):
+    # Record: the value (2), the key (1) and the query (3); positions 0 and 4 are outside it.
+    out = evidence_scores(torch.tensor([[scores]]), torch.tensor([5]), torch.tensor([[[2, 1, 3]]]))
+    assert out.record_hit.tolist() == [[hit]]
+
+
 def test_evidence_scores_refuse_positions_outside_the_prompt():
     with pytest.raises(InputError, match="outside its prompt"):
         evidence_scores(torch.zeros(1, 1, 4), torch.tensor([3]), torch.tensor([[[3, 1, 2]]]))
@@ -114,6 +122,8 @@ def test_recall_benchmark_on_eight_prompts_prints_and_writes_the_table(tmp_path,
     # in benchmarks/recall_evidence.py); rollout follows the query-key match, never the value.
     assert by_key[("conservative-lrp", "top1_value")]["value"] == 1.0
     assert by_key[("rollout", "top1_value")]["value"] == 0.0
+    assert by_key[("conservative-lrp", "top1_record")]["value"] == 1.0
+    assert all(-1.0 <= by_key[(name, "srg")]["value"] <= 1.0 for name in methods)
     for (method, name), row in by_key.items():
         if row["kind"] == "IntervalResult":
             assert row["low"] <= row["value"] <= row["high"] and row["count"] == 8, (method, name)

@@ -13,14 +13,21 @@ Per method, per (prompt, answer word) with scores :math:`a_j` over the prompt po
 * **rank** of an evidence position :math:`e`: :math:`r_e = |\{j : a_j \ge a_e\}|` (ties count
   against the method, so a constant row ranks the evidence last, never first by luck);
   top-k hit: :math:`r_e \le k`. Reported: top-1 and top-k (``top_k``, default 3) of the value,
-  top-1 of the key and of the query.
+  top-1 of the key and of the query; and top-1 **in the record**: the best-scored prompt token
+  is one of the queried record's tokens (its key, either value word) or the query, scoring
+  strictly above every other token (the second word is found by matching the first, so a
+  perturbation method may point at the first word: a hit here, a miss on the value).
 * **share** of positive relevance: :math:`\sum_{j \in E} a_j^+ / \sum_j a_j^+` with
   :math:`a^+ = \max(a, 0)`, for :math:`E` = the value, and for :math:`E` = value, key and query.
   Attention maps are non-negative, so for them it is the share of :math:`|a|`. Undefined (left
   out, counted as ``excluded``) for a row with no positive score.
-* **SRG** over the prompt (when :mod:`captum_transformers.evaluation.generation_faithfulness`
-  is present; see :func:`prompt_relevance_gain`).
-* **cost**: the method's wall time over the explained answer tokens (ms per token).
+* **SRG** over the prompt, per answer word (:func:`~captum_transformers.evaluation.
+  generation_faithfulness.generation_token_scores`): prompt tokens are replaced by ``<unk>``
+  most relevant first (MIF) and least relevant first (LIF), 5 % steps, ``<bos>`` never
+  replaced; the curves track the word's probability (the same scale for methods explaining a
+  logit or a log-probability), so SRG = A(LIF) - A(MIF) lies in [-1, 1], higher is better.
+* **cost**: the method's wall time over the explained answer tokens (ms per token; the
+  metrics' own forwards, SRG's among them, are not counted).
 
 Each example's value is the mean over its two answer words; the table gives the mean over
 prompts with a percentile bootstrap 95 % interval over prompts (:mod:`.bootstrap`, 1000
@@ -68,6 +75,7 @@ RECALL_METHOD_NAMES: Tuple[str, ...] = KNOWN_METHOD_NAMES + CAPTUM_LLM_METHODS
 DEFAULT_LIMIT = 200
 DEFAULT_TOP_K = 3
 TEST_SEED = 0  # recall_examples(limit, seed=TEST_SEED, split="test")
+SRG_ROWS_PER_FORWARD = 1024  # perturbed sequences per forward call of the SRG curves (memory bound)
 EXPLAINED = "the true answer words (teacher-forced)"
 
 
@@ -92,14 +100,16 @@ class AnswerAttributions:
 
 @dataclass(frozen=True)
 class EvidenceScores:
-    """Per (prompt, answer word), (n, W): the ranks of the value, key and query positions and the
-    positive-relevance shares of the value and of the whole evidence (NaN: no positive score)."""
+    """Per (prompt, answer word), (n, W): the ranks of the value, key and query positions, the
+    positive-relevance shares of the value and of the whole evidence (NaN: no positive score),
+    and whether the top token lies in the queried record or is the query (``record_hit``)."""
 
     value_rank: torch.Tensor
     key_rank: torch.Tensor
     query_rank: torch.Tensor
     value_share: torch.Tensor
     evidence_share: torch.Tensor
+    record_hit: torch.Tensor
 
 
 def resolve_recall_methods(names: Optional[Sequence[str]]) -> List[str]:
@@ -208,9 +218,39 @@ def evidence_scores(scores: torch.Tensor, lengths: torch.Tensor, evidence: torch
     defined = total > 0
     safe_total = torch.where(defined, total, torch.ones_like(total))
     nan = torch.full_like(total, float("nan"))
+    # The record: every answer word's value, the key and the query (all in evidence).
+    record = torch.zeros(scores.shape[0], scores.shape[-1], dtype=torch.bool)
+    record.scatter_(1, evidence.reshape(scores.shape[0], -1), True)
+    record = record[:, None, :] & inside
+    other = inside & ~record
+    best_in = torch.where(record, scores, torch.full_like(scores, -torch.inf)).amax(-1)
+    best_out = torch.where(other, scores, torch.full_like(scores, -torch.inf)).amax(-1)
     return EvidenceScores(ranks[..., 0], ranks[..., 1], ranks[..., 2],
                           torch.where(defined, on_evidence[..., 0] / safe_total, nan),
-                          torch.where(defined, on_evidence.sum(-1) / safe_total, nan))
+                          torch.where(defined, on_evidence.sum(-1) / safe_total, nan), best_in > best_out)
+
+
+def prompt_relevance_gain(model, tokenizer, examples: Sequence[RecallExample],
+                          answers: AnswerAttributions) -> torch.Tensor:
+    """Per (prompt, answer word), (n, W) float64: SRG over the prompt (see the module docstring),
+    from :func:`~captum_transformers.evaluation.generation_faithfulness.generation_token_scores`."""
+    from ..evaluation.generation_faithfulness import generation_token_scores
+    from ..evaluation.relevance_gain import GAIN_FRACTIONS, symmetric_relevance_gain
+
+    device = next(model.parameters()).device
+
+    def forward(batch):
+        with torch.no_grad():
+            return model(**{key: value.to(device) for key, value in batch.items()}).logits
+
+    words = answers.scores.shape[1]
+    token_attr = [answers.scores[i, :, :length] for i, length in enumerate(answers.lengths.tolist())]
+    scores = generation_token_scores(forward, [e.prompt_ids for e in examples],
+                                     [e.answer_ids[:words] for e in examples], token_attr,
+                                     replacement_id=tokenizer.unk_token_id, score="prob", ks=(1,),
+                                     fractions=GAIN_FRACTIONS, never_removed_ids=[tokenizer.bos_token_id],
+                                     max_batch_size=SRG_ROWS_PER_FORWARD)
+    return symmetric_relevance_gain(scores.mif, scores.lif, GAIN_FRACTIONS).srg.reshape(len(examples), words)
 
 
 def _per_prompt(values: torch.Tensor) -> torch.Tensor:
@@ -221,7 +261,8 @@ def _per_prompt(values: torch.Tensor) -> torch.Tensor:
 def evidence_rows(evidence: EvidenceScores, top_k: int = DEFAULT_TOP_K) -> List[ResultRecord]:
     """The bootstrap-interval results of one method: hit rates, then shares."""
     hits = [("top1_value", evidence.value_rank <= 1), (f"top{top_k}_value", evidence.value_rank <= top_k),
-            ("top1_key", evidence.key_rank <= 1), ("top1_query", evidence.query_rank <= 1)]
+            ("top1_key", evidence.key_rank <= 1), ("top1_query", evidence.query_rank <= 1),
+            ("top1_record", evidence.record_hit)]
     shares = [("share_value", evidence.value_share), ("share_evidence", evidence.evidence_share)]
     return [bootstrap_interval(_per_prompt(values), name=name) for name, values in hits + shares]
 
@@ -232,8 +273,10 @@ def recall_columns(top_k: int = DEFAULT_TOP_K) -> List[Tuple[str, str, str, str]
             (f"top-{top_k} value hit", f"top{top_k}_value", "text", "{}"),
             ("top-1 key", "top1_key", "text", "{}"),
             ("top-1 query", "top1_query", "text", "{}"),
+            ("top-1 in record", "top1_record", "text", "{}"),
             ("positive share, value", "share_value", "text", "{}"),
             ("positive share, value+key+query", "share_evidence", "text", "{}"),
+            ("SRG (prob)", "srg", "text", "{}"),
             ("ms / token", "ms_per_token", "value", "{:.2f}")]
 
 
@@ -267,6 +310,8 @@ def run_recall_benchmark(methods: Optional[Sequence[str]] = None, limit: Optiona
         answers = explain_answers(name, model, tokenizer, examples, batch_size)
         scored = evidence_scores(answers.scores, answers.lengths, evidence)
         rows += [(name, result) for result in evidence_rows(scored, top_k)]
+        srg = prompt_relevance_gain(model, tokenizer, examples, answers)
+        rows.append((name, bootstrap_interval(_per_prompt(srg), name="srg")))
         rows.append((name, ScalarResult("ms_per_token", 1000.0 * answers.seconds / answers.explained_tokens,
                                         answers.explained_tokens)))
     return BenchmarkReport("recall", tuple(names), tuple(rows), len(examples), 1, time.perf_counter() - start,
@@ -275,4 +320,5 @@ def run_recall_benchmark(methods: Optional[Sequence[str]] = None, limit: Optiona
 
 __all__ = ["CAPTUM_LLM_METHODS", "RECALL_DEFAULT_METHODS", "RECALL_METHOD_NAMES", "AnswerAttributions",
            "EvidenceScores", "evidence_positions", "evidence_rows", "evidence_scores", "explain_answers",
+           "prompt_relevance_gain",
            "recall_columns", "resolve_recall_methods", "run_recall_benchmark"]
