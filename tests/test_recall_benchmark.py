@@ -75,6 +75,7 @@ def test_ranks_and_shares_of_a_hand_made_attribution():
     assert rows["top1_value"].value == pytest.approx(0.25)  # prompt means 0.5 and 0
     assert rows["top2_value"].value == pytest.approx(0.75)  # prompt means 1 and 0.5
     assert rows["top1_key"].value == 0.0
+    assert rows["top1_value_word1"].value == 0.5 and rows["top1_value_word2"].value == 0.0
     # Shares: prompt 1 the mean of its two words, prompt 2 its one defined word.
     assert rows["share_value"].value == pytest.approx(((0.6 + 0.5 / 1.4) / 2 + 0.25) / 2)
     assert rows["share_value"].excluded == 0 and rows["share_value"].count == 2

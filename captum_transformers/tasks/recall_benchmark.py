@@ -259,12 +259,15 @@ def _per_prompt(values: torch.Tensor) -> torch.Tensor:
 
 
 def evidence_rows(evidence: EvidenceScores, top_k: int = DEFAULT_TOP_K) -> List[ResultRecord]:
-    """The bootstrap-interval results of one method: hit rates, then shares."""
+    """The bootstrap-interval results of one method: hit rates, shares, then the top-1 value hit
+    of each answer word alone (``top1_value_word1``, ...: the JSON and CSV files, not the table)."""
     hits = [("top1_value", evidence.value_rank <= 1), (f"top{top_k}_value", evidence.value_rank <= top_k),
             ("top1_key", evidence.key_rank <= 1), ("top1_query", evidence.query_rank <= 1),
             ("top1_record", evidence.record_hit)]
     shares = [("share_value", evidence.value_share), ("share_evidence", evidence.evidence_share)]
-    return [bootstrap_interval(_per_prompt(values), name=name) for name, values in hits + shares]
+    words = [(f"top1_value_word{w + 1}", evidence.value_rank[:, w:w + 1] <= 1)
+             for w in range(evidence.value_rank.shape[1])]
+    return [bootstrap_interval(_per_prompt(values), name=name) for name, values in hits + shares + words]
 
 
 def recall_columns(top_k: int = DEFAULT_TOP_K) -> List[Tuple[str, str, str, str]]:
