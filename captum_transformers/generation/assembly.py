@@ -21,6 +21,7 @@ from torch import nn
 from ..errors import InputError
 from .batch import GenerationBatch
 from .engine import StepLogits
+from .image_inputs import image_columns
 from .prompts import EncodedPrompt, special_token_mask
 from .result import GenerationResult, first_token_share
 from .steps import ExplainedSteps, group_scores, token_probabilities
@@ -64,8 +65,13 @@ def _feature_columns(prompt: EncodedPrompt, scores: torch.Tensor, tokens: List[s
 
 def assemble_results(explainer: Any, prompts: List[EncodedPrompt], batch: GenerationBatch, steps: ExplainedSteps,
                      per_stream: Dict[str, torch.Tensor], step_logits: StepLogits,
-                     skip_tokens: Optional[Sequence[Any]]) -> List[GenerationResult]:
-    """One result per prompt (see the module docstring); ``per_stream`` holds (G, B, N) scores."""
+                     skip_tokens: Optional[Sequence[Any]], images: Sequence[Any] = (),
+                     image_token: Optional[int] = None) -> List[GenerationResult]:
+    """One result per prompt (see the module docstring); ``per_stream`` holds (G, B, N) scores.
+
+    A vision-language model's image placeholder tokens (``image_token``) are left out of
+    ``token_attr``: their scores are the image's, in ``image_attr`` / ``image_token_attr``
+    (per image of ``images``)."""
     tokenizer, groups = explainer.tokenizer, steps.explained_groups
     logits = step_logits.logits
     probabilities = token_probabilities(logits, steps.targets)
@@ -89,8 +95,11 @@ def assemble_results(explainer: Any, prompts: List[EncodedPrompt], batch: Genera
             output_part = torch.cat([output_part, output_part.new_zeros(len(rows), length - output_part.shape[1])], 1)
         share = first_token_share(torch.cat([prompt_part, output_part], dim=1), explainer.sink_tokens)
         tokens = _tokens(tokenizer, prompt.ids)
-        token_attr, input_tokens = _feature_columns(prompt, prompt_part, tokens,
-                                                    special_token_mask(prompt.ids, tokenizer, skip_tokens))
+        skipped = special_token_mask(prompt.ids, tokenizer, skip_tokens)
+        if image_token is not None:
+            skipped = [s or int(i) == image_token for s, i in zip(skipped, prompt.ids)]
+        token_attr, input_tokens = _feature_columns(prompt, prompt_part, tokens, skipped)
+        image_attr, image_token_attr, image_grid = image_columns(per_stream, images, b, rows)
         target = steps.targets[b, :length].tolist()
         output_tokens = _tokens(tokenizer, target)
         read_tokens = (_tokens(tokenizer, [start_id]) + output_tokens[:-1]) if batch.encoder_decoder else output_tokens
@@ -105,5 +114,6 @@ def assemble_results(explainer: Any, prompts: List[EncodedPrompt], batch: Genera
             output_probs=step_probs.cpu(), scores=explained_scores[b, rows].cpu(),
             score_kind=steps.score, method=type(explainer.method).__name__, first_token_share=share.cpu(),
             input_ids=list(prompt.ids), output_ids=target, inp=prompt.inp, contrast_tokens=contrast,
-            signed=signed_method(explainer.method), encoder_decoder=batch.encoder_decoder))
+            signed=signed_method(explainer.method), encoder_decoder=batch.encoder_decoder, image_attr=image_attr,
+            image_token_attr=image_token_attr, image_grid=image_grid))
     return results

@@ -22,9 +22,18 @@ Example::
     >>> result = explainer.attribute("k = 3 ; q ?", target="3")       # Captum's LLMAttributionResult
     >>> result.token_attr.shape          # (output tokens, prompt tokens)
     >>> results = explainer.attribute(["a = 1 ?", "b = 2 ; c = 4 ?"])  # generated, one batched pass
+
+Vision-language models (LLaVA): the prompt's ids hold each image's placeholder tokens and
+``images=`` (or ``pixel_values=``) the pixels; each result then also has ``image_attr``
+(T, H, W) per image (:mod:`captum_transformers.generation.image_inputs`,
+:mod:`captum_transformers.generation.vision_steps`)::
+
+    >>> result = GenerationAttribution(GenericAttention(llava), tokenizer).attribute(ids, target=[5], images=pixels)
+    >>> result.image_attr.shape, result.token_attr.shape     # (1, H, W), (1, text tokens)
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -39,10 +48,12 @@ from .assembly import assemble_results, encoder_decoder_model
 from .batch import GenerationBatch, decoder_batch, encoder_decoder_batch, padding_id
 from .engine import relevance_steps, trace_steps
 from .generate import generated_targets
+from .image_inputs import gathered_image_inputs, moved, vision_language_adapter
 from .prefix_calls import prefix_scores
 from .prompts import EncodedPrompt, encode_prompt, encode_target, prompt_list
 from .result import GenerationResult
 from .steps import SCORE_KINDS, ExplainedSteps
+from .vision_steps import relevance_image_scores, vision_language_scores
 
 Span = Union[slice, Sequence[int]]
 
@@ -79,7 +90,8 @@ class GenerationAttribution(Attribution):
     @log_usage()
     def attribute(self, inp: Any, target: Any = None, gen_args: Optional[Dict[str, Any]] = None, *,
                   contrast: Any = None, span: Optional[Span] = None, skip_tokens: Optional[Sequence[Any]] = None,
-                  score: Optional[str] = None) -> Union[GenerationResult, List[GenerationResult]]:
+                  score: Optional[str] = None, images: Any = None,
+                  **image_keywords: Any) -> Union[GenerationResult, List[GenerationResult]]:
         """Explain the target (or generated) tokens of one prompt or a list of prompts.
 
         Args:
@@ -96,6 +108,9 @@ class GenerationAttribution(Attribution):
                 one backward pass; the result then has one row.
             skip_tokens: prompt tokens (strings or ids) left out of ``token_attr`` (e.g. BOS).
             score: overrides the instance's score kind for this call.
+            images: a vision-language model's images: (C, H, W), (n, C, H, W), or for a batch a
+                list with one entry per prompt; the prompts' ids hold their placeholder tokens.
+            image_keywords: the model's own image inputs instead (``pixel_values=``), for the batch.
         """
         kind = self.score if score is None else score
         if isinstance(inp, (list, tuple)) and not inp:
@@ -103,20 +118,31 @@ class GenerationAttribution(Attribution):
         listed, batched = prompt_list(inp)
         prompts = [encode_prompt(p, self.tokenizer) for p in listed]
         encoder_decoder = encoder_decoder_model(self.model)
-        targets = self._targets(prompts, target, gen_args, batched, encoder_decoder)
+        adapter = vision_language_adapter(self.method)
+        image_inputs = gathered_image_inputs(adapter, images, image_keywords, len(prompts), batched)
+        if image_inputs is not None:
+            image_inputs = moved(image_inputs, next(self.model.parameters()).device)
+        targets = self._targets(prompts, target, gen_args, batched, encoder_decoder, image_inputs)
         batch = self._batch(prompts, targets, encoder_decoder)
+        images_read = []
+        if image_inputs is not None:
+            batch = dataclasses.replace(batch, forward_kwargs={**batch.forward_kwargs, **image_inputs})
+            images_read = adapter.images(self.model, batch.inputs[0], image_inputs)
         foils = self._foils(contrast, batch, batched)
         groups = None if span is None else (self._span(span, batch.targets.shape[1]),)
         steps = ExplainedSteps(batch.positions, batch.targets, kind, foils, groups)
-        per_stream, logits = self._explain(batch, steps)
-        results = assemble_results(self, prompts, batch, steps, per_stream, logits, skip_tokens)
+        per_stream, logits = self._explain(batch, steps, adapter, images_read)
+        image_token = None if adapter is None else adapter.image_token_id(self.model)
+        results = assemble_results(self, prompts, batch, steps, per_stream, logits, skip_tokens, images_read,
+                                   image_token)
         return results if batched else results[0]
 
     # -- inputs -----------------------------------------------------------------------
     def _targets(self, prompts: List[EncodedPrompt], target: Any, gen_args: Optional[dict], batched: bool,
-                 encoder_decoder: bool) -> List[List[int]]:
+                 encoder_decoder: bool, image_inputs: Optional[dict] = None) -> List[List[int]]:
         if target is None:
-            return generated_targets(self.model, self.tokenizer, [p.ids for p in prompts], gen_args, encoder_decoder)
+            return generated_targets(self.model, self.tokenizer, [p.ids for p in prompts], gen_args, encoder_decoder,
+                                     image_inputs)
         if gen_args is not None:
             raise InputError("gen_args is only used to generate a target; it was given together with a target.")
         if batched:
@@ -175,12 +201,25 @@ class GenerationAttribution(Attribution):
         return tuple(sorted(chosen))  # the group is read at its latest step's position
 
     # -- the engine -----------------------------------------------------------------------
-    def _explain(self, batch: GenerationBatch, steps: ExplainedSteps):
-        """Scores per explained group and stream, {stream: (G, B, N)}, and the step logits."""
+    def _explain(self, batch: GenerationBatch, steps: ExplainedSteps, adapter: Any = None, images: list = ()):
+        """Scores per explained group and stream, {stream: (G, B, N)} (a vision-language model's
+        images too: ``"image:i"`` (G, V), ``"pixels:i"`` (G, H, W)), and the step logits."""
         method, collected = self.method, []
+        if images and not isinstance(method, (TraceAttribution, RuleGradientXInput)):
+            raise InputError(f"{type(method).__name__} explains token ids one prefix call at a time and takes no "
+                             "images; explain a vision-language model with the package's methods (AttnLRP, "
+                             "ConservativeLRP, GenericAttention, ...).")
+        keywords = tuple(adapter.image_input_names) if images else ()
 
         def keep(group: int, value: Any) -> None:
-            scores = method.stream_scores(value) if isinstance(method, TraceAttribution) else value
+            if isinstance(method, TraceAttribution):
+                scores = vision_language_scores(method, value, images, adapter.feeding_calls(self.model)) \
+                    if images else method.stream_scores(value)
+            elif images:
+                products = {name: value[f"input:{name}"] for name in keywords if f"input:{name}" in value}
+                scores = relevance_image_scores(value, adapter.pixel_relevance(self.model, products, images), images)
+            else:
+                scores = value
             collected.append({name: finished(tensor.detach(), self.model) for name, tensor in scores.items()})
 
         if isinstance(method, TraceAttribution):
@@ -198,7 +237,7 @@ class GenerationAttribution(Attribution):
                                  "'auto', not 'inputs'.")
             with method.stochastic_rule():
                 logits = relevance_steps(method.adapter, self.model, batch.inputs, (), batch.forward_kwargs, steps,
-                                         method.rules, keep)
+                                         method.rules, keep, keywords)
         else:  # Captum's own methods: one call per step on the prefix (each computes what it computes)
             logits = prefix_scores(method, batch, steps, keep)
         stacked = {name: torch.stack([c[name] for c in collected]) for name in collected[0]}

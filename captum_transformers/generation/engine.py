@@ -96,11 +96,17 @@ def _step_streams(streams: StreamLayouts, position: int) -> StreamLayouts:
 
 
 def _refuse_non_causal(recorder: Recorder, streams: StreamLayouts) -> None:
-    if not recorder.causal:
+    """The explained stream's self-attention must be causal. Other streams may attend freely:
+    a seq2seq encoder or a vision tower reads no generated token (the tower's rows feed the
+    decoder's image tokens, which sit in the prompt)."""
+    explained = streams.explained[0]
+    own = [s for s in recorder.sites if s.streams == (explained, explained)] if not streams.is_single else \
+        list(recorder.sites)
+    if not own or not all(s.causal for s in own):
         raise CaptureError(
             "The explained stream's attention is not causal, so one forward pass over prompt + generated tokens would "
             "let later tokens change earlier scores: explaining generated tokens needs a causal decoder (a causal LM, "
-            f"or the decoder of a seq2seq model). Streams seen: {sorted(streams.layouts)}."
+            f"the decoder of a seq2seq model, or a vision-language decoder). Streams seen: {sorted(streams.layouts)}."
         )
 
 
@@ -160,17 +166,23 @@ def trace_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tensor, 
 
 def relevance_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional: Sequence[Any],
                     forward_kwargs: Optional[dict], steps: ExplainedSteps, rules: RuleSet,
-                    on_step: OnStep) -> StepLogits:
+                    on_step: OnStep, input_keywords: Sequence[str] = ()) -> StepLogits:
     """Gradient x Input under ``rules`` at the hidden states entering each stream's first
     layer, one backward pass per explained group from one forward pass.
 
     ``on_step(g, relevance)`` receives ``{stream: (B, N)}`` (the hidden size summed, padding
     zeroed) for group ``g``; the explained score's relevance is its value under rules seeded
-    with the score (AttnLRP, ConservativeLRP) and 1 under rules seeded with one.
+    with the score (AttnLRP, ConservativeLRP) and 1 under rules seeded with one. The
+    floating-point ``forward_kwargs`` named in ``input_keywords`` (a VLM's pixel values) are
+    explained too: ``"input:<name>"`` holds their ``x * dy/dx`` (same shape).
     """
     refuse_unexplainable_batch(inputs)
     refuse_rounding_sensitive(rules, model_dtype(model))
     additional, forward_kwargs = ordinary_tensors(tuple(additional)), ordinary_tensors(forward_kwargs)
+    forward_kwargs = dict(forward_kwargs or {})
+    extra = {name: forward_kwargs[name].detach().requires_grad_() for name in input_keywords
+             if isinstance(forward_kwargs.get(name), torch.Tensor) and forward_kwargs[name].is_floating_point()}
+    forward_kwargs.update(extra)
     layers = adapter.first_layers(model)
     entering: Dict[Optional[str], list] = {stream: [] for stream in layers}
     groups = steps.explained_groups
@@ -179,7 +191,8 @@ def relevance_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tens
         stack.enter_context(torch.enable_grad())
         stack.enter_context(patching.parameters_require_grad(model))
         contexts = [adapter.propagation(model, rules)]
-        contexts.extend(read_layer_input(layer, entering[stream]) for stream, layer in layers.items())
+        read = tapped_layer_input if extra else read_layer_input  # a detached leaf would cut the image path
+        contexts.extend(read(layer, entering[stream]) for stream, layer in layers.items())
         keep = kept_positions(model, steps.positions)
         recorder = Recorder(CaptureSpec())
         streams, output, kept = adapter.captured_forward(model, relevance_carrying(inputs), additional,
@@ -194,10 +207,36 @@ def relevance_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tens
             score = group_scores(logits, steps, group)
             if not score.requires_grad:
                 raise CaptureError("The explained score does not depend on the inputs (it does not require grad).")
-            grads = torch.autograd.grad(seeded(score, rules).sum(), list(read.values()), allow_unused=True,
-                                        retain_graph=g < len(groups) - 1)
-            on_step(g, _token_relevance(adapter, streams, read, grads))
+            grads = torch.autograd.grad(seeded(score, rules).sum(), list(read.values()) + list(extra.values()),
+                                        allow_unused=True, retain_graph=g < len(groups) - 1)
+            relevance = _token_relevance(adapter, streams, read, grads[:len(read)])
+            relevance.update({f"input:{name}": input_times_gradient(leaf, grad)
+                              for (name, leaf), grad in zip(extra.items(), grads[len(read):])})
+            on_step(g, relevance)
     return StepLogits(logits.detach(), streams)
+
+
+@contextlib.contextmanager
+def tapped_layer_input(layer: nn.Module, store: list):
+    """Keep the hidden states entering ``layer`` (first call) without detaching them: a
+    vision-language decoder's first layer reads image tokens whose relevance must go on into
+    the vision tower, so ``d score / d hidden`` is read at the tensor itself, in the graph."""
+
+    def make(original):
+        def forward(*args, **kwargs):
+            source = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+            if not store and isinstance(source, torch.Tensor):
+                if not source.requires_grad:  # nothing before it carries relevance: a leaf, as read_layer_input
+                    leaf = source.detach().requires_grad_()
+                    args = tuple(leaf if a is source else a for a in args)
+                    kwargs = {k: (leaf if v is source else v) for k, v in kwargs.items()}
+                    source = leaf
+                store.append(source)
+            return original(*args, **kwargs)
+        return forward
+
+    with patching.instance_forward(layer, make):
+        yield
 
 
 def _token_relevance(adapter: Adapter, streams: StreamLayouts, read: Dict[str, torch.Tensor],

@@ -35,8 +35,10 @@ def _end_ids(model: nn.Module, tokenizer: Any, args: Dict[str, Any]) -> set:
 
 
 def generated_targets(model: nn.Module, tokenizer: Any, prompts: Sequence[Sequence[int]],
-                      gen_args: Optional[Dict[str, Any]], encoder_decoder: bool) -> List[List[int]]:
-    """Per prompt, the generated ids (each cut after its first end token)."""
+                      gen_args: Optional[Dict[str, Any]], encoder_decoder: bool,
+                      image_inputs: Optional[Dict[str, Any]] = None) -> List[List[int]]:
+    """Per prompt, the generated ids (each cut after its first end token); ``image_inputs``
+    (a vision-language model's ``pixel_values``...) are passed to ``generate``."""
     if not callable(getattr(model, "generate", None)):
         raise InputError(f"{type(model).__name__} has no generate(); pass the target to explain (a string or ids).")
     args = dict(DEFAULT_GEN_ARGS if not gen_args else gen_args)
@@ -59,7 +61,7 @@ def generated_targets(model: nn.Module, tokenizer: Any, prompts: Sequence[Sequen
     args.setdefault("return_dict_in_generate", True)
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor(ids, device=device),
-                             attention_mask=torch.tensor(mask, device=device), **args)
+                             attention_mask=torch.tensor(mask, device=device), **(image_inputs or {}), **args)
     _refuse_non_finite_scores(out, model)
     sequences = out.sequences if hasattr(out, "sequences") else out
     answers = sequences[:, 1:] if encoder_decoder else sequences[:, longest:]

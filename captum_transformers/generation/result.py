@@ -16,6 +16,11 @@
   ``signed`` (whether the method's scores have a direction: relevance and gradient x input do,
   attention maps do not); ``encoder_decoder`` (the model reads a source and a decoder
   sequence); ``input_ids`` and ``output_ids``.
+* vision-language models: ``image_attr`` (T, H, W) per image in the input image's pixel
+  layout (a list for a prompt with several images; None without images), ``image_token_attr``
+  (T, V) over the vision tower's tokens (CLS first, then the patch grid row-major), and
+  ``image_grid`` (rows, cols). ``token_attr`` then covers the text tokens only (the image
+  placeholder tokens are left out: their scores are the image's).
 
 Example::
 
@@ -38,7 +43,8 @@ class GenerationResult(LLMAttributionResult):
                  scores: torch.Tensor, score_kind: str, method: str, first_token_share: torch.Tensor,
                  input_ids: List[int], output_ids: List[int], inp: Any = None,
                  contrast_tokens: Optional[List[str]] = None, signed: bool = False,
-                 encoder_decoder: bool = False) -> None:
+                 encoder_decoder: bool = False, image_attr: Any = None, image_token_attr: Any = None,
+                 image_grid: Any = None) -> None:
         super().__init__(input_tokens=input_tokens, output_tokens=output_tokens, seq_attr=token_attr.sum(0),
                          token_attr=token_attr, output_probs=output_probs, inp=inp)
         self.target_attr = target_attr
@@ -52,6 +58,9 @@ class GenerationResult(LLMAttributionResult):
         self.contrast_tokens = contrast_tokens
         self.signed = signed
         self.encoder_decoder = encoder_decoder
+        self.image_attr = image_attr
+        self.image_token_attr = image_token_attr
+        self.image_grid = image_grid
 
     def __repr__(self) -> str:
         return (f"GenerationResult(method={self.method}, score={self.score_kind}, "

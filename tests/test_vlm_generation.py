@@ -1,0 +1,209 @@
+"""GenerationAttribution on a vision-language model (tiny float64 LLaVA, tests/vlm_models.py).
+
+Per generated token: a map over the image's pixels (``image_attr``), one over the vision
+tower's tokens (``image_token_attr``) and one over the text tokens (``token_attr``). Each row
+must equal a separate explanation of that token alone on its prefix (prompt + y_<t, its own
+forward pass) to 1e-10, and the text part must equal the method's own single call on the
+prefix; a batch of two examples with two images equals the single calls; the model is
+restored exactly; AH+LN conserves over image + text on a bias-free model.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from generation_models import IdTokenizer
+from restore import assert_same, raising_after, snapshot
+from vlm_models import IMAGE, IMAGE_SIZE, build_llava, image_prompt, pixels, transformers
+
+from captum_transformers import (AttentionFlow, AttentionGradCAM, AttentionRollout, AttnLRP, ConservativeLRP,
+                                 GenericAttention, InputError, PartialLRP, RawAttention, TransformerLRP,
+                                 TransformerRelevance)
+from captum_transformers.adapters.llava import LlavaAdapter
+from captum_transformers.generation import GenerationAttribution
+from captum_transformers.methods.captum_baselines import CaptumIntegratedGradients
+
+TOL = 1e-10
+TOKENIZER = IdTokenizer()
+PROMPT, TARGET = image_prompt([1, 5], [7, 9]), [20, 21, 22]
+METHODS = {
+    "AttnLRP": AttnLRP,
+    "ConservativeLRP-AH+LN": lambda m: ConservativeLRP(m, "AH+LN"),
+    "TransformerLRP": TransformerLRP,
+    "GenericAttention": GenericAttention,
+    "TransformerRelevance": TransformerRelevance,
+    "AttentionRollout": AttentionRollout,
+    "RawAttention": RawAttention,
+    "AttentionGradCAM": AttentionGradCAM,
+    "PartialLRP": PartialLRP,
+    "AttentionFlow": AttentionFlow,
+}
+_MODEL: dict = {}
+
+
+def model() -> torch.nn.Module:
+    if "llava" not in _MODEL:
+        _MODEL["llava"] = build_llava()
+    return _MODEL["llava"]
+
+
+def text_columns(prompt):
+    return [i for i, token in enumerate(prompt) if token != IMAGE]
+
+
+def prefix_differences(explainer, result, prompt, target, images):
+    """Largest |difference| of each row with the same method explaining y_t alone on its prefix."""
+    worst = 0.0
+    n_text = len(text_columns(prompt))
+    for t, token in enumerate(target):
+        single = explainer.attribute(prompt + target[:t], target=[token], images=images)
+        parts = [(result.token_attr[t], single.token_attr[0, :n_text]),
+                 (result.target_attr[t, :t], single.token_attr[0, n_text:])]
+        mine = result.image_attr if isinstance(result.image_attr, list) else [result.image_attr]
+        theirs = single.image_attr if isinstance(single.image_attr, list) else [single.image_attr]
+        mine_tokens = result.image_token_attr if isinstance(result.image_token_attr, list) else [result.image_token_attr]
+        their_tokens = single.image_token_attr if isinstance(single.image_token_attr, list) else \
+            [single.image_token_attr]
+        parts += [(a[t], b[0]) for a, b in zip(mine, theirs)] + [(a[t], b[0]) for a, b in zip(mine_tokens, their_tokens)]
+        for a, b in parts:
+            worst = max(worst, (a - b).abs().max().item() if a.numel() else 0.0)
+    return worst
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_rows_equal_explanations_of_each_prefix(name):
+    llava, px = model(), pixels(1)
+    method = METHODS[name](llava)
+    explainer = GenerationAttribution(method, TOKENIZER)
+    result = explainer.attribute(PROMPT, target=TARGET, images=px)
+    assert result.token_attr.shape == (3, 4) and result.input_tokens == ["t1", "t5", "t7", "t9"]
+    assert result.image_attr.shape == (3, IMAGE_SIZE, IMAGE_SIZE) and result.image_token_attr.shape == (3, 17)
+    assert result.image_grid == (4, 4)
+    assert result.image_attr.dtype == torch.float64 and result.image_attr.abs().sum() > 0
+    assert prefix_differences(explainer, result, PROMPT, TARGET, px) < TOL
+    # The text part is the method's own single call on the prefix (the pixels by keyword).
+    text = text_columns(PROMPT)
+    if name == "AttentionFlow":  # its single calls refuse two streams (a flow over one sequence's graph)
+        with pytest.raises(InputError, match="one token sequence"):
+            method.attribute(torch.tensor([PROMPT]), target=TARGET[0], forward_kwargs={"pixel_values": px})
+        return
+    for t, token in enumerate(TARGET):
+        ids = torch.tensor([PROMPT + TARGET[:t]])
+        single = method.attribute(ids, target=token, forward_kwargs={"pixel_values": px}, return_tokens=True)
+        decoder = next(s for s in (single if isinstance(single, tuple) else (single,)) if s.shape[1] == ids.shape[1])
+        assert (decoder[0, text] - result.token_attr[t]).abs().max() < TOL
+
+
+def test_methods_that_chain_layers_reach_the_vision_tower():
+    """GenericAttention carries the image tokens' relevance through the tower's layers (ICCV'21):
+    its tower-input map differs from the image tokens' own scores; RawAttention stops there."""
+    llava, px = model(), pixels(1)
+    generic = GenerationAttribution(GenericAttention(llava), TOKENIZER).attribute(PROMPT, target=TARGET, images=px)
+    raw = GenerationAttribution(RawAttention(llava), TOKENIZER).attribute(PROMPT, target=TARGET, images=px)
+    assert not raw.image_token_attr[:, 0].any()  # the dropped CLS token feeds no image token
+    assert generic.image_token_attr[:, 0].abs().sum() > 0  # reached through the tower's attention to CLS
+
+
+def test_batch_of_two_examples_with_two_images_equals_single_calls():
+    llava = model()
+    prompts = [PROMPT, image_prompt([1, 6, 8], [3])]
+    targets = [TARGET, [23, 24]]
+    images = [pixels(1, seed=1), pixels(1, seed=2)]
+    for name in ("AttnLRP", "GenericAttention", "AttentionRollout"):
+        explainer = GenerationAttribution(METHODS[name](llava), TOKENIZER)
+        results = explainer.attribute(prompts, target=targets, images=images)
+        for result, prompt, target, image in zip(results, prompts, targets, images):
+            assert result.output_ids == target and result.image_attr.shape == (len(target), IMAGE_SIZE, IMAGE_SIZE)
+            assert prefix_differences(explainer, result, prompt, target, image) < TOL
+
+
+def test_two_images_in_one_prompt_give_one_map_each():
+    llava = model()
+    prompt = image_prompt([1, 5], [7], images=2)
+    px = pixels(2, seed=3)
+    explainer = GenerationAttribution(GenericAttention(llava), TOKENIZER)
+    result = explainer.attribute(prompt, target=TARGET[:2], images=px)
+    assert isinstance(result.image_attr, list) and len(result.image_attr) == 2
+    assert prefix_differences(explainer, result, prompt, TARGET[:2], px) < TOL
+    assert not torch.equal(result.image_attr[0], result.image_attr[1])
+
+
+def test_generated_target_and_pixel_values_keyword():
+    llava, px = model(), pixels(1)
+    explainer = GenerationAttribution(AttnLRP(llava), TOKENIZER)
+    result = explainer.attribute(PROMPT, gen_args={"max_new_tokens": 3, "do_sample": False}, pixel_values=px)
+    with torch.no_grad():
+        expected = llava.generate(torch.tensor([PROMPT]), pixel_values=px, max_new_tokens=3, do_sample=False,
+                                  pad_token_id=0)[0, len(PROMPT):].tolist()
+    cut = next((i + 1 for i, token in enumerate(expected) if token == 2), len(expected))
+    assert result.output_ids == expected[:cut]
+    explicit = explainer.attribute(PROMPT, target=result.output_ids, images=px)
+    assert torch.equal(result.image_attr, explicit.image_attr)
+
+
+def _bias_free_llava():
+    llava = build_llava(seed=3)
+
+    class Float64RMSNorm(transformers.models.llama.modeling_llama.LlamaRMSNorm):
+        def forward(self, hidden_states):
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    with torch.no_grad():
+        for module in llava.modules():
+            if type(module) is transformers.models.llama.modeling_llama.LlamaRMSNorm:
+                module.__class__ = Float64RMSNorm
+        for name, parameter in llava.named_parameters():
+            if name.endswith("bias"):  # CLIP's attention, MLP and LayerNorm biases
+                parameter.zero_()
+    return llava
+
+
+def test_conservative_ah_ln_sums_to_the_logit_over_image_and_text():
+    """Text tokens + earlier outputs + every vision-tower token (what enters through the
+    image: patches, CLS and position embeddings, at the tower's first layer) == the logit.
+    The identity rule on activations: CLIP's quick-GELU and the projector's GELU are not gated."""
+    llava, px = _bias_free_llava(), pixels(1)
+    method = ConservativeLRP(llava, "AH+LN", activation_rule="identity")
+    result = GenerationAttribution(method, TOKENIZER).attribute(PROMPT, target=TARGET, images=px)
+    totals = result.token_attr.sum(1) + result.target_attr.sum(1) + result.image_token_attr.sum(1)
+    assert (totals - result.scores).abs().max() < TOL
+    assert result.image_token_attr.abs().sum() > 0
+    # The gradient rule on GELU leaks relevance: the check can fail.
+    leaky = GenerationAttribution(ConservativeLRP(llava, "AH+LN"), TOKENIZER).attribute(PROMPT, target=TARGET,
+                                                                                          images=px)
+    leaked = leaky.token_attr.sum(1) + leaky.target_attr.sum(1) + leaky.image_token_attr.sum(1) - leaky.scores
+    assert leaked.abs().max() > 1e-6
+
+
+def test_model_restored_after_a_call_and_after_an_exception():
+    llava, px = build_llava(seed=4), pixels(1)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        logits = llava(ids, pixel_values=px).logits.clone()
+    before = snapshot(llava)
+    GenerationAttribution(AttnLRP(llava), TOKENIZER).attribute(PROMPT, target=TARGET, images=px)
+    assert_same(before, snapshot(llava))
+    for layer in (llava.model.vision_tower.encoder.layers[0], llava.model.language_model.layers[1]):
+        for method in (AttnLRP(llava), GenericAttention(llava)):
+            with raising_after(layer, RuntimeError("failure inside the forward")), \
+                    pytest.raises(RuntimeError, match="failure inside the forward"):
+                GenerationAttribution(method, TOKENIZER).attribute(PROMPT, target=TARGET, images=px)
+            assert_same(before, snapshot(llava))
+    with torch.no_grad():
+        assert torch.equal(llava(ids, pixel_values=px).logits, logits)
+
+
+def test_refusals():
+    llava, px = model(), pixels(1)
+    explainer = GenerationAttribution(GenericAttention(llava), TOKENIZER)
+    with pytest.raises(InputError, match="image tokens"):
+        explainer.attribute(PROMPT[:-3], target=TARGET, images=pixels(2))
+    with pytest.raises(InputError, match="image_sizes"):
+        explainer.attribute(PROMPT, target=TARGET, pixel_values=px, image_sizes=torch.tensor([[16, 16]]))
+    with pytest.raises(InputError, match="twice"):
+        explainer.attribute(PROMPT, target=TARGET, images=px, pixel_values=px)
+    with pytest.raises(InputError, match="not a vision-language one"):
+        GenerationAttribution(CaptumIntegratedGradients(llava), TOKENIZER).attribute(PROMPT, target=TARGET, images=px)
+    with pytest.raises(InputError, match="one entry per prompt"):
+        explainer.attribute([PROMPT, PROMPT], target=[TARGET, TARGET], images=px)
+    assert isinstance(explainer.method.adapter, LlavaAdapter)
