@@ -94,9 +94,16 @@ def _graphormer():
     return model(), nodes, rest
 
 
+def _llava():
+    from vlm_models import build_llava, image_prompt, pixels
+
+    ids = torch.tensor([image_prompt([1, 5 + i], [7, 9]) for i in range(3)])
+    return build_llava(), ids, {"pixel_values": pixels(3)}
+
+
 EXAMPLES = {"huggingface": _huggingface, "timm": _timm, "torch_mha": _torch_mha, "inline_attention": _inline_attention,
             "detr": _detr, "graphormer": _graphormer, "swin": _swin, "swinv2": _swinv2,
-            "timm_swin": _timm_swin}
+            "timm_swin": _timm_swin, "llava": _llava}
 # Graph batches are not sliced along dimension 0 of the node features: their contract (lookup,
 # shapes, batch == graphs one at a time, restore) is checked in tests/test_pyg_attention.py
 # and tests/test_pyg_gps.py.
