@@ -18,6 +18,10 @@ the kept tokens are left-packed in their order, the later ones move to earlier p
 ``removal="replace"`` writes ``replacement_id`` (e.g. ``[MASK]``) in their place instead
 (ferret's ``remove_tokens=False``) and keeps the positions.
 
+**Labels.** ``y`` is the class passed as ``labels``: ERASER uses the model's
+prediction on the full input (``logits.argmax(-1)``); another class measures how the
+rationale supports that class instead.
+
 **Never removed**: padding (attention mask 0) and the tokens of ``special_tokens_mask``
 ([CLS], [SEP]): the changeable tokens are those with mask 1 and not special, as in
 :class:`~.token_flipping.TokenActivation`. ferret likewise strips [CLS]/[SEP] before ranking and

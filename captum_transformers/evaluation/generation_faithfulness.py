@@ -25,9 +25,10 @@ attention sinks, chat-template markers) stay.
 
 **Batched.** Sequences are prompt + teacher-forced output, right padded (a causal model does
 not read the padding after a position, so no position ids change). Every (prompt, generated
-token) pair is one row; each perturbation step is one forward over all rows of the batch
-(``max_batch_size`` rows at most per call): ``1 + len(ks) + 2 len(fractions)`` forwards per
-``update``, never a loop over output tokens. States are exact sums (:mod:`.accumulator`), so
+token) pair is one row; the ``1 + len(ks) + 2 len(fractions)`` perturbation steps of all rows
+are stacked step-major into one forward call (or calls of ``max_batch_size`` rows at most:
+with ``max_batch_size`` = the rows of a batch, one call per step), never a loop over output
+tokens. States are exact sums (:mod:`.accumulator`), so
 ``merge`` and ``all_reduce_metrics`` reproduce one process bit for bit.
 
 Example::
@@ -169,8 +170,8 @@ def generation_token_scores(forward: Callable[[dict], torch.Tensor], prompt_ids:
                             replacement_id: int, score: str = "logit", ks: Sequence[int] = GENERATION_KS,
                             fractions: Sequence[float] = GAIN_FRACTIONS, never_removed_ids: Sequence[int] = (),
                             max_batch_size: Optional[int] = None) -> TokenScores:
-    """Every generated token's scores under every removal step, in ``1 + len(ks) + 2 len(fractions)``
-    batched forwards (see the module docstring). ``forward({"input_ids", "attention_mask"})``
+    """Every generated token's scores under every removal step, the steps stacked into batched
+    forwards (see the module docstring). ``forward({"input_ids", "attention_mask"})``
     returns the LM's logits (rows, L, V). Per-token values, e.g. for bootstrap intervals.
 
     >>> s = generation_token_scores(forward, [[1, 7, 8]], [[8, 2]], [torch.rand(2, 3)], replacement_id=3)
