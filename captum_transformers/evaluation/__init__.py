@@ -13,18 +13,38 @@ TokenActivation        AUAC: reveal most relevant tokens first (Ali et al. ICML'
 TokenPruning           AU-MSE: [UNK] the least |relevant| tokens first (Ali et al. ICML'22)
 ModalityTokenRemoval   drop one modality's tokens by relevance (Chefer et al. ICCV'21)
 ClassSpecificity       share of positive relevance on the explained object
+ImageRelevanceGain     MIF / LIF curves and SRG (Blücher et al. TMLR 2024); also
+TokenRelevanceGain,    for tokens and graphs
+GraphRelevanceGain
+RiseDeletion,          deletion / insertion AUC (Petsiuk et al., BMVC 2018)
+RiseInsertion
+Comprehensiveness,     ERASER AOPC over 1/5/10/20/50 % of tokens (DeYoung et al. 2020)
+Sufficiency
+CompletenessError      |sum of relevance - score| / |score|
+GenerationFaithfulness per generated token: score drop for its top-k prompt tokens,
+                       MIF / LIF and SRG over the prompt
 =====================  =============================================================
 """
 from .accumulator import Accumulator, exact_sum, limbs_value
+from .aopc import ERASER_FRACTIONS, AOPCResult, Comprehensiveness, Sufficiency
 from .average_precision import average_precision
 from .class_specificity import ClassSpecificity
+from .completeness import CompletenessError, CompletenessResult
+from .deletion_insertion import RISE_FRACTIONS, RiseDeletion, RiseInsertion
 from .curves import trapezoid
 from .distributed import all_reduce_metrics, shard_indices
+from .generation_faithfulness import (GENERATION_KS, GenerationFaithfulness, GenerationFaithfulnessResult, TokenScores,
+                                      generation_token_scores)
+from .image_occlusion import OCCLUSIONS
 from .modality_removal import MODALITY_FRACTIONS, ModalityTokenRemoval
 from .pixel_perturbation import (CVPR21_PIXEL_FRACTIONS, FINE_PIXEL_FRACTIONS, PIXEL_FRACTIONS, PIXEL_PROTOCOLS,
                                  PixelPerturbation)
 from .plots import plot_curves
 from .rationale_f1 import RationaleF1
+from .relevance_gain import GAIN_FRACTIONS, GAIN_SCORES, GainAreas, RelevanceGainResult, symmetric_relevance_gain
+from .relevance_gain_graphs import GraphRelevanceGain
+from .relevance_gain_images import ImageRelevanceGain
+from .relevance_gain_tokens import TokenRelevanceGain
 from .results import (CurveResult, RationaleF1Result, ResultRecord, SegmentationResult, SpecificityResult, read_csv,
                       read_json, result_from_dict, write_csv, write_json)
 from .saliency_maps import minmax_normalize
@@ -39,4 +59,9 @@ __all__ = [
     "plot_curves", "RationaleF1", "CurveResult", "RationaleF1Result", "ResultRecord", "SegmentationResult",
     "SpecificityResult", "read_csv", "read_json", "result_from_dict", "write_csv", "write_json", "minmax_normalize",
     "SegmentationScores", "compact_tokens", "TOKEN_FRACTIONS", "TokenActivation", "TokenPruning",
+    "ERASER_FRACTIONS", "AOPCResult", "Comprehensiveness", "Sufficiency", "CompletenessError", "CompletenessResult",
+    "RISE_FRACTIONS", "RiseDeletion", "RiseInsertion", "GENERATION_KS", "GenerationFaithfulness",
+    "GenerationFaithfulnessResult", "TokenScores", "generation_token_scores", "OCCLUSIONS", "GAIN_FRACTIONS",
+    "GAIN_SCORES", "GainAreas", "RelevanceGainResult", "symmetric_relevance_gain", "GraphRelevanceGain",
+    "ImageRelevanceGain", "TokenRelevanceGain",
 ]

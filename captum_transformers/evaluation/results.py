@@ -21,8 +21,16 @@ from typing import Any, Dict, Iterable, List, Tuple
 from ..errors import InputError
 
 
+RESULT_KINDS: Dict[str, type] = {}
+"""Every result class by name, for ``result_from_dict``: a subclass of ``ResultRecord`` registers itself."""
+
+
 class ResultRecord:
-    """Serialisation shared by the result dataclasses."""
+    """Serialisation shared by the result dataclasses (each subclass is registered in ``RESULT_KINDS``)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        RESULT_KINDS[cls.__name__] = cls
 
     def to_dict(self) -> Dict[str, Any]:
         """Fields as JSON-ready Python values, plus ``"kind"``: the class name."""
@@ -117,9 +125,6 @@ class ScalarResult(ResultRecord):
     value: float
     count: int
 
-
-RESULT_KINDS = {cls.__name__: cls for cls in (CurveResult, SegmentationResult, RationaleF1Result, SpecificityResult,
-                                              ScalarResult)}
 
 Row = Tuple[str, ResultRecord]
 
