@@ -13,7 +13,7 @@ import pytest
 import torch
 from generation_models import IdTokenizer
 from restore import assert_same, raising_after, snapshot
-from vlm_models import IMAGE, IMAGE_SIZE, build_llava, image_prompt, pixels, transformers
+from vlm_models import IMAGE, IMAGE_SIZE, build_llava, image_prompt, llava_processor, pixels, transformers
 
 from captum_transformers import (AttentionFlow, AttentionGradCAM, AttentionRollout, AttnLRP, ConservativeLRP,
                                  GenericAttention, InputError, PartialLRP, RawAttention, TransformerLRP,
@@ -105,7 +105,7 @@ def test_methods_that_chain_layers_reach_the_vision_tower():
 
 def test_batch_of_two_examples_with_two_images_equals_single_calls():
     llava = model()
-    prompts = [PROMPT, image_prompt([1, 6, 8], [3])]
+    prompts = [PROMPT, image_prompt([1, 6, 8], [3, 4, 10, 12])]  # left padding moves the first image
     targets = [TARGET, [23, 24]]
     images = [pixels(1, seed=1), pixels(1, seed=2)]
     for name in ("AttnLRP", "GenericAttention", "AttentionRollout"):
@@ -207,3 +207,41 @@ def test_refusals():
     with pytest.raises(InputError, match="one entry per prompt"):
         explainer.attribute([PROMPT, PROMPT], target=[TARGET, TARGET], images=px)
     assert isinstance(explainer.method.adapter, LlavaAdapter)
+
+
+def test_processor_output_is_a_prompt_with_its_images():
+    processor, llava = llava_processor(), model()
+    image = torch.rand(3, IMAGE_SIZE, IMAGE_SIZE, generator=torch.Generator().manual_seed(5))
+    inputs = processor(images=image, text="t1 t5 <image> t7 t9", return_tensors="pt")
+    assert inputs["input_ids"][0].tolist() == PROMPT
+    explainer = GenerationAttribution(GenericAttention(llava), processor.tokenizer)
+    result = explainer.attribute(inputs, target=TARGET)
+    explicit = explainer.attribute(PROMPT, target=TARGET, images=inputs["pixel_values"][0])
+    assert result.input_tokens == ["t1", "t5", "t7", "t9"]
+    assert torch.equal(result.image_attr, explicit.image_attr) and torch.equal(result.token_attr, explicit.token_attr)
+
+
+@pytest.mark.parametrize("name", ["AttentionRollout", "GenericAttention", "AttnLRP"])
+def test_tower_layers_after_the_feature_layer_change_nothing(name):
+    """LLaVA's default feature layer (-2) skips the tower's last layer: changing its weights
+    leaves every map unchanged (rollout included, which reads forward maps only)."""
+    llava, px = build_llava(seed=6, feature_layer=-2), pixels(1)
+    explainer = GenerationAttribution(METHODS[name](llava), TOKENIZER)
+    before = explainer.attribute(PROMPT, target=TARGET, images=px)
+    last = llava.model.vision_tower.encoder.layers[-1].self_attn
+    with torch.no_grad():
+        last.q_proj.weight.mul_(3.0)
+    after = explainer.attribute(PROMPT, target=TARGET, images=px)
+    assert torch.allclose(before.image_attr, after.image_attr, atol=TOL, rtol=0)
+    assert torch.allclose(before.token_attr, after.token_attr, atol=TOL, rtol=0)
+    assert prefix_differences(explainer, after, PROMPT, TARGET, px) < TOL
+
+
+def test_sdpa_llava_equals_eager():
+    eager, px = build_llava(seed=7), pixels(1)
+    sdpa = build_llava(seed=7)
+    sdpa.set_attn_implementation("sdpa")
+    for make in (AttnLRP, GenericAttention):
+        a = GenerationAttribution(make(eager), TOKENIZER).attribute(PROMPT, target=TARGET, images=px)
+        b = GenerationAttribution(make(sdpa), TOKENIZER).attribute(PROMPT, target=TARGET, images=px)
+        assert (a.image_attr - b.image_attr).abs().max() < 1e-9 and (a.token_attr - b.token_attr).abs().max() < 1e-9

@@ -50,3 +50,21 @@ def image_prompt(text_before: List[int], text_after: List[int], images: int = 1)
 def pixels(count: int, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(count, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator, dtype=torch.float64)
+
+
+def llava_processor() -> "transformers.LlavaProcessor":
+    """A LlavaProcessor built offline: a word-level tokenizer over ``t0 .. t38`` and ``<image>``
+    (id ``IMAGE``), a CLIP image processor at 16x16; it expands ``<image>`` to the image's tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(IMAGE)}
+    vocab["<image>"] = IMAGE
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t3"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", eos_token="t2",
+                                                     bos_token="t1", unk_token="t3",
+                                                     extra_special_tokens={"image_token": "<image>"})
+    images = transformers.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                             crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    return transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH,
+                                       vision_feature_select_strategy="default", num_additional_image_tokens=1)

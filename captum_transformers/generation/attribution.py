@@ -48,7 +48,7 @@ from .assembly import assemble_results, encoder_decoder_model
 from .batch import GenerationBatch, decoder_batch, encoder_decoder_batch, padding_id
 from .engine import relevance_steps, trace_steps
 from .generate import generated_targets
-from .image_inputs import gathered_image_inputs, moved, vision_language_adapter
+from .image_inputs import gathered_image_inputs, moved, processor_images, vision_language_adapter
 from .prefix_calls import prefix_scores
 from .prompts import EncodedPrompt, encode_prompt, encode_target, prompt_list
 from .result import GenerationResult
@@ -97,7 +97,8 @@ class GenerationAttribution(Attribution):
         Args:
             inp: a string, token ids (list, tensor, chat-template ids), Captum's ``TextTokenInput``
                 or ``TextTemplateInput``; or a batch: a list of those, a (B, N) tensor of ids, or a
-                tokenizer's padded batch (each row's padding, marked by its attention mask, removed).
+                tokenizer's padded batch (each row's padding, marked by its attention mask, removed);
+                a vision-language processor's output (its ``pixel_values`` are the images).
             target: a string, token ids, or None (the model generates with ``gen_args``, greedy
                 by default); for a batch, one per prompt.
             gen_args: ``generate`` arguments when ``target`` is None (default
@@ -119,9 +120,11 @@ class GenerationAttribution(Attribution):
         prompts = [encode_prompt(p, self.tokenizer) for p in listed]
         encoder_decoder = encoder_decoder_model(self.model)
         adapter = vision_language_adapter(self.method)
+        image_keywords = processor_images(inp, adapter, image_keywords) if images is None else image_keywords
         image_inputs = gathered_image_inputs(adapter, images, image_keywords, len(prompts), batched)
         if image_inputs is not None:
-            image_inputs = moved(image_inputs, next(self.model.parameters()).device)
+            parameter = next(self.model.parameters())
+            image_inputs = moved(image_inputs, parameter.device, parameter.dtype)
         targets = self._targets(prompts, target, gen_args, batched, encoder_decoder, image_inputs)
         batch = self._batch(prompts, targets, encoder_decoder)
         images_read = []

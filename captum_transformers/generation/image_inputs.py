@@ -1,6 +1,7 @@
 """The images of a vision-language generation explanation: inputs in, per-token image maps out.
 
-In: ``images=`` (one image (C, H, W), a stack (n, C, H, W), or for a batch a list with one
+In: the model's processor output as the prompt (its ``pixel_values`` are read from it),
+``images=`` (one image (C, H, W), a stack (n, C, H, W), or for a batch a list with one
 such entry per prompt, concatenated in prompt order) or the model's own image keywords
 (``pixel_values=...``, as its processor returns them for the whole batch). The prompts' ids
 already hold each image's expanded placeholder tokens (as the model's processor writes them).
@@ -63,8 +64,23 @@ def gathered_image_inputs(adapter: Optional[VisionLanguageAdapter], images: Any,
     return {adapter.image_input_names[0]: stacked}
 
 
-def moved(inputs: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+def processor_images(inp: Any, adapter: Optional[VisionLanguageAdapter], keywords: Dict[str, Any]) -> Dict[str, Any]:
+    """A processor's output (``input_ids``, ``attention_mask``, ``pixel_values``...) given as
+    the prompt: its image entries join ``keywords`` (the ids are read as a tokenizer's batch)."""
+    if adapter is None or not (hasattr(inp, "keys") and "input_ids" in inp):
+        return keywords
+    found = {name: inp[name] for name in adapter.image_input_names if name in inp and inp[name] is not None}
+    clash = sorted(set(found) & set(keywords))
+    if clash:
+        raise InputError(f"The images were given twice: in the processor's output and as the keywords {clash}.")
+    return {**found, **keywords}
+
+
+def moved(inputs: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> Dict[str, Any]:
+    """The image inputs on the model's device, floating ones in its dtype (the tower casts them
+    anyway; the pixels' relevance is then read in the model's precision)."""
+    return {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) if isinstance(v, torch.Tensor) else v
+            for k, v in inputs.items()}
 
 
 def image_columns(per_stream: Mapping[str, torch.Tensor], images: Sequence[ImageTokens], example: int,
