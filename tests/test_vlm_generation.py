@@ -207,6 +207,9 @@ def test_refusals():
     with pytest.raises(InputError, match="one entry per prompt"):
         explainer.attribute([PROMPT, PROMPT], target=[TARGET, TARGET], images=px)
     assert isinstance(explainer.method.adapter, LlavaAdapter)
+    several = GenerationAttribution(GenericAttention(build_llava(feature_layer=[-2, -1])), TOKENIZER)
+    with pytest.raises(InputError, match="several hidden states"):
+        several.attribute(PROMPT, target=TARGET, images=px)
 
 
 def test_processor_output_is_a_prompt_with_its_images():
@@ -245,3 +248,24 @@ def test_sdpa_llava_equals_eager():
         a = GenerationAttribution(make(eager), TOKENIZER).attribute(PROMPT, target=TARGET, images=px)
         b = GenerationAttribution(make(sdpa), TOKENIZER).attribute(PROMPT, target=TARGET, images=px)
         assert (a.image_attr - b.image_attr).abs().max() < 1e-9 and (a.token_attr - b.token_attr).abs().max() < 1e-9
+
+
+def test_span_and_json_round_trip():
+    """AttnLRP is linear in its seed: a span's maps are the sum of its steps' maps. A result with
+    one image and one with two read back from JSON bit for bit."""
+    from captum_transformers.generation.serialization import result_from_dict, result_to_dict
+
+    llava, px = model(), pixels(1)
+    explainer = GenerationAttribution(AttnLRP(llava), TOKENIZER)
+    rows = explainer.attribute(PROMPT, target=TARGET, images=px)
+    span = explainer.attribute(PROMPT, target=TARGET, images=px, span=slice(0, 3))
+    assert span.image_attr.shape == (1, IMAGE_SIZE, IMAGE_SIZE)
+    assert (span.image_attr[0] - rows.image_attr.sum(0)).abs().max() < TOL
+    two = GenerationAttribution(GenericAttention(llava), TOKENIZER).attribute(
+        image_prompt([1], [7], images=2), target=TARGET[:2], images=pixels(2))
+    for result in (rows, two):
+        back = result_from_dict(result_to_dict(result))
+        mine = result.image_attr if isinstance(result.image_attr, list) else [result.image_attr]
+        read = back.image_attr if isinstance(back.image_attr, list) else [back.image_attr]
+        assert len(mine) == len(read) and all(torch.equal(a, b) for a, b in zip(mine, read))
+        assert back.image_grid == result.image_grid and torch.equal(back.token_attr, result.token_attr)

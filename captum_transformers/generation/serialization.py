@@ -16,8 +16,12 @@ One result (``result_to_dict`` / ``result_from_dict``), schema
       "target_attr":       {"dtype": "float64", "shape": [T, m], "values": [[...], ...]},
       "output_probs":      {"dtype": "float64", "shape": [T], "values": [...]},
       "scores":            {"dtype": "float64", "shape": [T], "values": [...]},
-      "first_token_share": {"dtype": "float64", "shape": [T], "values": [...]}
+      "first_token_share": {"dtype": "float64", "shape": [T], "values": [...]},
+      "images": [{"image_attr": {... [T, H, W]}, "image_token_attr": {... [T, V]}, "grid": [rows, cols]}]
     }
+
+``"images"`` is written only for a vision-language model's result (one entry per image; one
+entry reads back as tensors, several as lists, as ``attribute`` returns them).
 
 Every array keeps its dtype and shape, so reading it back gives equal tensors bit for bit
 (Python writes the shortest decimal that reads back to the same double, and a float32 value is
@@ -138,7 +142,33 @@ def result_to_dict(result: GenerationResult) -> Dict[str, Any]:
     out["contrast_tokens"] = None if contrast is None else [str(t) for t in contrast]
     for field in ARRAY_FIELDS:
         out[field] = array_to_dict(getattr(result, field))
+    if getattr(result, "image_attr", None) is not None:
+        several = isinstance(result.image_attr, list)
+        listed = [(result.image_attr, result.image_token_attr, result.image_grid)] if not several else \
+            list(zip(result.image_attr, result.image_token_attr, result.image_grid))
+        out["images"] = [{"image_attr": array_to_dict(pixels), "image_token_attr": array_to_dict(tokens),
+                          "grid": [int(g) for g in grid]} for pixels, tokens, grid in listed]
     return out
+
+
+def _images_from_dict(d: Mapping[str, Any], rows: int) -> tuple:
+    """(image_attr, image_token_attr, image_grid) from the optional ``"images"`` entry."""
+    entries = d.get("images")
+    if entries is None:
+        return None, None, None
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, Mapping) for e in entries):
+        raise InputError(f"'images' must be a non-empty list of dicts (one per image); got {str(entries)[:80]}.")
+    pixels, tokens, grids = [], [], []
+    for i, entry in enumerate(entries):
+        pixels.append(array_from_dict(entry.get("image_attr"), f"images[{i}].image_attr"))
+        tokens.append(array_from_dict(entry.get("image_token_attr"), f"images[{i}].image_token_attr"))
+        grids.append(tuple(int(g) for g in entry.get("grid", ())))
+        if pixels[-1].dim() != 3 or tokens[-1].dim() != 2 or pixels[-1].shape[0] != rows or \
+                tokens[-1].shape[0] != rows or len(grids[-1]) != 2:
+            raise InputError(f"images[{i}] must hold image_attr (T, H, W), image_token_attr (T, V) with T = {rows} "
+                             f"and a grid [rows, cols]; got {list(pixels[-1].shape)}, {list(tokens[-1].shape)}, "
+                             f"{list(grids[-1])}.")
+    return (pixels[0], tokens[0], grids[0]) if len(entries) == 1 else (pixels, tokens, grids)
 
 
 def _string_list(d: Mapping[str, Any], field: str) -> List[str]:
@@ -179,12 +209,14 @@ def result_from_dict(d: Mapping[str, Any]) -> GenerationResult:
     tokens = {field: _string_list(d, field) for field in TOKEN_FIELDS}
     arrays = {field: array_from_dict(d[field], field) for field in ARRAY_FIELDS}
     _check_shapes(arrays, d)
+    image_attr, image_token_attr, image_grid = _images_from_dict(d, len(d["output_tokens"]))
     return GenerationResult(
         **tokens, token_attr=arrays["token_attr"], target_attr=arrays["target_attr"],
         output_probs=arrays["output_probs"], scores=arrays["scores"], score_kind=str(d["score_kind"]),
         method=str(d["method"]), first_token_share=arrays["first_token_share"], input_ids=list(d["input_ids"]),
         output_ids=list(d["output_ids"]), contrast_tokens=contrast, signed=bool(d["signed"]),
-        encoder_decoder=bool(d.get("encoder_decoder", False)))
+        encoder_decoder=bool(d.get("encoder_decoder", False)), image_attr=image_attr,
+        image_token_attr=image_token_attr, image_grid=image_grid)
 
 
 def save_scores_json(results: Mapping[str, GenerationResult], path: Union[str, Path], **meta: Any) -> Path:
