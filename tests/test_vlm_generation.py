@@ -269,3 +269,42 @@ def test_span_and_json_round_trip():
         read = back.image_attr if isinstance(back.image_attr, list) else [back.image_attr]
         assert len(mine) == len(read) and all(torch.equal(a, b) for a, b in zip(mine, read))
         assert back.image_grid == result.image_grid and torch.equal(back.token_attr, result.token_attr)
+
+
+def test_generic_attention_follows_the_iccv_rules_across_the_two_streams():
+    """Reference from whole matrices: ``R^{vv} = prod (I + Abar_v)`` over the tower's calls,
+    ``R^{dd} = prod (I + Abar_d)`` over the decoder's, ``R^{dv} = R^{dd} E R^{vv}`` (the image
+    tokens are the tower's outputs); the image row is ``e_q R^{dv}`` (Chefer et al., ICCV 2021)."""
+    llava, px = model(), pixels(1)
+    method = GenericAttention(llava)
+    result = GenerationAttribution(method, TOKENIZER).attribute(PROMPT, target=TARGET[:1], images=px)
+    trace = method.adapter.trace(llava, (torch.tensor([PROMPT]),), (), TARGET[0], method.capture_spec(),
+                                 forward_kwargs={"pixel_values": px})
+
+    def chain(stream, size):
+        relevance = torch.eye(size, dtype=torch.float64)
+        for record in trace.records:
+            if record.streams[0] == stream:
+                relevance = relevance + record.backward_value[0].to(torch.float64) @ relevance
+        return relevance
+
+    vision, decoder = chain("image", 17), chain("tokens", len(PROMPT))
+    embedding = torch.zeros(len(PROMPT), 17, dtype=torch.float64)
+    for k, position in enumerate(i for i, token in enumerate(PROMPT) if token == IMAGE):
+        embedding[position, k + 1] = 1.0  # "default": image token k is vision token k + 1 (after CLS)
+    expected = (decoder @ embedding @ vision)[len(PROMPT) - 1]
+    assert (result.image_token_attr[0] - expected).abs().max() < TOL
+    assert (result.token_attr[0] - decoder[len(PROMPT) - 1, text_columns(PROMPT)]).abs().max() < TOL
+
+
+def test_gradient_times_input_pixel_maps_are_the_plain_gradient():
+    """ConservativeLRP("GI") is plain Gradient x Input: each row's pixel map is
+    ``sum_c x * d logit / d x`` of the prefix's plain forward (HF's sdpa kernel, float64)."""
+    llava, px = build_llava(seed=8), pixels(1)
+    llava.set_attn_implementation("sdpa")
+    result = GenerationAttribution(ConservativeLRP(llava, "GI"), TOKENIZER).attribute(PROMPT, target=TARGET, images=px)
+    for t, token in enumerate(TARGET):
+        leaf = px.clone().requires_grad_()
+        logits = llava(torch.tensor([PROMPT + TARGET[:t]]), pixel_values=leaf).logits
+        (grad,) = torch.autograd.grad(logits[0, -1, token], leaf)
+        assert (result.image_attr[t] - (leaf * grad).sum(1)[0]).abs().max() < 1e-12
