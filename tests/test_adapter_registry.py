@@ -101,13 +101,23 @@ def _llava():
     return build_llava(), ids, {"pixel_values": pixels(3)}
 
 
+def _gemma3_vl():
+    from vlm_family_models import build_gemma3, gemma_pixels, gemma_prompt
+    ids = torch.tensor([gemma_prompt([1, 5 + i], [7, 9]) for i in range(3)])
+    return build_gemma3(), ids, {"pixel_values": gemma_pixels(3)}
+
+
 EXAMPLES = {"huggingface": _huggingface, "timm": _timm, "torch_mha": _torch_mha, "inline_attention": _inline_attention,
             "detr": _detr, "graphormer": _graphormer, "swin": _swin, "swinv2": _swinv2,
-            "timm_swin": _timm_swin, "llava": _llava}
+            "timm_swin": _timm_swin, "llava": _llava, "gemma3-vl": _gemma3_vl}
 # Graph batches are not sliced along dimension 0 of the node features: their contract (lookup,
 # shapes, batch == graphs one at a time, restore) is checked in tests/test_pyg_attention.py
 # and tests/test_pyg_gps.py.
 GRAPH_EXAMPLES = {"pyg_attention": _pyg_attention, "pyg_gps": _pyg_gps}
+# Qwen2-VL's pixel_values are the patches of every image of the batch in one (patches, C*T*P*P)
+# tensor, not sliced along dimension 0 per example: its contract (lookup, batch == single calls,
+# restore after an exception) is checked through GenerationAttribution in tests/test_vlm_qwen2.py.
+FLAT_PATCH_EXAMPLES = {"qwen2-vl"}
 # Targets per example when the output is not (B, classes): DETR's are (query, class) pairs.
 TARGETS = {"detr": [(0, 1), (4, 2), (2, 0)]}
 ADAPTERS = sorted(a.name for a in registered_adapters())
@@ -115,7 +125,7 @@ METHODS = [pytest.param(m, id=m.__name__) for m in ATTENTION_METHODS]
 
 
 def test_every_registered_adapter_has_an_example():
-    examples = set(EXAMPLES) | set(GRAPH_EXAMPLES)
+    examples = set(EXAMPLES) | set(GRAPH_EXAMPLES) | FLAT_PATCH_EXAMPLES
     assert set(ADAPTERS) <= examples, f"add an example for {set(ADAPTERS) - examples}"
 
 
@@ -126,7 +136,8 @@ def test_graph_examples_find_their_adapter(name):
     assert get_adapter(model).name == name
 
 
-@pytest.mark.parametrize("name", [name for name in ADAPTERS if name not in GRAPH_EXAMPLES])
+@pytest.mark.parametrize("name", [name for name in ADAPTERS if name not in GRAPH_EXAMPLES
+                                  and name not in FLAT_PATCH_EXAMPLES])
 @pytest.mark.parametrize("method", METHODS)
 def test_adapter_contract(name, method):
     model, inputs, kwargs = EXAMPLES[name]()

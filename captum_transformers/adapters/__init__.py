@@ -10,7 +10,9 @@ from .detr import DetrAdapter
 from .graphormer import MODEL_KEYS as _GRAPHORMER_KEYS, GraphormerAdapter
 from .huggingface import HuggingFaceAdapter
 from .inline_attention import InlineAttentionAdapter
+from .gemma3_vl import Gemma3Adapter
 from .llava import LlavaAdapter
+from .qwen2_vl import Qwen2VLAdapter
 from .swin import SwinAdapter, Swinv2Adapter
 from ..capture.recorder import Recorder
 from .timm import TimmAdapter
@@ -37,6 +39,9 @@ _BUILT_IN = (
     (DetrAdapter(), ("transformers.models.detr.modeling_detr.DetrPreTrainedModel",)),
     # Vision-language decoders: a vision tower feeding a causal LM's image tokens.
     (LlavaAdapter(), ("transformers.models.llava.modeling_llava.LlavaForConditionalGeneration",)),
+    (Qwen2VLAdapter(), ("transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VLForConditionalGeneration",
+                        "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLForConditionalGeneration")),
+    (Gemma3Adapter(), ("transformers.models.gemma3.modeling_gemma3.Gemma3ForConditionalGeneration",)),
     # PyG's sparse attention layers, found as submodules of the user's graph model.
     (PyGAttentionAdapter(), PYG_ATTENTION),
     (PyGGPSAdapter(), GPS),
