@@ -133,6 +133,17 @@ def test_rows_equal_single_calls_on_each_prefix(name):
         assert (result.target_attr[t, :t] - direct[len(PROMPT):]).abs().max().item() < TOL if t else True
 
 
+@pytest.mark.parametrize("name", ["AttnLRP", "GenericAttention"])
+def test_sdpa_model_rows_equal_single_calls_on_each_prefix(name):
+    net = build_gemma3(impl="sdpa")
+    explainer = GenerationAttribution(METHODS[name](net), TOKENIZER)
+    pixels = gemma_pixels(1)
+    result = explainer.attribute(torch.tensor(PROMPT), target=TARGET, pixel_values=pixels)
+    assert result.image_attr.abs().sum() > 0
+    assert (result.scores - plain_scores(net, PROMPT, TARGET, pixels)).abs().max().item() < SCORE_TOL
+    assert worst_difference(result, single_step_rows(explainer, PROMPT, TARGET, pixels)) < TOL
+
+
 def test_the_image_block_is_bidirectional_as_in_the_model():
     """Without token_type_ids Gemma 3 is another (causal) model: the explained scores are those
     of the model given them, as its processor does."""

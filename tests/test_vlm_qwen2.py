@@ -209,6 +209,20 @@ def test_rows_equal_single_calls_on_each_prefix(family, name):
 
 @pytest.mark.parametrize("name", ["AttnLRP", "GenericAttention"])
 @pytest.mark.parametrize("family", list(FAMILIES))
+def test_sdpa_models_rows_equal_single_calls_on_each_prefix(family, name):
+    """Models that run SDPA (transformers' default): the tower's per-image calls run fused where no
+    map is recorded, and as one explicit block-diagonal call where one is."""
+    model = FAMILIES[family](impl="sdpa")
+    explainer = GenerationAttribution(METHODS[name](model), TOKENIZER)
+    images = qwen_pixels([GRID[family]])
+    result = explainer.attribute(torch.tensor(prompt_of(family)), target=TARGET, **images)
+    assert result.image_attr.abs().sum() > 0
+    assert (result.scores - plain_scores(model, prompt_of(family), TARGET, images)).abs().max().item() < SCORE_TOL
+    assert worst_difference(result, single_step_rows(explainer, prompt_of(family), TARGET, images)) < TOL
+
+
+@pytest.mark.parametrize("name", ["AttnLRP", "GenericAttention"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_batch_of_two_equals_single_calls(family, name):
     """Two prompts of different lengths with images of different sizes (left padding, each
     example's own M-RoPE positions), answers of different lengths."""
