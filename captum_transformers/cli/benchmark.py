@@ -34,6 +34,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--pixel-steps", choices=tuple(PIXEL_PROTOCOLS), default="fine",
                         help="digits: removed-pixel fractions, 'fine' (0-10%% in 1%% steps, then 10%% steps to "
                              "90%%; default) or 'cvpr21' (the authors' 0, 10, ..., 90%%)")
+    parser.add_argument("--metrics", choices=("classic", "recent", "all"), default="classic",
+                        help="classic: each task's original metrics (default); recent: SRG (MIF/LIF), RISE deletion / "
+                             "insertion, comprehensiveness / sufficiency AOPC and completeness error (digits, "
+                             "digits-swin, movies, motifs, motifs-graphormer); all: both")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
     parser.add_argument("--out", default="captum_transformers_benchmark",
                         help="output folder (default: %(default)s), checked before the run; one that holds an "
@@ -104,7 +108,7 @@ def _run_into(args, out) -> int:
     try:
         report = run_benchmark(args.task, args.methods, args.limit, args.batch_size,
                                progress=not args.no_progress and rank == 0, device=device, explain=args.explain,
-                               cache_dir=args.cache_dir, pixel_steps=args.pixel_steps)
+                               cache_dir=args.cache_dir, pixel_steps=args.pixel_steps, metrics=args.metrics)
         if rank == 0:
             print(summary(report))
             print(table(report))

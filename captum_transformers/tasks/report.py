@@ -7,6 +7,7 @@ from typing import Dict, List, Tuple
 
 from ..evaluation import plot_curves, write_csv, write_json
 from ..evaluation.results import CurveResult
+from .extended_metrics import RECENT_COLUMNS
 from .recall_benchmark import recall_columns
 from .runner import BenchmarkReport
 
@@ -38,7 +39,8 @@ _COLUMNS["recall"] = recall_columns()  # means with bootstrap 95 % intervals (ta
 
 def table(report: BenchmarkReport) -> str:
     """The run as a Markdown table: one row per method, the task's metrics as columns."""
-    columns = _COLUMNS[report.task]
+    columns = ((_COLUMNS[report.task] if report.metrics != "recent" else [])
+               + (RECENT_COLUMNS[report.task] if report.metrics != "classic" else []))
     by_key = {(method, result.name): result for method, result in report.rows}
     lines = ["| method | " + " | ".join(header for header, *_ in columns) + " |",
              "|---" * (len(columns) + 1) + "|"]
@@ -53,6 +55,7 @@ def table(report: BenchmarkReport) -> str:
 
 def summary(report: BenchmarkReport) -> str:
     steps = f", pixel steps: {report.pixel_steps}" if report.pixel_steps else ""
+    steps += f", metrics: {report.metrics}" if report.metrics != "classic" else ""
     return (f"task {report.task}: {report.examples} test examples, {len(report.methods)} methods, explained class: "
             f"{report.explained}{steps}, {report.world_size} process(es), {report.seconds:.1f} s")
 
@@ -68,7 +71,8 @@ def write_report(report: BenchmarkReport, out_dir) -> List[Path]:
     paths[2].write_text(f"{summary(report)}\n\n{table(report)}\n")
     paths[3].write_text(json.dumps({"task": report.task, "methods": list(report.methods), "examples": report.examples,
                                     "world_size": report.world_size, "seconds": report.seconds,
-                                    "explained": report.explained, "pixel_steps": report.pixel_steps}, indent=2))
+                                    "explained": report.explained, "pixel_steps": report.pixel_steps,
+                                    "metrics": report.metrics}, indent=2))
     curves: Dict[str, Dict[str, CurveResult]] = {}
     for method, result in report.rows:
         if isinstance(result, CurveResult):

@@ -24,6 +24,10 @@ Tasks (``TASKS``):
   class (Ali et al.'s AUAC measures p(true class)); AUAC, AU-MSE, and token F1 of the top
   words against silver VADER-lexicon rationales.
 
+``metrics="recent"`` (``--metrics recent``) evaluates SRG, RISE deletion / insertion,
+comprehensiveness / sufficiency AOPC and completeness error instead, ``"all"`` both
+(:mod:`.extended_metrics`; digits, digits-swin, movies and the motifs tasks).
+
 The evaluation set is cut into batches first and the batches are sharded over processes
 (``torch.distributed`` under ``torchrun``), so every example is explained in the same batch
 as in a single process; metric states are float64 sums reduced exactly, so the numbers are
@@ -50,6 +54,7 @@ from ..evaluation.accumulator import Accumulator
 from ..evaluation.pixel_perturbation import PIXEL_PROTOCOLS
 from ..evaluation.results import ResultRecord
 from ..methods.catalog import METHOD_NAMES, PACKAGE_METHOD_NAMES, build_method, resolve_method_names
+from .extended_metrics import RecentGraphMetrics, RecentImageMetrics, RecentTokenMetrics, merged, metric_parts
 
 TASKS = ("digits", "digits-two", "digits-swin", "digits-two-swin", "movies", "motifs", "motifs-graphormer", "recall")
 # Tasks with pixel perturbation, and the two-digit tasks (both labels explained).
@@ -69,6 +74,7 @@ class BenchmarkReport:
     seconds: float
     explained: str
     pixel_steps: Optional[str] = None  # the digits task's perturbation protocol; None for other tasks
+    metrics: str = "classic"  # the metric set (tasks.extended_metrics.METRIC_SETS)
 
     def result(self, method: str, metric: str) -> ResultRecord:
         for row_method, result in self.rows:
@@ -118,32 +124,41 @@ def _digit_classifier(swin: bool):
     return load_digit_model()
 
 
-def _run_digits(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps, swin=False):
+def _run_digits(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps, swin=False,
+                parts=(True, False)):
     from .digit_canvas import digit_canvases, normalize
 
+    classic, recent_set = parts  # (classic metrics, recent metrics): tasks.extended_metrics.metric_parts
     data = digit_canvases(split="test", variant="one", n=limit, seed=0)
     model = _digit_classifier(swin).to(device)
     forward = lambda images: model(images.to(device))  # noqa: E731 - the metrics' model callable
     metrics: Dict[str, List[Accumulator]] = {
         name: [PixelPerturbation(forward, "positive", fractions=pixel_steps, normalize=normalize),
                PixelPerturbation(forward, "negative", fractions=pixel_steps, normalize=normalize),
-               SegmentationScores()]
+               SegmentationScores()] if classic else []
         for name in method_names}
+    recent = RecentImageMetrics(forward, normalize, method_names) if recent_set else None
     explainers = {name: build_method(name, model) for name in method_names}
     for chunk in _my_batches(len(data), batch_size, "digits", progress):
         images, labels, masks = data.images[chunk], data.labels[chunk], data.masks[chunk]
         inputs = normalize(images).to(device)
         target = _explained_class(model, inputs, labels, explain)
+        if recent:
+            recent.begin_batch(inputs, target)
         for name, explainer in explainers.items():
             maps = _image_scores(explainer.attribute(inputs, target=target)).cpu()
-            positive, negative, segmentation = metrics[name]
-            positive.update(images, labels, maps)
-            negative.update(images, labels, maps)
-            segmentation.update(maps, masks)
-    return metrics, len(data)
+            if classic:
+                positive, negative, segmentation = metrics[name]
+                positive.update(images, labels, maps)
+                negative.update(images, labels, maps)
+                segmentation.update(maps, masks)
+            if recent:
+                recent.update(name, images, maps, maps)  # the channel sum keeps the total relevance
+    return merged(metrics, recent), len(data)
 
 
-def _run_digits_two(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps, swin=False):
+def _run_digits_two(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps, swin=False,
+                    parts=(True, False)):
     from .digit_canvas import digit_canvases, normalize
 
     data = digit_canvases(split="test", variant="two", n=limit, seed=0)
@@ -161,7 +176,8 @@ def _run_digits_two(method_names, limit, batch_size, progress, device, explain, 
     return metrics, len(data)
 
 
-def _run_movies(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps):
+def _run_movies(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps,
+                parts=(True, False)):
     from .movie_model import load_movie_model
     from .movie_snippets import encode, load_movie_snippets
 
@@ -170,9 +186,11 @@ def _run_movies(method_names, limit, batch_size, progress, device, explain, cach
     model = model.to(device)
     forward = lambda batch: model(**{k: v.to(device) for k, v in batch.items()}).logits  # noqa: E731
     unk = tokenizer.unk_token_id
+    classic, recent_set = parts
     metrics: Dict[str, List[Accumulator]] = {
-        name: [TokenActivation(forward, unk), TokenPruning(forward, unk), RationaleF1(k="gold")]
+        name: [TokenActivation(forward, unk), TokenPruning(forward, unk), RationaleF1(k="gold")] if classic else []
         for name in method_names}
+    recent = RecentTokenMetrics(forward, unk, model.config.pad_token_id, method_names) if recent_set else None
     explainers = {name: build_method(name, model) for name in method_names}
     for chunk in _my_batches(len(data), batch_size, "movies", progress):
         snippets = data[chunk]
@@ -181,20 +199,25 @@ def _run_movies(method_names, limit, batch_size, progress, device, explain, cach
         labels = snippets.labels
         gold = _word_rationales(snippets.rationales)
         target = _explained_class(model, {"input_ids": ids, "attention_mask": mask}, labels, explain)
+        if recent:
+            recent.begin_batch(ids, mask, target)
         for name, explainer in explainers.items():
             scores = explainer.attribute(ids, target=target, forward_kwargs={"attention_mask": mask},
                                          return_tokens=True).detach().to(torch.float64).cpu()
-            activation, pruning, rationale = metrics[name]
-            activation.update(encoded["input_ids"], encoded["attention_mask"], scores, labels,
-                              encoded["special_tokens_mask"])
-            pruning.update(encoded["input_ids"], encoded["attention_mask"], scores, labels,
-                           encoded["special_tokens_mask"])
-            rationale.update(scores, encoded["word_ids"], gold)
-    return metrics, len(data)
+            if classic:
+                activation, pruning, rationale = metrics[name]
+                activation.update(encoded["input_ids"], encoded["attention_mask"], scores, labels,
+                                  encoded["special_tokens_mask"])
+                pruning.update(encoded["input_ids"], encoded["attention_mask"], scores, labels,
+                               encoded["special_tokens_mask"])
+                rationale.update(scores, encoded["word_ids"], gold)
+            if recent:
+                recent.update(name, encoded, scores)
+    return merged(metrics, recent), len(data)
 
 
 def _run_motifs(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps,
-                graphormer: bool = False):
+                parts=(True, False), graphormer: bool = False):
     from .graph_motifs import motif_graphs
     from .motif_evaluation import motif_metrics, pyg_arguments, update_motif_metrics
     from .train_motifs import TEST_GRAPHS, TEST_SEED
@@ -211,17 +234,22 @@ def _run_motifs(method_names, limit, batch_size, progress, device, explain, cach
 
         explained = model = load_motif_model().to(device)
         arguments = pyg_arguments
-    metrics = motif_metrics(model, method_names, fidelity=not graphormer)  # see motif_metrics
+    classic, recent_set = parts
+    metrics = motif_metrics(model, method_names, fidelity=not graphormer) if classic else {}  # see motif_metrics
+    recent = RecentGraphMetrics(model, method_names) if recent_set else None
     explainers = {name: build_method(name, explained) for name in method_names}
     task = "motifs-graphormer" if graphormer else "motifs"
     for chunk in _my_batches(n, batch_size, task, progress):
-        update_motif_metrics(model, explainers, metrics, data.graphs(chunk.start, chunk.stop),
-                             pairs.graphs(chunk.start, chunk.stop), explain, device, arguments)
-    return metrics, n
+        if classic:
+            update_motif_metrics(model, explainers, metrics, data.graphs(chunk.start, chunk.stop),
+                                 pairs.graphs(chunk.start, chunk.stop), explain, device, arguments)
+        if recent:
+            recent.update_batch(explainers, data.graphs(chunk.start, chunk.stop), explain, device, arguments)
+    return merged(metrics, recent), n
 
 
-def _run_motifs_graphormer(*args):
-    return _run_motifs(*args, graphormer=True)
+def _run_motifs_graphormer(*args, **kwargs):
+    return _run_motifs(*args, **kwargs, graphormer=True)
 
 
 def _word_rationales(rationales: Sequence[Sequence[bool]]) -> torch.Tensor:
@@ -267,7 +295,7 @@ _DEFAULT_METHODS = {"motifs": ("raw-attention", "rollout", "grad-cam", "generic-
 def run_benchmark(task: str, methods: Optional[Sequence[str]] = None, limit: Optional[int] = None,
                   batch_size: int = 32, progress: bool = False, device: str = "cpu",
                   explain: Optional[str] = None, cache_dir: Optional[str] = None,
-                  pixel_steps: str = "fine") -> BenchmarkReport:
+                  pixel_steps: str = "fine", metrics: str = "classic") -> BenchmarkReport:
     """Evaluate ``methods`` (catalog names; default all) on ``task`` and return every metric result.
 
     ``limit`` takes the first N examples of the test split; ``explain`` is ``"predicted"`` or
@@ -275,9 +303,12 @@ def run_benchmark(task: str, methods: Optional[Sequence[str]] = None, limit: Opt
     explains both labels). ``cache_dir`` holds the movie data and fine-tuned model (default
     ``$CAPTUM_TRANSFORMERS_CACHE`` or ``~/.cache/captum_transformers``). ``pixel_steps`` names
     the digits task's pixel perturbation protocol (``"fine"`` or ``"cvpr21"``; other tasks refuse
-    ``"cvpr21"``). Under ``torch.distributed`` each process evaluates its shard of
+    ``"cvpr21"``). ``metrics`` picks the metric set: ``"classic"`` (the task's original metrics),
+    ``"recent"`` (SRG, RISE, AOPC, completeness: :mod:`.extended_metrics`) or ``"all"``. Under
+    ``torch.distributed`` each process evaluates its shard of
     batches and the results are reduced; every process returns the full report.
     """
+    parts = metric_parts(metrics, task)
     if task == "recall":  # per-prompt bootstrap intervals, not accumulators: its own runner
         from .recall_benchmark import run_recall_benchmark
 
@@ -301,14 +332,14 @@ def run_benchmark(task: str, methods: Optional[Sequence[str]] = None, limit: Opt
                          f"task {task!r} has no pixel perturbation. Drop the option.")
     names = resolve_method_names(methods if methods is not None else _DEFAULT_METHODS.get(task))
     start = time.perf_counter()
-    metrics, examples = runner(names, limit, batch_size, progress, torch.device(device), explain, cache_dir,
-                               pixel_steps)
-    all_reduce_metrics([metric for name in names for metric in metrics[name]])
-    rows = tuple((name, metric.compute()) for name in names for metric in metrics[name])
+    accumulators, examples = runner(names, limit, batch_size, progress, torch.device(device), explain, cache_dir,
+                                    pixel_steps, parts=parts)
+    all_reduce_metrics([metric for name in names for metric in accumulators[name]])
+    rows = tuple((name, metric.compute()) for name in names for metric in accumulators[name])
     _, world_size = _distributed()
     return BenchmarkReport(task, tuple(names), rows, examples, world_size, time.perf_counter() - start,
                            explain if task not in _TWO_DIGIT_TASKS else default_explain,
-                           pixel_steps if task in _PIXEL_TASKS else None)
+                           pixel_steps if task in _PIXEL_TASKS else None, metrics)
 
 
 __all__ = ["TASKS", "BenchmarkReport", "run_benchmark"]
