@@ -173,6 +173,23 @@ def test_batch_of_two_equals_single_calls(name):
         assert (result.image_attr - single.image_attr).abs().max().item() < TOL
 
 
+@pytest.mark.parametrize("name", ["AttnLRP", "GenericAttention"])
+def test_several_images_in_a_prompt_in_a_batch_equal_single_calls(name):
+    """A prompt with two images (image_attr: a list, one map per image) next to a prompt with one."""
+    net = model()
+    explainer = GenerationAttribution(METHODS[name](net), TOKENIZER)
+    prompts = [gemma_prompt([1, 5], []) + gemma_prompt([6], [7, 8]), gemma_prompt([1, 4], [3])]
+    pixels = gemma_pixels(3, seed=7)
+    results = explainer.attribute([torch.tensor(p) for p in prompts], target=[TARGET, [20]], pixel_values=pixels)
+    for result, prompt, target, own in zip(results, prompts, [TARGET, [20]], (pixels[:2], pixels[2:])):
+        single = explainer.attribute(torch.tensor(prompt), target=target, pixel_values=own)
+        maps = result.image_attr if isinstance(result.image_attr, list) else [result.image_attr]
+        alone = single.image_attr if isinstance(single.image_attr, list) else [single.image_attr]
+        assert len(maps) == own.shape[0] and all(m.abs().sum() > 0 for m in maps)
+        assert (result.token_attr - single.token_attr).abs().max().item() < TOL
+        assert max((a - b).abs().max().item() for a, b in zip(maps, alone)) < TOL
+
+
 def test_model_restored_after_a_call_and_after_an_exception():
     net = build_gemma3(seed=4)
     ids = torch.tensor([PROMPT])

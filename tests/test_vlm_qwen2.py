@@ -245,6 +245,30 @@ def test_batch_of_two_equals_single_calls(family, name):
         assert (result.image_attr - single.image_attr).abs().max().item() < TOL
 
 
+@pytest.mark.parametrize("name", ["AttnLRP", "GenericAttention"])
+def test_several_images_in_a_prompt_in_a_batch_equal_single_calls(name):
+    """A prompt with two images of different sizes (image_attr: a list, one map per image) next to
+    a prompt with one: each example equals its own call."""
+    model = model_of("qwen2_vl")
+    explainer = GenerationAttribution(METHODS[name](model), TOKENIZER)
+    prompts = [qwen_prompt(BEFORE, (4, 4), []) + qwen_prompt([6], (4, 8), AFTER), qwen_prompt([1, 4], (4, 4), [3])]
+    grids = [(4, 4), (4, 8), (4, 4)]
+    both = qwen_pixels(grids, seed=7)
+    results = explainer.attribute([torch.tensor(p) for p in prompts], target=[TARGET, [20]], **both)
+    spans = patch_row_spans(image_grids(both["image_grid_thw"], PATCH, MERGE))
+    owned = [(0, 2), (2, 3)]
+    for result, prompt, target, (first, last) in zip(results, prompts, [TARGET, [20]], owned):
+        own = {"pixel_values": both["pixel_values"][spans[first][0]:spans[last - 1][1]],
+               "image_grid_thw": both["image_grid_thw"][first:last]}
+        single = explainer.attribute(torch.tensor(prompt), target=target, **own)
+        maps = result.image_attr if isinstance(result.image_attr, list) else [result.image_attr]
+        alone = single.image_attr if isinstance(single.image_attr, list) else [single.image_attr]
+        assert [tuple(m.shape[1:]) for m in maps] == [(g[0] * PATCH, g[1] * PATCH) for g in grids[first:last]]
+        assert (result.token_attr - single.token_attr).abs().max().item() < TOL
+        assert max((a - b).abs().max().item() for a, b in zip(maps, alone)) < TOL
+        assert all(m.abs().sum() > 0 for m in maps)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_model_restored_after_a_call_and_after_an_exception(family):
     model = FAMILIES[family](seed=4)
