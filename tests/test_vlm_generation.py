@@ -281,11 +281,10 @@ def test_generic_attention_follows_the_iccv_rules_across_the_two_streams():
     trace = method.adapter.trace(llava, (torch.tensor([PROMPT]),), (), TARGET[0], method.capture_spec(),
                                  forward_kwargs={"pixel_values": px})
 
-    def chain(stream, size):
+    def chain(stream, size, skip=0):
         relevance = torch.eye(size, dtype=torch.float64)
-        for record in trace.records:
-            if record.streams[0] == stream:
-                relevance = relevance + record.backward_value[0].to(torch.float64) @ relevance
+        for record in [r for r in trace.records if r.streams[0] == stream][skip:]:
+            relevance = relevance + record.backward_value[0].to(torch.float64) @ relevance
         return relevance
 
     vision, decoder = chain("image", 17), chain("tokens", len(PROMPT))
@@ -295,6 +294,15 @@ def test_generic_attention_follows_the_iccv_rules_across_the_two_streams():
     expected = (decoder @ embedding @ vision)[len(PROMPT) - 1]
     assert (result.image_token_attr[0] - expected).abs().max() < TOL
     assert (result.token_attr[0] - decoder[len(PROMPT) - 1, text_columns(PROMPT)]).abs().max() < TOL
+    # start_layer per stream: the tower's chain from its second call, the decoder's whole.
+    later = GenerationAttribution(GenericAttention(llava, start_layer={"image": 1}), TOKENIZER).attribute(
+        PROMPT, target=TARGET[:1], images=px)
+    expected = (decoder @ embedding @ chain("image", 17, skip=1))[len(PROMPT) - 1]
+    assert (later.image_token_attr[0] - expected).abs().max() < TOL
+    assert (later.image_token_attr[0] - result.image_token_attr[0]).abs().max() > 1e-6
+    with pytest.raises(InputError, match="streams"):
+        GenerationAttribution(GenericAttention(llava, start_layer={"text": 1}), TOKENIZER).attribute(
+            PROMPT, target=TARGET[:1], images=px)
 
 
 def test_gradient_times_input_pixel_maps_are_the_plain_gradient():

@@ -35,10 +35,14 @@ def build_llava(seed: int = 0, **config) -> torch.nn.Module:
     """A float64 LLaVA in eval mode."""
     torch.manual_seed(seed)
     model = transformers.LlavaForConditionalGeneration(llava_config(**config)).to(torch.float64).eval()
-    with torch.no_grad():  # larger embeddings than the 0.02 init: maps that differ between tokens
+    with torch.no_grad():  # larger weights than the 0.02 init: maps that differ between tokens, images that matter
         for name, parameter in model.named_parameters():
             if "embed" in name or "position" in name:
                 parameter.normal_(0, 1)
+            elif name.endswith("weight") and parameter.dim() == 2 and ("vision_tower" in name or "layers" in name):
+                parameter.normal_(0, 0.4)
+            elif name.endswith("weight") and "projector" in name:  # image features about as large as text embeddings
+                parameter.normal_(0, 0.1)
     return model
 
 

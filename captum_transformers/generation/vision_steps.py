@@ -17,7 +17,8 @@ image's ``token_map`` ``E`` onto the tower's output tokens, then:
   at the image tokens: their map is the decoder's last layer (or a flow over it), which has
   no continuation into the tower's layers, so ``r_{img} E`` is placed on the patch grid.
 
-Scores over the tower's tokens are mapped onto the patch grid (the CLS token dropped) and
+A per-stream ``start_layer`` (``{"image": 1}``) counts the tower's calls and the decoder's
+separately. Scores over the tower's tokens are mapped onto the patch grid (the CLS token dropped) and
 upsampled bilinearly to the image's pixels (:func:`~captum_transformers.adapters.vision_language.to_pixels`).
 
 Example::
@@ -27,14 +28,15 @@ Example::
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Mapping, Sequence
 
 import torch
 
 from ..adapters.vision_language import IMAGE_STREAM, TEXT_STREAM, ImageTokens, image_token_scores
 from ..capture.trace import AttentionRecord, AttentionTrace, StreamLayouts, TokenLayout
-from ..errors import CaptureError
+from ..errors import CaptureError, InputError
 
 
 def carries_into_tower(method: Any) -> bool:
@@ -79,6 +81,21 @@ def decoder_trace(trace: AttentionTrace) -> AttentionTrace:
     return AttentionTrace(records, layout, trace.logits, trace.target, StreamLayouts.single(layout, 1))
 
 
+def _for_stream(method: Any, stream: str) -> Any:
+    """``method`` with its per-stream ``start_layer`` (``{"image": 1, "tokens": 0}``) read for
+    ``stream`` alone: the decoder's and the tower's sub-traces each name their one stream "tokens"."""
+    start = getattr(method, "start_layer", None)
+    if not isinstance(start, Mapping):
+        return method
+    unknown = sorted(set(start) - {IMAGE_STREAM, TEXT_STREAM})
+    if unknown:
+        raise InputError(f"start_layer names the streams {unknown}; a vision-language model's are "
+                         f"{[TEXT_STREAM, IMAGE_STREAM]} (the decoder and the vision tower).")
+    chosen = copy.copy(method)
+    chosen.start_layer = int(start.get(stream, 0))
+    return chosen
+
+
 def vision_language_scores(method: Any, trace: AttentionTrace, images: Sequence[ImageTokens],
                            calls: int) -> Dict[str, torch.Tensor]:
     """``{"tokens": (B, N), "image:i": (V_i,)}``: the decoder's scores and, per image, its
@@ -86,13 +103,13 @@ def vision_language_scores(method: Any, trace: AttentionTrace, images: Sequence[
     tower's output tokens the decoder's image tokens come from)."""
     if IMAGE_STREAM not in trace.streams.layouts:
         return method.stream_scores(trace)
-    decoder = method.stream_scores(decoder_trace(trace))[TEXT_STREAM]
+    decoder = _for_stream(method, TEXT_STREAM).stream_scores(decoder_trace(trace))[TEXT_STREAM]
     scores: Dict[str, torch.Tensor] = {TEXT_STREAM: decoder}
-    carry = carries_into_tower(method)
+    tower = _for_stream(method, IMAGE_STREAM) if carries_into_tower(method) else None
     for index, image in enumerate(images):
         start = image_token_scores(decoder, image)
-        if carry:
-            start = method.reduce(_tower_trace(trace, image, calls, start))[0]
+        if tower is not None:
+            start = tower.reduce(_tower_trace(trace, image, calls, start))[0]
         scores[image_key(index)] = start
     return scores
 
