@@ -15,15 +15,42 @@ imputation itself is compared in float64).
 
 Monotonicity: Quantus 0.6.0's default ``perturb_func`` writes the baseline value read from the
 all-baseline image, i.e. the baseline again: the input never changes and every explanation is
-"monotonic" (the first rows below). The parity rows run Quantus' own loop (order, steps,
-baseline, softmax, ``np.diff >= 0``) with a ``perturb_func`` restoring the original values at
-the revealed indices, the insertion Arya et al. define and Quantus' docstring describes.
+"monotonic" (printed above each Monotonicity row). The parity rows run Quantus' own loop
+(order, steps, baseline, softmax, ``np.diff >= 0``) with a ``perturb_func`` restoring the
+original values at the revealed indices, the insertion Arya et al. define and Quantus'
+docstring describes.
 
-Result (CPU, torch 2.14.1, numpy 2.3.5, Quantus 0.6.0; worst |package - Quantus| per example):
+Result (CPU, 1 thread, torch 2.14.1, NumPy 2.3.5, SciPy 1.17.1, Quantus 0.6.0; 53 s): worst
+|package - Quantus| per example, over the 16 images:
 
-    metric                setting                                     compared       worst |diff|
-    PixelFlipping         16 px/step, black: curves                   16 x 64        0
-    ...
+    metric              setting                                     compared  worst |diff|
+    PixelFlipping       16 px/step, black: curves                    16 x 64             0
+    PixelFlipping       16 px/step, black: AUC                            16             0
+    PixelFlipping       32 px/step, mean: curves                     16 x 32       3.3e-07
+    PixelFlipping       32 px/step, mean: AUC                             16       5.6e-07
+    PixelFlipping       64 px/step, white: curves                    16 x 16             0
+    RegionPerturbation  4x4 morf, 64 regions, black                  16 x 64       3.0e-08
+    RegionPerturbation  4x4 lerf, 64 regions, black                  16 x 64       3.0e-08
+    RegionPerturbation  6x6 morf (padded), 36 regions, mean          16 x 36       2.5e-07
+    RegionPerturbation  4x4 morf, 32 regions, explain_func=adapter   16 x 32       3.0e-08
+    ROAD                morf, 50 percentages: correct per image      16 x 50             0
+    ROAD                lerf, 50 percentages: correct per image      16 x 50             0
+    ROAD                imputation, float64, 4 images x 3 fractions        1       3.8e-14
+    Monotonicity        64 / 256 / 512 px/step, restoring: monotonic      16             0
+    Monotonicity        64 / 256 / 512 px/step, restoring: curves    16 x 16/4/2         0
+    worst over all rows                                                             5.6e-07
+
+The non-zero rows come from float32 rounding on Quantus' side: its "mean" baseline is NumPy's
+float32 mean (the package averages in float64, one float32 ulp apart), RegionPerturbation
+subtracts float32 probabilities. AUCs are compared with the float64 trapezoid of Quantus' own
+curves; its ``return_auc_per_sample`` integrates in float32 and lies 1.95e-6 (1 ulp at ~30)
+away. ROAD accuracy (MoRF) runs 0.81 / 0.06 / 0.00 / 0.12 / 0.12 at 1 / 25 / 51 / 75 / 99 %,
+LeRF 0.81 up to 75 % and 0.00 at 99 %. Quantus' default Monotonicity calls all 16 explanations
+monotonic at every step size (its model inputs are all identical); the package finds 0, 3 and
+15 of 16 at 64, 256 and 512 pixels per step, as Quantus' loop does with the restoring
+``perturb_func``. Not compared: the random draws (``"uniform"`` baselines, ``order="random"``,
+ROAD's noise), which come from NumPy's global generator there and from a ``torch.Generator``
+here.
 
 Rerun (a scratch venv outside the repository; Quantus 0.6.0 calls np.trapz, gone in NumPy 2.4):
 
@@ -51,6 +78,7 @@ from captum_transformers.tasks.digit_canvas import digit_canvases, normalize
 from captum_transformers.tasks.digit_model import load_digit_model
 
 N = 16
+TARGET = 1e-6  # worst |package - Quantus| the issue asks for
 ROWS = []
 
 
@@ -158,7 +186,10 @@ def main():
         metric(a_batch=quantus_a, **common)
         report("ROAD", f"{order}, 50 percentages: correct per image", correct, metric.per_sample)
         mine.update(x_t, y_t, a_t)
-        report("ROAD", f"{order}: accuracy per percentage", mine.compute().y, list(metric.evaluation_scores.values()))
+        curve = mine.compute().y
+        report("ROAD", f"{order}: accuracy per percentage", curve, list(metric.evaluation_scores.values()))
+        print(f"  ({order} accuracy at 1 / 25 / 51 / 75 / 99 %: "
+              f"{' / '.join(f'{curve[i]:.2f}' for i in (0, 12, 25, 37, 49))})")
     worst = []
     for image, scores in zip(x[:4].astype(np.float64), a[:4]):
         for fraction in (0.05, 0.5, 0.95):
@@ -177,8 +208,9 @@ def main():
         recorder.calls.clear()
         default = quantus.Monotonicity(features_in_step=step, **quiet)(a_batch=a, **dict(common, model=recorder))
         unchanged = all(torch.equal(call, recorder.calls[0]) for call in recorder.calls)
-        print(f"  Quantus default Monotonicity, {step} px/step: {sum(default)}/{N} monotonic, its {len(recorder.calls)} "
-              f"model inputs {'all identical' if unchanged else 'differ'} (package: {int(flags.sum())}/{N})")
+        print(f"  Quantus default Monotonicity, {step} px/step: {sum(default)}/{N} monotonic, its "
+              f"{len(recorder.calls)} model inputs {'all identical' if unchanged else 'differ'} "
+              f"(package: {int(flags.sum())}/{N})")
         restoring = quantus.Monotonicity(features_in_step=step, perturb_func=restore_original,
                                          perturb_func_kwargs={"source": x.reshape(N, -1)}, **quiet)
         recorder.calls.clear()
@@ -194,4 +226,7 @@ def main():
 if __name__ == "__main__":
     start = time.time()
     main()
-    print(f"worst over all rows: {max(row[3] for row in ROWS):.3g} ({time.time() - start:.0f} s)")
+    worst_row = max(row[3] for row in ROWS)
+    print(f"worst over all rows: {worst_row:.3g} ({time.time() - start:.0f} s)")
+    if worst_row > TARGET:
+        raise SystemExit(f"parity target {TARGET:g} missed")

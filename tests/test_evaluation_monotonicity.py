@@ -63,7 +63,8 @@ def test_steps_baselines_and_softmax():
 
 def data(n=7, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.rand(n, 2, 4, 4, generator=g), torch.randint(0, 3, (n,), generator=g), torch.randn(n, 4, 4, generator=g)
+    images, labels = torch.rand(n, 2, 4, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+    return images, labels, torch.randn(n, 4, 4, generator=g)
 
 
 WEIGHTS = torch.randn(32, 3, generator=torch.Generator().manual_seed(3))

@@ -86,7 +86,8 @@ class Recorder:
 
 def data(n=5, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.rand(n, 2, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g), torch.randn(n, 6, 6, generator=g)
+    images, labels = torch.rand(n, 2, 6, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+    return images, labels, torch.randn(n, 6, 6, generator=g)
 
 
 @pytest.mark.parametrize("order", ["morf", "lerf"])

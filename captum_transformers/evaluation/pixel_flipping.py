@@ -273,7 +273,7 @@ class RegionPerturbation(_PerturbationCurve):
         if self.order == "random":
             ranking = torch.stack([torch.randperm(rows * cols, generator=self.generator) for _ in range(batch)])
         else:
-            ranking = stable_order(sums, descending=self.order == "morf")
+            ranking = stable_order(sums, descending=self.order == "morf").cpu()  # indexes the CPU patch table
         # Flat pixel indices (into the padded image) of every patch, row-major within the patch.
         corner = (torch.arange(rows)[:, None] * size * padded.shape[3] + torch.arange(cols)[None, :] * size).reshape(-1)
         offsets = (torch.arange(size)[:, None] * padded.shape[3] + torch.arange(size)[None, :]).reshape(-1)

@@ -28,7 +28,8 @@ from ..errors import InputError
 
 MethodSpec = Union[str, type, Callable[[nn.Module], Any]]
 
-def quantus_explain_func(method: MethodSpec, channel_reduce: str = "sum", **attribute_kwargs) -> Callable[..., np.ndarray]:
+def quantus_explain_func(method: MethodSpec, channel_reduce: str = "sum",
+                         **attribute_kwargs) -> Callable[..., np.ndarray]:
     """A Quantus ``explain_func`` running ``method`` of this package.
 
     Args:
