@@ -26,7 +26,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Sequence
+from typing import Any, Dict, List, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -115,13 +115,18 @@ class Gemma3Adapter(VisionLanguageAdapter):
         summed = products["pixel_values"].sum(1)  # (images, S, S)
         return [summed[image.vision_row] for image in images]
 
+    def token_type_inputs(self, model: nn.Module, input_ids: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The per-token keywords the processor returns next to ``input_ids`` (what ``generate``
+        needs too): ``token_type_ids``, 1 at image tokens, which make the image blocks bidirectional."""
+        return {"token_type_ids": (input_ids == self.image_token_id(model)).to(torch.long)}
+
     def call_model(self, model, inputs, additional_forward_args, forward_kwargs):
         """With ``token_type_ids`` (1 at image tokens, built from ``input_ids`` when not given):
         the bidirectional image blocks of Gemma 3's mask, as its processor's inputs give them."""
         kwargs = dict(forward_kwargs or {})
         ids = inputs[0] if inputs and not inputs[0].is_floating_point() else kwargs.get("input_ids")
         if isinstance(ids, torch.Tensor) and kwargs.get("pixel_values") is not None:
-            expected = (ids == self.image_token_id(model)).to(torch.long)
+            expected = self.token_type_inputs(model, ids)["token_type_ids"]
             given = kwargs.get("token_type_ids")
             if given is None:
                 kwargs["token_type_ids"] = expected

@@ -39,7 +39,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -210,6 +210,11 @@ class Qwen2VLAdapter(VisionLanguageAdapter):
                                               int(vision.temporal_patch_size)).sum(0))
         return maps
 
+    def token_type_inputs(self, model: nn.Module, input_ids: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The per-token keywords the processor returns next to ``input_ids`` (what ``generate``
+        needs too): ``mm_token_type_ids``, 1 at image tokens, from which M-RoPE places the image."""
+        return {"mm_token_type_ids": (input_ids == self.image_token_id(model)).to(torch.int)}
+
     def call_model(self, model, inputs, additional_forward_args, forward_kwargs):
         """With ``mm_token_type_ids`` built from ``input_ids`` when not given, without 1-D
         ``position_ids`` (the model's M-RoPE positions), and the model's ``rope_deltas`` restored."""
@@ -219,7 +224,7 @@ class Qwen2VLAdapter(VisionLanguageAdapter):
         if isinstance(positions, torch.Tensor) and positions.dim() == 2:
             del kwargs["position_ids"]
         if isinstance(ids, torch.Tensor) and kwargs.get("image_grid_thw") is not None:
-            expected = (ids == self.image_token_id(model)).to(torch.int)
+            expected = self.token_type_inputs(model, ids)["mm_token_type_ids"]
             given = kwargs.get("mm_token_type_ids")
             if given is None:
                 kwargs["mm_token_type_ids"] = expected
