@@ -178,11 +178,13 @@ class PixelFlipping(_PerturbationCurve):
     cumulatively by the baseline; after step ``t = 1..T`` (``T = ceil(H W / features_in_step)``)
 
         y_t = p(label | x with its t * features_in_step most relevant pixels replaced)
-        AUC = trapezoid(mean_t y_t, dx=1)    (Quantus: mean of return_auc_per_sample)
+        AUC = trapezoid of the mean curve over images, dx = 1  (Quantus: mean of return_auc_per_sample)
 
     ``per_example`` returns the curves (B, T), Quantus' per-sample output. A faithful map makes
     the curve fall early, so lower AUC is better. ``image_size`` fixes T before any update (every
     process needs the same state shapes). ``baseline="uniform"`` draws from ``generator``.
+    All T perturbed copies go through the model in one call unless ``max_batch_size`` bounds
+    the rows per call: set it for large T (one pixel per step on 224 x 224 is T = 50176).
 
     Example::
 
@@ -232,7 +234,7 @@ class RegionPerturbation(_PerturbationCurve):
     permutation from ``generator``); after replacing the first ``k = 1..R`` of them
 
         y_k = p(label | x) - p(label | x with k patches replaced)
-        AUC = trapezoid(mean_k y_k, dx=1)
+        AUC = trapezoid of the mean curve over images, dx = 1
 
     ``R = regions_evaluation`` must not exceed the number of patches (Quantus would silently
     return shorter curves). Higher AUC is better for MoRF (AOPC), lower for LeRF.
