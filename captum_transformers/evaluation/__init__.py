@@ -21,6 +21,10 @@ RiseInsertion
 Comprehensiveness,     ERASER AOPC over 1/5/10/20/50 % of tokens (DeYoung et al. 2020)
 Sufficiency
 CompletenessError      |sum of relevance - score| / |score|
+ROAD                   remove and debias: noisy linear imputation (Rong et al. ICML 2022)
+PixelFlipping,         Quantus 0.6.0's definitions (equal to it, benchmarks/quantus_parity.py)
+RegionPerturbation,
+Monotonicity
 GenerationFaithfulness per generated token: score drop for its top-k prompt tokens,
                        MIF / LIF and SRG over the prompt
 =====================  =============================================================
@@ -40,11 +44,15 @@ from .modality_removal import MODALITY_FRACTIONS, ModalityTokenRemoval
 from .pixel_perturbation import (CVPR21_PIXEL_FRACTIONS, FINE_PIXEL_FRACTIONS, PIXEL_FRACTIONS, PIXEL_PROTOCOLS,
                                  PixelPerturbation)
 from .plots import plot_curves
+from .monotonicity import Monotonicity
+from .pixel_flipping import PixelFlipping, RegionPerturbation
+from .quantus_bridge import quantus_explain_func
 from .rationale_f1 import RationaleF1
 from .relevance_gain import GAIN_FRACTIONS, GAIN_SCORES, GainAreas, RelevanceGainResult, symmetric_relevance_gain
 from .relevance_gain_graphs import GraphRelevanceGain
 from .relevance_gain_images import ImageRelevanceGain
 from .relevance_gain_tokens import TokenRelevanceGain
+from .road import ROAD, ROAD_PERCENTAGES, noisy_linear_imputation
 from .results import (CurveResult, RationaleF1Result, ResultRecord, SegmentationResult, SpecificityResult, read_csv,
                       read_json, result_from_dict, write_csv, write_json)
 from .saliency_maps import minmax_normalize
@@ -63,5 +71,6 @@ __all__ = [
     "RISE_FRACTIONS", "RiseDeletion", "RiseInsertion", "GENERATION_KS", "GenerationFaithfulness",
     "GenerationFaithfulnessResult", "TokenScores", "generation_token_scores", "OCCLUSIONS", "GAIN_FRACTIONS",
     "GAIN_SCORES", "GainAreas", "RelevanceGainResult", "symmetric_relevance_gain", "GraphRelevanceGain",
-    "ImageRelevanceGain", "TokenRelevanceGain",
+    "ImageRelevanceGain", "TokenRelevanceGain", "ROAD", "ROAD_PERCENTAGES", "noisy_linear_imputation", "PixelFlipping",
+    "RegionPerturbation", "Monotonicity", "quantus_explain_func",
 ]
