@@ -15,8 +15,9 @@ from restore import assert_same, raising_after, snapshot
 from vlm_family_models import (IMAGE, MERGE, PATCH, TEMPORAL, build_qwen2_5_vl, build_qwen2_vl, qwen_pixels,
                                qwen_prompt)
 
-from captum_transformers import (AttentionRollout, AttnLRP, ConservativeLRP, GenericAttention, InputError,
-                                 RawAttention)
+from captum_transformers import (AttentionFlow, AttentionGradCAM, AttentionRollout, AttnLRP, ConservativeLRP,
+                                 GenericAttention, InputError, PartialLRP, RawAttention, TransformerLRP,
+                                 TransformerRelevance)
 from captum_transformers.adapters.qwen2_vl import Qwen2VLAdapter, grid_order, tower_places, window_order
 from captum_transformers.adapters.qwen2_vl_geometry import image_grids, patch_row_spans
 from captum_transformers.adapters.registry import get_adapter
@@ -32,8 +33,10 @@ TOL = 1e-10
 SCORE_TOL = 1e-5
 FAMILIES = {"qwen2_vl": build_qwen2_vl, "qwen2_5_vl": build_qwen2_5_vl}
 GRID = {"qwen2_vl": (4, 4), "qwen2_5_vl": (4, 8)}  # 2.5-VL: two 2x2-cell windows side by side
-METHODS = {"AttnLRP": AttnLRP, "ConservativeLRP": ConservativeLRP, "GenericAttention": GenericAttention,
-           "RawAttention": RawAttention, "AttentionRollout": AttentionRollout}
+METHODS = {"AttnLRP": AttnLRP, "ConservativeLRP": ConservativeLRP, "TransformerLRP": TransformerLRP,
+           "GenericAttention": GenericAttention, "TransformerRelevance": TransformerRelevance,
+           "AttentionGradCAM": AttentionGradCAM, "PartialLRP": PartialLRP, "RawAttention": RawAttention,
+           "AttentionRollout": AttentionRollout, "AttentionFlow": AttentionFlow}
 BEFORE, AFTER, TARGET = [1, 5], [7, 8], [9, 11, 12]
 TOKENIZER = IdTokenizer()
 _MODELS: dict = {}

@@ -7,10 +7,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import CaptureError
 from .backward_switch import _SWITCH
 from .backward_switch import plain_requested as _plain
 from .identity_ratio import identity_ratio
 from .linear_rule import safe_divide
+
+
+def _numeric_padding(padding, weight: torch.Tensor, dilation):
+    """A conv2d ``padding`` as numbers, which ``conv2d_input`` takes: ``"valid"`` (SigLIP's patch
+    embedding) is 0; ``"same"`` (stride 1) pads ``dilation * (k - 1) / 2`` per side."""
+    if padding == "valid":
+        return 0
+    if padding == "same":
+        dilation = (dilation, dilation) if isinstance(dilation, int) else tuple(dilation)
+        total = [d * (k - 1) for d, k in zip(dilation, weight.shape[-2:])]
+        if any(t % 2 for t in total):
+            raise CaptureError(f"The pixel convolution pads 'same' unevenly (kernel {tuple(weight.shape[-2:])}, "
+                               f"dilation {dilation}), which the z^B rule's backward convolution cannot express.")
+        return tuple(t // 2 for t in total)
+    return padding
 
 
 class PixelBoundedConv(torch.autograd.Function):
@@ -27,6 +43,7 @@ class PixelBoundedConv(torch.autograd.Function):
                         padding=kwargs.get("padding", args[4] if len(args) > 4 else 0),
                         dilation=kwargs.get("dilation", args[5] if len(args) > 5 else 1),
                         groups=kwargs.get("groups", args[6] if len(args) > 6 else 1))
+        ctx.conv["padding"] = _numeric_padding(ctx.conv["padding"], weight, ctx.conv["dilation"])
         return output
 
     @staticmethod
