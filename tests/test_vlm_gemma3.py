@@ -21,6 +21,7 @@ from captum_transformers import (AttentionFlow, AttentionGradCAM, AttentionRollo
 from captum_transformers.adapters.gemma3_vl import Gemma3Adapter, pooling_map
 from captum_transformers.adapters.huggingface import HuggingFaceAdapter
 from captum_transformers.adapters.registry import get_adapter
+from captum_transformers.adapters.vision_language import image_token_scores, to_pixels
 from captum_transformers.generation import GenerationAttribution
 
 transformers = pytest.importorskip("transformers")
@@ -83,6 +84,18 @@ def test_token_map_is_the_projectors_average_pooling():
     image = Gemma3Adapter().images(net, torch.tensor([PROMPT]), {"pixel_values": gemma_pixels(1)})[0]
     assert image.positions.tolist() == [3, 4, 5, 6] and image.grid == (grid, grid)
     assert image.pixel_size == (GEMMA_SIZE, GEMMA_SIZE) and torch.equal(image.token_map, pooling_map(grid, 2))
+
+
+def test_a_score_on_image_token_k_lands_on_its_pooled_cell():
+    image = Gemma3Adapter().images(model(), torch.tensor([PROMPT]), {"pixel_values": gemma_pixels(1)})[0]
+    side, cell_size = int(GEMMA_TOKENS ** 0.5), GEMMA_SIZE // int(GEMMA_TOKENS ** 0.5)
+    for k, position in enumerate(image.positions.tolist()):
+        scores = torch.zeros(1, len(PROMPT), dtype=torch.float64)
+        scores[0, position] = 1.0
+        heat = to_pixels(image_token_scores(scores, image), image)
+        r, c = divmod(k, side)
+        cell = heat[r * cell_size:(r + 1) * cell_size, c * cell_size:(c + 1) * cell_size]
+        assert cell.max() == heat.max() and cell.sum() > 0.6 * heat.sum()
 
 
 def test_the_adapter_is_found_for_the_unmodified_class_only():

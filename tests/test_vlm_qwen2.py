@@ -21,6 +21,7 @@ from captum_transformers import (AttentionFlow, AttentionGradCAM, AttentionRollo
 from captum_transformers.adapters.qwen2_vl import Qwen2VLAdapter, grid_order, tower_places, window_order
 from captum_transformers.adapters.qwen2_vl_geometry import image_grids, patch_row_spans
 from captum_transformers.adapters.registry import get_adapter
+from captum_transformers.adapters.vision_language import image_token_scores, to_pixels
 from captum_transformers.capture.recorder import Recorder
 from captum_transformers.capture.trace import CaptureSpec
 from captum_transformers.generation import GenerationAttribution
@@ -153,6 +154,26 @@ def test_recorded_tower_makes_one_block_diagonal_call_per_block_with_the_towers_
         windowed = sites[0].forward_value[0, :, :first, :first]
         assert windowed[:, :16, 16:].abs().max() == 0 and windowed[:, 16:32, :16].abs().max() == 0
         assert sites[1].forward_value[0, :, :16, 16:first].abs().min() > 0  # the full block sees the whole image
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_score_on_image_token_k_lands_on_its_cell_of_the_resized_image(family):
+    """Decoder scores one-hot at image token k, carried through ``token_map`` and ``grid_tokens``
+    onto the pixels: the map's peak and most of its mass lie in merged cell k's pixel rectangle."""
+    model = model_of(family)
+    grid_hw = (4, 8) if family == "qwen2_5_vl" else (4, 4)
+    inputs = qwen_pixels([grid_hw])
+    ids = torch.tensor([qwen_prompt(BEFORE, grid_hw, AFTER)])
+    image = Qwen2VLAdapter().images(model, ids, inputs)[0]
+    side = MERGE * PATCH
+    for k, position in enumerate(image.positions.tolist()):
+        scores = torch.zeros(ids.shape, dtype=torch.float64)
+        scores[0, position] = 1.0
+        heat = to_pixels(image_token_scores(scores, image), image)
+        r, c = divmod(k, grid_hw[1] // MERGE)
+        cell = heat[r * side:(r + 1) * side, c * side:(c + 1) * side]
+        assert heat.shape == (grid_hw[0] * PATCH, grid_hw[1] * PATCH)
+        assert cell.max() == heat.max() and cell.sum() > 0.6 * heat.sum()
 
 
 def test_the_adapter_is_found_for_the_unmodified_classes():
