@@ -318,6 +318,21 @@ def test_model_restored_after_a_call_and_after_an_exception(family):
         assert torch.equal(model(ids, **kwargs).logits, logits)
 
 
+def test_processor_output_is_explained_in_the_resized_images_layout():
+    """A 20x30 image through Qwen2-VL's processor (resized to 16x32: multiples of patch * merge):
+    the image map has the resized image's layout, the one its pixel_values rows tile."""
+    processor = transformers.Qwen2VLImageProcessor(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL,
+                                                   size={"shortest_edge": 256, "longest_edge": 1024})
+    image = (torch.rand(3, 20, 30, generator=torch.Generator().manual_seed(0)) * 255).to(torch.uint8)
+    processed = processor(images=[image], return_tensors="pt")
+    grid = tuple(processed["image_grid_thw"][0, 1:].tolist())
+    images = {"pixel_values": processed["pixel_values"].to(torch.float64), "image_grid_thw": processed["image_grid_thw"]}
+    explainer = GenerationAttribution(GenericAttention(model_of("qwen2_vl")), TOKENIZER)
+    result = explainer.attribute(torch.tensor(qwen_prompt(BEFORE, grid, AFTER)), target=TARGET, **images)
+    assert grid == (4, 8) and result.image_attr.shape == (len(TARGET), 16, 32)
+    assert torch.isfinite(result.image_attr).all() and result.image_attr.abs().sum() > 0
+
+
 # -- refusals ---------------------------------------------------------------------------
 def test_videos_and_mismatched_placeholders_are_refused():
     model = model_of("qwen2_vl")
