@@ -195,3 +195,14 @@ def test_result_round_trips_through_a_dict():
     assert GenerationFaithfulnessResult.from_dict(result.to_dict()) == result
     empty = new_metric().compute()
     assert empty.count == 0 and empty.srg != empty.srg  # NaN, never a silent 0
+
+
+def test_a_constant_map_gives_identical_curves_and_srg_zero():
+    prompts, outputs, attrs = toy_data()
+    scores = generation_token_scores(BagOfTokensLM(), prompts, outputs, [torch.zeros_like(a) for a in attrs],
+                                     replacement_id=REPLACEMENT, never_removed_ids=[BOS])
+    assert torch.equal(scores.mif, scores.lif)
+    metric = new_metric()
+    metric.update_ids(prompts, outputs, [torch.full_like(a, 0.3) for a in attrs])
+    result = metric.compute()
+    assert result.mif == result.lif and result.srg == 0.0

@@ -43,15 +43,37 @@ def test_symmetric_relevance_gain_rejects_mismatched_curves():
         symmetric_relevance_gain([1.0, 0.0, 0.0], [1.0, 0.0, 0.0], (0.0, 1.0, 0.5))
 
 
-def test_removal_masks_mirror_mif_and_never_touch_unremovable_features():
+def test_removal_masks_order_ties_alike_and_never_touch_unremovable_features():
     relevance = torch.tensor([[0.5, 0.5, 0.5, 9.0], [3.0, 1.0, 2.0, 0.0]])
     removable = torch.tensor([[True, True, True, False], [True, True, True, True]])
     masks = removal_masks(relevance, removable, (0.0, 0.25, 0.5, 1.0))
     assert not masks[:, 0, 3].any()  # never removable, however relevant
-    # ties: MIF takes the earlier feature first, LIF the exact reverse order
-    assert masks[1, 0].tolist() == [True, False, False, False] and masks[5, 0].tolist() == [False, False, True, False]
+    # ties: MIF and LIF both take the earlier feature first (a stable sort each way)
+    assert masks[1, 0].tolist() == [True, False, False, False] and masks[5, 0].tolist() == [True, False, False, False]
     assert masks[2, 1].tolist() == [True, False, True, False] and masks[6, 1].tolist() == [False, True, False, True]
     assert masks[3].all(dim=1).tolist() == [False, True] and masks[3, 0, :3].all() and masks[7, 0, :3].all()
+
+
+def position_weighted_tokens(batch):
+    """Logits [s, -s] with s the position-weighted count of kept tokens: tokens differ, so tie order matters."""
+    kept = (batch["input_ids"] != 0).double() * batch["attention_mask"].double()
+    evidence = kept @ torch.linspace(0.0, 1.0, batch["input_ids"].shape[1], dtype=torch.float64)
+    return torch.stack([evidence, -evidence], dim=1)
+
+
+@pytest.mark.parametrize("score", ["prob", "logit"])
+def test_a_constant_map_gives_identical_curves_and_srg_zero(score):
+    ids, mask = torch.randint(1, 10, (4, 8), generator=torch.Generator().manual_seed(0)), torch.ones(4, 8).long()
+    tokens = TokenRelevanceGain(position_weighted_tokens, replacement_id=0, score=score)
+    tokens.update(ids, mask, torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))
+    images = ImageRelevanceGain(pixel_model, occlusion="zero", score=score)
+    images.update(torch.rand(3, 1, 2, 2, generator=torch.Generator().manual_seed(1)), torch.ones(3, dtype=torch.long),
+                  torch.full((3, 2, 2), 0.7))
+    x, edge_index, batch, labels = graph_batch()
+    graphs = GraphRelevanceGain(graph_model, score=score)
+    graphs.update(x, edge_index, batch, torch.ones(5), labels)
+    for result in (tokens.compute(), images.compute(), graphs.compute()):
+        assert result.mif == result.lif and result.srg == 0.0
 
 
 def test_class_scores():

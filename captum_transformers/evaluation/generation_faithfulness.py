@@ -12,8 +12,8 @@ probability, like :class:`~captum_transformers.generation.GenerationResult.score
 
 each averaged over every generated token of every prompt (a token is the unit: a prompt with
 three answer tokens weighs three). The curve math is :func:`.relevance_gain.symmetric_relevance_gain`
-and the orders :func:`.relevance_gain.removal_masks` (ties: earlier position first for MIF,
-mirrored for LIF). ``k`` larger than ``n`` removes every removable token.
+and the orders :func:`.relevance_gain.removal_masks` (ties: earlier position first for both MIF
+and LIF, so a constant map scores SRG 0). ``k`` larger than ``n`` removes every removable token.
 
 **Removal by replacement.** A removed prompt token's id becomes ``replacement_id`` (the
 model's ``<unk>``, ``<pad>`` or a neutral word); positions and the attention mask stay. Masking

@@ -20,10 +20,11 @@ it; the x axis is the removed fraction, so both areas lie in [0, 1] and SRG in [
 comparable across models and step schedules. ``"logit"`` and ``"log_prob"`` are the
 alternatives (unbounded scales, e.g. to compare with tables computed on logits).
 
-**Order.** MIF sorts relevance descending (ties: earlier feature first, a stable sort);
-LIF is its exact reverse, so tied features are removed in mirrored order by the two
-curves and the LIF step removing ``k`` features keeps exactly what the MIF step removing
-``n - k`` features removed.
+**Order.** MIF sorts relevance descending, LIF ascending, both by a stable sort (ties:
+earlier feature first in both curves). Tied features are thus removed in the same order by
+the two curves, so a constant map gives identical MIF and LIF curves and SRG exactly 0 (an
+uninformative map gains nothing). Without ties the LIF step removing ``k`` features keeps
+exactly what the MIF step removing ``n - k`` features removed.
 Step ``t`` removes ``ceil(x_t * n)`` of the ``n`` removable features (``flip_counts``).
 
 :func:`symmetric_relevance_gain` is the curve math alone (per-step scores in, areas and
@@ -104,8 +105,9 @@ def removal_masks(relevance: torch.Tensor, removable: torch.Tensor, fractions: S
     """Which features each step removes, (2T, B, N) bool: the T MIF steps, then the T LIF steps.
 
     ``relevance`` and ``removable`` are (B, N); only removable features are ranked and
-    removed, ``ceil(x_t * n_b)`` of them at step t. LIF ranks are the exact reverse of the
-    MIF ranks (``n_b - 1 - rank``).
+    removed, ``ceil(x_t * n_b)`` of them at step t. MIF ranks by descending, LIF by
+    ascending relevance, both stable (ties: earlier feature first), so a constant map
+    removes the same features at every step of both curves.
 
     >>> masks = removal_masks(torch.tensor([[0.1, 0.9, 0.5]]), torch.ones(1, 3, dtype=torch.bool), (0.0, 0.4, 1.0))
     >>> masks[:, 0].int().tolist()
@@ -113,10 +115,9 @@ def removal_masks(relevance: torch.Tensor, removable: torch.Tensor, fractions: S
     """
     relevance = relevance.detach().to(torch.float64)
     removable = removable.to(device=relevance.device, dtype=torch.bool)
-    key = torch.where(removable, relevance, torch.full_like(relevance, -torch.inf))
-    mif_rank = ranks(key, descending=True)
-    n = removable.sum(dim=1, keepdim=True)
-    lif_rank = torch.where(removable, n - 1 - mif_rank, torch.full_like(mif_rank, relevance.shape[1]))
+    # Non-removable features get the key that sorts them last, so they never fall within the counts.
+    mif_rank = ranks(torch.where(removable, relevance, torch.full_like(relevance, -torch.inf)), descending=True)
+    lif_rank = ranks(torch.where(removable, relevance, torch.full_like(relevance, torch.inf)), descending=False)
     counts = flip_counts(fractions, removable).to(relevance.device)[:, :, None]  # (T, B, 1)
     return torch.cat([mif_rank[None] < counts, lif_rank[None] < counts])
 
