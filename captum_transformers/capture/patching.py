@@ -30,7 +30,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import InputError
-from . import isolation, module_walk
+from . import isolation, module_walk, offload
 from .contextual import _IMPLEMENTATIONS, _ContextualValue, _contextual_config_class, _entered, _is_entered
 
 _MISSING = object()
@@ -382,6 +382,15 @@ def parameters_require_grad(model: nn.Module) -> Iterator[None]:
     meanwhile would see its frozen parameters require grad (explanations are serialised per
     module by :mod:`..capture.exclusive`, training is not).
     """
+    # accelerate-offloaded modules get new parameter objects at each onload: their flags are
+    # restored by (module, name) as well (capture/offload.py).
+    with offload.requires_grad_restored(model), _parameters_forced(model):
+        yield
+
+
+@contextlib.contextmanager
+def _parameters_forced(model: nn.Module) -> Iterator[None]:
+    """The flags of :func:`parameters_require_grad`, on the parameter objects found on entry."""
     parameters = _floating_parameters(model)
     entered: List[nn.Parameter] = []
     try:

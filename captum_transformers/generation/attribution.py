@@ -41,6 +41,7 @@ import torch
 from captum.attr import Attribution
 from captum.log import log_usage
 
+from ..capture import offload
 from ..errors import InputError
 from ..methods.base import TraceAttribution, finished
 from ..methods.lrp import RuleGradientXInput
@@ -157,7 +158,7 @@ class GenerationAttribution(Attribution):
         return [encode_target(target, self.tokenizer)]
 
     def _batch(self, prompts: List[EncodedPrompt], targets: List[List[int]], encoder_decoder: bool) -> GenerationBatch:
-        device = next(self.model.parameters()).device
+        device = offload.input_device(self.model)  # not meta (accelerate)
         pad = padding_id(self.tokenizer)
         ids = [p.ids for p in prompts]
         if encoder_decoder:

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from ..capture import offload
 from ..errors import InputError
 from .batch import padding_id
 
@@ -49,7 +50,7 @@ def generated_targets(model: nn.Module, tokenizer: Any, prompts: Sequence[Sequen
                          "and pass the answer as the target.")
     pad = padding_id(tokenizer)
     args.setdefault("pad_token_id", pad)
-    device = next(model.parameters()).device
+    device = offload.input_device(model)  # not meta (accelerate)
     longest = max(len(p) for p in prompts)
     if encoder_decoder:  # sources right padded
         ids = [list(p) + [pad] * (longest - len(p)) for p in prompts]

@@ -46,7 +46,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..capture import patching
-from ..capture import module_walk
+from ..capture import module_walk, offload
 from ..errors import CaptureError
 from .activation_discovery import is_activation
 from .backward_switch import _SWITCH, plain_gradient_of
@@ -427,6 +427,7 @@ def operation_rules(model: nn.Module, rules,
         probed = []
         if rules.activation == "identity" or rules.gated_product == "constant":
             like = next((t for t in itertools.chain(model.parameters(), model.buffers()) if t.is_floating_point()), None)
+            like = None if like is None else offload.materialised(like, model)  # not meta (accelerate offload)
             probed = [module for module in module_walk.modules(model) if like is not None and is_activation(module, like)]
             for module in probed:
                 stack.enter_context(patching.instance_forward(

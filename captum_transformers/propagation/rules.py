@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..capture import patching
-from ..capture import module_walk
+from ..capture import module_walk, offload
 from ..errors import InputError
 from .backward_switch import current_switch, plain_gradient_of
 from .operation_rules import IdentityRelevance, paused_rule_mode
@@ -223,6 +223,7 @@ def find_norms(model: nn.Module) -> List[NormSite]:
     # Norms without a weight (nn.LayerNorm / nn.RMSNorm with elementwise_affine=False) are
     # probed in the dtype and device of the model's first floating-point tensor.
     reference = next((t for t in itertools.chain(model.parameters(), model.buffers()) if t.is_floating_point()), None)
+    reference = None if reference is None else offload.materialised(reference, model)
     for name, module in module_walk.named_modules(model):
         if isinstance(module, _NOT_NORMS) or not module_walk.is_leaf(module):
             continue
@@ -239,8 +240,11 @@ def find_norms(model: nn.Module) -> List[NormSite]:
         eps = _eps(module)
         if eps is None:
             continue
-        fitted = probed(module, ("norm", size, eps, like.dtype, like.device),
-                        lambda: _probe(module, size, eps, like))
+        # An accelerate-offloaded weight is on meta outside the forward: probed onloaded (capture/offload.py).
+        with offload.onloaded(module, name) if like.is_meta else contextlib.nullcontext():
+            like = module.weight if like is weight else like
+            fitted = probed(module, ("norm", size, eps, like.dtype, like.device),
+                            lambda: _probe(module, size, eps, like))
         if fitted is not None:
             sites.append(NormSite(name, module, fitted[0], eps, fitted[1]))
     return sites
