@@ -125,6 +125,20 @@ def test_images_probability_patches_and_ordering():
     assert perfect.srg > 0 and results["reversed"].srg == pytest.approx(-perfect.srg, abs=1e-12)
 
 
+def test_blur_is_rises_gkern_through_a_zero_padded_convolution():
+    ndimage = pytest.importorskip("scipy.ndimage")
+    impulse = torch.zeros(11, 11, dtype=torch.float64)
+    impulse[5, 5] = 1.0
+    rise_kernel = torch.from_numpy(ndimage.gaussian_filter(impulse.numpy(), 5))  # RISE's gkern(11, 5)
+    assert rise_kernel[0, 0].item() == pytest.approx(0.00774, abs=1e-5)
+    images = torch.rand(2, 3, 7, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    padded = torch.nn.functional.pad(images, (5, 5, 5, 5))  # zero padding, as conv2d(..., padding=klen // 2)
+    expected = torch.stack([
+        torch.stack([(padded[b, c, i:i + 11, j:j + 11] * rise_kernel).sum() for i in range(7) for j in range(9)])
+        for b in range(2) for c in range(3)]).reshape(images.shape)
+    assert torch.allclose(gaussian_blur(images), expected, rtol=0, atol=1e-14)
+
+
 def test_image_occlusion_fills():
     images = torch.rand(2, 3, 5, 6, generator=torch.Generator().manual_seed(0))
     assert torch.equal(occlusion_fill(images, "zero"), torch.zeros_like(images))

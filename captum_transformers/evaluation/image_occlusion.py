@@ -5,7 +5,8 @@ Blücher et al. (TMLR 2024) show that MIF and LIF rankings depend on this choice
 
 * ``"zero"``: 0 in every channel (black for images in [0, 1]);
 * ``"mean"``: the image's own mean per channel;
-* ``"blur"``: the image blurred by RISE's Gaussian (11 x 11 kernel, sigma 5, zero padding);
+* ``"blur"``: the image blurred by RISE's kernel (``gkern(11, 5)``: an 11 x 11 impulse through
+  scipy's reflected Gaussian filter of sigma 5, built here without scipy), zero padded;
 * a number: that constant in every channel;
 * a callable ``images (B, C, H, W) -> fill (B, C, H, W)``.
 """
@@ -35,16 +36,43 @@ def check_occlusion(occlusion: Occlusion) -> Occlusion:
                      "images -> fill of the same shape. Pick one of those.")
 
 
+def rise_kernel_line(kernel_size: int = 11, sigma: float = 5.0, truncate: float = 4.0) -> torch.Tensor:
+    """One axis of RISE's blur kernel, float64 (``kernel_size``,): a centred unit impulse smoothed by a
+    Gaussian of ``sigma`` truncated at ``truncate * sigma``, the borders reflected.
+
+    RISE's ``gkern(klen, nsig)`` is ``scipy.ndimage.gaussian_filter`` (mode ``"reflect"``,
+    ``truncate=4``) of a ``klen``-square impulse; that filter is separable, so the kernel is the
+    outer product of this line with itself. The Gaussian taps ``w_j ~ exp(-j^2 / (2 sigma^2))``,
+    ``|j| <= int(truncate * sigma + 0.5)``, fall on the impulse through the half-sample
+    reflection of the ``kernel_size`` cells (``d c b a | a b c d | d c b a``): with sigma 5 on 11
+    cells most taps fold back, hence a flat kernel (corner 0.0077, centre 0.0088). Sums to 1.
+
+    >>> line = rise_kernel_line()
+    >>> round(float(line[0] * line[0]), 5), round(float(line[5] * line[5]), 5)
+    (0.00774, 0.00883)
+    """
+    radius = int(truncate * sigma + 0.5)
+    offsets = torch.arange(-radius, radius + 1, dtype=torch.float64)
+    taps = torch.exp(-0.5 * offsets ** 2 / sigma ** 2)
+    taps = taps / taps.sum()
+    centre, period = kernel_size // 2, 2 * kernel_size
+    line = torch.zeros(kernel_size, dtype=torch.float64)
+    for position in range(kernel_size):
+        source = (position + offsets.long()) % period  # where tap j reads, on the reflected axis
+        source = torch.where(source >= kernel_size, period - 1 - source, source)
+        line[position] = taps[source == centre].sum()
+    return line
+
+
 def gaussian_blur(images: torch.Tensor, kernel_size: int = 11, sigma: float = 5.0) -> torch.Tensor:
-    """Each channel convolved with a normalised ``kernel_size``-square Gaussian, zero padded (as RISE's code).
+    """Each channel convolved with RISE's ``gkern(kernel_size, sigma)`` (:func:`rise_kernel_line`), zero
+    padded by ``kernel_size // 2`` (RISE's ``conv2d(x, kern, padding=klen // 2)``).
 
     >>> round(gaussian_blur(torch.ones(1, 1, 21, 21))[0, 0, 10, 10].item(), 5)   # the centre sees the whole kernel
     1.0
     """
-    offsets = torch.arange(kernel_size, dtype=torch.float64) - (kernel_size - 1) / 2
-    line = torch.exp(-offsets ** 2 / (2 * sigma ** 2))
-    kernel = torch.outer(line, line)
-    kernel = (kernel / kernel.sum()).to(device=images.device, dtype=images.dtype)
+    line = rise_kernel_line(kernel_size, sigma)
+    kernel = torch.outer(line, line).to(device=images.device, dtype=images.dtype)
     channels = images.shape[1]
     weight = kernel.expand(channels, 1, kernel_size, kernel_size)
     return torch.nn.functional.conv2d(images, weight, padding=kernel_size // 2, groups=channels)
