@@ -54,9 +54,10 @@ VISION_CONFIG: Dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_
 TEXT_CONFIG: Dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=128, rope_theta=10000.0,
                                    rms_norm_eps=1e-6, tie_word_embeddings=False, attention_dropout=0.0)
-# CLIP normalises the embeddings before layer 1 (timm's ViT does not). Every later reader of the
-# residual stream is a LayerNorm, blind to the mean the pre-norm removes, so only its rescaling
-# to a fixed norm differs; a gain of the embeddings' median per-token std (0.53 on val canvases,
+# CLIP normalises the embeddings before layer 1 (timm's ViT does not). Inside the tower every
+# reader of the residual stream is a LayerNorm, blind to the mean the pre-norm removes, so only
+# its rescaling to a fixed norm differs (the projector, which reads the stream raw, starts from
+# random weights anyway); a gain of the embeddings' median per-token std (0.53 on val canvases,
 # measured) keeps most of the ViT's accuracy at init (two-digit top-2 set on 512 val canvases:
 # 0.66 against its 0.74; 0.34 with the default gain of 1). Fine-tuning adapts to the rest.
 PRE_NORM_GAIN = 0.53

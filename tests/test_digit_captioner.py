@@ -1,0 +1,123 @@
+"""The built-in digit captioner: tokenizer, reading order, ViT transfer, shipped weights and their record."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from captum_transformers.errors import InputError
+from captum_transformers.tasks import digit_captioner as dc
+from captum_transformers.tasks.digit_canvas import DigitCanvasSet, digit_canvases, normalize
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return dc.load_digit_captioner()
+
+
+def test_prompt_holds_one_image_token_per_patch_after_bos():
+    tokenizer = dc.captioner_tokenizer()
+    inputs = dc.caption_inputs(tokenizer, torch.zeros(2, 3, 32, 32))
+    ids = inputs["input_ids"]
+    assert ids.shape == (2, 1 + dc.IMAGE_TOKENS + 1)
+    assert ids[0, 0].item() == dc.VOCABULARY[dc.BOS] and ids[0, -1].item() == dc.VOCABULARY[dc.CUE]
+    assert (ids == dc.VOCABULARY[dc.IMAGE]).sum(-1).tolist() == [64, 64]
+    assert tokenizer.decode(dc.answer_ids(torch.tensor([[3, 7]]))[0], skip_special_tokens=True) == "3 7"
+
+
+def _boxes(first_box, second_box):
+    """Two-digit set with one canvas whose masks fill the given (rows, cols) slices."""
+    masks = torch.zeros(1, 2, 32, 32, dtype=torch.bool)
+    masks[0, 0][first_box] = True
+    masks[0, 1][second_box] = True
+    return DigitCanvasSet(torch.zeros(1, 3, 32, 32), masks, torch.tensor([[4, 9]]), torch.tensor([[0, 1]]))
+
+
+@pytest.mark.parametrize("first_box, second_box, order", [
+    ((slice(8, 20), slice(18, 30)), (slice(6, 22), slice(2, 14)), [1, 0]),  # side by side, second mask left
+    ((slice(8, 20), slice(2, 14)), (slice(6, 22), slice(18, 30)), [0, 1]),
+    ((slice(17, 30), slice(5, 19)), (slice(1, 15), slice(3, 17)), [1, 0]),  # stacked, second mask on top
+])
+def test_reading_order_is_left_to_right_then_top_to_bottom(first_box, second_box, order):
+    data = _boxes(first_box, second_box)
+    assert dc.reading_order_labels(data)[0].tolist() == order
+    labels, masks = dc.caption_targets(data)
+    assert labels[0].tolist() == [[4, 9][i] for i in order]
+    assert torch.equal(masks[0, 0], data.masks[0, order[0]])
+
+
+def test_reading_order_of_generated_canvases_puts_the_first_mask_left_or_on_top():
+    data = digit_canvases("test", "two", n=64, seed=2)
+    _, masks = dc.caption_targets(data)
+    cols = torch.arange(32).float()
+    centre = [(m.float().sum(-2) * cols).sum(-1) / m.float().sum((-1, -2)) for m in (masks[:, 0], masks[:, 1])]
+    rows = [(m.float().sum(-1) * cols).sum(-1) / m.float().sum((-1, -2)) for m in (masks[:, 0], masks[:, 1])]
+    side = (centre[1] - centre[0]).abs() > (rows[1] - rows[0]).abs()
+    assert bool((centre[0] < centre[1])[side].all()) and bool((rows[0] < rows[1])[~side].all())
+    assert 0 < int(side.sum()) < 64  # both layouts occur
+
+
+def test_reading_order_refuses_one_digit_canvases():
+    with pytest.raises(InputError, match="two-digit canvases"):
+        dc.reading_order_labels(digit_canvases("test", "one", n=2))
+
+
+def test_vision_tower_copy_is_the_digit_vit_but_for_the_pre_norm():
+    """With CLIP's pre-norm bypassed, the copied tower computes the timm ViT's features exactly."""
+    from captum_transformers.tasks.digit_model import load_digit_model
+    vit = load_digit_model()
+    model = dc.build_digit_captioner().eval()
+    dc.vision_tower_from_digit_vit(model, vit)
+    tower = model.model.vision_tower
+    tower.pre_layrnorm = torch.nn.Identity()
+    x = normalize(digit_canvases("val", "two", n=4).images)
+    with torch.no_grad():
+        expected = vit.forward_features(x)
+        got = tower.post_layernorm(tower(x, output_hidden_states=True).hidden_states[-1])
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_shipped_captioner_writes_both_digits_in_reading_order(shipped):
+    model, tokenizer = shipped
+    assert type(model).__name__ == "LlavaForConditionalGeneration" and not model.training
+    data = digit_canvases("test", "two", n=64, seed=5)
+    scores = dc.caption_accuracy(model, tokenizer, data)
+    assert scores["canvases"] == 64 and scores["digit_accuracy"] >= 0.85
+    inputs = dc.caption_inputs(tokenizer, data.images[:2])
+    out = model.generate(**inputs)
+    text = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert all(len(caption.split()) == 2 for caption in text)
+
+
+def test_the_record_matches_a_re_evaluation_on_a_slice(shipped):
+    model, tokenizer = shipped
+    record = dc.digit_captioner_record()
+    assert record["test_canvases"] >= 1000 and record["test_digit_accuracy"] >= 0.9
+    assert record["model_config"] == {"vision": dc.VISION_CONFIG, "text": dc.TEXT_CONFIG, "llava": dc.LLAVA_CONFIG}
+    assert record["command"].startswith(dc.RETRAIN_COMMAND)
+    # The same canvases as the record's first 128 (generation depends on n, so slice the full set).
+    data = digit_canvases("test", "two", n=record["test_canvases"], seed=record["test_canvas_seed"])[:128]
+    scores = dc.caption_accuracy(model, tokenizer, data)
+    p, n = record["test_digit_accuracy"], 2 * len(data)
+    assert abs(scores["digit_accuracy"] - p) <= 4 * math.sqrt(p * (1 - p) / n) + 2 / n
+    p = record["test_exact_caption_accuracy"]
+    assert abs(scores["exact_caption"] - p) <= 4 * math.sqrt(p * (1 - p) / len(data)) + 2 / len(data)
+
+
+def test_shipped_file_is_small_and_float16():
+    path = dc.weights_path()
+    assert path.is_file() and len(path.read_bytes()) < 3 * 2 ** 20
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    assert {t.dtype for t in state.values() if t.is_floating_point()} == {torch.float16}
+
+
+def test_training_is_seeded():
+    from captum_transformers.tasks.train_captioner import train
+    first, second = (train(steps=2, evaluate_n=16) for _ in range(2))
+    assert first["losses"] == second["losses"]
+    assert all(torch.equal(a, b) for a, b in zip(first["model"].state_dict().values(),
+                                                 second["model"].state_dict().values()))
+    assert sorted(first["test"]) == ["canvases", "digit_accuracy", "exact_caption"]
