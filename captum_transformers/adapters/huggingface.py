@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..capture import patching
-from ..capture import module_walk, offload
+from ..capture import checkpointing, module_walk, offload
 from ..errors import CaptureError, InputError
 from ..propagation.operation_rules import operation_rules
 from ..propagation.fused_attention import fusable
@@ -78,12 +78,19 @@ def _sub_config(model: nn.Module, name: str) -> Any:
 def _gradient_checkpointing_off(model: nn.Module) -> Iterator[None]:
     """Layers with gradient checkpointing run plainly while captured: a checkpointed layer re-runs
     its forward in the backward pass, outside the capture, with another attention kernel
-    (torch raises CheckpointError). Each module's own flag is restored on exit."""
+    (torch raises CheckpointError). Each module's own flag is restored on exit. Under
+    :func:`~captum_transformers.capture.checkpointing.keep_gradient_checkpointing` the layers stay
+    checkpointed, recomputed under the explanation's rules instead."""
     with contextlib.ExitStack() as stack:
         for module in module_walk.modules(model):
             # The instance's flag, else its class's (transformers' layers declare it there): no
             # failing nn.Module.__getattr__ lookup on every other module.
             if vars(module).get("gradient_checkpointing", getattr(type(module), "gradient_checkpointing", False)) is True:
+                if checkpointing.kept() and callable(vars(module).get("_gradient_checkpointing_func")):
+                    # Kept on (opt-in): the recomputation runs under the explanation's rules.
+                    stack.enter_context(patching.instance_function(module, "_gradient_checkpointing_func",
+                                                                   checkpointing.explained_checkpoint(module, model)))
+                    continue
                 stack.enter_context(patching.flag(module, "gradient_checkpointing", False))  # this thread only
         yield
 

@@ -80,6 +80,20 @@ def instance_forward(module: nn.Module, make_forward: Callable[[Callable], Calla
 
 
 @contextlib.contextmanager
+def instance_function(obj: Any, name: str, make: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Replace the callable attribute ``obj.name`` by ``make(original)`` in the current context
+    only (a HF layer's ``_gradient_checkpointing_func``); elsewhere ``original`` runs."""
+    original = getattr(obj, name)
+    replacement, token = make(original), object()
+
+    def call(*args: Any, **kwargs: Any):
+        return (replacement if _is_entered(token) else original)(*args, **kwargs)
+
+    with attributes(obj, **{name: call}), _entered(token):
+        yield
+
+
+@contextlib.contextmanager
 def forward_hook(module: nn.Module, hook: Callable, *, pre: bool = False, with_kwargs: bool = False) -> Iterator[None]:
     """Register a forward (pre-)hook for the duration of the context, called only in the
     current context (elsewhere it returns None: no change)."""
