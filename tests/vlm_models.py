@@ -1,7 +1,7 @@
 """Tiny float64 vision-language models (random weights, built from configs) for the VLM tests.
 
 LLaVA: a 2-layer CLIP vision tower over 16x16 images with 4x4 patches (a 4x4 grid, one CLS
-token), the 2-layer Llama decoder of tests/generation_models.py, a bias-free projector. The
+token; ``build_siglip_llava``: a SigLIP tower, no CLS), the 2-layer Llama decoder of tests/generation_models.py, a bias-free projector. The
 image token id is ``IMAGE``; a prompt holds ``IMAGE_TOKENS`` copies of it per image.
 """
 from __future__ import annotations
@@ -44,6 +44,18 @@ def build_llava(seed: int = 0, **config) -> torch.nn.Module:
             elif name.endswith("weight") and "projector" in name:  # image features about as large as text embeddings
                 parameter.normal_(0, 0.1)
     return model
+
+
+def build_siglip_llava(strategy: str = "default", seed: int = 0) -> torch.nn.Module:
+    """A float64 LLaVA with a 2-layer SigLIP tower (no CLS token; 16 patch tokens)."""
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                             num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH,
+                                             num_channels=3)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=llava_config().text_config,
+                                      image_token_id=IMAGE, vision_feature_layer=-1,
+                                      vision_feature_select_strategy=strategy, attn_implementation="eager")
+    torch.manual_seed(seed)
+    return transformers.LlavaForConditionalGeneration(config).to(torch.float64).eval()
 
 
 def image_prompt(text_before: List[int], text_after: List[int], images: int = 1) -> List[int]:

@@ -38,7 +38,11 @@ _BUILT_IN = (
                                 "transformers.models.visual_bert.modeling_visual_bert.VisualBertPreTrainedModel")),
     (DetrAdapter(), ("transformers.models.detr.modeling_detr.DetrPreTrainedModel",)),
     # Vision-language decoders: a vision tower feeding a causal LM's image tokens.
-    (LlavaAdapter(), ("transformers.models.llava.modeling_llava.LlavaForConditionalGeneration",)),
+    (LlavaAdapter(), ("transformers.models.llava.modeling_llava.LlavaForConditionalGeneration",
+                      # Refused by it with the reason (crops of each image), not run as text by the generic adapter.
+                      "transformers.models.llava_next.modeling_llava_next.LlavaNextForConditionalGeneration",
+                      "transformers.models.llava_next_video.modeling_llava_next_video.LlavaNextVideoForConditionalGeneration",
+                      "transformers.models.llava_onevision.modeling_llava_onevision.LlavaOnevisionForConditionalGeneration")),
     (Qwen2VLAdapter(), ("transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VLForConditionalGeneration",
                         "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLForConditionalGeneration")),
     (Gemma3Adapter(), ("transformers.models.gemma3.modeling_gemma3.Gemma3ForConditionalGeneration",)),

@@ -127,6 +127,9 @@ class VisionLanguageAdapter(HuggingFaceAdapter):
                         images: Sequence[ImageTokens]) -> List[torch.Tensor]:
         """Per image, (H, W): ``products[name]`` (``x * dy/dx`` of each image input) summed over channels."""
 
+    def check_image_inputs(self, model: nn.Module, image_inputs: Mapping[str, Any]) -> None:
+        """Refuse image inputs the family cannot map back before anything runs (no-op by default)."""
+
     # -- shared ---------------------------------------------------------------------
     def image_token_positions(self, model: nn.Module, input_ids: torch.Tensor) -> List[Tuple[int, int]]:
         """Every (example, position) of a placeholder token, row-major: the order in which the
