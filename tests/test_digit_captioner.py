@@ -121,3 +121,46 @@ def test_training_is_seeded():
     assert all(torch.equal(a, b) for a, b in zip(first["model"].state_dict().values(),
                                                  second["model"].state_dict().values()))
     assert sorted(first["test"]) == ["canvases", "digit_accuracy", "exact_caption"]
+
+
+def _benchmark():
+    import importlib.util
+    import os
+    import sys
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                        "caption_mask_share.py")
+    spec = importlib.util.spec_from_file_location("caption_mask_share_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
+    return module
+
+
+def test_mask_share_counts_positive_mass_on_the_written_digit_against_both():
+    bench = _benchmark()
+    masks = torch.zeros(1, 2, 4, 4, dtype=torch.bool)
+    masks[0, 0, :, :2] = True
+    masks[0, 1, :, 2:] = True
+    maps = torch.zeros(1, 2, 4, 4)
+    maps[0, 0, :, :2] = 3.0   # step 1: all positive mass on its own digit, negative mass elsewhere ignored
+    maps[0, 0, :, 2:] = -5.0
+    maps[0, 1, :, :2] = 1.0   # step 2: one part on the other digit, three on its own
+    maps[0, 1, :, 2:] = 3.0
+    shares = bench.mask_shares(maps, masks)
+    torch.testing.assert_close(shares, torch.tensor([[1.0, 0.75]], dtype=torch.float64))
+    assert torch.isnan(bench.mask_shares(-maps.abs(), masks)).all()  # no positive mass: no share
+
+
+def test_benchmark_prints_a_row_per_method_and_captum_ig(capsys):
+    bench = _benchmark()
+    threads = torch.get_num_threads()
+    assert bench.main(["--n", "8", "--methods", "attn-lrp", "raw-attention"]) == 0
+    assert torch.get_num_threads() == threads
+    printed = capsys.readouterr().out
+    for name in ("attn-lrp", "raw-attention", bench.CAPTUM_IG):
+        line = next(row for row in printed.splitlines() if row.startswith(name))
+        assert "[" in line and "refused" not in line
+    assert "python benchmarks/caption_mask_share.py --n 8" in printed
