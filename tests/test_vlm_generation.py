@@ -13,11 +13,12 @@ import pytest
 import torch
 from generation_models import IdTokenizer
 from restore import assert_same, raising_after, snapshot
-from vlm_models import IMAGE, IMAGE_SIZE, build_llava, image_prompt, llava_processor, pixels, transformers
+from vlm_models import (IMAGE, IMAGE_SIZE, IMAGE_TOKENS, build_llava, build_siglip_llava, image_prompt, llava_config,
+                        llava_processor, pixels, transformers)
 
 from captum_transformers import (AttentionFlow, AttentionGradCAM, AttentionRollout, AttnLRP, ConservativeLRP,
                                  GenericAttention, InputError, PartialLRP, RawAttention, TransformerLRP,
-                                 TransformerRelevance)
+                                 TransformerRelevance, UnsupportedModelError)
 from captum_transformers.adapters.llava import LlavaAdapter
 from captum_transformers.generation import GenerationAttribution
 from captum_transformers.methods.captum_baselines import CaptumIntegratedGradients
@@ -198,7 +199,7 @@ def test_refusals():
     explainer = GenerationAttribution(GenericAttention(llava), TOKENIZER)
     with pytest.raises(InputError, match="image tokens"):
         explainer.attribute(PROMPT[:-3], target=TARGET, images=pixels(2))
-    with pytest.raises(InputError, match="image_sizes"):
+    with pytest.raises(InputError, match="image_sizes .* are not mapped back to the image; give one pixel_values"):
         explainer.attribute(PROMPT, target=TARGET, pixel_values=px, image_sizes=torch.tensor([[16, 16]]))
     with pytest.raises(InputError, match="twice"):
         explainer.attribute(PROMPT, target=TARGET, images=px, pixel_values=px)
@@ -316,3 +317,113 @@ def test_gradient_times_input_pixel_maps_are_the_plain_gradient():
         logits = llava(torch.tensor([PROMPT + TARGET[:t]]), pixel_values=leaf).logits
         (grad,) = torch.autograd.grad(logits[0, -1, token], leaf)
         assert (result.image_attr[t] - (leaf * grad).sum(1)[0]).abs().max() < 1e-12
+
+
+def _processor_inputs():
+    processor = llava_processor()
+    image = torch.rand(3, IMAGE_SIZE, IMAGE_SIZE, generator=torch.Generator().manual_seed(5))
+    return processor, processor(images=image, text="t1 t5 <image> t7 t9", return_tensors="pt")
+
+
+def test_image_inputs_that_would_be_dropped_or_misread_are_refused():
+    llava, px = model(), pixels(1)
+    processor, inputs = _processor_inputs()
+    for make in (GenericAttention, AttnLRP):  # placeholders read as text embeddings, hidden from token_attr
+        with pytest.raises(InputError, match="16 image placeholder tokens .* but no images"):
+            GenerationAttribution(make(llava), TOKENIZER).attribute(PROMPT, target=TARGET)
+    captum_rows = GenerationAttribution(CaptumIntegratedGradients(llava), processor.tokenizer)
+    with pytest.raises(InputError, match=r"holds images \(\['pixel_values'\]\), but .* explains no images"):
+        captum_rows.attribute(inputs, target=TARGET)
+    with pytest.raises(InputError, match="16 image placeholder tokens .* explains no images"):
+        captum_rows.attribute(PROMPT, target=TARGET)
+    explainer = GenerationAttribution(GenericAttention(llava), processor.tokenizer)
+    with pytest.raises(InputError, match="given twice"):
+        explainer.attribute(inputs, target=TARGET, images=px)
+    inputs["image_sizes"] = torch.tensor([[16, 16]])
+    with pytest.raises(InputError, match="image_sizes .* are not mapped back to the image; give one pixel_values"):
+        explainer.attribute(inputs, target=TARGET)
+    with pytest.raises(InputError, match=r"unexpected keyword arguments \['skip_token'\]"):
+        explainer.attribute(PROMPT, target=TARGET, images=px, skip_token=[1])
+    text_model = transformers.LlamaForCausalLM(llava.config.text_config).to(torch.float64).eval()
+    with pytest.raises(InputError, match=r"unexpected keyword arguments \['skip_token'\]"):
+        GenerationAttribution(AttnLRP(text_model), TOKENIZER).attribute([1, 5, 7], target=[20], skip_token=[1])
+
+
+def test_llava_next_is_refused_with_its_reason():
+    config = llava_config()
+    next_config = transformers.LlavaNextConfig(vision_config=config.vision_config, text_config=config.text_config,
+                                               image_token_id=IMAGE, vision_feature_layer=-1,
+                                               image_grid_pinpoints=[[16, 16]], attn_implementation="eager")
+    torch.manual_seed(0)
+    llava_next = transformers.LlavaNextForConditionalGeneration(next_config).to(torch.float64).eval()
+    ids = torch.tensor([[1, 5] + [IMAGE] * 20 + [7, 9]])
+    feature = transformers.BatchFeature({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                         "pixel_values": pixels(2)[None], "image_sizes": torch.tensor([[16, 16]])})
+    for make in (GenericAttention, AttnLRP):
+        with pytest.raises(UnsupportedModelError, match="LlavaNextForConditionalGeneration .* tiles each image"):
+            GenerationAttribution(make(llava_next), TOKENIZER).attribute(feature, target=[20, 21])
+        with pytest.raises(UnsupportedModelError, match="tiles each image"):  # text only, single calls too
+            make(llava_next).attribute(torch.tensor([[1, 5, 7]]), target=20)
+
+
+def test_full_strategy_keeps_the_cls_token_as_an_image_token():
+    """"full": image token k is vision token k (CLS first). ``image_token_attr`` holds the CLS
+    column; ``image_attr`` is the patch grid's map only (CLS has no pixel location)."""
+    from captum_transformers.adapters.vision_language import to_pixels
+
+    llava, px = build_llava(strategy="full"), pixels(1)
+    prompt = [1, 5] + [IMAGE] * (IMAGE_TOKENS + 1) + [7, 9]
+    for make in (RawAttention, GenericAttention, AttnLRP):
+        explainer = GenerationAttribution(make(llava), TOKENIZER)
+        result = explainer.attribute(prompt, target=TARGET[:2], images=px)
+        assert result.image_token_attr.shape == (2, 17) and result.image_token_attr[:, 0].abs().min() > 0
+        assert prefix_differences(explainer, result, prompt, TARGET[:2], px) < TOL
+        image = explainer.method.adapter.images(llava, torch.tensor([prompt]), {"pixel_values": px})[0]
+        assert image.token_map[0, 0] == 1 and torch.equal(image.grid_tokens, torch.arange(1, 17))
+        if make is RawAttention:  # no pixel relevance of its own: the grid's map upsampled, CLS excluded
+            assert torch.allclose(result.image_attr, to_pixels(result.image_token_attr, image), atol=TOL, rtol=0)
+    with pytest.raises(InputError, match="expand each image's placeholder"):
+        GenerationAttribution(GenericAttention(llava), TOKENIZER).attribute(PROMPT, target=TARGET, images=px)
+
+
+@pytest.mark.parametrize("strategy", ["default", "full"])
+def test_siglip_tower_has_no_cls_token(strategy):
+    """SigLIP: 16 patch tokens, no CLS. "default" drops the first patch (as HF does): image
+    token k is vision token k + 1, patch (0, 0) feeds no image token. Rows equal the prefix
+    calls; GenericAttention equals the ICCV chain with that map."""
+    siglip, px = build_siglip_llava(strategy), pixels(1)
+    dropped = 1 if strategy == "default" else 0
+    prompt = [1, 5] + [IMAGE] * (IMAGE_TOKENS - dropped) + [7, 9]
+    method = GenericAttention(siglip)
+    explainer = GenerationAttribution(method, TOKENIZER)
+    result = explainer.attribute(prompt, target=TARGET[:2], images=px)
+    assert result.image_token_attr.shape == (2, IMAGE_TOKENS) and result.image_attr.shape == (2, 16, 16)
+    assert prefix_differences(explainer, result, prompt, TARGET[:2], px) < TOL
+    trace = method.adapter.trace(siglip, (torch.tensor([prompt]),), (), TARGET[0], method.capture_spec(),
+                                 forward_kwargs={"pixel_values": px})
+
+    def chain(stream, size, calls):
+        relevance = torch.eye(size, dtype=torch.float64)
+        for record in [r for r in trace.records if r.streams[0] == stream][:calls]:
+            relevance = relevance + record.backward_value[0].to(torch.float64) @ relevance
+        return relevance
+
+    embedding = torch.zeros(len(prompt), IMAGE_TOKENS, dtype=torch.float64)
+    for k, position in enumerate(i for i, token in enumerate(prompt) if token == IMAGE):
+        embedding[position, k + dropped] = 1.0
+    expected = (chain("tokens", len(prompt), None) @ embedding @ chain("image", IMAGE_TOKENS, 2))[len(prompt) - 1]
+    assert (result.image_token_attr[0] - expected).abs().max() < TOL
+    raw = GenerationAttribution(RawAttention(siglip), TOKENIZER).attribute(prompt, target=TARGET[:1], images=px)
+    assert (raw.image_token_attr[0, 0] == 0) == bool(dropped)  # the dropped patch feeds no image token
+
+
+def test_a_batch_prompt_without_images_takes_none():
+    llava = model()
+    prompts, targets = [PROMPT, [1, 6, 8, 3]], [TARGET[:2], [22]]
+    explainer = GenerationAttribution(AttnLRP(llava), TOKENIZER)
+    for empty in (None, torch.zeros(0, 3, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.float64)):
+        results = explainer.attribute(prompts, target=targets, images=[pixels(1, seed=1), empty])
+        assert results[1].image_attr is None
+        assert prefix_differences(explainer, results[0], PROMPT, TARGET[:2], pixels(1, seed=1)) < TOL
+        alone = explainer.attribute(prompts[1], target=[22])
+        assert (results[1].token_attr - alone.token_attr).abs().max() < TOL

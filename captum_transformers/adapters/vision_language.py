@@ -27,7 +27,9 @@ tower's patch tokens to the image's pixels.
   order of the grid's cells among the tower's tokens;
 * :meth:`pixel_relevance`: per image, the (H, W) map of ``x * dy/dx`` summed over channels,
   from the gradient of the pixel input(s) (LLaVA: (images, C, H, W) pixel values; Qwen2-VL:
-  flattened patches).
+  flattened patches);
+* optionally :meth:`check_image_inputs`: refuse image inputs the family does not map back
+  (LLaVA: ``image_sizes``), before a target is generated with them.
 
 The rest (streams and layouts, placeholder positions, carrying scores onto the grid and the
 pixels) is shared here. Register the adapter for the family's model class.

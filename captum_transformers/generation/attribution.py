@@ -49,7 +49,8 @@ from .assembly import assemble_results, encoder_decoder_model
 from .batch import GenerationBatch, decoder_batch, encoder_decoder_batch, padding_id
 from .engine import relevance_steps, trace_steps
 from .generate import generated_targets
-from .image_inputs import gathered_image_inputs, moved, processor_images, vision_language_adapter
+from .image_inputs import (gathered_image_inputs, moved, placeholder_check, processor_images,
+                           vision_language_adapter)
 from .prefix_calls import prefix_scores
 from .prompts import EncodedPrompt, encode_prompt, encode_target, prompt_list
 from .result import GenerationResult
@@ -111,8 +112,11 @@ class GenerationAttribution(Attribution):
             skip_tokens: prompt tokens (strings or ids) left out of ``token_attr`` (e.g. BOS).
             score: overrides the instance's score kind for this call.
             images: a vision-language model's images: (C, H, W), (n, C, H, W), or for a batch a
-                list with one entry per prompt; the prompts' ids hold their placeholder tokens.
-            image_keywords: the model's own image inputs instead (``pixel_values=``), for the batch.
+                list with one entry per prompt (None, or an empty ``(0, C, H, W)`` stack, for a
+                prompt without images); the prompts' ids hold their placeholder tokens. Given
+                once: not together with ``pixel_values=`` or a processor output's images.
+            image_keywords: the model's own image inputs instead (``pixel_values=``), for the batch;
+                any other keyword is refused as unexpected.
         """
         kind = self.score if score is None else score
         if isinstance(inp, (list, tuple)) and not inp:
@@ -121,9 +125,11 @@ class GenerationAttribution(Attribution):
         prompts = [encode_prompt(p, self.tokenizer) for p in listed]
         encoder_decoder = encoder_decoder_model(self.model)
         adapter = vision_language_adapter(self.method)
-        image_keywords = processor_images(inp, adapter, image_keywords) if images is None else image_keywords
-        image_inputs = gathered_image_inputs(adapter, images, image_keywords, len(prompts), batched)
+        image_keywords = processor_images(inp, adapter, image_keywords, self.method)
+        image_inputs = gathered_image_inputs(adapter, images, image_keywords, len(prompts), batched, self.method)
+        placeholder_check(self.model, adapter, [p.ids for p in prompts], image_inputs)
         if image_inputs is not None:
+            adapter.check_image_inputs(self.model, image_inputs)  # before generating a target with them
             parameter = next(self.model.parameters())
             image_inputs = moved(image_inputs, parameter.device, parameter.dtype)
         targets = self._targets(prompts, target, gen_args, batched, encoder_decoder, image_inputs)

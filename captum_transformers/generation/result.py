@@ -18,8 +18,11 @@
   sequence); ``input_ids`` and ``output_ids``.
 * vision-language models: ``image_attr`` (T, H, W) per image in the input image's pixel
   layout (a list for a prompt with several images; None without images), ``image_token_attr``
-  (T, V) over the vision tower's tokens (CLS first, then the patch grid row-major), and
-  ``image_grid`` (rows, cols). ``token_attr`` then covers the text tokens only (the image
+  (T, V) over the vision tower's tokens (CLS first when the tower has one, then the patch grid
+  row-major), and ``image_grid`` (rows, cols). ``image_attr`` covers the patch grid only: the
+  CLS token has no pixel location, so its score is in ``image_token_attr`` (column 0) and not
+  in ``image_attr`` (methods whose relevance reaches the pixels themselves, LRP and Gradient x
+  Input, give the pixels' own relevance instead). ``token_attr`` then covers the text tokens only (the image
   placeholder tokens are left out: their scores are the image's).
 
 Example::
