@@ -19,7 +19,7 @@ from captum_transformers import (AttentionFlow, AttentionGradCAM, AttentionRollo
                                  GenericAttention, InputError, PartialLRP, RawAttention, TransformerLRP,
                                  TransformerRelevance)
 from captum_transformers.adapters.qwen2_vl import Qwen2VLAdapter, grid_order, tower_places, window_order
-from captum_transformers.adapters.qwen2_vl_geometry import image_grids, patch_row_spans
+from captum_transformers.adapters.qwen2_vl_geometry import image_grids, patch_row_spans, patchify
 from captum_transformers.adapters.registry import get_adapter
 from captum_transformers.adapters.vision_language import image_token_scores, to_pixels
 from captum_transformers.capture.recorder import Recorder
@@ -63,6 +63,8 @@ def test_patches_to_image_inverts_the_processors_patch_layout():
     processor = transformers.Qwen2VLImageProcessor()
     images = torch.randn(2, 3, 16, 24, dtype=torch.float64)
     rows, h, w = processor.patchify(images, patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL)
+    ours, thw = patchify(images, PATCH, MERGE, TEMPORAL)
+    assert torch.equal(ours, rows.reshape(-1, rows.shape[-1])) and thw.tolist() == [[1, h, w]] * 2
     grid = image_grids(torch.tensor([[1, h, w]]), PATCH, MERGE)[0]
     assert grid.image_size == (16, 24) and grid.num_tokens == 6
     for b in range(2):  # the temporal copies of a still image are summed
@@ -331,6 +333,25 @@ def test_processor_output_is_explained_in_the_resized_images_layout():
     result = explainer.attribute(torch.tensor(qwen_prompt(BEFORE, grid, AFTER)), target=TARGET, **images)
     assert grid == (4, 8) and result.image_attr.shape == (len(TARGET), 16, 32)
     assert torch.isfinite(result.image_attr).all() and result.image_attr.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", ["AttnLRP", "GenericAttention"])
+def test_images_given_as_images_equal_the_processors_patch_rows(name):
+    """``images=`` (one (C, H, W) image per prompt, normalized) is laid out as the processor's
+    rows: the maps equal those of the rows; a batch of two prompts too."""
+    model = model_of("qwen2_5_vl")
+    explainer = GenerationAttribution(METHODS[name](model), TOKENIZER)
+    pictures = torch.randn(2, 3, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    rows, thw = patchify(pictures, PATCH, MERGE, TEMPORAL)
+    prompts = [torch.tensor(qwen_prompt(BEFORE, (4, 8), AFTER)), torch.tensor(qwen_prompt([1, 4], (4, 8), [3]))]
+    given = explainer.attribute(prompts, target=[TARGET, [20]], images=[pictures[0], pictures[1]])
+    as_rows = explainer.attribute(prompts, target=[TARGET, [20]], pixel_values=rows, image_grid_thw=thw)
+    for a, b in zip(given, as_rows):
+        assert a.image_attr.shape == (len(a.output_ids), 16, 32)
+        assert (a.image_attr - b.image_attr).abs().max().item() < TOL
+        assert (a.token_attr - b.token_attr).abs().max().item() < TOL
+    with pytest.raises(InputError, match="carry their own grid"):
+        explainer.attribute(prompts[0], target=[9], pixel_values=pictures[:1], image_grid_thw=thw[:1])
 
 
 # -- refusals ---------------------------------------------------------------------------

@@ -24,7 +24,9 @@ is wanted (relevance under rules) the tower runs its own per-image calls, unreco
 rules; gradient relevance reaches ``pixel_values``: ``x * dy/dx`` summed over channels and the
 temporal copies, laid back into the resized image (:meth:`ImageGrid.patches_to_image`).
 
-Inputs are the processor's: ``pixel_values`` (patches, C T P P), ``image_grid_thw`` (images, 3).
+Inputs are the processor's: ``pixel_values`` (patches, C T P P), ``image_grid_thw`` (images, 3);
+or images (n, C, H, W) normalized as the processor does, sides multiples of ``P m``
+(``images=``), laid out as its patch rows here (:func:`patchify`, the maps then in their layout).
 :meth:`Qwen2VLAdapter.call_model` builds ``mm_token_type_ids`` from ``input_ids`` when not given
 (1 at image tokens) and drops 1-D ``position_ids`` (a generation batch's): the model computes
 its M-RoPE positions (temporal, row, column) from ``input_ids``, ``image_grid_thw`` and the
@@ -48,7 +50,7 @@ from . import hf_kernel
 from ..capture import patching
 from ..capture.recorder import Recorder
 from ..errors import InputError
-from .qwen2_vl_geometry import ImageGrid, image_grids, patch_row_spans
+from .qwen2_vl_geometry import ImageGrid, image_grids, patch_row_spans, patchify
 from .vision_language import IMAGE_STREAM, TEXT_STREAM, ImageTokens, VisionLanguageAdapter
 
 
@@ -162,12 +164,27 @@ class Qwen2VLAdapter(VisionLanguageAdapter):
         """The merger reads the tower's last hidden state: after all its blocks (one call each)."""
         return int(_qwen(model).config.vision_config.depth)
 
+    def _flat_inputs(self, model: nn.Module, image_inputs: Mapping[str, Any]) -> Dict[str, Any]:
+        """The image inputs as the model takes them: (n, C, H, W) images (``images=``, normalized as
+        the processor does) laid out as its patch rows with their ``image_grid_thw``."""
+        pixels = image_inputs.get("pixel_values")
+        if not isinstance(pixels, torch.Tensor) or pixels.dim() != 4:
+            return dict(image_inputs)
+        if image_inputs.get("image_grid_thw") is not None:
+            raise InputError(f"pixel_values of shape {tuple(pixels.shape)} are images (n, C, H, W), which carry their "
+                             "own grid; image_grid_thw goes with the processor's patch rows (patches, C*T*P*P) only.")
+        vision = _qwen(model).config.vision_config
+        rows, thw = patchify(pixels, int(vision.patch_size), int(vision.spatial_merge_size),
+                             int(vision.temporal_patch_size))
+        return {**image_inputs, "pixel_values": rows, "image_grid_thw": thw}
+
     def _grids(self, model: nn.Module, image_inputs: Mapping[str, Any]) -> List[ImageGrid]:
         vision = _qwen(model).config.vision_config
+        image_inputs = self._flat_inputs(model, image_inputs)
         thw, pixels = image_inputs.get("image_grid_thw"), image_inputs.get("pixel_values")
         if not isinstance(thw, torch.Tensor) or not isinstance(pixels, torch.Tensor) or pixels.dim() != 2:
             raise InputError("Qwen2-VL's images are pixel_values (patches, C*T*P*P) with image_grid_thw (images, 3), "
-                             f"as its processor returns them; got pixel_values {tuple(getattr(pixels, 'shape', ()))} "
+                             "as its processor returns them, or images (n, C, H, W) normalized as it does; got pixel_values {tuple(getattr(pixels, 'shape', ()))} "
                              f"and image_grid_thw {type(thw).__name__}.")
         grids = image_grids(thw, int(vision.patch_size), int(vision.spatial_merge_size))
         if sum(g.num_patches for g in grids) != pixels.shape[0]:
@@ -182,7 +199,7 @@ class Qwen2VLAdapter(VisionLanguageAdapter):
             raise InputError(f"input_ids hold {len(found)} image tokens (id {self.image_token_id(model)}) but the "
                              f"images' grids {[(g.h, g.w) for g in grids]} give {[g.num_tokens for g in grids]} "
                              "tokens; expand each image's placeholder to h*w/merge^2 tokens (as the processor does).")
-        order = window_order(model, image_inputs["image_grid_thw"].cpu())
+        order = window_order(model, self._flat_inputs(model, image_inputs)["image_grid_thw"].cpu())
         images, start = [], 0
         for index, (grid, span) in enumerate(zip(grids, patch_row_spans(grids))):
             chunk = found[start:start + grid.num_tokens]
@@ -202,6 +219,8 @@ class Qwen2VLAdapter(VisionLanguageAdapter):
                         images: Sequence[ImageTokens]) -> List[torch.Tensor]:
         vision = _qwen(model).config.vision_config
         rows = products["pixel_values"]
+        if rows.dim() == 4:  # images (n, C, H, W) given as such: their gradient is in the image layout
+            return list(rows.sum(1).unbind(0))
         maps = []
         for image in images:
             (start, stop), (h, w) = image.vision_span, image.grid
@@ -218,7 +237,7 @@ class Qwen2VLAdapter(VisionLanguageAdapter):
     def call_model(self, model, inputs, additional_forward_args, forward_kwargs):
         """With ``mm_token_type_ids`` built from ``input_ids`` when not given, without 1-D
         ``position_ids`` (the model's M-RoPE positions), and the model's ``rope_deltas`` restored."""
-        kwargs = dict(forward_kwargs or {})
+        kwargs = self._flat_inputs(model, forward_kwargs or {})
         ids = inputs[0] if inputs and not inputs[0].is_floating_point() else kwargs.get("input_ids")
         positions = kwargs.get("position_ids")
         if isinstance(positions, torch.Tensor) and positions.dim() == 2:

@@ -84,6 +84,24 @@ class ImageGrid:
         return image.sum(dim=1)
 
 
+def patchify(images: torch.Tensor, patch: int, merge: int, temporal: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(n, C, H, W) images (normalized as the processor does; H and W multiples of ``patch * merge``)
+    as the processor lays them out: ``pixel_values`` rows (n h w, C T P P), each still image
+    repeated over the ``T`` temporal copies, and ``image_grid_thw`` (n, 3). Differentiable: the
+    relevance of ``x * dy/dx`` at ``images`` sums each pixel's copies."""
+    count, channels, height, width = images.shape
+    side = patch * merge
+    if height % side or width % side:
+        raise InputError(f"Images of {height}x{width} pixels are not multiples of patch_size * merge_size = {side}; "
+                         "resize them (the model's processor does), or pass its pixel_values and image_grid_thw.")
+    h, w = height // patch, width // patch
+    blocks = images.reshape(count, channels, h // merge, merge, patch, w // merge, merge, patch)
+    # (image, channel, R, a, y, C, b, x) -> (image, R, C, a, b, channel, y, x), then the temporal copies
+    blocks = blocks.permute(0, 2, 5, 3, 6, 1, 4, 7).unsqueeze(6)
+    rows = blocks.expand(*blocks.shape[:6], temporal, patch, patch).reshape(count * h * w, -1)
+    return rows, torch.tensor([[1, h, w]] * count, device=images.device)
+
+
 def image_grids(image_grid_thw: torch.Tensor, patch: int, merge: int) -> List[ImageGrid]:
     """One :class:`ImageGrid` per row of ``image_grid_thw``; videos (t > 1) and grids the merger
     cannot tile are refused."""
