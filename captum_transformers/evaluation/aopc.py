@@ -47,8 +47,8 @@ from .batched_forward import Forward, check_max_batch_size, logits_per_step
 from .results import ResultRecord
 from .token_compaction import compact_tokens
 from .token_flipping import flip_counts, ranks
-from .validation import (require_choice, require_finite, require_fractions, require_labels, require_same_shape,
-                         require_tensor)
+from .token_batches import token_batch
+from .validation import require_choice, require_fractions
 
 ERASER_FRACTIONS = (0.01, 0.05, 0.10, 0.20, 0.50)
 """The AOPC bins of ERASER: the top 1, 5, 10, 20 and 50 % of the tokens."""
@@ -104,22 +104,10 @@ class _AOPC(Accumulator):
                labels: torch.Tensor, special_tokens_mask: Optional[torch.Tensor] = None,
                extra_inputs: Optional[Mapping[str, torch.Tensor]] = None) -> None:
         """Add a batch: ids, mask, relevance (B, S), labels (B,); per-token extra inputs (B, S) pass through."""
-        input_ids = require_tensor("input_ids", input_ids, ndim=(2,))
-        attention_mask = require_tensor("attention_mask", attention_mask, ndim=(2,))
-        relevance = require_tensor("relevance", relevance, ndim=(2,)).detach()
-        require_same_shape(("input_ids", "attention_mask", "relevance"), (input_ids, attention_mask, relevance))
-        require_finite("relevance", relevance)
-        labels = require_labels(labels, input_ids.shape[0])
-        changeable = attention_mask.bool()
-        if special_tokens_mask is not None:
-            special = require_tensor("special_tokens_mask", special_tokens_mask, ndim=(2,))
-            require_same_shape(("input_ids", "special_tokens_mask"), (input_ids, special))
-            changeable = changeable & ~special.bool()
-        extra = self._extra(extra_inputs, input_ids)
-        empty = (~changeable.any(dim=1)).nonzero().flatten().tolist()
-        if empty:
-            raise InputError(f"Examples {empty[:5]} of the batch have no changeable token (attention mask 1 and not "
-                             "special): their rationale is empty. Leave them out of the evaluation.")
+        checked = token_batch(input_ids, attention_mask, relevance, labels, special_tokens_mask, extra_inputs,
+                              require_changeable=True)
+        input_ids, attention_mask, relevance, labels, changeable, _ = checked
+        extra = self._extra(checked.extra, input_ids)
         order = ranks(torch.where(changeable, relevance, torch.full_like(relevance, -math.inf)), descending=True)
         counts = flip_counts(self.fractions, changeable).to(order.device)
         in_rationale = [changeable & (order < counts[b][:, None]) for b in range(len(self.fractions))]
@@ -128,7 +116,7 @@ class _AOPC(Accumulator):
         batch = input_ids.shape[0]
         logits = logits_per_step(self.forward, lambda steps: self._inputs(input_ids, attention_mask, extra,
                                                                           [removed[s] for s in steps]),
-                                 len(removed), batch, self.max_batch_size).to(torch.float64)
+                                 len(removed), batch, self.max_batch_size, labels=labels).to(torch.float64)
         probability = torch.softmax(logits, dim=-1).gather(
             2, labels.to(logits.device)[None, :, None].expand(len(removed), -1, 1)).squeeze(2)
         self._add("sums", exact_sum(probability[:1] - probability[1:], dim=1))
@@ -138,9 +126,7 @@ class _AOPC(Accumulator):
     @staticmethod
     def _extra(extra_inputs, input_ids) -> Dict[str, torch.Tensor]:
         extra = dict(extra_inputs or {})
-        for key, value in extra.items():
-            if key in ("input_ids", "attention_mask"):
-                raise InputError(f"extra_inputs must not contain {key!r}; pass it as the argument of that name.")
+        for key, value in extra.items():  # token_batch refused input_ids / attention_mask already
             if not isinstance(value, torch.Tensor) or tuple(value.shape[:2]) != tuple(input_ids.shape):
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise InputError(f"extra_inputs[{key!r}] has shape {shape}; expected a per-token tensor (B, S, ...) "

@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from ..errors import InputError
+from .validation import require_labels_in_range, require_nonempty_batch
 
 Forward = Callable[[Any], torch.Tensor]
 
@@ -50,17 +51,20 @@ def logits_per_step(
     n_steps: int,
     batch_size: int,
     max_batch_size: Optional[int] = None,
+    labels: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Logits of shape (n_steps, batch_size, C) for the perturbed batches of every step.
 
     ``build_steps(steps)`` returns the model input for the listed steps stacked step-major
     (``len(steps) * batch_size`` rows). Steps are grouped so each ``forward`` call sees at most
     ``max_batch_size`` rows (all steps in one call when ``None``); a batch larger than
-    ``max_batch_size`` is itself split.
+    ``max_batch_size`` is itself split. An empty batch is refused; ``labels`` (B,), when
+    given, are checked against the number of classes the first forward call returns.
 
     >>> logits_per_step(lambda x: x, lambda s: torch.tensor(s).repeat_interleave(2)[:, None].float(), 3, 2).shape
     torch.Size([3, 2, 1])
     """
+    require_nonempty_batch(batch_size)
     steps_per_call = n_steps if max_batch_size is None else max(1, max_batch_size // max(batch_size, 1))
     chunks = []
     for first in range(0, n_steps, steps_per_call):
@@ -76,5 +80,7 @@ def logits_per_step(
                     f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}. "
                     "Wrap the model so it returns model(...).logits."
                 )
+            if labels is not None and not chunks:
+                require_labels_in_range(labels, logits.shape[-1])
             chunks.append(logits.detach())
     return torch.cat(chunks).reshape(n_steps, batch_size, -1)

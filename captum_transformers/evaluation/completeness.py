@@ -35,7 +35,7 @@ import torch
 from ..errors import InputError
 from .accumulator import Accumulator, exact_sum
 from .results import ResultRecord
-from .validation import require_finite, require_tensor
+from .validation import require_finite, require_nonempty_batch, require_tensor
 
 _MANTISSA_BITS = 8
 _LOWEST_EXPONENT, _HIGHEST_EXPONENT = -40, 22  # bins cover [0, 2**22): exact_sum refuses larger errors
@@ -84,7 +84,8 @@ class CompletenessError(Accumulator):
 
     ``relative=False`` reports ``|sum R - s|``. ``tolerance`` (default 1e-2) sets which
     errors ``above_tolerance`` counts. With ``relative=True`` a score of exactly 0 makes the
-    error undefined and is refused.
+    error undefined and is refused; errors of 2**22 or more (a score near 0) are refused too,
+    naming the example. An empty batch is refused.
     """
 
     def __init__(self, relative: bool = True, tolerance: float = 1e-2) -> None:
@@ -107,6 +108,7 @@ class CompletenessError(Accumulator):
         if relevance.dim() < 1 or relevance.shape[0] != scores.shape[0]:
             raise InputError(f"relevance of shape {tuple(relevance.shape)} and scores of shape {tuple(scores.shape)} "
                              "differ in batch size; pass one score per example (relevance (B, ...), scores (B,)).")
+        require_nonempty_batch(scores.shape[0])
         require_finite("relevance", relevance)
         require_finite("scores", scores)
         totals = relevance.detach().to(device="cpu", dtype=torch.float64).reshape(relevance.shape[0], -1).sum(dim=1)
@@ -117,10 +119,27 @@ class CompletenessError(Accumulator):
                 raise InputError("A score of exactly 0 makes the relative completeness error undefined (division by "
                                  "|score|). Use CompletenessError(relative=False) or leave those examples out.")
             errors = errors / scores.abs()
+        self._check_range(errors, totals, scores)
         self._add("error_sum", exact_sum(errors))
         self._add("count", torch.tensor(errors.numel()))
         self._add("above_tolerance", (errors > self.tolerance).sum())
         self._add("histogram", torch.bincount(error_bins(errors), minlength=_BINS))
+
+    def _check_range(self, errors: torch.Tensor, totals: torch.Tensor, scores: torch.Tensor) -> None:
+        """Errors from 2**22 up fit neither the exact sums nor the histogram: name the example instead."""
+        too_large = (errors >= 2.0 ** _HIGHEST_EXPONENT).nonzero().flatten()
+        if too_large.numel() == 0:
+            return
+        i = int(too_large[0])
+        if self.relative:
+            raise InputError(
+                f"Example {i} of the batch has score {float(scores[i]):.3g} and relevance sum {float(totals[i]):.3g}: "
+                f"the relative error {float(errors[i]):.3g} exceeds {2.0 ** _HIGHEST_EXPONENT:.3g}, as a score near 0 "
+                "makes it explode. Use CompletenessError(relative=False) for scores near 0, or leave such examples out.")
+        raise InputError(
+            f"Example {i} of the batch has relevance sum {float(totals[i]):.3g} for score {float(scores[i]):.3g}: "
+            f"the error {float(errors[i]):.3g} exceeds {2.0 ** _HIGHEST_EXPONENT:.3g}. Check that the relevance "
+            "explains this score (same example, class and scale).")
 
     def compute(self) -> CompletenessResult:
         n = int(self._state["count"].item())

@@ -34,16 +34,15 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import InputError
 from .accumulator import Accumulator, exact_sum
 from .batched_forward import Forward, check_max_batch_size, logits_per_step
 from .curves import mean_curve
 from .image_occlusion import Occlusion, check_occlusion, occlusion_fill
 from .relevance_gain import GAIN_SCORES, class_scores
 from .results import CurveResult
-from .saliency_maps import as_pixel_maps
+from .saliency_maps import pixel_maps_per_image
 from .token_flipping import flip_counts, ranks
-from .validation import require_choice, require_finite, require_fractions, require_labels, require_tensor
+from .validation import require_choice, require_fractions, require_labels, require_tensor
 
 RISE_FRACTIONS: Tuple[float, ...] = tuple(i / 50 for i in range(51))
 """0.0, 0.02, ..., 1.0: the fractions of pixels deleted or inserted (51 steps, both ends included)."""
@@ -73,10 +72,7 @@ class _RiseCurve(Accumulator):
         images = require_tensor("images", images, ndim=(4,))
         batch, channels, height, width = images.shape
         labels = require_labels(labels, batch)
-        maps = as_pixel_maps(maps, height, width, channels)
-        if maps.shape[0] != batch:
-            raise InputError(f"maps hold {maps.shape[0]} maps for {batch} images. Pass one map per image.")
-        require_finite("maps", maps)
+        maps = pixel_maps_per_image(maps, images)
         order = ranks(maps.reshape(batch, -1), descending=True).to(images.device)
         counts = flip_counts(self.fractions, torch.ones_like(order, dtype=torch.bool)).to(images.device)
         fill = occlusion_fill(images, self.fill)
@@ -86,7 +82,7 @@ class _RiseCurve(Accumulator):
             changed = [(order < counts[s][:, None]).reshape(batch, 1, height, width) for s in steps]
             return torch.cat([self.normalize(torch.where(c, end, start)) for c in changed])
 
-        logits = logits_per_step(self.forward, build, len(self.fractions), batch, self.max_batch_size)
+        logits = logits_per_step(self.forward, build, len(self.fractions), batch, self.max_batch_size, labels=labels)
         self._add("sums", exact_sum(class_scores(logits, labels, self.score).cpu(), dim=1))
         self._add("count", torch.tensor(batch))
 

@@ -27,8 +27,9 @@ import torch
 
 from .batched_forward import Forward
 from .pixel_flipping import (Baseline, _PerturbationCurve, _require_positive_int, baseline_values, cumulative_logits,
-                             stable_order, target_scores)
+                             target_scores)
 from .results import ScalarResult
+from .token_flipping import stable_order
 
 
 class Monotonicity(_PerturbationCurve):
@@ -39,9 +40,14 @@ class Monotonicity(_PerturbationCurve):
     better) as a ``ScalarResult``. The comparison is exact (``>= 0``): restoring a pixel equal
     to the baseline leaves the input, and so the score, unchanged.
 
+    Cost: every step is one perturbed copy through the model, ``T = ceil(H W / features_in_step)``
+    per image; the default ``features_in_step=1`` on a 224 x 224 image is 50,176 forward rows per
+    image (as for :class:`~.pixel_flipping.PixelFlipping`). Raise ``features_in_step`` and bound
+    the rows per forward call (and the copies held in memory) with ``max_batch_size``.
+
     Example::
 
-        metric = Monotonicity(model, features_in_step=64)
+        metric = Monotonicity(model, features_in_step=64, max_batch_size=256)
         metric.update(images, labels, maps)
         metric.compute().value
     """
@@ -72,7 +78,8 @@ class Monotonicity(_PerturbationCurve):
             index = indices.to(original.device)[:, None, :].expand(batch, channels, indices.shape[1])
             return original.gather(2, index)
 
-        logits = cumulative_logits(self.forward, start, steps, restore, self.normalize, self.max_batch_size)
+        logits = cumulative_logits(self.forward, start, steps, restore, self.normalize, self.max_batch_size,
+                                   labels=labels)
         return target_scores(logits, labels, self.softmax).T.cpu()
 
     def per_example(self, images: torch.Tensor, labels: torch.Tensor, maps: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -32,7 +32,7 @@ from .accumulator import Accumulator, exact_sum
 from .curves import mean_curve
 from .results import CurveResult, ScalarResult
 from .token_flipping import TOKEN_FRACTIONS, flip_counts, ranks
-from .validation import require_finite, require_fractions
+from .validation import require_finite, require_fractions, require_labels_in_range, require_nonempty_batch
 
 GraphForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -56,22 +56,36 @@ def _check(x, edge_index, batch, scores, labels=None):
     if scores.shape != (x.shape[0],):
         raise InputError(f"node scores must be (N,) = ({x.shape[0]},), one per node; got {tuple(scores.shape)}.")
     require_finite("node scores", scores)
-    num_graphs = int(batch.max()) + 1
+    require_nonempty_batch(batch.numel())
+    counts = torch.bincount(batch.cpu())
+    if bool((counts == 0).any()):
+        missing = (counts == 0).nonzero().flatten().tolist()
+        raise InputError(f"batch skips graph ids {missing[:5]}: it must number the graphs 0..G-1 without gaps (as "
+                         "torch_geometric's Batch does), or every missing id counts as a graph without nodes. "
+                         "Renumber it, e.g. torch.unique(batch, return_inverse=True)[1].")
+    num_graphs = counts.numel()
     if labels is not None and labels.shape != (num_graphs,):
         raise InputError(f"labels must be one per graph ({num_graphs},); got {tuple(labels.shape)}.")
     return num_graphs
 
 
 def masked_logits(forward: GraphForward, x: torch.Tensor, edge_index: torch.Tensor, batch: torch.Tensor,
-                  kept: torch.Tensor) -> torch.Tensor:
-    """Logits (T, G, C) of the graphs with only the nodes ``kept[t]`` (T, N) unmasked, one call."""
+                  kept: torch.Tensor, keep_edges: bool = False, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Logits (T, G, C) of the graphs with only the nodes ``kept[t]`` (T, N) unmasked, one call.
+
+    A masked node has its features zeroed and, unless ``keep_edges``, its edges removed.
+    ``labels`` (G,), when given, are checked against the number of classes returned.
+    """
     steps, num_nodes = kept.shape
     num_graphs = int(batch.max()) + 1
     xs = torch.cat([x * kept[t, :, None].to(x.dtype) for t in range(steps)])
-    edges = [edge_index[:, kept[t][edge_index[0]] & kept[t][edge_index[1]]] + t * num_nodes for t in range(steps)]
+    edges = [(edge_index if keep_edges else edge_index[:, kept[t][edge_index[0]] & kept[t][edge_index[1]]])
+             + t * num_nodes for t in range(steps)]
     batches = torch.cat([batch + t * num_graphs for t in range(steps)])
     with torch.no_grad():
         logits = forward(xs, torch.cat(edges, dim=1), batches)
+    if labels is not None:
+        require_labels_in_range(labels, logits.shape[-1])
     return logits.reshape(steps, num_graphs, -1).to(torch.float64)
 
 
@@ -104,7 +118,7 @@ class NodeActivation(_NodeCurve):
         """Add a batch of graphs: x (N, F), edge_index (2, E), batch (N,), node scores (N,), labels (G,)."""
         num_graphs = _check(x, edge_index, batch, scores, labels)
         kept = self._kept(scores, batch, num_graphs, descending=True, reveal=True)
-        logits = masked_logits(self.forward, x, edge_index, batch, kept)
+        logits = masked_logits(self.forward, x, edge_index, batch, kept, labels=labels)
         probability = torch.softmax(logits, -1).gather(
             2, labels.to(logits.device)[None, :, None].expand(len(self.fractions), -1, 1)).squeeze(2)
         self._add("sums", exact_sum(probability.cpu(), dim=1))

@@ -28,8 +28,9 @@ from .accumulator import Accumulator, exact_sum
 from .batched_forward import Forward, check_max_batch_size, logits_per_step
 from .curves import mean_curve
 from .results import CurveResult
-from .saliency_maps import as_pixel_maps
-from .validation import require_choice, require_finite, require_labels, require_tensor
+from .saliency_maps import pixel_maps_per_image
+from .token_flipping import stable_order
+from .validation import require_choice, require_labels, require_tensor
 
 Baseline = Union[str, float]
 BASELINES = ("black", "white", "mean", "uniform")
@@ -77,15 +78,6 @@ def baseline_fill(baseline: Baseline, uniform_range: Tuple[float, float],
     return fill
 
 
-def stable_order(key: torch.Tensor, descending: bool) -> torch.Tensor:
-    """Indices that sort each row of ``key`` (B, P); ties keep the earlier index first.
-
-    >>> stable_order(torch.tensor([[1.0, 3.0, 3.0, 2.0]]), descending=True).tolist()
-    [[1, 2, 3, 0]]
-    """
-    return torch.sort(key, dim=1, descending=descending, stable=True).indices
-
-
 def target_scores(logits: torch.Tensor, labels: torch.Tensor, softmax: bool) -> torch.Tensor:
     """Score of each row's label, (..., B): softmax probability (in the logits' dtype) or logit.
 
@@ -98,13 +90,14 @@ def target_scores(logits: torch.Tensor, labels: torch.Tensor, softmax: bool) -> 
 
 def cumulative_logits(forward: Forward, images: torch.Tensor, steps: Sequence[torch.Tensor], fill: Fill,
                       view: Callable[[torch.Tensor], torch.Tensor], max_batch_size: Optional[int],
-                      include_start: bool = False) -> torch.Tensor:
+                      include_start: bool = False, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Logits (T, B, K) after each step of a cumulative perturbation of ``images`` (B, C, H, W).
 
     Step ``t`` sets the pixels ``steps[t]`` (B, n_t), flat indices into H * W, in every channel
     to ``fill(current, indices)``, where ``current`` is the image after step ``t - 1``. Each
     perturbed image goes through ``view`` (e.g. crop and normalise) into ``forward``. With
-    ``include_start`` the unperturbed image is step 0 (T = len(steps) + 1).
+    ``include_start`` the unperturbed image is step 0 (T = len(steps) + 1). ``labels`` are
+    checked against the model's classes (see :func:`.batched_forward.logits_per_step`).
     """
     batch, channels = images.shape[:2]
     state = {"image": images.reshape(batch, channels, -1).clone(), "next": 0}
@@ -125,7 +118,7 @@ def cumulative_logits(forward: Forward, images: torch.Tensor, steps: Sequence[to
             out.append(view(state["image"].reshape(images.shape)))
         return torch.cat(out)
 
-    return logits_per_step(forward, build, len(plan), batch, max_batch_size)
+    return logits_per_step(forward, build, len(plan), batch, max_batch_size, labels=labels)
 
 
 class _PerturbationCurve(Accumulator):
@@ -151,10 +144,7 @@ class _PerturbationCurve(Accumulator):
         images = require_tensor("images", images, ndim=(4,))
         batch, channels, height, width = images.shape
         labels = require_labels(labels, batch)
-        maps = as_pixel_maps(maps, height, width, channels)
-        if maps.shape[0] != batch:
-            raise InputError(f"maps hold {maps.shape[0]} maps for {batch} images. Pass one map per image.")
-        require_finite("maps", maps)
+        maps = pixel_maps_per_image(maps, images)
         return images, labels, maps.abs() if self.absolute else maps
 
     def _fill(self) -> Fill:
@@ -214,7 +204,8 @@ class PixelFlipping(_PerturbationCurve):
         order = stable_order(maps.reshape(maps.shape[0], -1), descending=True)
         s = self.features_in_step
         steps = [order[:, t * s:(t + 1) * s] for t in range(self.steps)]
-        logits = cumulative_logits(self.forward, images, steps, self._fill(), self.normalize, self.max_batch_size)
+        logits = cumulative_logits(self.forward, images, steps, self._fill(), self.normalize, self.max_batch_size,
+                                   labels=labels)
         return target_scores(logits, labels, self.softmax).T.cpu()
 
     def compute(self) -> CurveResult:
@@ -286,7 +277,7 @@ class RegionPerturbation(_PerturbationCurve):
             return self.normalize(image[:, :, top:top + height, left:left + width])
 
         logits = cumulative_logits(self.forward, padded, steps, self._fill(), view, self.max_batch_size,
-                                   include_start=True)
+                                   include_start=True, labels=labels)
         scores = target_scores(logits, labels, self.softmax)
         return (scores[0:1] - scores[1:]).T.cpu()
 

@@ -11,7 +11,7 @@ from .accumulator import Accumulator
 from .batched_forward import Forward, check_max_batch_size, logits_per_step
 from .curves import mean_curve
 from .results import CurveResult
-from .saliency_maps import as_pixel_maps, minmax_normalize
+from .saliency_maps import minmax_normalize, pixel_maps_per_image
 from .validation import require_choice, require_fractions, require_labels, require_tensor
 
 CVPR21_PIXEL_FRACTIONS: Tuple[float, ...] = tuple(i / 10 for i in range(10))
@@ -99,9 +99,7 @@ class PixelPerturbation(Accumulator):
         images = require_tensor("images", images, ndim=(4,))
         batch, channels, height, width = images.shape
         labels = require_labels(labels, batch)
-        maps = as_pixel_maps(maps, height, width, channels)
-        if maps.shape[0] != batch:
-            raise InputError(f"maps hold {maps.shape[0]} maps for {batch} images. Pass one map per image.")
+        maps = pixel_maps_per_image(maps, images)
         order = minmax_normalize(maps).reshape(batch, -1)
         if self.mode == "negative":
             order = -order
@@ -116,7 +114,7 @@ class PixelPerturbation(Accumulator):
                 perturbed.append(self.normalize(images * keep.reshape(batch, 1, height, width)))
             return torch.cat(perturbed)
 
-        logits = logits_per_step(self.forward, build, len(counts), batch, self.max_batch_size)
+        logits = logits_per_step(self.forward, build, len(counts), batch, self.max_batch_size, labels=labels)
         correct = logits.argmax(dim=-1).cpu() == labels.cpu()
         self._add("correct", correct.sum(dim=1))
         self._add("count", torch.tensor(batch))

@@ -17,26 +17,13 @@ NODE_REMOVALS = ("drop", "zero")
 """``"drop"``: features zeroed and edges removed (as ``NodeActivation``); ``"zero"``: features zeroed, edges kept."""
 
 
-def zeroed_logits(forward: GraphForward, x: torch.Tensor, edge_index: torch.Tensor, batch: torch.Tensor,
-                  kept: torch.Tensor) -> torch.Tensor:
-    """Logits (T, G, C) with the features of the nodes not ``kept[t]`` (T, N) set to 0, all edges kept."""
-    steps, num_nodes = kept.shape
-    num_graphs = int(batch.max()) + 1
-    xs = torch.cat([x * kept[t, :, None].to(x.dtype) for t in range(steps)])
-    edges = torch.cat([edge_index + t * num_nodes for t in range(steps)], dim=1)
-    batches = torch.cat([batch + t * num_graphs for t in range(steps)])
-    with torch.no_grad():
-        logits = forward(xs, edges, batches)
-    return logits.reshape(steps, num_graphs, -1).to(torch.float64)
-
-
 class GraphRelevanceGain(RelevanceGain):
     """MIF and LIF curves of the explained class's score as nodes are removed; SRG.
 
     Step ``x_t`` removes the ``ceil(x_t * n)`` most (MIF) or least (LIF) relevant of a
     graph's ``n`` nodes: ``removal="drop"`` (default) zeroes their features and removes
     their edges (a removed node sends and receives no message), ``"zero"`` only zeroes
-    their features. Every step of every graph of the batch is one graph of a single forward call.
+    their features. ``batch`` must number the graphs 0..G-1 without gaps. Every step of every graph of the batch is one graph of a single forward call.
 
     Example::
 
@@ -62,5 +49,6 @@ class GraphRelevanceGain(RelevanceGain):
         key, position = _dense(scores.detach().to(torch.float64).cpu(), cpu_batch, num_graphs, -math.inf)
         removed = removal_masks(key, torch.isfinite(key), self.fractions)  # (2T, G, N_max)
         kept = ~removed[:, cpu_batch, position].to(x.device)  # (2T, N)
-        run = masked_logits if self.removal == "drop" else zeroed_logits
-        self._record(run(self.forward, x, edge_index, batch, kept), labels)
+        logits = masked_logits(self.forward, x, edge_index, batch, kept, keep_edges=self.removal == "zero",
+                               labels=labels)
+        self._record(logits, labels)

@@ -13,8 +13,8 @@ from ..errors import InputError
 from .batched_forward import Forward, check_max_batch_size, logits_per_step
 from .image_occlusion import Occlusion, check_occlusion, occlusion_fill, patch_pixels, patch_relevance
 from .relevance_gain import GAIN_FRACTIONS, RelevanceGain, removal_masks
-from .saliency_maps import as_pixel_maps
-from .validation import require_finite, require_labels, require_tensor
+from .saliency_maps import pixel_maps_per_image
+from .validation import require_labels, require_tensor
 
 
 class ImageRelevanceGain(RelevanceGain):
@@ -67,10 +67,7 @@ class ImageRelevanceGain(RelevanceGain):
         images = require_tensor("images", images, ndim=(4,))
         batch, channels, height, width = images.shape
         labels = require_labels(labels, batch)
-        maps = as_pixel_maps(maps, height, width, channels)
-        if maps.shape[0] != batch:
-            raise InputError(f"maps hold {maps.shape[0]} maps for {batch} images. Pass one map per image.")
-        require_finite("maps", maps)
+        maps = pixel_maps_per_image(maps, images)
         relevance = patch_relevance(maps, self.patch_size)
         removed = removal_masks(relevance, torch.ones_like(relevance, dtype=torch.bool), self.fractions)
         removed = removed.to(images.device)
@@ -82,5 +79,5 @@ class ImageRelevanceGain(RelevanceGain):
                 for s in steps
             ])
 
-        logits = logits_per_step(self.forward, build, removed.shape[0], batch, self.max_batch_size)
+        logits = logits_per_step(self.forward, build, removed.shape[0], batch, self.max_batch_size, labels=labels)
         self._record(logits, labels)

@@ -10,7 +10,8 @@ import torch
 from ..errors import InputError
 from .batched_forward import Forward, check_max_batch_size, logits_per_step
 from .relevance_gain import GAIN_FRACTIONS, RelevanceGain, removal_masks
-from .validation import require_choice, require_finite, require_labels, require_same_shape, require_tensor
+from .token_batches import token_batch
+from .validation import require_choice
 
 TOKEN_REMOVALS = ("replace", "mask")
 """How a removed token leaves the input: its id replaced by ``replacement_id``, or its attention mask set to 0."""
@@ -20,7 +21,7 @@ class TokenRelevanceGain(RelevanceGain):
     """MIF and LIF curves of the explained class's score as tokens are removed; SRG.
 
     Removable tokens have attention mask 1 and are not in ``special_tokens_mask`` ([CLS],
-    [SEP] and padding are never removed). Step ``x_t`` removes the ``ceil(x_t * n)`` most
+    [SEP] and padding are never removed); an example without any is refused. Step ``x_t`` removes the ``ceil(x_t * n)`` most
     (MIF) or least (LIF) relevant of the ``n`` removable tokens of each example:
 
     * ``removal="replace"`` (default): their ids become ``replacement_id`` (e.g. the
@@ -61,22 +62,9 @@ class TokenRelevanceGain(RelevanceGain):
                labels: torch.Tensor, special_tokens_mask: Optional[torch.Tensor] = None,
                extra_inputs: Optional[Mapping[str, torch.Tensor]] = None) -> None:
         """Add a batch: ids, mask, relevance (B, S), labels (B,); special tokens (B, S) are never removed."""
-        input_ids = require_tensor("input_ids", input_ids, ndim=(2,))
-        attention_mask = require_tensor("attention_mask", attention_mask, ndim=(2,))
-        relevance = require_tensor("relevance", relevance, ndim=(2,)).detach()
-        require_same_shape(("input_ids", "attention_mask", "relevance"), (input_ids, attention_mask, relevance))
-        require_finite("relevance", relevance)
+        input_ids, attention_mask, relevance, labels, removable, extra = token_batch(
+            input_ids, attention_mask, relevance, labels, special_tokens_mask, extra_inputs, require_changeable=True)
         batch = input_ids.shape[0]
-        labels = require_labels(labels, batch)
-        removable = attention_mask.bool()
-        if special_tokens_mask is not None:
-            special = require_tensor("special_tokens_mask", special_tokens_mask, ndim=(2,))
-            require_same_shape(("input_ids", "special_tokens_mask"), (input_ids, special))
-            removable = removable & ~special.bool().to(removable.device)
-        extra = dict(extra_inputs or {})
-        for key in ("input_ids", "attention_mask"):
-            if key in extra:
-                raise InputError(f"extra_inputs must not contain {key!r}; pass it as the argument of that name.")
         removed = removal_masks(relevance.to(removable.device), removable, self.fractions)
 
         def build(steps):
@@ -89,5 +77,5 @@ class TokenRelevanceGain(RelevanceGain):
                 mask = torch.where(gone, torch.zeros_like(mask), mask)
             return {"input_ids": ids, "attention_mask": mask, **{k: copies(v) for k, v in extra.items()}}
 
-        logits = logits_per_step(self.forward, build, removed.shape[0], batch, self.max_batch_size)
+        logits = logits_per_step(self.forward, build, removed.shape[0], batch, self.max_batch_size, labels=labels)
         self._record(logits, labels)

@@ -30,8 +30,9 @@ from .accumulator import Accumulator
 from .batched_forward import Forward, check_max_batch_size, logits_per_step
 from .curves import mean_curve
 from .results import CurveResult
-from .saliency_maps import as_pixel_maps
-from .validation import require_choice, require_finite, require_labels, require_tensor
+from .saliency_maps import pixel_maps_per_image
+from .token_flipping import stable_order
+from .validation import require_choice, require_labels, require_tensor
 
 ROAD_PERCENTAGES = tuple(range(1, 100, 2))
 """1, 3, ..., 99: the percentages of pixels removed (Quantus' default)."""
@@ -156,12 +157,9 @@ class ROAD(Accumulator):
         images = require_tensor("images", images, ndim=(4,))
         batch, channels, height, width = images.shape
         labels = require_labels(labels, batch)
-        maps = as_pixel_maps(maps, height, width, channels)
-        if maps.shape[0] != batch:
-            raise InputError(f"maps hold {maps.shape[0]} maps for {batch} images. Pass one map per image.")
-        require_finite("maps", maps)
+        maps = pixel_maps_per_image(maps, images)
         key = (maps.abs() if self.absolute else maps).reshape(batch, -1)
-        order = torch.sort(key, dim=1, descending=self.order == "morf", stable=True).indices
+        order = stable_order(key, descending=self.order == "morf")
         pixels = height * width
         counts = [int(pixels * p / 100) for p in self.percentages]  # Quantus' int(a_size * p / 100)
 
@@ -174,7 +172,7 @@ class ROAD(Accumulator):
                                               self.generator, self.tolerance, self.max_iterations)
             return self.normalize(imputed)
 
-        logits = logits_per_step(self.forward, build, len(counts), batch, self.max_batch_size)
+        logits = logits_per_step(self.forward, build, len(counts), batch, self.max_batch_size, labels=labels)
         return (logits.argmax(dim=-1).cpu() == labels.cpu()).T
 
     def update(self, images: torch.Tensor, labels: torch.Tensor, maps: torch.Tensor) -> None:

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from ..errors import InputError
-from .validation import require_tensor
+from .validation import require_finite, require_tensor
 
 
 def as_pixel_maps(maps: torch.Tensor, height: int, width: int, channels: Optional[int] = None,
@@ -35,6 +35,22 @@ def as_pixel_maps(maps: torch.Tensor, height: int, width: int, channels: Optiona
             "to the image size (e.g. torch.nn.functional.interpolate(..., mode='bilinear')) first."
         )
     return maps.detach().to(torch.float64)
+
+
+def pixel_maps_per_image(maps: torch.Tensor, images: torch.Tensor, name: str = "maps") -> torch.Tensor:
+    """One finite (H, W) map per image of ``images`` (B, C, H, W), as (B, H, W) float64 (:func:`as_pixel_maps`).
+
+    Refuses a different number of maps than images, and NaN or infinite maps (no ranking of them).
+
+    >>> pixel_maps_per_image(torch.ones(2, 1, 4, 5), torch.zeros(2, 3, 4, 5)).shape
+    torch.Size([2, 4, 5])
+    """
+    batch, channels, height, width = images.shape
+    maps = as_pixel_maps(maps, height, width, channels, name=name)
+    if maps.shape[0] != batch:
+        raise InputError(f"{name} hold {maps.shape[0]} maps for {batch} images. Pass one map per image.")
+    require_finite(name, maps)
+    return maps
 
 
 def minmax_normalize(maps: torch.Tensor) -> torch.Tensor:

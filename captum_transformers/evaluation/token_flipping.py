@@ -12,7 +12,8 @@ from .accumulator import Accumulator, exact_sum
 from .batched_forward import Forward, check_max_batch_size, logits_per_step
 from .curves import mean_curve
 from .results import CurveResult
-from .validation import require_finite, require_fractions, require_labels, require_same_shape, require_tensor
+from .token_batches import token_batch
+from .validation import require_fractions
 
 TOKEN_FRACTIONS = tuple(i / 10 for i in range(11))
 """0.0, 0.1, ..., 1.0 (``np.linspace(0, 1, 11)`` in the authors' code)."""
@@ -35,9 +36,23 @@ def flip_counts(fractions: Sequence[float], changeable: torch.Tensor) -> torch.T
     return torch.ceil(f * n - _FLOAT_SLACK).clamp(min=0).long()
 
 
+def stable_order(key: torch.Tensor, descending: bool) -> torch.Tensor:
+    """Indices that sort each row of ``key`` (B, P); ties keep the earlier index first.
+
+    >>> stable_order(torch.tensor([[1.0, 3.0, 3.0, 2.0]]), descending=True).tolist()
+    [[1, 2, 3, 0]]
+    """
+    return torch.sort(key, dim=1, descending=descending, stable=True).indices
+
+
 def ranks(key: torch.Tensor, descending: bool) -> torch.Tensor:
-    """Position of every entry in its row's stable sort (ties: earlier position first)."""
-    order = torch.sort(key, dim=1, descending=descending, stable=True).indices
+    """Position of every entry in its row's stable sort (ties: earlier position first), the inverse of
+    :func:`stable_order`.
+
+    >>> ranks(torch.tensor([[1.0, 3.0, 3.0, 2.0]]), descending=True).tolist()
+    [[3, 0, 1, 2]]
+    """
+    order = stable_order(key, descending)
     positions = torch.arange(key.shape[1], device=key.device).expand_as(order)
     return torch.empty_like(order).scatter_(1, order, positions)
 
@@ -59,24 +74,9 @@ class _TokenFlipping(Accumulator):
         self._add_state("count")
 
     def _prepare(self, input_ids, attention_mask, relevance, labels, special_tokens_mask, extra_inputs):
-        input_ids = require_tensor("input_ids", input_ids, ndim=(2,))
-        attention_mask = require_tensor("attention_mask", attention_mask, ndim=(2,))
-        relevance = require_tensor("relevance", relevance, ndim=(2,)).detach()
-        require_same_shape(("input_ids", "attention_mask", "relevance"), (input_ids, attention_mask, relevance))
-        require_finite("relevance", relevance)
-        labels = require_labels(labels, input_ids.shape[0])
-        changeable = attention_mask.bool()
-        if special_tokens_mask is not None:
-            special = require_tensor("special_tokens_mask", special_tokens_mask, ndim=(2,))
-            require_same_shape(("input_ids", "special_tokens_mask"), (input_ids, special))
-            changeable = changeable & ~special.bool()
-        extra = dict(extra_inputs or {})
-        for key in ("input_ids", "attention_mask"):
-            if key in extra:
-                raise InputError(f"extra_inputs must not contain {key!r}; pass it as the argument of that name.")
-        return input_ids, attention_mask, relevance, labels, changeable, extra
+        return token_batch(input_ids, attention_mask, relevance, labels, special_tokens_mask, extra_inputs)
 
-    def _logits(self, input_ids, attention_mask, extra, flipped_at_step):
+    def _logits(self, input_ids, attention_mask, extra, flipped_at_step, labels):
         """Logits (T, B, C); ``flipped_at_step(step) -> (B, S) bool`` says which tokens are [UNK]."""
         batch = input_ids.shape[0]
 
@@ -87,7 +87,8 @@ class _TokenFlipping(Accumulator):
             extra_copies = {k: repeat(v) for k, v in extra.items()}
             return {"input_ids": ids, "attention_mask": repeat(attention_mask), **extra_copies}
 
-        return logits_per_step(self.forward, build, len(self.fractions), batch, self.max_batch_size).to(torch.float64)
+        return logits_per_step(self.forward, build, len(self.fractions), batch, self.max_batch_size,
+                               labels=labels).to(torch.float64)
 
 
 class TokenActivation(_TokenFlipping):
@@ -122,7 +123,7 @@ class TokenActivation(_TokenFlipping):
         order = ranks(torch.where(changeable, relevance, torch.full_like(relevance, -math.inf)), descending=True)
         revealed = flip_counts(self.fractions, changeable).to(order.device)
         logits = self._logits(input_ids, attention_mask, extra,
-                              lambda s: changeable & (order >= revealed[s][:, None]))
+                              lambda s: changeable & (order >= revealed[s][:, None]), labels)
         probability = torch.softmax(logits, dim=-1).gather(
             2, labels.to(logits.device)[None, :, None].expand(len(self.fractions), -1, 1)).squeeze(2)
         self._add("sums", exact_sum(probability, dim=1))
@@ -167,7 +168,7 @@ class TokenPruning(_TokenFlipping):
         order = ranks(torch.where(changeable, relevance.abs(), torch.full_like(relevance, math.inf)), descending=False)
         pruned = flip_counts(self.fractions, changeable).to(order.device)
         logits = self._logits(input_ids, attention_mask, extra,
-                              lambda s: changeable & (order < pruned[s][:, None]))
+                              lambda s: changeable & (order < pruned[s][:, None]), labels)
         squared_error = ((logits - logits[:1]) ** 2).sum(dim=-1)
         self._add("sums", exact_sum(squared_error, dim=1))
         self._add("count", torch.tensor(input_ids.shape[0]))

@@ -33,11 +33,34 @@ def require_same_shape(names: Sequence[str], tensors: Sequence[torch.Tensor], di
 def require_labels(labels, batch: int, name: str = "labels") -> torch.Tensor:
     """Integer class labels of shape (batch,)."""
     labels = require_tensor(name, labels, ndim=(1,))
+    require_nonempty_batch(batch)
     if labels.is_floating_point() or labels.dtype == torch.bool:
         raise InputError(f"{name} must hold integer class indices, got dtype {labels.dtype}. Use labels.long().")
     if labels.shape[0] != batch:
         raise InputError(f"{name} has {labels.shape[0]} entries but the batch has {batch}. Pass one label per example.")
     return labels.long()
+
+
+def require_nonempty_batch(batch: int) -> None:
+    """A batch of 0 examples has no score to average; refused rather than crashing on an empty reshape."""
+    if batch == 0:
+        raise InputError("The batch is empty (0 examples); a metric update needs at least one. Skip empty batches "
+                         "(e.g. the last one of a filtered loader) before calling update.")
+
+
+def require_labels_in_range(labels: torch.Tensor, num_classes: int, name: str = "labels") -> None:
+    """Class indices must address one of the model's ``num_classes`` outputs (``logits.shape[-1]``).
+
+    An index out of range would crash in ``gather`` or count as a silent miss in an accuracy.
+
+    >>> require_labels_in_range(torch.tensor([0, 2]), 3)
+    """
+    outside = (labels < 0) | (labels >= num_classes)
+    if bool(outside.any()):
+        bad = sorted(set(labels[outside].tolist()))
+        raise InputError(f"{name} {bad[:5]} are outside the model's {num_classes} classes (0 to {num_classes - 1}, "
+                         f"read from the logits' last dim). Pass class indices of this model's output, e.g. "
+                         "logits.argmax(-1).")
 
 
 def require_finite(name: str, value: torch.Tensor) -> None:
