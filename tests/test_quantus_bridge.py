@@ -80,3 +80,23 @@ def test_clear_errors():
         quantus_explain_func(FakeExplainer)(tiny(), x, y[:1])
     with pytest.raises(InputError, match="nn.Module"):
         quantus_explain_func(FakeExplainer)(lambda v: v, x, y)
+
+
+class GradientTimesInput:
+    def __init__(self, model):
+        self.model = model
+
+    def attribute(self, inputs, target=None):
+        inputs = inputs.clone().requires_grad_(True)
+        self.model(inputs).gather(1, target[:, None]).sum().backward()
+        return inputs * inputs.grad
+
+
+@pytest.mark.parametrize("model_dtype, input_dtype", [(torch.float64, np.float32), (torch.float32, np.float64)])
+def test_inputs_take_the_dtype_of_the_models_parameters(model_dtype, input_dtype):
+    model = tiny().to(model_dtype)
+    x = np.random.RandomState(0).rand(2, 3, 4, 4).astype(input_dtype)
+    maps = quantus_explain_func(GradientTimesInput)(model=model, inputs=x, targets=np.array([0, 1]))
+    weight = model[1].weight.detach().double().numpy()
+    expected = (x.reshape(2, -1) * weight[[0, 1]]).reshape(2, 3, 4, 4).sum(axis=1, keepdims=True)
+    assert maps.dtype == np.float32 and np.allclose(maps, expected, atol=1e-5)

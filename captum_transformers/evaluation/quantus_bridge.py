@@ -45,7 +45,8 @@ def quantus_explain_func(method: MethodSpec, channel_reduce: str = "sum",
     Returns:
         ``explain(model, inputs, targets, **kwargs) -> np.ndarray`` (float32). ``inputs`` and
         ``targets`` are NumPy arrays or tensors; they are moved to the model's device (or
-        ``kwargs["device"]``, which Quantus passes). Other ``kwargs`` go to ``attribute``.
+        ``kwargs["device"]``, which Quantus passes), float inputs cast to the dtype of the
+        model's first floating parameter (float32 for a model without one). Other ``kwargs`` go to ``attribute``.
         The explainer is built once per model object and reused.
 
     >>> explain = quantus_explain_func("rollout")
@@ -62,12 +63,14 @@ def quantus_explain_func(method: MethodSpec, channel_reduce: str = "sum",
             raise InputError(f"explain_func received a {type(model).__name__} model; this package explains torch "
                              "nn.Module models. Pass the torch model to the Quantus metric.")
         device = kwargs.pop("device", None)  # Quantus adds it to explain_func_kwargs on its own
+        parameter = next(model.parameters(), None)
         if device is None:
-            parameter = next(model.parameters(), None)
             device = parameter.device if parameter is not None else torch.device("cpu")
+        # Inputs take the model's float dtype (Quantus hands float32 or float64 arrays alike).
+        floating = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         x = torch.as_tensor(np.asarray(inputs) if not isinstance(inputs, torch.Tensor) else inputs)
         if x.is_floating_point():
-            x = x.to(device=device, dtype=torch.float32)
+            x = x.to(device=device, dtype=floating)
         else:
             x = x.to(device)
         target = torch.as_tensor(np.asarray(targets) if not isinstance(targets, torch.Tensor) else targets)
