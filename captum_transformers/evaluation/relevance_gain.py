@@ -15,15 +15,16 @@ consistently across occlusion choices. The AttnLRP paper (Achtibat et al., ICML 
 reports the same difference as ``Delta A^F``.
 
 **Score and normalisation.** ``score="prob"`` (default): ``softmax(logits)[y]``, not
-rescaled per example, as Quantus' port of the metric (``SymmetricRelevanceGain``) tracks
-it; the x axis is the removed fraction, so both areas lie in [0, 1] and SRG in [-1, 1],
+rescaled per example, the paper's definition (SRG is not in Quantus 0.6.0, the latest
+PyPI release at the time of writing); the x axis is the removed fraction, so both areas lie in [0, 1] and SRG in [-1, 1],
 comparable across models and step schedules. ``"logit"`` and ``"log_prob"`` are the
 alternatives (unbounded scales, e.g. to compare with tables computed on logits).
 
 **Order.** MIF sorts relevance descending, LIF ascending, both by a stable sort (ties:
 earlier feature first in both curves). Tied features are thus removed in the same order by
 the two curves, so a constant map gives identical MIF and LIF curves and SRG exactly 0 (an
-uninformative map gains nothing). Without ties the LIF step removing ``k`` features keeps
+uninformative map gains nothing; a port that reverses the MIF order for LIF instead scores
+a constant map non-zero). Without ties the LIF step removing ``k`` features keeps
 exactly what the MIF step removing ``n - k`` features removed.
 Step ``t`` removes ``ceil(x_t * n)`` of the ``n`` removable features (``flip_counts``).
 
