@@ -116,3 +116,42 @@ def test_without_the_option_the_layers_run_plainly(recomputations):
     with keep_gradient_checkpointing():
         assert checkpointing.kept()
     assert not checkpointing.kept()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_generation_attribution_with_checkpointing_kept(recomputations):
+    from captum_transformers import AttnLRP, TransformerRelevance
+    from captum_transformers.generation import GenerationAttribution
+    from generation_models import IdTokenizer
+
+    model = BUILDERS["llama_gqa"]().to(torch.float64).train()
+    prompt, answer = [1, 5, 7, 9, 11, 13], [20, 21, 22]
+    references = {m: GenerationAttribution(m(model), IdTokenizer()).attribute(prompt, target=answer)
+                  for m in (AttnLRP, TransformerRelevance)}
+    model.gradient_checkpointing_enable()
+    for method, reference in references.items():
+        with keep_gradient_checkpointing():
+            result = GenerationAttribution(method(model), IdTokenizer()).attribute(prompt, target=answer)
+        torch.testing.assert_close(result.token_attr, reference.token_attr, rtol=0, atol=1e-10)
+    assert recomputations[0] > 0
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_checkpointing_kept_on_an_offloaded_model(recomputations):
+    """accelerate's hooks onload the weights again in the recomputation."""
+    import copy
+
+    accelerate = pytest.importorskip("accelerate")
+    from captum_transformers import AttnLRP, GenericAttention
+
+    model = BUILDERS["llama_gqa"]().to(torch.float64).train()
+    inputs, kwargs = CASES["llama_gqa"].inputs(dtype=torch.float64)
+    offloaded = copy.deepcopy(model)
+    offloaded.gradient_checkpointing_enable()
+    offloaded = accelerate.cpu_offload(offloaded, execution_device="cpu")
+    for method in (AttnLRP, GenericAttention):
+        reference = method(model).attribute(inputs, target=5, forward_kwargs=kwargs)
+        with keep_gradient_checkpointing():
+            scores = method(offloaded).attribute(inputs, target=5, forward_kwargs=kwargs)
+        torch.testing.assert_close(scores, reference, rtol=0, atol=1e-10)
+    assert recomputations[0] > 0 and any(p.is_meta for p in offloaded.parameters())
