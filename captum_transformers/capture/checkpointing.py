@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import patching
+from .contextual import _IMPLEMENTATIONS
 from .recorder import Recorder
 
 _PREFIX = "captum_transformers"
@@ -85,23 +86,22 @@ def _throwaway(value: Any) -> Any:
 
 @contextlib.contextmanager
 def _as_in_forward(variables: List[Tuple[contextvars.ContextVar, Any]], modes: List[Any],
-                   forwards: List[Tuple[nn.Module, Any]], configs: List[Tuple[Any, type]]) -> Iterator[None]:
+                   forwards: List[Tuple[nn.Module, Any]], model: nn.Module, key: Any) -> Iterator[None]:
     """The package's context variables, torch-function modes, the layer's instance forwards and
-    the configs' classes as the forward had them (the backward may run after the explanation's
-    patches were taken off); all as before on exit."""
+    the configs' attention implementation ``key`` as the forward had them (the backward may run
+    after the explanation's patches were taken off); all as before on exit."""
     tokens = [(var, var.set(_throwaway(value))) for var, value in variables]
     tokens.append((_RECOMPUTING, _RECOMPUTING.set(True)))
     depth = torch._C._len_torch_function_stack()
     current = [torch._C._get_function_stack_at(i) for i in range(depth)]
     missing = [mode for mode in modes if not any(mode is c for c in current)]
-    swapped = [(config, type(config)) for config, cls in configs if type(config) is not cls]
     try:
         with contextlib.ExitStack() as stack:
             for module, forward in forwards:
                 if vars(module).get("forward") is not forward:
                     stack.enter_context(patching.attributes(module, forward=forward))
-            for config, cls in configs:
-                config.__class__ = cls  # the contextual class: answers the forward's implementation here only
+            if key is not None:  # the configs answer the forward's kernel key (here only)
+                stack.enter_context(patching.hf_attention_implementation(model, key))
             for mode in missing:
                 torch._C._push_on_torch_function_stack(mode)
             try:
@@ -110,8 +110,6 @@ def _as_in_forward(variables: List[Tuple[contextvars.ContextVar, Any]], modes: L
                 for _ in missing:
                     torch._C._pop_torch_function_stack()
     finally:
-        for config, cls in swapped:
-            config.__class__ = cls
         for var, token in reversed(tokens):
             var.reset(token)
 
@@ -140,8 +138,9 @@ def _context_fn(layer: nn.Module, model: nn.Module) -> Callable:
         depth = torch._C._len_torch_function_stack()
         modes = [m for m in (torch._C._get_function_stack_at(i) for i in range(depth)) if _is_package_mode(m)]
         forwards = [(m, vars(m)["forward"]) for m in layer.modules() if "forward" in vars(m)]
-        configs = [(config, type(config)) for config in patching._reachable_configs(model)]
-        return contextlib.nullcontext(), _Reenterable(lambda: _as_in_forward(variables, modes, forwards, configs))
+        configs = patching._reachable_configs(model)
+        key = _IMPLEMENTATIONS.get().get(id(configs[0])) if configs else None
+        return contextlib.nullcontext(), _Reenterable(lambda: _as_in_forward(variables, modes, forwards, model, key))
     return contexts
 
 

@@ -162,4 +162,5 @@ def requires_grad_restored(model: nn.Module) -> Iterator[None]:
                     parameter.requires_grad_(flag)
 
 
-__all__ = ["offloading_hook", "is_dispatched", "onloaded", "refuse_unloaded", "materialised", "input_device", "execution_device", "requires_grad_restored"]
+__all__ = ["offloading_hook", "is_dispatched", "onloaded", "refuse_unloaded", "materialised", "input_device",
+           "execution_device", "requires_grad_restored"]
