@@ -25,9 +25,10 @@ def _names(report, method):
 def test_image_rows_appear_finite_and_in_range(task):
     methods = ["rollout", "attn-lrp", "integrated-gradients"]
     report = run_benchmark(task, methods=methods, limit=5, batch_size=3, metrics="recent")
-    assert _names(report, "rollout") == {"srg_image", "deletion", "insertion"}
+    image_rows = {"srg_image", "deletion", "insertion", "road_morf", "road_lerf"}
+    assert _names(report, "rollout") == image_rows
     for method in ("attn-lrp", "integrated-gradients"):
-        assert _names(report, method) == {"srg_image", "deletion", "insertion", "completeness_error"}
+        assert _names(report, method) == image_rows | {"completeness_error"}
     for method in methods:
         gain = report.result(method, "srg_image")
         assert gain.count == 5 and -1.0 <= gain.srg <= 1.0
@@ -35,6 +36,9 @@ def test_image_rows_appear_finite_and_in_range(task):
         for curve in ("deletion", "insertion"):
             result = report.result(method, curve)
             assert 0.0 <= result.auc <= 1.0 and len(result.x) == 51
+        for curve in ("road_morf", "road_lerf"):
+            result = report.result(method, curve)
+            assert 0.0 <= result.auc <= 0.99 and len(result.x) == 50  # 1, 3, ..., 99 %: at most 0.98 wide
     # Integrated Gradients sums to logit(x) - logit(zeros) (50 Gauss-Legendre steps): the score the
     # completeness row uses for it; a wrong baseline score would give an error of order 1.
     assert report.result("integrated-gradients", "completeness_error").max_error < 1e-3
@@ -50,8 +54,8 @@ def test_all_keeps_the_classic_rows_bit_for_bit():
     both = run_benchmark("digits", methods=methods, limit=6, batch_size=4, metrics="all")
     classic_names = {result.name for _, result in classic.rows}
     assert [row for row in both.rows if row[1].name in classic_names] == list(classic.rows)
-    assert {result.name for _, result in both.rows} - classic_names == {"srg_image", "deletion", "insertion",
-                                                                        "completeness_error"}
+    assert {result.name for _, result in both.rows} - classic_names == {
+        "srg_image", "deletion", "insertion", "road_morf", "road_lerf", "completeness_error"}
     assert classic.metrics == "classic" and "SRG" not in table(classic)
     assert "mIoU" in table(both) and "SRG" in table(both)
 

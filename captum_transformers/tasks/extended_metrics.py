@@ -7,7 +7,10 @@ Per task:
 * ``digits``, ``digits-swin``: :class:`ImageRelevanceGain` (MIF / LIF over the model's 4 x 4
   patches, mean occlusion, 21 steps; SRG = A(LIF) - A(MIF), Blücher et al., TMLR 2024),
   :class:`RiseDeletion` (zero baseline) and :class:`RiseInsertion` (blurred canvas), 51 steps
-  (Petsiuk et al., BMVC 2018), all on the softmax probability of the explained class;
+  (Petsiuk et al., BMVC 2018), all on the softmax probability of the explained class; :class:`ROAD`
+  MoRF and LeRF (Rong et al., ICML 2022; noisy linear imputation, 1, 3, ..., 99 % of pixels, top-1
+  agreement with the explained class; the noise generator is seeded with each batch's first
+  example index, so every method sees the same draws and torchrun gives the same numbers);
 * ``movies``: :class:`TokenRelevanceGain` ([UNK] replaces removed tokens, as the classic AUAC),
   ERASER comprehensiveness and sufficiency as AOPC over 1/5/10/20/50 % (tokens dropped from the
   sequence; DeYoung et al., ACL 2020);
@@ -41,6 +44,7 @@ from ..evaluation.deletion_insertion import RiseDeletion, RiseInsertion
 from ..evaluation.relevance_gain_graphs import GraphRelevanceGain
 from ..evaluation.relevance_gain_images import ImageRelevanceGain
 from ..evaluation.relevance_gain_tokens import TokenRelevanceGain
+from ..evaluation.road import ROAD
 
 METRIC_SETS: Tuple[str, ...] = ("classic", "recent", "all")
 """``classic``: each task's original metrics; ``recent``: this module's; ``all``: both."""
@@ -63,7 +67,9 @@ _IMAGE_COLUMNS = [("SRG, 4x4 patches, mean occlusion (higher better)", "srg_imag
                   ("MIF area (lower better)", "srg_image", "area_mif", "{:.3f}"),
                   ("LIF area (higher better)", "srg_image", "area_lif", "{:.3f}"),
                   ("RISE deletion AUC (lower better)", "deletion", "auc", "{:.3f}"),
-                  ("RISE insertion AUC (higher better)", "insertion", "auc", "{:.3f}")]
+                  ("RISE insertion AUC (higher better)", "insertion", "auc", "{:.3f}"),
+                  ("ROAD MoRF AUC (lower better)", "road_morf", "auc", "{:.3f}"),
+                  ("ROAD LeRF AUC (higher better)", "road_lerf", "auc", "{:.3f}")]
 _COMPLETENESS_COLUMNS = [("completeness error, mean (lower better)", "completeness_error", "mean_error", "{:.3f}"),
                          ("completeness error, max", "completeness_error", "max_error", "{:.3g}")]
 _GRAPH_COLUMNS = [("SRG, nodes dropped (higher better)", "srg_graphs", "srg", "{:.3f}"),
@@ -134,7 +140,7 @@ class RecentMetrics:
 
 
 class RecentImageMetrics(RecentMetrics):
-    """SRG over patches, RISE deletion and insertion, completeness error (digits tasks)."""
+    """SRG over patches, RISE deletion and insertion, ROAD MoRF and LeRF, completeness error (digits tasks)."""
 
     def __init__(self, forward: Callable, normalize: Callable, method_names: Sequence[str]) -> None:
         self.forward = forward  # forward(normalised images) -> logits
@@ -142,11 +148,17 @@ class RecentImageMetrics(RecentMetrics):
             ImageRelevanceGain(forward, patch_size=DIGIT_PATCH, normalize=normalize, max_batch_size=MAX_ROWS),
             RiseDeletion(forward, normalize=normalize, max_batch_size=MAX_ROWS),
             RiseInsertion(forward, normalize=normalize, max_batch_size=MAX_ROWS),
+            ROAD(forward, "morf", normalize=normalize, max_batch_size=MAX_ROWS),
+            ROAD(forward, "lerf", normalize=normalize, max_batch_size=MAX_ROWS),
             *self._completeness(name)] for name in method_names})
 
-    def begin_batch(self, inputs: torch.Tensor, target: torch.Tensor) -> None:
-        """``inputs``: the normalised batch the methods explain; ``target``: the explained classes."""
+    def begin_batch(self, inputs: torch.Tensor, target: torch.Tensor, first_example: int) -> None:
+        """``inputs``: the normalised batch the methods explain; ``target``: the explained classes;
+        ``first_example``: the batch's index in the evaluation set (ROAD's noise seed)."""
         self._target = target.cpu()
+        for metrics in self.by_method.values():
+            for road in metrics[3:5]:
+                road.generator = torch.Generator().manual_seed(first_example)
         if self._needs_scores():
             with torch.no_grad():
                 logits = self.forward(inputs)
@@ -156,8 +168,8 @@ class RecentImageMetrics(RecentMetrics):
 
     def update(self, name: str, images: torch.Tensor, maps: torch.Tensor, relevance: torch.Tensor) -> None:
         """``images`` in [0, 1], ``maps`` (B, H, W), ``relevance`` the full attribution (summed for completeness)."""
-        gain, deletion, insertion, *completeness = self.by_method[name]
-        for metric in (gain, deletion, insertion):
+        gain, deletion, insertion, road_morf, road_lerf, *completeness = self.by_method[name]
+        for metric in (gain, deletion, insertion, road_morf, road_lerf):
             metric.update(images, self._target, maps)
         self._update_completeness(name, relevance, completeness)
 

@@ -144,7 +144,7 @@ def _run_digits(method_names, limit, batch_size, progress, device, explain, cach
         inputs = normalize(images).to(device)
         target = _explained_class(model, inputs, labels, explain)
         if recent:
-            recent.begin_batch(inputs, target)
+            recent.begin_batch(inputs, target, chunk.start)
         for name, explainer in explainers.items():
             maps = _image_scores(explainer.attribute(inputs, target=target)).cpu()
             if classic:
