@@ -22,6 +22,7 @@ from typing import Iterator, List
 
 from torch import nn
 
+from ..adapters.quantized_linear import differentiable_kernels
 from . import module_walk, patching
 
 _WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -48,13 +49,11 @@ def uncompiled(model: nn.Module) -> Iterator[None]:
     """Run ``model``'s compiled parts as their original modules in the current context.
 
     The explanation is then that of the original module, whose outputs equal the compiled
-    ones up to float rounding.
+    ones up to float rounding. bitsandbytes layers likewise run kernels with a backward pass
+    (:func:`~captum_transformers.adapters.quantized_linear.differentiable_kernels`).
     """
     parts = _compiled_parts(model)
-    if not parts:
-        yield
-        return
-    if model not in _WARNED:
+    if parts and model not in _WARNED:
         _WARNED.add(model)
         names = sorted({name or "the model" for name, m in model.named_modules() if any(m is p for p in parts)})
         warnings.warn(
@@ -62,6 +61,7 @@ def uncompiled(model: nn.Module) -> Iterator[None]:
             "explained as the original (uncompiled) modules, run eagerly while explaining: compiled code cannot be "
             "observed. Outputs equal the compiled ones up to float rounding.", UserWarning, stacklevel=4)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(differentiable_kernels(model))
         for module in parts:
             if _is_optimized(module):
                 inner = module._orig_mod

@@ -77,6 +77,16 @@ class _LinearAlphaBeta(torch.autograd.Function):
         return g_x.to(in_dtype), None, None, None, None, None, None
 
 
+def linear_rule(rules, x: torch.Tensor, weight: torch.Tensor, bias, func: Callable, args: tuple,
+                kwargs: dict) -> torch.Tensor:
+    """The output of the linear layer ``func(*args, **kwargs)`` (input ``x``, ``(out, in)`` weight,
+    bias or None), carrying ``rules.linear`` (alpha=1/beta=0, ``"gamma"`` or
+    ``"generalized_gamma"``) in its backward; the forward is ``func``'s own."""
+    if rules.linear in ("gamma", "generalized_gamma"):
+        return _LinearGamma.apply(x, weight, bias, rules.gamma, func, args, kwargs, rules.linear == "generalized_gamma")
+    return _LinearAlphaBeta.apply(x, weight, bias, rules.linear == "alpha1beta0", func, args, kwargs)
+
+
 # Rows per chunk of a linear rule's backward: its temporaries (a few (rows, features)
 # buffers) stay near this many elements instead of growing with the batch.
 _CHUNK_ELEMENTS = 1 << 20

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..adapters.quantized_linear import linear_rule_forwards, plain_weight
 from ..capture import patching
 from ..capture import module_walk, offload
 from ..errors import CaptureError
@@ -53,7 +54,7 @@ from .backward_switch import _SWITCH, plain_gradient_of
 from .backward_switch import plain_requested as _plain
 from .gated_product import ConstantGateProduct, GateTracker, gate_scopes
 from .identity_ratio import identity_ratio
-from .linear_rule import _LinearAlphaBeta, _LinearGamma, safe_divide  # noqa: F401  (safe_divide: part of this API)
+from .linear_rule import _LinearAlphaBeta, _LinearGamma, linear_rule, safe_divide  # noqa: F401  (part of this API)
 from .normalized_add import NormalizedAdd, row_groups
 from .pixel_rule import PixelBoundedConv
 
@@ -238,10 +239,9 @@ class OperationRules(TorchFunctionMode):
             elif func is torch.addmm and len(args) >= 3 and args[1].requires_grad and not kwargs:
                 # addmm(bias, x, W) with W laid out (in, out), as in GPT-2's Conv1D.
                 layer = (args[1], args[2].t(), args[0])
-            if layer is not None and rules.linear in ("gamma", "generalized_gamma"):
-                return _LinearGamma.apply(*layer, rules.gamma, func, args, kwargs, rules.linear == "generalized_gamma")
             if layer is not None:
-                return _LinearAlphaBeta.apply(*layer, rules.linear == "alpha1beta0", func, args, kwargs)
+                # A torchao layer passes its quantized weight: the rule reads the dequantized one.
+                return linear_rule(rules, layer[0], plain_weight(layer[1]), layer[2], func, args, kwargs)
         if rules.pixel_conv == "zB" and func is F.conv2d and isinstance(args[0], torch.Tensor) \
                 and args[0].requires_grad and args[0].is_leaf and args[0].dim() == 4:
             return PixelBoundedConv.apply(args[0], args[1], func, args, kwargs)
@@ -434,6 +434,8 @@ def operation_rules(model: nn.Module, rules,
                     module, _activation_forward(rules.activation == "identity")))
         if needs_operation_rules(rules):
             stack.enter_context(patching.instance_forward(model, make))
+            if rules.linear != "gradient":  # bitsandbytes layers never call F.linear
+                stack.enter_context(linear_rule_forwards(model, rules))
         else:
             for scope in gate_scopes(model, probed):
                 stack.enter_context(patching.instance_forward(scope, make))
