@@ -354,6 +354,23 @@ def test_images_given_as_images_equal_the_processors_patch_rows(name):
         explainer.attribute(prompts[0], target=[9], pixel_values=pictures[:1], image_grid_thw=thw[:1])
 
 
+def test_generation_inputs_give_generate_the_processors_keywords():
+    """``generation_inputs``: what ``model.generate`` needs next to the ids (the patch rows and grid
+    of images given as such, mm_token_type_ids): the same tokens as the processor's inputs."""
+    model = build_qwen2_vl(seed=1)
+    ids = torch.tensor([prompt_of("qwen2_vl")])
+    picture = torch.randn(1, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    keywords = Qwen2VLAdapter().generation_inputs(model, ids, {"pixel_values": picture})
+    assert sorted(keywords) == ["image_grid_thw", "mm_token_type_ids", "pixel_values"]
+    rows, thw = patchify(picture, PATCH, MERGE, TEMPORAL)
+    args = {"max_new_tokens": 4, "do_sample": False}
+    with torch.no_grad():
+        ours = model.generate(input_ids=ids, **keywords, **args)
+        theirs = model.generate(input_ids=ids, pixel_values=rows, image_grid_thw=thw,
+                                mm_token_type_ids=(ids == IMAGE).int(), **args)
+    assert torch.equal(ours, theirs)
+
+
 # -- refusals ---------------------------------------------------------------------------
 def test_videos_and_mismatched_placeholders_are_refused():
     model = model_of("qwen2_vl")

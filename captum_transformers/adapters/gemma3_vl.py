@@ -120,6 +120,11 @@ class Gemma3Adapter(VisionLanguageAdapter):
         needs too): ``token_type_ids``, 1 at image tokens, which make the image blocks bidirectional."""
         return {"token_type_ids": (input_ids == self.image_token_id(model)).to(torch.long)}
 
+    def generation_inputs(self, model: nn.Module, input_ids: torch.Tensor,
+                          image_inputs: Mapping[str, Any]) -> Dict[str, Any]:
+        """The image keywords for ``model.generate(input_ids, ...)``: the images and ``token_type_ids``."""
+        return {**image_inputs, **self.token_type_inputs(model, input_ids)}
+
     def call_model(self, model, inputs, additional_forward_args, forward_kwargs):
         """With ``token_type_ids`` (1 at image tokens, built from ``input_ids`` when not given):
         the bidirectional image blocks of Gemma 3's mask, as its processor's inputs give them."""

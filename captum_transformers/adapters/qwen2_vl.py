@@ -234,6 +234,12 @@ class Qwen2VLAdapter(VisionLanguageAdapter):
         needs too): ``mm_token_type_ids``, 1 at image tokens, from which M-RoPE places the image."""
         return {"mm_token_type_ids": (input_ids == self.image_token_id(model)).to(torch.int)}
 
+    def generation_inputs(self, model: nn.Module, input_ids: torch.Tensor,
+                          image_inputs: Mapping[str, Any]) -> Dict[str, Any]:
+        """The image keywords for ``model.generate(input_ids, ...)``: the processor's patch rows
+        and grid (from images given as such), and ``mm_token_type_ids``."""
+        return {**self._flat_inputs(model, image_inputs), **self.token_type_inputs(model, input_ids)}
+
     def call_model(self, model, inputs, additional_forward_args, forward_kwargs):
         """With ``mm_token_type_ids`` built from ``input_ids`` when not given, without 1-D
         ``position_ids`` (the model's M-RoPE positions), and the model's ``rope_deltas`` restored."""
