@@ -47,14 +47,15 @@ _BNB_OPERATORS = {BNB_4BIT: "bitsandbytes::dequantize_4bit", BNB_8BIT: "bitsandb
 
 def quantized_kind(module: nn.Module) -> Optional[str]:
     """``"bitsandbytes-4bit"``, ``"bitsandbytes-8bit"`` or ``"torchao"`` for a quantized linear
-    layer, None otherwise. Found by the weight's class, so no import of either library is needed."""
+    layer, None otherwise. Found by the weight's class, so no import of either library is needed;
+    only ``nn.Linear`` subclasses count (bitsandbytes' 4-bit embeddings are not linear layers)."""
     weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor):
+    if not isinstance(module, nn.Linear) or not isinstance(weight, torch.Tensor):
         return None
     names = {cls.__name__ for cls in type(weight).__mro__}
     if "Params4bit" in names:
         return BNB_4BIT
-    if "Int8Params" in names and weight.dtype == torch.int8:
+    if "Int8Params" in names:  # int8 codes, or float weights quantized at each call (has_fp16_weights)
         return BNB_8BIT
     if is_torchao_tensor(weight):
         return TORCHAO
@@ -131,6 +132,8 @@ def dequantized_weight(module: nn.Module) -> torch.Tensor:
         import bitsandbytes.functional as bnb_functional
         data, state = _bnb_4bit_state(module)
         return bnb_functional.dequantize_4bit(data, state).detach()
+    if kind == BNB_8BIT and module.weight.is_floating_point():  # kept in float, quantized at each call
+        return module.weight.detach()
     if kind == BNB_8BIT:
         import bitsandbytes.functional as bnb_functional
         module_state = getattr(module, "state", None)
