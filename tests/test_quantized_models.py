@@ -221,3 +221,12 @@ def test_generate_then_explain_a_4bit_model():
         expected = GenerationAttribution(AttnLRP(reference), IdTokenizer()).attribute(
             [1, 5, 7, 9], target=got.output_ids)
     assert min(_pearson(a, b) for a, b in zip(got.token_attr, expected.token_attr)) >= 0.95
+
+
+def test_an_8bit_layer_kept_in_float_gives_its_float_weight():
+    _require("int8")
+    import bitsandbytes as bnb
+    layer = bnb.nn.Linear8bitLt(8, 4, has_fp16_weights=True)
+    assert quantized_linear.quantized_kind(layer) == quantized_linear.BNB_8BIT
+    assert torch.equal(quantized_linear.dequantized_weight(layer), layer.weight.detach())
+    assert quantized_linear.quantized_kind(torch.nn.Linear(8, 4)) is None
