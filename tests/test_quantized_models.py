@@ -230,3 +230,13 @@ def test_an_8bit_layer_kept_in_float_gives_its_float_weight():
     assert quantized_linear.quantized_kind(layer) == quantized_linear.BNB_8BIT
     assert torch.equal(quantized_linear.dequantized_weight(layer), layer.weight.detach())
     assert quantized_linear.quantized_kind(torch.nn.Linear(8, 4)) is None
+
+
+def test_a_bitsandbytes_without_torch_operators_is_taken_for_cuda_only(monkeypatch):
+    def unregistered(operator, key):
+        raise RuntimeError(f"operator {operator} does not exist")
+
+    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", unregistered)
+    operator = quantized_linear._BNB_OPERATORS[quantized_linear.BNB_4BIT]
+    assert not quantized_linear._kernel_available(operator, torch.device("cpu"))
+    assert quantized_linear._kernel_available(operator, torch.device("cuda"))

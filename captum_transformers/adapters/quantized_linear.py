@@ -40,8 +40,7 @@ from ..errors import CaptureError
 from ..propagation.linear_rule import linear_rule
 
 BNB_4BIT, BNB_8BIT, TORCHAO = "bitsandbytes-4bit", "bitsandbytes-8bit", "torchao"
-# A device-specific bitsandbytes operator each layer kind runs (its kernel must exist for the
-# weight's device; some others are registered for every device and say nothing).
+# A bitsandbytes operator each layer kind runs (its kernel must exist for the weight's device).
 _BNB_OPERATORS = {BNB_4BIT: "bitsandbytes::dequantize_4bit", BNB_8BIT: "bitsandbytes::int8_linear_matmul"}
 
 
@@ -152,13 +151,15 @@ def dequantized_weight(module: nn.Module) -> torch.Tensor:
 
 
 def _kernel_available(operator: str, device: torch.device) -> bool:
-    """Whether bitsandbytes registered ``operator`` for ``device``'s type (its CPU backend
-    exists from release 0.46; older ones ship CUDA kernels only)."""
+    """Whether bitsandbytes can run ``operator`` on ``device``: a kernel for the device's type or
+    its portable torch one (bitsandbytes >= 0.46 registers both); a release with no torch
+    operators at all (< 0.45) has CUDA kernels only."""
     key = {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU", "mps": "MPS", "hpu": "HPU"}.get(device.type)
     try:
-        return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(operator, key)
-    except RuntimeError:  # the operator is not registered at all
-        return False
+        return any(torch._C._dispatch_has_kernel_for_dispatch_key(operator, name)
+                   for name in (key, "CompositeExplicitAutograd", "CompositeImplicitAutograd") if name is not None)
+    except RuntimeError:  # the operator is not registered: an old CUDA-only bitsandbytes
+        return device.type == "cuda"
 
 
 @contextlib.contextmanager
