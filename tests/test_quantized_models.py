@@ -240,3 +240,22 @@ def test_a_bitsandbytes_without_torch_operators_is_taken_for_cuda_only(monkeypat
     operator = quantized_linear._BNB_OPERATORS[quantized_linear.BNB_4BIT]
     assert not quantized_linear._kernel_available(operator, torch.device("cpu"))
     assert quantized_linear._kernel_available(operator, torch.device("cuda"))
+
+
+def test_torchao_activation_quantization_is_refused_where_gradients_are_needed():
+    """torchao rounds the activations of Int8DynamicActivationInt8WeightConfig layers without a
+    gradient: gradient methods are refused by name, maps without gradients still run."""
+    _require("torchao")
+    from captum_transformers import AttentionRollout
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    _, _, base = _pair("torchao", "bfloat16")
+    model = copy.deepcopy(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    for method in (AttnLRP, GenericAttention, lambda m: build_method("saliency", m)):
+        with pytest.raises(CaptureError, match="quantizes its activations.*Int8WeightOnlyConfig"):
+            method(model).attribute(IDS, target=TARGET)
+    rollout = AttentionRollout(model).attribute(IDS)
+    assert torch.isfinite(rollout).all() and rollout.abs().sum() > 0

@@ -162,16 +162,34 @@ def _kernel_available(operator: str, device: torch.device) -> bool:
         return device.type == "cuda"
 
 
+def _refuse_quantized_activations(found: List[Tuple[str, nn.Module, str]]) -> None:
+    """Refuse torchao layers that quantize their inputs too (``Int8DynamicActivationInt8WeightConfig``):
+    rounding the activations has no gradient in torchao, so nothing below them would get one."""
+    for name, module, kind in found:
+        if kind == TORCHAO and getattr(module.weight, "act_quant_kwargs", None) is not None:
+            raise CaptureError(
+                f"{name or 'the model'} is a torchao layer that quantizes its activations "
+                f"({type(module.weight).__name__} with act_quant_kwargs): torchao passes no gradient through that "
+                "rounding, so no gradient or LRP map can be taken. Quantize the weights only "
+                "(torchao.quantization.Int8WeightOnlyConfig), or use a method without gradients (RawAttention, "
+                "AttentionRollout)."
+            )
+
+
 @contextlib.contextmanager
 def differentiable_kernels(model: nn.Module) -> Iterator[None]:
     """While inside: every bitsandbytes layer of ``model`` runs a kernel with a backward pass.
 
     A ``Linear4bit`` repacked for the CPU inference kernel is unpacked, and the repacking is held
     off (``support_avx512bf16_for_cpu`` false on the instance) until exit; a layer whose weight
-    sits on a device bitsandbytes has no kernel for is refused (:class:`CaptureError`).
+    sits on a device bitsandbytes has no kernel for is refused (:class:`CaptureError`), and so,
+    where gradients are on, is a torchao layer that quantizes its activations (no gradient).
     Nothing happens for a model without bitsandbytes layers.
     """
-    layers = [(name, module, kind) for name, module, kind in quantized_linears(model) if kind != TORCHAO]
+    found = quantized_linears(model)
+    if torch.is_grad_enabled():
+        _refuse_quantized_activations(found)
+    layers = [(name, module, kind) for name, module, kind in found if kind != TORCHAO]
     if not layers:
         yield
         return
