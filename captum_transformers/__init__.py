@@ -32,6 +32,7 @@ __all__ = [
 from .methods.detection import Detections, explain_detections  # noqa: E402
 from .methods.captum_llm_layers import LayerAttnLRP, LayerConservativeLRP  # noqa: E402
 from .generation import GenerationAttribution, GenerationResult  # noqa: E402
+from .capture.checkpointing import keep_gradient_checkpointing  # noqa: E402
 
 __all__ += ["Detections", "explain_detections", "LayerAttnLRP", "LayerConservativeLRP", "GenerationAttribution",
-            "GenerationResult"]
+            "GenerationResult", "keep_gradient_checkpointing"]
