@@ -333,6 +333,7 @@ class Adapter(abc.ABC):
             streams, logits, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
                                                            target, recorder, contexts)
             if spec.needs_gradient:
+                recorder.streams = streams  # a row stream (spec.row_stream) starts from the explained rows
                 if read_rows is not None:
                     read_rows.listen()
                 self._backward(recorder, seeded(scores, rules), retain_graph=switch is not None)

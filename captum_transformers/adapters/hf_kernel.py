@@ -169,6 +169,9 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         scores.plain_gradient = plain_gradient
 
     scores.batch_sliceable = True  # reads nothing per example but its arguments
+    scores.row_sliceable = True  # nor per query row: a chunk of rows gets that chunk of the scores
+    if mask is not None:
+        scores.keys_needed = _keys_needed  # the mask comes last among the extras
     extras = tuple(t for t in (position_bias, mask) if t is not None)
     # float32 at least (half-precision scores), float64 for float64 models: the model's own
     # precision, so float64 maps equal its eager attention's, not a float32 rounding of them.
@@ -187,7 +190,8 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         # (B, H, Q, K) tensor is kept per layer (see attention_core).
         observer = SiteObserver() if active is not None else None
         output, probs = softmax_attention(scores, query, key_states, value_states, *extras,
-                                          softmax_dtype=softmax_dtype, observer=observer)
+                                          softmax_dtype=softmax_dtype, observer=observer,
+                                          keep_map=not _streamed(active))
     else:  # a constant gate or training-mode dropout between the map and the product
         if rules is not None and rules.softmax == "identity":
             # The identity rule needs the scores: recompute them in the backward pass.
@@ -200,6 +204,28 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     if active is not None:
         _record(active, module, probs, attention_mask, observer)
     return output.transpose(1, 2).contiguous(), probs
+
+
+def _keys_needed(*extras: torch.Tensor) -> int:
+    """How many leading keys some of a chunk of query rows may attend to, from its mask (the
+    last extra, (B, 1, c, K), boolean or additive): after the last open key every probability is
+    exactly 0 (a causal mask), so the chunk's map stops there. All keys when a row has none open
+    (its softmax is then over every key)."""
+    mask = extras[-1]
+    open_keys = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    open_keys = open_keys.reshape(-1, open_keys.shape[-1])
+    if not bool(open_keys.any(dim=-1).all()):
+        return mask.shape[-1]
+    return int(open_keys.any(dim=0).nonzero().max()) + 1
+
+
+def _streamed(active) -> bool:
+    """Whether the active recorder only reports maps to a row stream (``spec.row_stream``, no
+    forward reduction): the kernel then returns a stand-in for its map (see softmax_attention)."""
+    if active is None:
+        return False
+    spec = active[0].spec
+    return spec.row_stream is not None and spec.forward_reduce is None
 
 
 def _record(active, module: nn.Module, probs: torch.Tensor, attention_mask: Optional[torch.Tensor],

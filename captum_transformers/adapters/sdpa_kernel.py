@@ -67,6 +67,7 @@ def sdpa_as_softmax_attention(query: torch.Tensor, key: torch.Tensor, value: tor
 
     scores.plain_gradient = plain_gradient
     scores.batch_sliceable = True  # reads nothing per example but its arguments
+    scores.row_sliceable = not is_causal  # the causal triangle is made for the whole map's rows
 
     if dropout_p > 0.0:
         probs = torch.softmax(scores(query, key, *extras), dim=-1)

@@ -109,8 +109,22 @@ class SiteObserver:
         something smaller than the gradient at the map until then."""
         return self.recorder is not None and self.recorder.keep_probs
 
+    @property
+    def takes_rows(self) -> bool:
+        """Whether the kernel may hand the map over in chunks of query rows (:meth:`rows`, then
+        :meth:`done`): the recorder streams it (:class:`~..methods.streaming_rows.RowStream`)."""
+        return self.wanted and not self.deferred and self.recorder.streams_site(self.site)
+
     def __call__(self, probs: torch.Tensor, grad: torch.Tensor) -> None:
         self.recorder.reduce_gradient(self.site, grad, probs)
+
+    def rows(self, rows: slice, probs: torch.Tensor, grad: torch.Tensor) -> None:
+        """Query rows ``rows`` of the map (B, H, c, K) and of the gradient at it."""
+        self.recorder.reduce_rows(self.site, rows, probs, grad)
+
+    def done(self) -> None:
+        """Every row of the map was handed over (:meth:`rows`)."""
+        self.recorder.finish_rows(self.site)
 
     def defer(self) -> None:
         self.site.received_gradient = True
@@ -145,6 +159,9 @@ class Recorder:
         self.first_spec: Optional[CaptureSpec] = None
         # Whether this pass is the first of a pair reduced together (None: when keep_probs).
         self.pair_first: Optional[bool] = None
+        # The token streams (StreamLayouts), given by the adapter between the forward and the
+        # backward pass: what a row stream (spec.row_stream) starts its rows from.
+        self.streams = None
 
     @property
     def wants_maps(self) -> bool:
@@ -230,12 +247,13 @@ class Recorder:
         the sequence's)."""
         return next(iter(self.stream_valid.values()), None)
 
-    def valid_pairs(self, site: Site) -> Optional[torch.Tensor]:
-        """(B, 1, Q, K) True where both the query and the key are real tokens, if known."""
+    def valid_pairs(self, site: Site, rows: Optional[slice] = None) -> Optional[torch.Tensor]:
+        """(B, 1, Q, K) True where both the query and the key are real tokens, if known;
+        ``rows``: only those query rows (B, 1, c, K)."""
         queries = self.stream_valid.get(site.streams[0])
         keys = self.stream_valid.get(site.streams[1])
         if queries is None and keys is None:
-            return self._causal_pairs(site, None)
+            return self._causal_pairs(site, None, rows)
         device = (queries if queries is not None else keys).device
         # A stream's mask covers its tokens; a call over other lengths (none known here) is all valid.
         if queries is None or queries.shape[-1] != site.num_queries:
@@ -243,17 +261,20 @@ class Recorder:
         if keys is None or keys.shape[-1] != site.num_keys:
             keys = torch.ones(site.batch_size, site.num_keys, dtype=torch.bool, device=device)
         queries, keys = queries.to(torch.bool), keys.to(torch.bool)
-        return self._causal_pairs(site, (queries[:, :, None] & keys[:, None, :]).unsqueeze(1))
+        if rows is not None:
+            queries = queries[:, rows]
+        return self._causal_pairs(site, (queries[:, :, None] & keys[:, None, :]).unsqueeze(1), rows)
 
     @staticmethod
-    def _causal_pairs(site: Site, pairs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def _causal_pairs(site: Site, pairs: Optional[torch.Tensor], rows: Optional[slice] = None) -> Optional[torch.Tensor]:
         """``pairs`` (B, 1, Q, K) without the keys after each query of a causal call: what a
         query never attends to is no (query, key) pair (a row's real keys are those before it,
         the same whether the sequence ends there or goes on)."""
         if not site.causal or site.num_queries != site.num_keys:
             return pairs
         device = pairs.device if pairs is not None else None
-        earlier = torch.ones(site.num_queries, site.num_keys, dtype=torch.bool, device=device).tril_()
+        earlier = torch.ones(site.num_queries, site.num_keys, dtype=torch.bool, device=device).tril_() \
+            if rows is None else _earlier_keys(rows, site.num_queries, site.num_keys, device)
         return earlier[None, None] if pairs is None else pairs & earlier
 
     def reduce_gradient(self, site: Site, grad: torch.Tensor, probs: Optional[torch.Tensor] = None) -> None:
@@ -261,9 +282,32 @@ class Recorder:
         another backward pass through the same graph will need it). ``probs``: the map, when
         the site does not keep it."""
         site.received_gradient = True
-        site.backward_value = self._reduce(self.spec, site, site.probs if probs is None else probs, grad)
+        value = self._reduce(self.spec, site, site.probs if probs is None else probs, grad)
         if not self.keep_probs:
             site.probs = None
+        if self.streams_site(site):  # folded into the explained rows and dropped
+            self.spec.row_stream.fold(site.call_index, value)
+            return
+        site.backward_value = value
+
+    def streams_site(self, site: Site) -> bool:
+        """Whether ``site``'s reduced map goes to the spec's row stream instead of the trace."""
+        stream = self.spec.row_stream
+        return stream is not None and stream.accepts(self)
+
+    def reduce_rows(self, site: Site, rows: slice, probs: torch.Tensor, grad: torch.Tensor) -> None:
+        """Reduce query rows ``rows`` of a streamed site's map (B, H, c, K) into its row stream."""
+        extra = {"call_index": site.call_index} if self.spec.pass_call_index else {}
+        valid = self.valid_pairs(site, rows)
+        if valid is not None:  # the kernel may stop at the last key these rows attend to
+            valid = valid[..., :probs.shape[-1]]
+        value = self.spec.backward_reduce(probs, grad, valid, **extra)
+        self.spec.row_stream.fold_rows(site.call_index, rows, value)
+
+    def finish_rows(self, site: Site) -> None:
+        """Every row of a streamed site's map was reduced (:meth:`reduce_rows`)."""
+        site.received_gradient = True
+        self.spec.row_stream.finish(site.call_index)
 
     def reduce_first(self, site: Site, probs: torch.Tensor, grad: torch.Tensor) -> None:
         """The previous pass's reduction of a map whose kernel deferred it to this pass
@@ -329,3 +373,9 @@ class Recorder:
                 me.reduce_gradient(hooked, hooked.grad_view(grad) if hooked.grad_view is not None else grad)
 
         site.grad_tensor.register_hook(on_gradient)
+
+
+def _earlier_keys(rows: slice, num_queries: int, num_keys: int, device) -> torch.Tensor:
+    """(c, K) True where key ``k <= q`` for the queries ``q`` in ``rows`` (a causal call's pairs)."""
+    queries = torch.arange(num_queries, device=device)[rows]
+    return torch.arange(num_keys, device=device)[None, :] <= queries[:, None]

@@ -5,7 +5,7 @@ A method never touches a module: it receives an :class:`AttentionTrace` and redu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Hashable, Literal, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Literal, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -62,6 +62,9 @@ class CaptureSpec:
     # When True, backward_reduce is also given ``call_index=`` (the call's position in the
     # forward pass), for reductions that pair each map with data from an earlier pass.
     pass_call_index: bool = False
+    # A :class:`~captum_transformers.methods.streaming_rows.RowStream` that folds each reduced map
+    # into the explained rows and drops it (one-sequence layouts); None: the maps are kept.
+    row_stream: Optional[Any] = field(default=None, compare=False)
 
     @property
     def needs_gradient(self) -> bool:

@@ -213,6 +213,9 @@ class TraceAttribution(StochasticOptIn, Attribution):
 
     #: True: :meth:`reduce` works on every row layout (:func:`~.row_chains.row_layout`).
     uses_row_chains: bool = False
+    #: True while :meth:`attribute` runs: a method may then fold its maps into the explained rows
+    #: during the backward pass (:mod:`~.streaming_rows`); :meth:`trace` always keeps them.
+    streaming_rows: bool = False
 
     def __init__(self, model: nn.Module, adapter: Union[Adapter, str, None] = None, *,
                  allow_stochastic: bool = False) -> None:
@@ -278,7 +281,11 @@ class TraceAttribution(StochasticOptIn, Attribution):
         formatted, is_tuple, additional_forward_args, forward_kwargs, name = _prepared_inputs(
             inputs, additional_forward_args, forward_kwargs, self.adapter)
         with passed_by_name(self.model, name), self.stochastic_rule():
-            trace = self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
+            self.streaming_rows = True
+            try:
+                trace = self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
+            finally:
+                self.streaming_rows = False
         per_stream = self.stream_scores(trace)
         streams = trace.streams
         if return_tokens:

@@ -1,9 +1,12 @@
 """Generic attention explainability, self-attention rule (Chefer et al., ICCV 2021)."""
 from __future__ import annotations
 
+from typing import Mapping
+
 from . import functional, relevancy_maps
 from .row_chains import relevance_chain, row_layout
-from ..capture.trace import AttentionTrace, CaptureSpec
+from .streaming_rows import RowStream
+from ..capture.trace import TOKENS, AttentionTrace, CaptureSpec
 from .base import StartLayer, TraceAttribution
 
 
@@ -50,10 +53,19 @@ class GenericAttention(TraceAttribution):
         self.start_layer = start_layer
 
     def capture_spec(self) -> CaptureSpec:
-        return CaptureSpec(backward_reduce=functional.gradient_weighted_heads)
+        # In attribute(), one-sequence maps are folded into the explained rows as the backward pass
+        # reaches them (streaming_rows: no per-layer map kept); other layouts decline and keep them.
+        self._row_stream = None
+        if self.streaming_rows and isinstance(self.start_layer, (int, Mapping)):
+            start = self.start_layer.get(TOKENS, 0) if isinstance(self.start_layer, Mapping) else self.start_layer
+            self._row_stream = RowStream(start)
+        return CaptureSpec(backward_reduce=functional.gradient_weighted_heads, row_stream=self._row_stream)
 
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
+        stream = getattr(self, "_row_stream", None)
+        if stream is not None and stream.streamed:
+            return stream.result()
         if self.is_one_sequence(trace):
             return relevance_chain(row_layout(trace), self.values_from(trace, self.start_layer, backward=True))
         records = self.records_from(trace, self.start_layer)

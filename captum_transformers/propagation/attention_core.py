@@ -7,6 +7,12 @@ O. Here the backward recomputes ``S`` and ``A`` from Q and K (one product and on
 per layer), and hands ``A`` and the gradient at it to an observer (the recorder), so nothing
 of size (B, H, Q, K) outlives its layer's backward.
 
+Where the observer streams the map into explained rows (``takes_rows``,
+:mod:`~captum_transformers.methods.streaming_rows`) and the scores function is marked
+``row_sliceable``, forward and backward run a few query rows at a time
+(:func:`_row_chunks`, stopping each chunk at its last open key under a causal mask): no
+(B, H, Q, K) tensor is made at all, only (B, H, c, K) chunks of about ``_ROW_CHUNK_BYTES``.
+
 Two backward passes through one graph (TransformerRelevance: the relevance, then the plain
 gradient, see :mod:`backward_switch`) need the relevance pass's gradient at ``A`` when the
 plain one arrives. Keeping it would cost a (B, H, Q, K) tensor per layer; instead the
@@ -113,8 +119,11 @@ class _SoftmaxAttention(torch.autograd.Function):
     identity rule or its Jacobian), then ``S`` by autograd."""
 
     @staticmethod
-    def forward(ctx, scores_fn, softmax_dtype, mode, switch, observer, query, key, value, *extras):
-        output, probs = _attend(scores_fn, query, key, value, extras, softmax_dtype)
+    def forward(ctx, scores_fn, softmax_dtype, mode, switch, observer, keep_map, query, key, value, *extras):
+        if keep_map:
+            output, probs = _attend(scores_fn, query, key, value, extras, softmax_dtype)
+        else:  # the map is not returned: made a few rows at a time
+            output, probs = _attend_rows(scores_fn, query, key, value, extras, softmax_dtype)
         ctx.scores_fn, ctx.softmax_dtype, ctx.mode, ctx.switch, ctx.observer = (scores_fn, softmax_dtype, mode,
                                                                                 switch, observer)
         ctx.first_pass = None
@@ -130,6 +139,9 @@ class _SoftmaxAttention(torch.autograd.Function):
         plain = ctx.mode is None or (ctx.switch is not None and ctx.switch.plain)
         rules = None if ctx.mode is None else ctx.mode.rules
         plain_gradient = _plain_gradient_of_scores(ctx, plain, extras)
+        if plain_gradient is not None and _takes_rows(ctx):
+            return _plain_backward_in_row_chunks(ctx, plain_gradient, g_output, g_probs_outside, query, key, value,
+                                                 extras)
         if plain_gradient is not None:
             # The scores and the map again, without a graph, the softmax in the scores' buffer.
             with torch.no_grad():
@@ -169,14 +181,110 @@ class _SoftmaxAttention(torch.autograd.Function):
         if plain_gradient is not None:
             g_query, g_key = plain_gradient(g_scores.to(query.dtype), query, key)
             g_value = g_value.sum_to_size(value.shape) if value.requires_grad else None
-            return (None, None, None, None, None, g_query if query.requires_grad else None,
+            return (None, None, None, None, None, None, g_query if query.requires_grad else None,
                     g_key if key.requires_grad else None, g_value, *[None for _ in extras])
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
         grads = iter(torch.autograd.grad(scores, wanted, g_scores.to(scores.dtype), allow_unused=True)
                      if wanted else ())
         g_query, g_key, *g_extras = [next(grads) if leaf.requires_grad else None for leaf in leaves]
         g_value = g_value.sum_to_size(value.shape) if value.requires_grad else None
-        return (None, None, None, None, None, g_query, g_key, g_value, *g_extras)
+        return (None, None, None, None, None, None, g_query, g_key, g_value, *g_extras)
+
+
+# Each chunk of query rows recomputes a (B, H, c, K) map of about this size (and its gradient,
+# scores and softmax Jacobian next to it): what a streamed backward pass adds to the model's own.
+_ROW_CHUNK_BYTES = 4 * 2**20
+
+
+def _rows_per_chunk(query: torch.Tensor, key: torch.Tensor) -> int:
+    per_row = query.shape[0] * query.shape[1] * key.shape[-2] * max(query.element_size(), 4)
+    return max(1, _ROW_CHUNK_BYTES // per_row)
+
+
+def _attend_rows(scores_fn, query, key, value, extras, softmax_dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(A V, stand-in)``: :func:`_attend`'s output a few query rows at a time (the softmax is
+    row-wise, so each chunk's rows are those of the whole map), with a zero-stride stand-in of the
+    map's shape (B, H, Q, K) instead of the map: what the recorder reads when it keeps no map."""
+    num_queries = query.shape[-2]
+    output = None
+    for rows, q_rows, keys, values, extras_rows, _ in _row_chunks(scores_fn, query, key, value, extras):
+        scores = scores_fn(q_rows, keys, *extras_rows)
+        probs = _softmax_in_place(scores, softmax_dtype).to(query.dtype)
+        part = torch.matmul(probs, values)
+        if output is None:
+            batch, heads, _, dim = part.shape
+            output = part.new_empty(batch, num_queries, heads, dim).transpose(1, 2)
+        output[..., rows, :] = part
+    shape = (*output.shape[:2], num_queries, key.shape[-2])
+    return output, query.new_zeros(()).expand(shape)
+
+
+def _row_chunks(scores_fn, query, key, value, extras):
+    """``(rows, Q_c, K_c, V_c, extras_c, keys)`` for each chunk of query rows: the operands cut
+    to the rows and, where ``scores_fn.keys_needed(rows, *extras_c)`` says that every key from
+    ``keys`` on is masked in all of these rows (a causal mask), to the keys before it: the
+    masked keys' probabilities are exactly 0, so the map's other entries keep their values."""
+    num_queries, num_keys = query.shape[-2], key.shape[-2]
+    chunk = _rows_per_chunk(query, key)
+    keys_needed = getattr(scores_fn, "keys_needed", None)
+    for start in range(0, num_queries, chunk):
+        rows = slice(start, min(start + chunk, num_queries))
+        extras_rows = [_rows_of(e, rows, num_queries) for e in extras]
+        keys = num_keys if keys_needed is None else keys_needed(*extras_rows)
+        if keys < num_keys:
+            extras_rows = [e[..., :keys] if e.dim() and e.shape[-1] == num_keys else e for e in extras_rows]
+        yield (rows, query[..., rows, :], key[..., :keys, :], value[..., :keys, :], extras_rows, keys)
+
+
+def _takes_rows(ctx) -> bool:
+    """Whether this backward pass may run in chunks of query rows: the observer streams the map
+    (``takes_rows``: it folds each chunk into explained rows and keeps none), the scores of a row
+    chunk are that chunk of the scores (``scores_fn.row_sliceable``), and one pass reduces it."""
+    return _observer_for_this_pass(ctx) == "now" and getattr(ctx.scores_fn, "row_sliceable", False) \
+        and bool(getattr(ctx.observer, "takes_rows", False))
+
+
+def _rows_of(tensor: torch.Tensor, rows: slice, num_queries: int) -> torch.Tensor:
+    """An operand broadcast against (B, H, Q, K) cut to the query rows ``rows`` (dimension -2,
+    where it has the queries; a size-1 or missing query axis is broadcast as it is)."""
+    if tensor.dim() >= 2 and tensor.shape[-2] == num_queries and num_queries > 1:
+        return tensor[..., rows, :]
+    return tensor
+
+
+def _plain_backward_in_row_chunks(ctx, plain_gradient, g_output, g_probs_outside, query, key, value, extras):
+    r"""The plain backward pass a few query rows at a time: for each chunk ``c``, the scores
+    ``S_c = S(Q_c, K)``, ``A_c = softmax(S_c)``, ``g_{A_c} = g_{O_c} V^T`` handed to the observer
+    (:meth:`~captum_transformers.capture.recorder.SiteObserver.rows`), then
+    ``g_V += A_c^T g_{O_c}``, ``g_{S_c}`` by the softmax Jacobian (row-wise) and
+    ``(g_{Q_c}, g_K^{(c)}) = plain_gradient(g_{S_c}, Q_c, K)``, ``g_K = \sum_c g_K^{(c)}``.
+    Equal to the whole-map backward up to the order of the sums; no (B, H, Q, K) tensor exists."""
+    if g_output is None:
+        g_output = torch.zeros((*query.shape[:-1], value.shape[-1]), dtype=value.dtype, device=value.device)
+    num_queries = query.shape[-2]
+    g_query = torch.empty_like(query) if query.requires_grad else None
+    g_key = torch.zeros_like(key) if key.requires_grad else None
+    g_value = torch.zeros_like(value)
+    for rows, q_rows, keys, values, extras_rows, stop in _row_chunks(ctx.scores_fn, query, key, value, extras):
+        g_rows = g_output[..., rows, :]
+        with torch.no_grad():
+            scores = ctx.scores_fn(q_rows, keys, *extras_rows)
+        soft = _softmax_in_place(scores, ctx.softmax_dtype)
+        probs = soft.to(query.dtype)
+        outside = None if g_probs_outside is None else _rows_of(g_probs_outside, rows, num_queries)[..., :stop]
+        g_probs = _map_gradient(values, g_rows, outside, halved=False)
+        g_value[..., :stop, :].add_(torch.matmul(probs.transpose(-1, -2), g_rows))
+        ctx.observer.rows(rows, probs, g_probs)
+        g_scores = scores_gradient(soft, scores, g_probs.to(soft.dtype), -1, identity=False, owned=False)
+        del soft, probs, g_probs, scores
+        g_q, g_k = plain_gradient(g_scores.to(query.dtype), q_rows, keys)
+        if g_query is not None:
+            g_query[..., rows, :] = g_q
+        if g_key is not None:
+            g_key[..., :stop, :].add_(g_k)
+    ctx.observer.done()
+    g_value = g_value.sum_to_size(value.shape) if value.requires_grad else None
+    return (None, None, None, None, None, None, g_query, g_key, g_value, *[None for _ in extras])
 
 
 def _plain_gradient_of_scores(ctx, plain: bool, extras) -> Optional[Callable]:
@@ -226,7 +334,8 @@ def _observer_for_this_pass(ctx) -> Optional[str]:
 
 def softmax_attention(scores_fn: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, *extras: torch.Tensor, softmax_dtype: Optional[torch.dtype] = None,
-                      observer: Optional[MapObserver] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                      observer: Optional[MapObserver] = None,
+                      keep_map: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     r"""``A = softmax(scores_fn(query, key, *extras), dim=-1, dtype=softmax_dtype)`` cast to
     ``query``'s dtype, and ``O = A V``; returns ``(O, A)``.
 
@@ -240,6 +349,11 @@ def softmax_attention(scores_fn: Callable[..., torch.Tensor], query: torch.Tenso
     backward pass. ``extras`` must be tensors (their gradients are returned too). Without
     gradients this is just the two operations.
 
+    ``keep_map=False`` (a caller that only reports the map through ``observer``, and a scores
+    function marked ``row_sliceable``): the forward runs a few query rows at a time and returns
+    a zero-stride stand-in (B, H, Q, K) for ``A``, whose gradient is not followed; no map of the
+    whole sequence is made. With gradients only.
+
     Example::
 
         >>> out, probs = softmax_attention(lambda q, k: q @ k.mT * 0.125, q, k, v)
@@ -247,4 +361,6 @@ def softmax_attention(scores_fn: Callable[..., torch.Tensor], query: torch.Tenso
     tensors = (query, key, value, *extras)
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
         return _attend(scores_fn, query, key, value, extras, softmax_dtype)
-    return _SoftmaxAttention.apply(scores_fn, softmax_dtype, _ACTIVE_RULES.get(), _SWITCH.get(), observer, *tensors)
+    keep_map = keep_map or not getattr(scores_fn, "row_sliceable", False)
+    return _SoftmaxAttention.apply(scores_fn, softmax_dtype, _ACTIVE_RULES.get(), _SWITCH.get(), observer, keep_map,
+                                   *tensors)

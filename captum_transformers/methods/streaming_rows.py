@@ -1,0 +1,146 @@
+r"""Explained rows carried through the backward pass itself: no per-layer map is kept.
+
+The ICCV'21 update ``R <- R + Abar R`` only ever needs the explained rows ``r`` of ``R``,
+carried from the last attention call to the first (:func:`~.row_chains.relevance_chain`):
+
+.. math:: r \leftarrow r + r \bar A_l = r + \sum_c r_{[:, c]} \bar A_{l, [c, :]},
+
+and the backward pass reaches the calls in exactly that order. A :class:`RowStream` set on a
+:class:`~captum_transformers.capture.trace.CaptureSpec` (``row_stream``) receives each call's
+fused map as the recorder reduces it, whole or in chunks of query rows ``c`` (the kernels of
+:mod:`~captum_transformers.propagation.attention_core` recompute a long sequence's map a few
+rows at a time), folds it into the row and drops it. Memory: O(B N) per carried row, plus one
+chunk of rows, where the dense path keeps one (B, N, N) map per call.
+
+Where it applies is decided at the first reduction, from the recorder: one token sequence
+attending to itself (no windows, no other stream), every call reduced (``backward_blocks="all"``),
+one backward pass (not TransformerRelevance's pair). Elsewhere the stream declines and the
+recorder keeps the maps as before. A call whose map arrives out of order (a model whose
+backward pass does not visit its attention calls last to first) is kept whole until its turn,
+so the result never depends on the order.
+
+Example::
+
+    >>> stream = RowStream(start_layer=0)
+    >>> spec = CaptureSpec(backward_reduce=functional.gradient_weighted_heads, row_stream=stream)
+    >>> # ... adapter.trace(model, inputs, ..., spec) ...
+    >>> scores = stream.result() if stream.streamed else relevance_chain(row_layout(trace), values)
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from ..capture.windows import WindowedLayout
+from ..errors import CaptureError
+from .row_chains import DenseRows
+
+
+class RowStream:
+    """The explained rows ``r`` (B, N) of ``R = (I + Abar_L) ... (I + Abar_s)``, updated as the
+    calls' maps arrive (``s``: ``start_layer``, calls before it are dropped unread).
+
+    The recorder calls :meth:`accepts`, then :meth:`fold_rows` per chunk and :meth:`finish`
+    per call, or :meth:`fold` with a whole map; the method reads :meth:`result`."""
+
+    def __init__(self, start_layer: int = 0) -> None:
+        self.start_layer = start_layer
+        self.streamed: Optional[bool] = None   # None until the first reduction decides it
+        self.reason = ""                       # why the stream declined, for tests and messages
+        self._rows: Optional[DenseRows] = None
+        self._row: Optional[torch.Tensor] = None
+        self._update: Optional[torch.Tensor] = None
+        self._next: Optional[int] = None       # the call whose map is folded next
+        self._pending: Dict[int, torch.Tensor] = {}
+        self._chunks: Dict[int, torch.Tensor] = {}  # out-of-order calls being assembled from chunks
+
+    # -- the decision ------------------------------------------------------------------------
+    def accepts(self, recorder) -> bool:
+        """Whether this recorder's maps are streamed (decided once, at the first reduction)."""
+        if self.streamed is None:
+            self.reason = _why_not(recorder)
+            self.streamed = not self.reason
+            if self.streamed:
+                self._rows = DenseRows(recorder.streams.layouts[recorder.streams.explained[0]])
+                self._next = len(recorder.sites) - 1
+        return self.streamed
+
+    # -- folding -----------------------------------------------------------------------------
+    def fold_rows(self, call_index: int, rows: slice, value: torch.Tensor) -> None:
+        """Rows ``rows`` (B, c, K) of call ``call_index``'s fused map, its first K keys (the
+        others are 0: after the last key a causal chunk attends to)."""
+        if call_index < self.start_layer:
+            return
+        keys = value.shape[-1]
+        if call_index != self._next:
+            whole = self._chunks.get(call_index)
+            if whole is None:
+                tokens = self._rows.layout.num_tokens
+                whole = self._chunks[call_index] = value.new_zeros(value.shape[0], tokens, tokens)
+            whole[:, rows, :keys] = value
+            return
+        row = self._current(value)
+        if self._update is None:
+            self._update = torch.zeros_like(row)
+        self._update[:, None, :keys].baddbmm_(row[:, None, rows], value.to(row.dtype))
+
+    def finish(self, call_index: int) -> None:
+        """Call ``call_index``'s rows have all been folded (:meth:`fold_rows`)."""
+        if call_index < self.start_layer:
+            return
+        if call_index in self._chunks:
+            self._pending[call_index] = self._chunks.pop(call_index)
+        elif call_index == self._next:
+            if self._update is not None:
+                self._row = self._row + self._update
+            self._update = None
+            self._next -= 1
+        self._fold_pending()
+
+    def fold(self, call_index: int, value: torch.Tensor) -> None:
+        """Call ``call_index``'s whole fused map (B, N, N)."""
+        if call_index < self.start_layer:
+            return
+        if call_index != self._next:
+            self._pending[call_index] = value
+            return
+        row = self._current(value)
+        self._row = row + self._rows.carry(row, call_index, value)
+        self._next -= 1
+        self._fold_pending()
+
+    def _fold_pending(self) -> None:
+        while self._next in self._pending:
+            self.fold(self._next, self._pending.pop(self._next))
+
+    def _current(self, like: torch.Tensor) -> torch.Tensor:
+        if self._row is None:
+            self._row = self._rows.start(like)
+        return self._row
+
+    def result(self) -> torch.Tensor:
+        """The carried rows (B, N) once every call from ``start_layer`` on was folded."""
+        self._fold_pending()
+        if self._next is None or self._next >= self.start_layer or self._row is None:
+            missing = "no map" if self._next is None else f"the map of call {self._next}"
+            raise CaptureError(
+                f"The streamed relevance rows are incomplete: {missing} reached them (start_layer="
+                f"{self.start_layer}). This is a bug in the capture; explain with the dense path (method.trace).")
+        return self._row
+
+
+def _why_not(recorder) -> str:
+    """Why a recorder's maps cannot be streamed ('' when they can)."""
+    streams = getattr(recorder, "streams", None)
+    if streams is None:
+        return "the adapter gave the recorder no token layout before the backward pass"
+    if not streams.is_single or any(site.streams[0] != site.streams[1] for site in recorder.sites):
+        return "several token streams (the ICCV'21 rules between streams keep whole maps)"
+    if isinstance(streams.layouts[streams.explained[0]], WindowedLayout):
+        return "a windowed layout (Swin)"
+    if recorder.spec.backward_blocks != "all":
+        return "only the last call is reduced"
+    if recorder.keep_probs or recorder.first_spec is not None:
+        return "two backward passes reduce each map together"
+    return ""
