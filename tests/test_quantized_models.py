@@ -242,20 +242,25 @@ def test_a_bitsandbytes_without_torch_operators_is_taken_for_cuda_only(monkeypat
     assert quantized_linear._kernel_available(operator, torch.device("cuda"))
 
 
-def test_torchao_activation_quantization_is_refused_where_gradients_are_needed():
-    """torchao rounds the activations of Int8DynamicActivationInt8WeightConfig layers without a
-    gradient: gradient methods are refused by name, maps without gradients still run."""
+@pytest.mark.parametrize("config_name, field", [("Int8DynamicActivationInt8WeightConfig", "act_quant_kwargs"),
+                                                ("Int8DynamicActivationIntxWeightConfig", "activation_quantization")])
+def test_torchao_activation_quantization_is_refused_where_gradients_are_needed(config_name, field):
+    """torchao rounds the activations of these layers without a gradient (measured: an input's
+    grad stays None): gradient methods are refused by name, maps without gradients still run."""
     _require("torchao")
+    import torchao.quantization
     from captum_transformers import AttentionRollout
-    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
+    config = getattr(torchao.quantization, config_name, None)
+    if config is None:
+        pytest.skip(f"this torchao release has no {config_name}")
     _, _, base = _pair("torchao", "bfloat16")
     model = copy.deepcopy(base)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        quantize_(model, Int8DynamicActivationInt8WeightConfig())
+        torchao.quantization.quantize_(model, config())
     for method in (AttnLRP, GenericAttention, lambda m: build_method("saliency", m)):
-        with pytest.raises(CaptureError, match="quantizes its activations.*Int8WeightOnlyConfig"):
+        with pytest.raises(CaptureError, match=f"quantizes its activations.*{field}.*Int8WeightOnlyConfig"):
             method(model).attribute(IDS, target=TARGET)
     rollout = AttentionRollout(model).attribute(IDS)
     assert torch.isfinite(rollout).all() and rollout.abs().sum() > 0

@@ -14,9 +14,10 @@ A quantized layer computes ``y = x W_q^T + b`` with ``W_q = dequantize(packed we
   inference kernel at the first forward whose input does not require grad (``generate``, a
   prediction under ``no_grad``); that kernel has no backward, so every later gradient through
   the layer is silently zero (measured here: only the residual path's gradient arrived). The
-  weight is unpacked with bitsandbytes' own inverse (what its ``state_dict`` does) and repacking
-  is held off while explaining; a bitsandbytes build with no kernel for the weight's device is
-  refused by name.
+  weight is unpacked (the codes by bitsandbytes' own inverse, the block scales put back in row
+  order here, since that inverse leaves them transposed: :func:`_unpack_cpu_layout`) and
+  repacking is held off while explaining; a bitsandbytes build with no kernel for the weight's
+  device is refused by name.
 
 Example::
 
@@ -162,14 +163,26 @@ def _kernel_available(operator: str, device: torch.device) -> bool:
         return device.type == "cuda"
 
 
+# Where torchao weight tensors keep how they quantize the layer's input: act_quant_kwargs
+# (Int8DynamicActivationInt8WeightConfig), activation_quantization (IntxUnpackedToInt8Tensor of
+# Int8DynamicActivationIntxWeightConfig). None / absent: weight-only.
+_ACTIVATION_QUANTIZATION_FIELDS = ("act_quant_kwargs", "activation_quantization")
+
+
+def _activation_quantization_field(weight: torch.Tensor) -> Optional[str]:
+    return next((field for field in _ACTIVATION_QUANTIZATION_FIELDS if getattr(weight, field, None) is not None), None)
+
+
 def _refuse_quantized_activations(found: List[Tuple[str, nn.Module, str]]) -> None:
-    """Refuse torchao layers that quantize their inputs too (``Int8DynamicActivationInt8WeightConfig``):
-    rounding the activations has no gradient in torchao, so nothing below them would get one."""
+    """Refuse torchao layers that quantize their inputs too (``Int8DynamicActivationInt8WeightConfig``,
+    ``Int8DynamicActivationIntxWeightConfig``): rounding the activations has no gradient in torchao,
+    so nothing below them would get one."""
     for name, module, kind in found:
-        if kind == TORCHAO and getattr(module.weight, "act_quant_kwargs", None) is not None:
+        field = _activation_quantization_field(module.weight) if kind == TORCHAO else None
+        if field is not None:
             raise CaptureError(
                 f"{name or 'the model'} is a torchao layer that quantizes its activations "
-                f"({type(module.weight).__name__} with act_quant_kwargs): torchao passes no gradient through that "
+                f"({type(module.weight).__name__} with {field}): torchao passes no gradient through that "
                 "rounding, so no gradient or LRP map can be taken. Quantize the weights only "
                 "(torchao.quantization.Int8WeightOnlyConfig), or use a method without gradients (RawAttention, "
                 "AttentionRollout)."
