@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..capture import patching
-from ..capture import checkpointing, module_walk, offload
+from ..capture import checkpointing, module_walk
 from ..errors import CaptureError, InputError
 from ..propagation.operation_rules import operation_rules
 from ..propagation.fused_attention import fusable
@@ -216,7 +216,6 @@ class HuggingFaceAdapter(Adapter):
     @contextlib.contextmanager
     def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
         blocks = {id(b.module): b for b in self.blocks(model)}
-        offload.refuse_unloaded(model)  # a meta weight no accelerate hook loads: nothing real to explain
         with active_recorder(recorder, blocks), patching.hf_attention_implementation(model, ATTENTION_KEY), \
                 _gradient_checkpointing_off(model):
             yield

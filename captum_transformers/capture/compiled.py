@@ -23,7 +23,7 @@ from typing import Iterator, List
 from torch import nn
 
 from ..adapters.quantized_linear import differentiable_kernels
-from . import module_walk, patching
+from . import module_walk, offload, patching
 
 _WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
@@ -51,7 +51,13 @@ def uncompiled(model: nn.Module) -> Iterator[None]:
     The explanation is then that of the original module, whose outputs equal the compiled
     ones up to float rounding. bitsandbytes layers likewise run kernels with a backward pass
     (:func:`~captum_transformers.adapters.quantized_linear.differentiable_kernels`).
+
+    Every explanation enters here (the adapters' captured forward, Captum's baselines, the LLM
+    layer methods), so a weight left on ``meta`` with no accelerate hook to load it is refused
+    here for every adapter (:func:`~captum_transformers.capture.offload.refuse_unloaded`): a
+    forward on it computes placeholders, and a map from them would be silently wrong.
     """
+    offload.refuse_unloaded(model)
     parts = _compiled_parts(model)
     if parts and model not in _WARNED:
         _WARNED.add(model)

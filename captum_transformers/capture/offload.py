@@ -126,6 +126,12 @@ def input_device(model: nn.Module) -> torch.device:
     return materialised(first, model).device
 
 
+def input_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype floating inputs (pixels) take for ``model``: its first floating parameter's
+    (offloaded ones keep their dtype on ``meta``), float32 if it has none."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def execution_device(model: nn.Module) -> torch.device:
     """The execution device of the first accelerate hook of ``model`` (where its first offloaded
     module computes); :class:`CaptureError` if ``model`` has none."""
@@ -163,4 +169,4 @@ def requires_grad_restored(model: nn.Module) -> Iterator[None]:
 
 
 __all__ = ["offloading_hook", "is_dispatched", "onloaded", "refuse_unloaded", "materialised", "input_device",
-           "execution_device", "requires_grad_restored"]
+           "input_dtype", "execution_device", "requires_grad_restored"]

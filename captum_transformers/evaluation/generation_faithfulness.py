@@ -48,6 +48,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from ..capture import offload
 from ..errors import InputError
 from .accumulator import Accumulator, exact_sum
 from .batched_forward import check_max_batch_size, logits_per_step
@@ -97,7 +98,7 @@ class TokenScores(NamedTuple):
 
 
 def _causal_lm_forward(model: torch.nn.Module) -> Callable[[dict], torch.Tensor]:
-    device = next(model.parameters()).device
+    device = offload.input_device(model)  # offloaded weights sit on meta: their execution device
 
     def forward(batch: dict) -> torch.Tensor:
         return model(**{k: v.to(device) for k, v in batch.items()}).logits

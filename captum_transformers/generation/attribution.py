@@ -130,8 +130,7 @@ class GenerationAttribution(Attribution):
         placeholder_check(self.model, adapter, [p.ids for p in prompts], image_inputs)
         if image_inputs is not None:
             adapter.check_image_inputs(self.model, image_inputs)  # before generating a target with them
-            parameter = next(self.model.parameters())
-            image_inputs = moved(image_inputs, parameter.device, parameter.dtype)
+            image_inputs = moved(image_inputs, offload.input_device(self.model), offload.input_dtype(self.model))
         targets = self._targets(prompts, target, gen_args, batched, encoder_decoder, image_inputs)
         batch = self._batch(prompts, targets, encoder_decoder)
         images_read = []

@@ -58,6 +58,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ..capture import offload
 from ..errors import InputError
 from ..evaluation.results import ResultRecord, ScalarResult
 from ..methods.catalog import KNOWN_METHOD_NAMES, METHOD_NAMES, PACKAGE_METHOD_NAMES, build_method
@@ -163,7 +164,7 @@ def _captum_llm_rows(name: str, model, tokenizer, examples) -> List[torch.Tensor
         # Captum 0.9's default cached token-by-token forward scored the second answer word
         # differently from the uncached and teacher-forced ones on this model; one forward is exact.
         options = {"forward_in_tokens": False}
-    device = next(model.parameters()).device
+    device = offload.input_device(model)
     rows = []
     for example in examples:
         target = torch.tensor(example.answer_ids[:VALUE_LENGTH], device=device)
@@ -237,7 +238,7 @@ def prompt_relevance_gain(model, tokenizer, examples: Sequence[RecallExample],
     from ..evaluation.generation_faithfulness import generation_token_scores
     from ..evaluation.relevance_gain import GAIN_FRACTIONS, symmetric_relevance_gain
 
-    device = next(model.parameters()).device
+    device = offload.input_device(model)
 
     def forward(batch):
         with torch.no_grad():
