@@ -227,6 +227,29 @@ def test_model_restored_after_a_call_and_after_an_exception():
         assert torch.equal(net(ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long()).logits, logits)
 
 
+def test_generated_target_is_generated_with_the_processors_token_type_ids(monkeypatch):
+    """target=None: generate gets token_type_ids (1 at image tokens) as the processor gives
+    them, so the answer explained is the one the bidirectional model writes."""
+    net = model()
+    seen = []
+    original = net.generate
+
+    def spying(*args, **kwargs):
+        seen.append({k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(net, "generate", spying)
+    args = {"max_new_tokens": 3, "do_sample": False}
+    result = GenerationAttribution(AttnLRP(net), TOKENIZER).attribute(torch.tensor(PROMPT), gen_args=args,
+                                                                      pixel_values=gemma_pixels(1))
+    ids = seen[0]["input_ids"]
+    assert torch.equal(seen[0]["token_type_ids"], (ids == IMAGE).long())
+    assert seen[0]["token_type_ids"].sum().item() == GEMMA_TOKENS
+    with torch.no_grad():
+        out = original(input_ids=ids, pixel_values=gemma_pixels(1), token_type_ids=(ids == IMAGE).long(), **args)
+    assert result.output_ids == out[0, ids.shape[1]:].tolist()
+
+
 # -- refusals ---------------------------------------------------------------------------
 def test_wrong_images_placeholders_and_token_types_are_refused():
     net = model()

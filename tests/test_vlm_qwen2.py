@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from generation_models import IdTokenizer
+from generation_models import EOS, IdTokenizer
 from restore import assert_same, raising_after, snapshot
 from vlm_family_models import (IMAGE, MERGE, PATCH, TEMPORAL, build_qwen2_5_vl, build_qwen2_vl, qwen_pixels,
                                qwen_prompt)
@@ -369,6 +369,39 @@ def test_generation_inputs_give_generate_the_processors_keywords():
         theirs = model.generate(input_ids=ids, pixel_values=rows, image_grid_thw=thw,
                                 mm_token_type_ids=(ids == IMAGE).int(), **args)
     assert torch.equal(ours, theirs)
+
+
+def _greedy_answer(model: torch.nn.Module, ids: torch.Tensor, args: dict, **keywords) -> list:
+    """HF generate's answer with the processor's inputs (mm_token_type_ids), cut after the first end token."""
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, **keywords, mm_token_type_ids=(ids == IMAGE).int(), **args)
+    answer = out[0, ids.shape[1]:].tolist()
+    return answer[:answer.index(EOS) + 1] if EOS in answer else answer
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_generated_target_is_the_models_greedy_generate_with_its_processor_inputs(seed):
+    """target=None: the tokens HF generate writes given the processor's inputs (mm_token_type_ids,
+    from which M-RoPE places the image), cut after the first end token."""
+    model = build_qwen2_vl(seed=seed)
+    ids = torch.tensor([prompt_of("qwen2_vl")])
+    images = qwen_pixels([GRID["qwen2_vl"]], seed=seed)
+    args = {"max_new_tokens": 5, "do_sample": False}
+    result = GenerationAttribution(AttnLRP(model), TOKENIZER).attribute(ids[0], gen_args=args, **images)
+    assert result.output_ids == _greedy_answer(model, ids, args, **images)
+
+
+def test_generated_target_with_images_given_as_pictures():
+    """target=None with ``images=`` one (C, H, W) picture: generate reads the processor's patch
+    rows and grid of it (HF's generate cannot take the picture itself)."""
+    model = build_qwen2_vl(seed=1)
+    ids = torch.tensor([prompt_of("qwen2_vl")])
+    picture = torch.randn(3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    rows, thw = patchify(picture[None], PATCH, MERGE, TEMPORAL)
+    args = {"max_new_tokens": 5, "do_sample": False}
+    result = GenerationAttribution(AttnLRP(model), TOKENIZER).attribute(ids[0], gen_args=args, images=picture)
+    assert result.output_ids == _greedy_answer(model, ids, args, pixel_values=rows, image_grid_thw=thw)
+    assert result.image_attr.shape == (len(result.output_ids), 16, 16)
 
 
 # -- refusals ---------------------------------------------------------------------------

@@ -29,7 +29,9 @@ tower's patch tokens to the image's pixels.
   from the gradient of the pixel input(s) (LLaVA: (images, C, H, W) pixel values; Qwen2-VL:
   flattened patches);
 * optionally :meth:`check_image_inputs`: refuse image inputs the family does not map back
-  (LLaVA: ``image_sizes``), before a target is generated with them.
+  (LLaVA: ``image_sizes``), before a target is generated with them;
+* optionally :meth:`generation_inputs`: the keywords ``generate`` needs next to the ids when
+  no target is given (default: the image inputs as given).
 
 The rest (streams and layouts, placeholder positions, carrying scores onto the grid and the
 pixels) is shared here. Register the adapter for the family's model class.
@@ -131,6 +133,13 @@ class VisionLanguageAdapter(HuggingFaceAdapter):
 
     def check_image_inputs(self, model: nn.Module, image_inputs: Mapping[str, Any]) -> None:
         """Refuse image inputs the family cannot map back before anything runs (no-op by default)."""
+
+    def generation_inputs(self, model: nn.Module, input_ids: torch.Tensor,
+                          image_inputs: Mapping[str, Any]) -> Dict[str, Any]:
+        """The keywords ``model.generate(input_ids=..., attention_mask=..., **these)`` needs next to
+        the ids: the image inputs as given by default; a family adds the per-token keywords its
+        processor returns (Qwen2-VL's ``mm_token_type_ids``, Gemma 3's ``token_type_ids``)."""
+        return dict(image_inputs)
 
     # -- shared ---------------------------------------------------------------------
     def image_token_positions(self, model: nn.Module, input_ids: torch.Tensor) -> List[Tuple[int, int]]:

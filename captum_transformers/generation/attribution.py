@@ -151,7 +151,7 @@ class GenerationAttribution(Attribution):
                  encoder_decoder: bool, image_inputs: Optional[dict] = None) -> List[List[int]]:
         if target is None:
             return generated_targets(self.model, self.tokenizer, [p.ids for p in prompts], gen_args, encoder_decoder,
-                                     image_inputs)
+                                     image_inputs, vision_language_adapter(self.method))
         if gen_args is not None:
             raise InputError("gen_args is only used to generate a target; it was given together with a target.")
         if batched:

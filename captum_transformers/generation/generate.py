@@ -37,9 +37,12 @@ def _end_ids(model: nn.Module, tokenizer: Any, args: Dict[str, Any]) -> set:
 
 def generated_targets(model: nn.Module, tokenizer: Any, prompts: Sequence[Sequence[int]],
                       gen_args: Optional[Dict[str, Any]], encoder_decoder: bool,
-                      image_inputs: Optional[Dict[str, Any]] = None) -> List[List[int]]:
+                      image_inputs: Optional[Dict[str, Any]] = None, adapter: Any = None) -> List[List[int]]:
     """Per prompt, the generated ids (each cut after its first end token); ``image_inputs``
-    (a vision-language model's ``pixel_values``...) are passed to ``generate``."""
+    (a vision-language model's ``pixel_values``...) are passed to ``generate`` as the
+    ``adapter``'s ``generation_inputs`` lay them out (with the per-token keywords the processor
+    would return, e.g. Qwen2-VL's ``mm_token_type_ids``), so the answer is the one the model
+    writes for the processor's inputs."""
     if not callable(getattr(model, "generate", None)):
         raise InputError(f"{type(model).__name__} has no generate(); pass the target to explain (a string or ids).")
     args = dict(DEFAULT_GEN_ARGS if not gen_args else gen_args)
@@ -60,9 +63,12 @@ def generated_targets(model: nn.Module, tokenizer: Any, prompts: Sequence[Sequen
         mask = [[0] * (longest - len(p)) + [1] * len(p) for p in prompts]
     args.setdefault("output_scores", True)
     args.setdefault("return_dict_in_generate", True)
+    ids_t = torch.tensor(ids, device=device)
+    keywords = dict(image_inputs or {})
+    if keywords and adapter is not None:  # left padding is fine: pads are not image tokens
+        keywords = adapter.generation_inputs(model, ids_t, keywords)
     with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor(ids, device=device),
-                             attention_mask=torch.tensor(mask, device=device), **(image_inputs or {}), **args)
+        out = model.generate(input_ids=ids_t, attention_mask=torch.tensor(mask, device=device), **keywords, **args)
     _refuse_non_finite_scores(out, model)
     sequences = out.sequences if hasattr(out, "sequences") else out
     answers = sequences[:, 1:] if encoder_decoder else sequences[:, longest:]
