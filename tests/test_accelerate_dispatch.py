@@ -213,3 +213,31 @@ def test_generation_attribution_on_an_offloaded_vlm_gives_the_undispatched_image
     torch.testing.assert_close(result.image_attr, reference.image_attr, rtol=0, atol=1e-10)
     torch.testing.assert_close(result.token_attr, reference.token_attr, rtol=0, atol=1e-10)
     _assert_state(before, _state(dispatched))
+
+
+def _raising(*args, **kwargs):
+    raise RuntimeError("raised inside the layer's forward")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("how", ["cpu_offload", "cpu_and_disk"])
+@pytest.mark.parametrize("method", [RawAttention, AttnLRP], ids=lambda m: m.__name__)
+def test_an_error_inside_an_offloaded_layer_puts_its_weights_back(plain_models, method, how, tmp_path):
+    """accelerate runs post_forward only after a forward that returned: the offloaded layer whose
+    own forward raised would otherwise keep its weights loaded after the error."""
+    model, inputs, kwargs = plain_models["llama_gqa"]
+    dispatched = _dispatched(copy.deepcopy(model), how, tmp_path)
+    layer = dispatched.model.layers[1].mlp.up_proj
+    assert layer.weight.is_meta, "precondition: the layer is offloaded"
+    before = _state(dispatched)
+    original = layer._old_forward  # what accelerate's hooked forward calls between pre_ and post_forward
+    layer._old_forward = _raising
+    try:
+        with pytest.raises(RuntimeError, match="raised inside the layer's forward"):
+            _explain(method, dispatched, inputs, kwargs, 5)
+    finally:
+        layer._old_forward = original
+    assert layer.weight.is_meta
+    _assert_state(before, _state(dispatched))
+    torch.testing.assert_close(_explain(method, dispatched, inputs, kwargs, 5),
+                               _explain(method, model, inputs, kwargs, 5), rtol=0, atol=1e-10)

@@ -156,3 +156,33 @@ def test_checkpointing_kept_on_an_offloaded_model(recomputations):
             scores = method(offloaded).attribute(inputs, target=5, forward_kwargs=kwargs)
         torch.testing.assert_close(scores, reference, rtol=0, atol=1e-10)
     assert recomputations[0] > 0 and any(p.is_meta for p in offloaded.parameters())
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_an_error_in_the_recomputation_of_an_offloaded_layer_puts_its_weights_back():
+    """accelerate runs post_forward only after a forward that returned: a layer whose recomputation
+    raised (in the backward pass) would otherwise keep its weights loaded."""
+    import copy
+
+    accelerate = pytest.importorskip("accelerate")
+    from captum_transformers import AttnLRP
+
+    model = BUILDERS["llama_gqa"]().to(torch.float64).train()
+    inputs, kwargs = CASES["llama_gqa"].inputs(dtype=torch.float64)
+    model.gradient_checkpointing_enable()
+    offloaded = accelerate.cpu_offload(model, execution_device="cpu")
+    up_proj = offloaded.model.layers[1].mlp.up_proj
+    original = up_proj._old_forward  # what accelerate's hooked forward calls between pre_ and post_forward
+
+    def raising_when_recomputed(*args, **kwargs):
+        if checkpointing.recomputing():
+            raise RuntimeError("raised in the recomputation")
+        return original(*args, **kwargs)
+
+    up_proj._old_forward = raising_when_recomputed
+    try:
+        with keep_gradient_checkpointing(), pytest.raises(RuntimeError, match="raised in the recomputation"):
+            AttnLRP(offloaded).attribute(inputs, target=5, forward_kwargs=kwargs)
+    finally:
+        up_proj._old_forward = original
+    assert up_proj.weight.is_meta and all(p.is_meta for p in offloaded.model.layers.parameters())

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import patching
+from . import offload, patching
 from .contextual import _IMPLEMENTATIONS
 from .recorder import Recorder
 
@@ -97,6 +97,7 @@ def _as_in_forward(variables: List[Tuple[contextvars.ContextVar, Any]], modes: L
     missing = [mode for mode in modes if not any(mode is c for c in current)]
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(offload.offloaded_on_error(model))  # an error mid-recomputation
             for module, forward in forwards:
                 if vars(module).get("forward") is not forward:
                     stack.enter_context(patching.attributes(module, forward=forward))

@@ -67,6 +67,7 @@ def uncompiled(model: nn.Module) -> Iterator[None]:
             "explained as the original (uncompiled) modules, run eagerly while explaining: compiled code cannot be "
             "observed. Outputs equal the compiled ones up to float rounding.", UserWarning, stacklevel=4)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(offload.offloaded_on_error(model))  # accelerate leaves them loaded on an error
         stack.enter_context(differentiable_kernels(model))
         for module in parts:
             if _is_optimized(module):

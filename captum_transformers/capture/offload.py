@@ -83,6 +83,31 @@ def onloaded(module: nn.Module, name: str = "") -> Iterator[None]:
         hook.post_forward(module, None)
 
 
+def _holds_meta(module: nn.Module, hook: Any) -> bool:
+    return any(t.is_meta for t in module.parameters(recurse=hook.place_submodules))
+
+
+@contextlib.contextmanager
+def offloaded_on_error(model: nn.Module) -> Iterator[None]:
+    """On an exception inside, every offloaded module of ``model`` that was on ``meta`` on entry
+    and holds loaded weights now is put back through its own hook's ``post_forward``.
+
+    Why: accelerate's hooked forward runs ``pre_forward``, the forward, then ``post_forward``
+    with no ``finally``: an exception raised inside the module's forward (a refusal of the
+    package, an interrupt) would leave its weights loaded, so an offloaded model would keep
+    growing in memory after each failed explanation.
+    """
+    offloaded = [(module, hook) for module in module_walk.modules(model)
+                 for hook in (offloading_hook(module),) if hook is not None and _holds_meta(module, hook)]
+    try:
+        yield
+    except BaseException:
+        for module, hook in offloaded:
+            if not _holds_meta(module, hook):
+                hook.post_forward(module, None)
+        raise
+
+
 def refuse_unloaded(model: nn.Module) -> None:
     """:class:`CaptureError` naming the first module of ``model`` with a weight on ``meta`` that no
     accelerate offload hook (its own, or an ancestor's that places its submodules) loads for its
@@ -168,5 +193,5 @@ def requires_grad_restored(model: nn.Module) -> Iterator[None]:
                     parameter.requires_grad_(flag)
 
 
-__all__ = ["offloading_hook", "is_dispatched", "onloaded", "refuse_unloaded", "materialised", "input_device",
-           "input_dtype", "execution_device", "requires_grad_restored"]
+__all__ = ["offloading_hook", "is_dispatched", "onloaded", "offloaded_on_error", "refuse_unloaded", "materialised",
+           "input_device", "input_dtype", "execution_device", "requires_grad_restored"]
