@@ -3,9 +3,12 @@
 
 Every method gives the undispatched model's map (float64, 1e-10), accelerate's hooks compose
 with the package's patches and are intact afterwards (same hook objects, same forwards,
-weights back on meta where they were, the offloaded values and flags unchanged), and a weight
-on meta that no hook loads is refused with the module's name. Only CPU and disk exist on the
-test machine: maps of a model spread over several accelerators are not tested here.
+weights back on meta where they were, the offloaded values and flags unchanged), also after an
+error inside an offloaded layer's own forward; a weight on meta that no hook loads is refused
+with the module's name for every adapter (HuggingFace, timm, torch MHA) and Captum's baselines;
+an offloaded LLaVA's images go to the execution device (its image maps are the plain model's).
+Only CPU and disk exist on the test machine: maps of a model spread over several accelerators
+are not tested here.
 """
 from __future__ import annotations
 

@@ -14,7 +14,11 @@ never computed on ``meta``.
 Each onload replaces a parameter by a new object (accelerate's ``set_module_tensor_to_device``),
 so a flag set on the parameter seen before a forward does not reach the one seen after:
 :func:`requires_grad_restored` puts each offloaded slot's ``requires_grad`` back by
-(module, name).
+(module, name). accelerate's hooked forward has no ``finally``: after an exception inside an
+offloaded module's forward, :func:`offloaded_on_error` puts its weights back on ``meta``
+through the module's own ``post_forward``. A weight on ``meta`` that no hook loads is refused
+for every adapter and method (:func:`refuse_unloaded`, entered with
+:func:`~captum_transformers.capture.compiled.uncompiled`).
 
 Example::
 
