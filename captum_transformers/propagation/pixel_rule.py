@@ -24,7 +24,11 @@ def _numeric_padding(padding, weight: torch.Tensor, dilation):
         total = [d * (k - 1) for d, k in zip(dilation, weight.shape[-2:])]
         if any(t % 2 for t in total):
             raise CaptureError(f"The pixel convolution pads 'same' unevenly (kernel {tuple(weight.shape[-2:])}, "
-                               f"dilation {dilation}), which the z^B rule's backward convolution cannot express.")
+                               f"dilation {dilation}: dilation * (kernel - 1) is odd), which the z^B rule's backward "
+                               "convolution cannot express (it pads both sides equally). Use the gradient rule at "
+                               "the pixels instead: dataclasses.replace(rules, pixel_conv='gradient') (e.g. "
+                               "RuleSet.LRP -> pixel_conv='gradient'), or give the model an odd kernel or an "
+                               "explicit F.pad followed by padding=0.")
         return tuple(t // 2 for t in total)
     return padding
 
