@@ -180,3 +180,60 @@ def test_no_per_head_map_is_saved_for_the_backward_pass(impl):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             model(inputs, **kwargs)
         assert [s for s in saved if len(s) == 4 and s[1] > 1 and s[-2:] == (tokens, tokens)]
+
+
+def _returned_attentions(model):
+    """A hook on the whole model (not an attention module): the attentions its output carries."""
+    seen = []
+    handle = model.register_forward_hook(lambda module, args, output: seen.append(output.attentions))
+    return seen, handle
+
+
+@pytest.mark.parametrize("request_by", ["forward_kwargs", "config"])
+def test_requested_attention_weights_decline_the_stream(request_by):
+    """output_attentions=True: the kernels return the real weights (the model's own, not a zero
+    stand-in), the stream declines with its reason, and the map is the dense path's."""
+    model, inputs, kwargs = _hf("llama_gqa", "eager")
+    if request_by == "config":
+        model.config.output_attentions = True
+    else:
+        kwargs = {**kwargs, "output_attentions": True}
+    with torch.no_grad():
+        expected = model(inputs, **kwargs).attentions
+    assert expected is not None and len(expected) == model.config.num_hidden_layers
+    seen, handle = _returned_attentions(model)
+    method = ct.GenericAttention(model)
+    try:
+        scores = method.attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
+    finally:
+        handle.remove()
+    stream = method._row_stream
+    assert stream.streamed is False and "output_attentions" in stream.reason, stream.reason
+    assert len(seen) == 1 and len(seen[0]) == len(expected)
+    for returned, own in zip(seen[0], expected):
+        assert returned.abs().max() > 0.1  # not the zero stand-in
+        # HF's eager softmax runs in float32, the package's in the model's float64
+        torch.testing.assert_close(returned.detach(), own, rtol=0, atol=1e-6)
+    trace = method.trace(inputs, target=1, forward_kwargs=kwargs)
+    torch.testing.assert_close(scores, trace.layout.returned(method.stream_scores(trace)["tokens"]), rtol=0,
+                               atol=1e-12)
+
+
+def test_a_hook_on_an_attention_module_declines_the_stream():
+    """A user's forward hook on an attention module may read its weights: they are the real map."""
+    model, inputs, kwargs = _hf("llama_gqa", "eager")
+    seen = []
+    attention = model.model.layers[0].self_attn
+    handle = attention.register_forward_hook(lambda module, args, output: seen.append(output[1]))
+    method = ct.GenericAttention(model)
+    try:
+        method.attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
+    finally:
+        handle.remove()
+    assert method._row_stream.streamed is False and "forward hook" in method._row_stream.reason
+    with torch.no_grad():
+        own = model(inputs, **kwargs, output_attentions=True).attentions[0]
+    torch.testing.assert_close(seen[0].detach(), own, rtol=0, atol=1e-6)
+    streamed = ct.GenericAttention(model)  # the hook removed: the stream runs again
+    streamed.attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
+    assert streamed._row_stream.streamed, streamed._row_stream.reason

@@ -191,7 +191,7 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         observer = SiteObserver() if active is not None else None
         output, probs = softmax_attention(scores, query, key_states, value_states, *extras,
                                           softmax_dtype=softmax_dtype, observer=observer,
-                                          keep_map=not _streamed(active))
+                                          keep_map=not _streamed(active, module, kwargs))
     else:  # a constant gate or training-mode dropout between the map and the product
         if rules is not None and rules.softmax == "identity":
             # The identity rule needs the scores: recompute them in the backward pass.
@@ -219,13 +219,40 @@ def _keys_needed(*extras: torch.Tensor) -> int:
     return int(open_keys.any(dim=0).nonzero().max()) + 1
 
 
-def _streamed(active) -> bool:
-    """Whether the active recorder only reports maps to a row stream (``spec.row_stream``, no
-    forward reduction): the kernel then returns a stand-in for its map (see softmax_attention)."""
+def _streamed(active, module: nn.Module, kwargs: Dict[str, Any]) -> bool:
+    """Whether the kernel returns a stand-in for its map (see softmax_attention): the recorder only
+    reports maps to a row stream (no forward reduction) and nothing may read the weights; where
+    something may, the stream is declined (dense path, ``row_stream.reason``) and the map returned."""
     if active is None:
         return False
     spec = active[0].spec
-    return spec.row_stream is not None and spec.forward_reduce is None
+    if spec.row_stream is None or spec.forward_reduce is not None or spec.row_stream.streamed is False:
+        return False
+    reader = _weights_reader(module, kwargs)
+    if reader:
+        spec.row_stream.decline(reader)
+    return not reader
+
+
+def _weights_reader(module: nn.Module, kwargs: Dict[str, Any]) -> str:
+    """What may read the weights ``module`` returns ('' if nothing): transformers' output recording
+    (``output_attentions=True`` in the call or config), the keyword itself, or a user's forward hook."""
+    try:  # before transformers 5, output_attentions reaches the modules as the keyword
+        from transformers.utils.output_capturing import _active_collector
+        collected = _active_collector.get() or {}
+    except ImportError:
+        collected = {}
+    recorded = sorted(key for key in collected if "attention" in key)
+    if recorded:
+        return f"transformers records the attention weights ({', '.join(recorded)}: output_attentions=True)"
+    if kwargs.get("output_attentions"):
+        return "the attention weights are requested (output_attentions=True)"
+    hooks = [*module._forward_hooks.values(), *nn.modules.module._global_forward_hooks.values()]
+    # The package's hooks and transformers' recording hook (its collector checked above) read none.
+    foreign = [hook for hook in hooks if not getattr(getattr(hook, "func", hook), "__module__", "").startswith(
+        "captum_transformers") and getattr(hook, "__name__", "") != "output_capturing_hook"]
+    return f"a forward hook on {type(module).__name__} may read its attention weights ({foreign[0]!r})" \
+        if foreign else ""
 
 
 def _record(active, module: nn.Module, probs: torch.Tensor, attention_mask: Optional[torch.Tensor],

@@ -66,6 +66,12 @@ class RowStream:
                 self._next = len(recorder.sites) - 1
         return self.streamed
 
+    def decline(self, reason: str) -> None:
+        """Keep the maps (the dense path) for ``reason``: a kernel whose weights something may read
+        returns its whole map, so the stream is declined before the first reduction decides."""
+        if self.streamed is None:
+            self.streamed, self.reason = False, reason
+
     # -- folding -----------------------------------------------------------------------------
     def fold_rows(self, call_index: int, rows: slice, value: torch.Tensor) -> None:
         """Rows ``rows`` (B, c, K) of call ``call_index``'s fused map, its first K keys (the
