@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from captum_transformers import ATTENTION_METHODS, get_adapter, registered_adapters
+from captum_transformers import ATTENTION_METHODS, InputError, get_adapter, registered_adapters
+from captum_transformers.adapters.vision_language import VisionLanguageAdapter
 from tiny_models import EncoderClassifier
 from restore import assert_same, raising_after, snapshot
 
@@ -146,10 +147,15 @@ def test_adapter_contract(name, method):
     targets = TARGETS.get(name, [0, 1, 2])
     maps = explainer.attribute(inputs, target=targets, forward_kwargs=kwargs)
     assert maps.shape == inputs.shape and torch.isfinite(maps).all()
-    tokens = explainer.attribute(inputs, target=targets, forward_kwargs=kwargs, return_tokens=True)
+    # A vision-language model's tower tokens are not scored by a direct call: return_tokens is refused.
+    return_tokens = not isinstance(get_adapter(model), VisionLanguageAdapter)
+    if not return_tokens:
+        with pytest.raises(InputError, match="GenerationAttribution"):
+            explainer.attribute(inputs, target=targets, forward_kwargs=kwargs, return_tokens=True)
+    tokens = explainer.attribute(inputs, target=targets, forward_kwargs=kwargs, return_tokens=return_tokens)
     per_stream = (lambda scores: scores if isinstance(scores, tuple) else (scores,))
     for i in range(inputs.shape[0]):
-        single = explainer.attribute(inputs[i:i + 1], target=targets[i], return_tokens=True,
+        single = explainer.attribute(inputs[i:i + 1], target=targets[i], return_tokens=return_tokens,
                                      forward_kwargs={k: v[i:i + 1] for k, v in kwargs.items()})
         assert len(per_stream(tokens)) == len(per_stream(single))
         for together, alone in zip(per_stream(tokens), per_stream(single)):

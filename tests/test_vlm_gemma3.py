@@ -142,11 +142,8 @@ def test_rows_equal_single_calls_on_each_prefix(name):
     # The text maps against the method's own call on each prefix (its columns past the image tokens).
     text = torch.tensor([i for i, token in enumerate(PROMPT) if token != IMAGE])
     for t, token in enumerate(TARGET):
-        direct = method.attribute(torch.tensor([PROMPT + TARGET[:t]]), target=token, return_tokens=True,
-                                  forward_kwargs={"pixel_values": pixels})
-        if isinstance(direct, tuple):  # one entry per stream: the decoder's covers the prefix
-            direct = next(scores for scores in direct if scores.shape[-1] == len(PROMPT) + t)
-        direct = direct[0]
+        direct = method.attribute(torch.tensor([PROMPT + TARGET[:t]]), target=token,
+                                  forward_kwargs={"pixel_values": pixels})[0]  # the decoder's scores over the ids
         assert (result.token_attr[t] - direct[text]).abs().max().item() < TOL
         assert (result.target_attr[t, :t] - direct[len(PROMPT):]).abs().max().item() < TOL if t else True
 
@@ -260,6 +257,8 @@ def test_wrong_images_placeholders_and_token_types_are_refused():
     with pytest.raises(InputError, match="image tokens"):
         explainer.attribute(torch.tensor(PROMPT + [IMAGE]), target=[9], pixel_values=gemma_pixels(1))
     ids = torch.tensor([PROMPT])
+    with pytest.raises(InputError, match="GenerationAttribution"):  # the tower's tokens: not a zero map
+        AttnLRP(net).attribute(ids, target=9, forward_kwargs={"pixel_values": gemma_pixels(1)}, return_tokens=True)
     wrong = torch.zeros_like(ids)
     with pytest.raises(InputError, match="token_type_ids"):
         AttnLRP(net).attribute(ids, target=9, forward_kwargs={"pixel_values": gemma_pixels(1),

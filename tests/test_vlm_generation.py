@@ -89,8 +89,7 @@ def test_rows_equal_explanations_of_each_prefix(name):
         return
     for t, token in enumerate(TARGET):
         ids = torch.tensor([PROMPT + TARGET[:t]])
-        single = method.attribute(ids, target=token, forward_kwargs={"pixel_values": px}, return_tokens=True)
-        decoder = next(s for s in (single if isinstance(single, tuple) else (single,)) if s.shape[1] == ids.shape[1])
+        decoder = method.attribute(ids, target=token, forward_kwargs={"pixel_values": px})  # scores over the ids
         assert (decoder[0, text] - result.token_attr[t]).abs().max() < TOL
 
 
@@ -211,6 +210,34 @@ def test_refusals():
     several = GenerationAttribution(GenericAttention(build_llava(feature_layer=[-2, -1])), TOKENIZER)
     with pytest.raises(InputError, match="several hidden states"):
         several.attribute(PROMPT, target=TARGET, images=px)
+
+
+@pytest.mark.parametrize("name", ["AttnLRP", "GenericAttention", "RawAttention"])
+def test_direct_return_tokens_refuses_the_unscored_tower_stream(name):
+    """A direct call scores the decoder's tokens only: return_tokens=True (which would return the
+    vision tower's tokens as an all-zero map) is refused, pointing to GenerationAttribution."""
+    llava, px = model(), pixels(1)
+    method = METHODS[name](llava)
+    ids = torch.tensor([PROMPT])
+    with pytest.raises(InputError, match=r"GenerationAttribution\(method, tokenizer\).*images=pixel_values"):
+        method.attribute(ids, target=TARGET[0], forward_kwargs={"pixel_values": px}, return_tokens=True)
+    decoder = method.attribute(ids, target=TARGET[0], forward_kwargs={"pixel_values": px})
+    assert decoder.shape == ids.shape and decoder.abs().sum() > 0
+
+
+def test_an_image_token_in_the_answer_is_refused_naming_its_step():
+    """A generated (or given) output token equal to the image placeholder id: refused, naming the
+    output step, instead of a count mismatch between image tokens and images."""
+    llava, px = model(), pixels(1)
+    explainer = GenerationAttribution(AttnLRP(llava), TOKENIZER)
+    forced = {"max_new_tokens": 3, "do_sample": False, "sequence_bias": [[[IMAGE], 1e4]]}
+    with pytest.raises(InputError, match=r"the model generated the image placeholder token .* output step\(s\) "
+                                         r"\[0, 1, 2\] of 3"):
+        explainer.attribute(PROMPT, gen_args=forced, images=px)
+    allowed = explainer.attribute(PROMPT, gen_args={**forced, "bad_words_ids": [[IMAGE]]}, images=px)  # as advised
+    assert IMAGE not in allowed.output_ids and len(allowed.output_ids) > 0
+    with pytest.raises(InputError, match=r"the target holds the image placeholder token .* step\(s\) \[1\] of 2"):
+        explainer.attribute(PROMPT, target=[TARGET[0], IMAGE], images=px)
 
 
 def test_processor_output_is_a_prompt_with_its_images():

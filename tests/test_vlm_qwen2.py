@@ -405,6 +405,18 @@ def test_generated_target_with_images_given_as_pictures():
 
 
 # -- refusals ---------------------------------------------------------------------------
+def test_direct_return_tokens_refuses_the_unscored_tower_stream():
+    """A direct call with one (1, C, H, W) picture scores the decoder's tokens; return_tokens=True
+    (the vision tower's tokens, unscored by it: an all-zero map) is refused."""
+    model = model_of("qwen2_vl")
+    ids = torch.tensor([prompt_of("qwen2_vl")])
+    picture = torch.randn(1, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    with pytest.raises(InputError, match="GenerationAttribution"):
+        AttnLRP(model).attribute(ids, target=9, forward_kwargs={"pixel_values": picture}, return_tokens=True)
+    decoder = AttnLRP(model).attribute(ids, target=9, forward_kwargs={"pixel_values": picture})
+    assert decoder.shape == ids.shape and decoder.abs().sum() > 0
+
+
 def test_videos_and_mismatched_placeholders_are_refused():
     model = model_of("qwen2_vl")
     explainer = GenerationAttribution(AttnLRP(model), TOKENIZER)

@@ -90,6 +90,24 @@ class ImageTokens:
         return self.vision_span[1] - self.vision_span[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class TowerLayout(TokenLayout):
+    """The vision tower's stream: its tokens get no scores of their own from a direct call (no
+    attention call joins them to the explained decoder row; relevance reaches them only through
+    the image tokens' map ``E``, which :class:`GenerationAttribution` applies), so returning
+    them (``return_tokens=True``) is refused rather than given as zeros."""
+
+    model_name: str = ""
+
+    def returned(self, scores: torch.Tensor) -> torch.Tensor:
+        raise InputError(
+            f"return_tokens=True on {self.model_name or 'a vision-language model'} would return the vision tower's "
+            "tokens, which a direct call does not score (the image reaches the decoder through its image tokens). "
+            "For maps over the image, use GenerationAttribution(method, tokenizer).attribute(input_ids, target=..., "
+            "images=pixel_values) (its image_attr); for the decoder's token scores (B, N) over input_ids, image "
+            "tokens included, call without return_tokens.")
+
+
 class VisionLanguageAdapter(HuggingFaceAdapter):
     """A vision tower feeding a causal decoder's image tokens (see the module docstring).
 
@@ -142,6 +160,22 @@ class VisionLanguageAdapter(HuggingFaceAdapter):
         return dict(image_inputs)
 
     # -- shared ---------------------------------------------------------------------
+    def relevance(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
+                  target: Any, rules: Any, at: str = "tokens", forward_kwargs: Any = None) -> Any:
+        """The base's relevance; the tower's stream, read at its first layer but unscored there
+        (zeros), gets a :class:`TowerLayout` so ``return_tokens=True`` refuses it (a tower whose
+        calls were not recorded, as Qwen2-VL's per-image calls, has no layout of its own)."""
+        result = super().relevance(model, inputs, additional_forward_args, target, rules, at, forward_kwargs)
+        streams = result.streams
+        if result.stream_tokens and IMAGE_STREAM in result.stream_tokens and streams is not None \
+                and not isinstance(streams.layouts.get(IMAGE_STREAM), TowerLayout):
+            tokens = result.stream_tokens[IMAGE_STREAM]
+            tower = TowerLayout(tokens.shape[-1], torch.zeros(tokens.shape[0], 1, dtype=torch.long,
+                                                              device=tokens.device), model_name=type(model).__name__)
+            streams = StreamLayouts({**streams.layouts, IMAGE_STREAM: tower}, streams.explained, streams.inputs)
+            result = dataclasses.replace(result, streams=streams)
+        return result
+
     def image_token_positions(self, model: nn.Module, input_ids: torch.Tensor) -> List[Tuple[int, int]]:
         """Every (example, position) of a placeholder token, row-major: the order in which the
         model writes the projected features over them (``masked_scatter``)."""
@@ -155,7 +189,8 @@ class VisionLanguageAdapter(HuggingFaceAdapter):
                                 recorder: Recorder) -> StreamLayouts:
         """``"tokens"``: the decoder, read at its last real token (causal); ``"image"``: the
         tower's rows (one per image, or one flat row), never read directly (its scores come
-        through the image tokens). Input 0 (ids) maps onto the decoder; the others onto nothing."""
+        through the image tokens; ``return_tokens=True`` is refused, see :class:`TowerLayout`).
+        Input 0 (ids) maps onto the decoder; the others onto nothing."""
         decoder_sites = [s for s in recorder.sites if s.streams[0] == TEXT_STREAM]
         vision_sites = [s for s in recorder.sites if s.streams[0] == IMAGE_STREAM]
         if not decoder_sites or not all(s.causal for s in decoder_sites):
@@ -166,8 +201,9 @@ class VisionLanguageAdapter(HuggingFaceAdapter):
         mask = recorder.stream_mask(TEXT_STREAM)
         text = TokenLayout(num_text, chosen_rows("last", num_text, mask, batch, device), mask)
         vision_rows = vision_sites[0].batch_size
-        image = TokenLayout(recorder.stream_length(IMAGE_STREAM),
-                            torch.zeros(vision_rows, 1, dtype=torch.long, device=device))
+        image = TowerLayout(recorder.stream_length(IMAGE_STREAM),
+                            torch.zeros(vision_rows, 1, dtype=torch.long, device=device),
+                            model_name=type(model).__name__)
         spans = (InputSpan(TEXT_STREAM),) + (None,) * (len(inputs) - 1)
         return StreamLayouts({TEXT_STREAM: text, IMAGE_STREAM: image}, (TEXT_STREAM,), spans)
 

@@ -48,7 +48,7 @@ from ..methods.lrp import RuleGradientXInput
 from .assembly import assemble_results, encoder_decoder_model
 from .batch import GenerationBatch, decoder_batch, encoder_decoder_batch, padding_id
 from .engine import relevance_steps, trace_steps
-from .generate import generated_targets
+from .generate import generated_targets, refuse_image_token_targets
 from .image_inputs import (gathered_image_inputs, moved, placeholder_check, processor_images,
                            vision_language_adapter)
 from .prefix_calls import prefix_scores
@@ -132,6 +132,8 @@ class GenerationAttribution(Attribution):
             adapter.check_image_inputs(self.model, image_inputs)  # before generating a target with them
             image_inputs = moved(image_inputs, offload.input_device(self.model), offload.input_dtype(self.model))
         targets = self._targets(prompts, target, gen_args, batched, encoder_decoder, image_inputs)
+        if image_inputs is not None:
+            refuse_image_token_targets(targets, adapter.image_token_id(self.model), generated=target is None)
         batch = self._batch(prompts, targets, encoder_decoder)
         images_read = []
         if image_inputs is not None:

@@ -83,14 +83,30 @@ def generated_targets(model: nn.Module, tokenizer: Any, prompts: Sequence[Sequen
     return targets
 
 
+def refuse_image_token_targets(targets: Sequence[Sequence[int]], image_token: int, generated: bool) -> None:
+    """An output token equal to the image placeholder id would be read as one more image token
+    of the sequence explained (prompt + answer), which then no longer matches the images:
+    refused, naming the prompt and output step."""
+    for prompt, target in enumerate(targets):
+        steps = [t for t, token in enumerate(target) if int(token) == image_token]
+        if steps:
+            source = "the model generated" if generated else "the target holds"
+            advice = f" or generate with gen_args bad_words_ids=[[{image_token}]]" if generated else ""
+            raise InputError(
+                f"Prompt {prompt}: {source} the image placeholder token (id {image_token}) at output step(s) "
+                f"{steps[:5]} of {len(target)}; it would be read as an image token of the explained sequence. "
+                f"Pass a target without it{advice}.")
+
+
 def _refuse_non_finite_scores(out: Any, model: nn.Module) -> None:
-    """A generation whose next-token scores held NaN picked its tokens from garbage (e.g. a float64
-    model whose eager attention softmax, computed in float32, turns a left-padded row into NaN):
-    refused rather than explained."""
+    """A generation whose next-token scores held NaN (or +inf) picked its tokens from garbage (e.g.
+    a float64 model whose eager attention softmax, computed in float32, turns a left-padded row
+    into NaN): refused rather than explained. -inf is a token a logits processor ruled out
+    (``bad_words_ids``, ``suppress_tokens``, top-k), not garbage."""
     scores = getattr(out, "scores", None)
     if not scores:
         return
-    bad = [step for step, s in enumerate(scores) if not bool(torch.isfinite(s).all())]
+    bad = [step for step, s in enumerate(scores) if bool(torch.isnan(s).any() or torch.isposinf(s).any())]
     if bad:
         raise InputError(
             f"model.generate() produced non-finite next-token scores at step(s) {bad[:5]} of {len(scores)}, so the "
