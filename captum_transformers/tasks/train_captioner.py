@@ -181,7 +181,9 @@ def save(result: Dict[str, Any], out: Path, command: str, steps: int, seed: int)
         "test_canvases": result["test"]["canvases"], "test_canvas_seed": TEST_SEED, "test_split": "test",
         "test_scoring": "greedy generate on two-digit canvases; digit = each of the two digits at its place in "
                         "reading order (left to right, top to bottom when stacked), exact caption = both digits "
-                        "then eos",
+                        "then eos; the train / val / test splits are disjoint samples of sklearn load_digits "
+                        "(60 / 20 / 20 %, seed 0), not disjoint writers (load_digits carries no writer ids, so a "
+                        "test digit's writer may also have written training digits)",
         "val_teacher_forced_digit_accuracy": round(result["val"], 4), "val_canvases": VAL_N, "val_seed": VAL_SEED,
         "target_val_accuracy": TARGET_VAL_ACCURACY, "best_step": result["best_step"],
         "steps_run": result["steps_run"], "steps": steps, "batch_size": BATCH_SIZE,
