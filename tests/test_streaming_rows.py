@@ -237,3 +237,24 @@ def test_a_hook_on_an_attention_module_declines_the_stream():
     streamed = ct.GenericAttention(model)  # the hook removed: the stream runs again
     streamed.attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
     assert streamed._row_stream.streamed, streamed._row_stream.reason
+
+
+def test_a_model_that_reads_streamed_weights_fails_loudly():
+    """Weights read with no hook or output_attentions to announce it (a module using them): the
+    stand-in refuses every operation but its shape, so nothing reads zeros for a map."""
+    model, inputs, kwargs = _hf("llama_gqa", "eager")
+    attention = model.model.layers[0].self_attn
+    own_forward, shapes = attention.forward, []
+
+    def reading(*args, read=True, **kw):
+        output, weights = own_forward(*args, **kw)
+        shapes.append(tuple(weights.shape))
+        return output + 0 * weights.sum() if read else output, weights
+
+    attention.forward = reading
+    with pytest.raises(ct.CaptureError, match="output_attentions=True"):
+        ct.GenericAttention(model).attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
+    attention.forward = lambda *args, **kw: reading(*args, read=False, **kw)
+    method = ct.GenericAttention(model)
+    method.attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
+    assert method._row_stream.streamed and shapes[-1] == (2, 4, 7, 7)

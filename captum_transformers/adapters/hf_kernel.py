@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import CaptureError
+from ..methods.streaming_rows import UnreadWeights
 from ..propagation.attention_core import softmax_attention
 from ..propagation.backward_switch import _SWITCH
 from ..propagation.fused_attention import fused_operands, scaled_gradient
@@ -203,6 +204,8 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         output = torch.matmul(dropped, value_states)
     if active is not None:
         _record(active, module, probs, attention_mask, observer)
+        if observer is not None and not any(probs.stride()):  # the streamed kernel's stand-in: no map
+            probs = UnreadWeights.of(probs)
     return output.transpose(1, 2).contiguous(), probs
 
 
@@ -223,10 +226,8 @@ def _streamed(active, module: nn.Module, kwargs: Dict[str, Any]) -> bool:
     """Whether the kernel returns a stand-in for its map (see softmax_attention): the recorder only
     reports maps to a row stream (no forward reduction) and nothing may read the weights; where
     something may, the stream is declined (dense path, ``row_stream.reason``) and the map returned."""
-    if active is None:
-        return False
-    spec = active[0].spec
-    if spec.row_stream is None or spec.forward_reduce is not None or spec.row_stream.streamed is False:
+    spec = None if active is None else active[0].spec
+    if spec is None or spec.row_stream is None or spec.forward_reduce is not None or spec.row_stream.streamed is False:
         return False
     reader = _weights_reader(module, kwargs)
     if reader:
@@ -239,9 +240,9 @@ def _weights_reader(module: nn.Module, kwargs: Dict[str, Any]) -> str:
     (``output_attentions=True`` in the call or config), the keyword itself, or a user's forward hook."""
     try:  # before transformers 5, output_attentions reaches the modules as the keyword
         from transformers.utils.output_capturing import _active_collector
-        collected = _active_collector.get() or {}
     except ImportError:
-        collected = {}
+        _active_collector = None
+    collected = (_active_collector and _active_collector.get()) or {}
     recorded = sorted(key for key in collected if "attention" in key)
     if recorded:
         return f"transformers records the attention weights ({', '.join(recorded)}: output_attentions=True)"
@@ -251,8 +252,7 @@ def _weights_reader(module: nn.Module, kwargs: Dict[str, Any]) -> str:
     # The package's hooks and transformers' recording hook (its collector checked above) read none.
     foreign = [hook for hook in hooks if not getattr(getattr(hook, "func", hook), "__module__", "").startswith(
         "captum_transformers") and getattr(hook, "__name__", "") != "output_capturing_hook"]
-    return f"a forward hook on {type(module).__name__} may read its attention weights ({foreign[0]!r})" \
-        if foreign else ""
+    return f"a forward hook on {type(module).__name__} may read its attention weights ({foreign})" if foreign else ""
 
 
 def _record(active, module: nn.Module, probs: torch.Tensor, attention_mask: Optional[torch.Tensor],

@@ -150,3 +150,36 @@ def _why_not(recorder) -> str:
     if recorder.keep_probs or recorder.first_spec is not None:
         return "two backward passes reduce each map together"
     return ""
+
+
+class UnreadWeights(torch.Tensor):
+    """What a streamed kernel returns for its attention weights (it made no map): its shape,
+    dtype and device can be read, any operation on it raises :class:`CaptureError`, so a model
+    or hook that reads the weights fails loudly instead of reading zeros.
+
+    Example::
+
+        >>> weights = UnreadWeights.of(torch.zeros(()).expand(1, 2, 3, 3))
+        >>> weights.shape            # torch.Size([1, 2, 3, 3])
+        >>> weights.sum()            # raises CaptureError
+    """
+
+    _READABLE = frozenset(getattr(torch.Tensor, name).__get__ for name in
+                          ("shape", "dtype", "device", "ndim", "requires_grad", "grad_fn", "is_leaf"))
+
+    @classmethod
+    def of(cls, stand_in: torch.Tensor) -> "UnreadWeights":
+        return stand_in.as_subclass(cls)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls._READABLE or func in (torch.Tensor.size, torch.Tensor.dim):
+            return super().__torch_function__(func, types, args, kwargs or {})
+        raise CaptureError(
+            f"The attention weights returned during a streamed GenericAttention.attribute were read "
+            f"({getattr(func, '__name__', func)}); the streamed kernel makes no map. Pass "
+            "output_attentions=True (the stream then declines and the weights are the model's), or "
+            "explain with method.trace(...) (the dense path).")
+
+    def __repr__(self) -> str:
+        return f"UnreadWeights(shape={tuple(self.shape)}: a streamed kernel's stand-in, not a map)"
