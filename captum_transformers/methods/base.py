@@ -8,6 +8,7 @@ shape of each input.
 from __future__ import annotations
 
 import abc
+import threading
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -188,6 +189,13 @@ def _query_vectors(layout: TokenLayout, dtype: torch.dtype) -> torch.Tensor:
     return functional.query_vectors(layout.query_rows, layout.num_tokens, dtype, layout.query_weights)
 
 
+class _PerThreadCall(threading.local):
+    """What one ``attribute`` call of a method instance keeps while it runs, separately per thread."""
+
+    streaming_rows = False
+    row_stream = None
+
+
 class TraceAttribution(StochasticOptIn, Attribution):
     """Base of the attention methods: Captum's ``Attribution`` over an adapter trace.
 
@@ -213,9 +221,23 @@ class TraceAttribution(StochasticOptIn, Attribution):
 
     #: True: :meth:`reduce` works on every row layout (:func:`~.row_chains.row_layout`).
     uses_row_chains: bool = False
-    #: True while :meth:`attribute` runs: a method may then fold its maps into the explained rows
-    #: during the backward pass (:mod:`~.streaming_rows`); :meth:`trace` always keeps them.
-    streaming_rows: bool = False
+    @property
+    def streaming_rows(self) -> bool:
+        """True while :meth:`attribute` runs in this thread: a method may then fold its maps into the
+        explained rows during the backward pass (:mod:`~.streaming_rows`); :meth:`trace` keeps them."""
+        return self._per_thread().streaming_rows
+
+    @property
+    def _row_stream(self) -> Any:
+        """This thread's running call's row stream (one instance may explain in several threads)."""
+        return self._per_thread().row_stream
+
+    @_row_stream.setter
+    def _row_stream(self, value: Any) -> None:
+        self._per_thread().row_stream = value
+
+    def _per_thread(self) -> "_PerThreadCall":  # setdefault is atomic: one object for every thread
+        return self.__dict__.setdefault("_thread_calls", _PerThreadCall())
 
     def __init__(self, model: nn.Module, adapter: Union[Adapter, str, None] = None, *,
                  allow_stochastic: bool = False) -> None:
@@ -281,11 +303,12 @@ class TraceAttribution(StochasticOptIn, Attribution):
         formatted, is_tuple, additional_forward_args, forward_kwargs, name = _prepared_inputs(
             inputs, additional_forward_args, forward_kwargs, self.adapter)
         with passed_by_name(self.model, name), self.stochastic_rule():
-            self.streaming_rows = True
+            call = self._per_thread()
+            call.streaming_rows = True
             try:
                 trace = self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
             finally:
-                self.streaming_rows = False
+                call.streaming_rows = False
         per_stream = self.stream_scores(trace)
         streams = trace.streams
         if return_tokens:
