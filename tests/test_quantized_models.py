@@ -24,7 +24,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from captum_transformers import AttnLRP, CaptureError, ConservativeLRP, GenericAttention, InputError  # noqa: E402
-from captum_transformers.adapters import quantized_linear  # noqa: E402
+from captum_transformers.capture import quantized_linear  # noqa: E402
 from captum_transformers.generation import GenerationAttribution  # noqa: E402
 from captum_transformers.methods.catalog import KNOWN_METHOD_NAMES, build_method  # noqa: E402
 from generation_models import IdTokenizer  # noqa: E402

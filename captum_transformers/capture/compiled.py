@@ -22,7 +22,7 @@ from typing import Iterator, List
 
 from torch import nn
 
-from ..adapters.quantized_linear import differentiable_kernels
+from .quantized_linear import differentiable_kernels
 from . import module_walk, offload, patching
 
 _WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -50,7 +50,7 @@ def uncompiled(model: nn.Module) -> Iterator[None]:
 
     The explanation is then that of the original module, whose outputs equal the compiled
     ones up to float rounding. bitsandbytes layers likewise run kernels with a backward pass
-    (:func:`~captum_transformers.adapters.quantized_linear.differentiable_kernels`).
+    (:func:`~captum_transformers.capture.quantized_linear.differentiable_kernels`).
 
     Every explanation enters here (the adapters' captured forward, Captum's baselines, the LLM
     layer methods), so a weight left on ``meta`` with no accelerate hook to load it is refused

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..adapters.quantized_linear import linear_rule_forwards, plain_weight
+from ..capture.quantized_linear import plain_weight
+from .quantized_rules import linear_rule_forwards
 from ..capture import patching
 from ..capture import module_walk, offload
 from ..errors import CaptureError

@@ -8,7 +8,8 @@ A quantized layer computes ``y = x W_q^T + b`` with ``W_q = dequantize(packed we
 * gradient methods need nothing: the plain gradient is the layer's own backward, ``g_x = g_y W_q``;
 * rules that read the weight (``RuleSet.linear`` alpha=1/beta=0, gamma) get ``W_q``
   (:func:`dequantized_weight`), never the packed bytes; bitsandbytes layers never call
-  ``F.linear``, so :func:`linear_rule_forwards` gives them the rule as a whole;
+  ``F.linear``, so :func:`~captum_transformers.propagation.quantized_rules.linear_rule_forwards`
+  gives them the rule as a whole;
 * :func:`differentiable_kernels` keeps bitsandbytes on kernels with a backward while a model is
   explained. On CPUs with AVX512-BF16, a ``Linear4bit`` in eval mode repacks its weight for an
   inference kernel at the first forward whose input does not require grad (``generate``, a
@@ -36,9 +37,8 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..capture import module_walk, patching
+from . import module_walk, patching
 from ..errors import CaptureError
-from ..propagation.linear_rule import linear_rule
 
 BNB_4BIT, BNB_8BIT, TORCHAO = "bitsandbytes-4bit", "bitsandbytes-8bit", "torchao"
 # A bitsandbytes operator each layer kind runs (its kernel must exist for the weight's device).
@@ -219,34 +219,4 @@ def differentiable_kernels(model: nn.Module) -> Iterator[None]:
                 _bnb_4bit_state(module)
                 if getattr(module, "support_avx512bf16_for_cpu", False):
                     stack.enter_context(patching.attributes(module, support_avx512bf16_for_cpu=False))
-        yield
-
-
-
-def _rule_forward(module: nn.Module, rules):
-    def make(original):
-        def forward(x, *args, **kwargs):
-            if not torch.is_grad_enabled() or not isinstance(x, torch.Tensor) or not x.requires_grad:
-                return original(x, *args, **kwargs)
-            bias = getattr(module, "bias", None)
-            return linear_rule(rules, x, dequantized_weight(module), None if bias is None else bias.detach(), original,
-                               (x, *args), kwargs)
-        return forward
-    return make
-
-
-@contextlib.contextmanager
-def linear_rule_forwards(model: nn.Module, rules) -> Iterator[None]:
-    """Give every bitsandbytes layer of ``model`` the linear rule of ``rules`` (a
-    :class:`~captum_transformers.propagation.rules.RuleSet` whose ``linear`` is not
-    ``"gradient"``) as a whole, its weight dequantized, its forward its own (reversibly).
-
-    bitsandbytes layers multiply through their own operators, never ``F.linear``, so the
-    torch-function mode that gives ``F.linear`` its rule does not see them; torchao layers call
-    ``F.linear`` with their quantized weight and need no patch (see :func:`plain_weight`).
-    """
-    with contextlib.ExitStack() as stack:
-        for _, module, kind in quantized_linears(model):
-            if kind != TORCHAO:
-                stack.enter_context(patching.instance_forward(module, _rule_forward(module, rules)))
         yield
