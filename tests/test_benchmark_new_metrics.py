@@ -1,6 +1,6 @@
-"""The benchmark's recent metrics (``--metrics recent|all``): SRG, RISE, AOPC and completeness
+"""The benchmark's recent metrics (``--metrics recent|all|road``): SRG, RISE, AOPC and completeness
 rows appear for every task that has them, are finite and in range, and leave the classic rows
-bit for bit as they were."""
+bit for bit as they were; ROAD only under ``road`` (opt-in), the other rows unchanged by it."""
 import json
 import math
 
@@ -24,7 +24,7 @@ def _names(report, method):
 @pytest.mark.parametrize("task", ["digits", "digits-swin"])
 def test_image_rows_appear_finite_and_in_range(task):
     methods = ["rollout", "attn-lrp", "integrated-gradients"]
-    report = run_benchmark(task, methods=methods, limit=3, batch_size=3, metrics="recent")
+    report = run_benchmark(task, methods=methods, limit=3, batch_size=3, metrics="road")
     image_rows = {"srg_image", "deletion", "insertion", "road_morf", "road_lerf"}
     assert _names(report, "rollout") == image_rows
     for method in ("attn-lrp", "integrated-gradients"):
@@ -44,8 +44,12 @@ def test_image_rows_appear_finite_and_in_range(task):
     assert report.result("integrated-gradients", "completeness_error").max_error < 1e-3
     assert 0.0 < report.result("attn-lrp", "completeness_error").mean_error < math.inf
     printed = table(report)
-    assert "SRG, 4x4 patches" in printed and "RISE insertion AUC" in printed and "mIoU" not in printed
+    assert "SRG, 4x4 patches" in printed and "ROAD LeRF AUC" in printed and "mIoU" not in printed
     assert printed.splitlines()[2].endswith("| - | - |")  # rollout: no completeness row
+    if task == "digits":  # recent: the same rows without ROAD's, bit for bit
+        recent = run_benchmark(task, methods=methods, limit=3, batch_size=3, metrics="recent")
+        assert list(recent.rows) == [row for row in report.rows if not row[1].name.startswith("road")]
+        assert "ROAD" not in table(recent) and "RISE insertion AUC" in table(recent)
 
 
 def test_all_keeps_the_classic_rows_bit_for_bit():
@@ -55,7 +59,7 @@ def test_all_keeps_the_classic_rows_bit_for_bit():
     classic_names = {result.name for _, result in classic.rows}
     assert [row for row in both.rows if row[1].name in classic_names] == list(classic.rows)
     assert {result.name for _, result in both.rows} - classic_names == {
-        "srg_image", "deletion", "insertion", "road_morf", "road_lerf", "completeness_error"}
+        "srg_image", "deletion", "insertion", "completeness_error"}  # ROAD: opt-in (metrics="road")
     assert classic.metrics == "classic" and "SRG" not in table(classic)
     assert "mIoU" in table(both) and "SRG" in table(both)
 
@@ -110,7 +114,9 @@ def test_completeness_rows_are_the_score_distributing_methods():
 
 @pytest.mark.parametrize("task,metrics,message", [("digits-two", "recent", "no recent metrics"),
                                                   ("recall", "all", "no recent metrics"),
-                                                  ("digits", "newest", "expected one of classic, recent, all")])
+                                                  ("digits", "newest", "expected one of classic, recent, all, road"),
+                                                  ("movies", "road", "has no ROAD"),
+                                                  ("motifs", "road", "has no ROAD")])
 def test_tasks_without_recent_metrics_and_unknown_sets_are_refused(task, metrics, message):
     with pytest.raises(InputError, match=message):
         run_benchmark(task, limit=2, metrics=metrics)

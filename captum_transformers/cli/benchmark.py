@@ -34,10 +34,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--pixel-steps", choices=tuple(PIXEL_PROTOCOLS), default="fine",
                         help="digits: removed-pixel fractions, 'fine' (0-10%% in 1%% steps, then 10%% steps to "
                              "90%%; default) or 'cvpr21' (the authors' 0, 10, ..., 90%%)")
-    parser.add_argument("--metrics", choices=("classic", "recent", "all"), default="classic",
+    parser.add_argument("--metrics", choices=("classic", "recent", "all", "road"), default="classic",
                         help="classic: each task's original metrics (default); recent: SRG (MIF/LIF), RISE deletion / "
                              "insertion, comprehensiveness / sufficiency AOPC and completeness error (digits, "
-                             "digits-swin, movies, motifs, motifs-graphormer); all: both")
+                             "digits-swin, movies, motifs, motifs-graphormer); all: both; road: recent plus ROAD "
+                             "MoRF / LeRF (digits, digits-swin; opt-in: its imputation takes hours on one thread)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
     parser.add_argument("--out", default="captum_transformers_benchmark",
                         help="output folder (default: %(default)s), checked before the run; one that holds an "

@@ -1,14 +1,16 @@
 """The benchmark's recent faithfulness metrics per method: SRG, RISE, AOPC and completeness error.
 
 ``run_benchmark(..., metrics=...)`` picks the metric set (``METRIC_SETS``): ``"classic"`` (the
-papers' protocols of each task, the default), ``"recent"`` (the metrics below only) or ``"all"``.
-Per task:
+papers' protocols of each task, the default), ``"recent"`` (the metrics below only, ROAD left
+out), ``"all"`` (classic and recent, ROAD left out) or ``"road"`` (recent and ROAD; digits tasks
+only). ROAD is opt-in because its imputation solves a sparse system per perturbed copy: on one
+CPU thread it turns the digits runs' minutes into hours. Per task:
 
 * ``digits``, ``digits-swin``: :class:`ImageRelevanceGain` (MIF / LIF over the model's 4 x 4
   patches, mean occlusion, 21 steps; SRG = A(LIF) - A(MIF), Blücher et al., TMLR 2024),
   :class:`RiseDeletion` (zero baseline) and :class:`RiseInsertion` (blurred canvas), 51 steps
-  (Petsiuk et al., BMVC 2018), all on the softmax probability of the explained class; :class:`ROAD`
-  MoRF and LeRF (Rong et al., ICML 2022; noisy linear imputation, 1, 3, ..., 99 % of pixels, top-1
+  (Petsiuk et al., BMVC 2018), all on the softmax probability of the explained class; under
+  ``"road"`` also :class:`ROAD` MoRF and LeRF (Rong et al., ICML 2022; noisy linear imputation, 1, 3, ..., 99 % of pixels, top-1
   agreement with the explained class; the noise generator is seeded with each batch's first
   example index, so every method sees the same draws and torchrun gives the same numbers);
 * ``movies``: :class:`TokenRelevanceGain` ([UNK] replaces removed tokens, as the classic AUAC),
@@ -46,8 +48,12 @@ from ..evaluation.relevance_gain_images import ImageRelevanceGain
 from ..evaluation.relevance_gain_tokens import TokenRelevanceGain
 from ..evaluation.road import ROAD
 
-METRIC_SETS: Tuple[str, ...] = ("classic", "recent", "all")
-"""``classic``: each task's original metrics; ``recent``: this module's; ``all``: both."""
+METRIC_SETS: Tuple[str, ...] = ("classic", "recent", "all", "road")
+"""``classic``: each task's original metrics; ``recent``: this module's without ROAD; ``all``: both
+without ROAD; ``road``: ``recent`` plus ROAD MoRF / LeRF (digits tasks)."""
+
+ROAD_TASKS: Tuple[str, ...] = ("digits", "digits-swin")
+"""The tasks ROAD runs on (``metrics="road"``): it imputes pixels."""
 
 RECENT_TASKS: Tuple[str, ...] = ("digits", "digits-swin", "movies", "motifs", "motifs-graphormer")
 """The tasks with recent metrics (the two-digit tasks and recall have none)."""
@@ -67,9 +73,10 @@ _IMAGE_COLUMNS = [("SRG, 4x4 patches, mean occlusion (higher better)", "srg_imag
                   ("MIF area (lower better)", "srg_image", "area_mif", "{:.3f}"),
                   ("LIF area (higher better)", "srg_image", "area_lif", "{:.3f}"),
                   ("RISE deletion AUC (lower better)", "deletion", "auc", "{:.3f}"),
-                  ("RISE insertion AUC (higher better)", "insertion", "auc", "{:.3f}"),
-                  ("ROAD MoRF AUC (lower better)", "road_morf", "auc", "{:.3f}"),
-                  ("ROAD LeRF AUC (higher better)", "road_lerf", "auc", "{:.3f}")]
+                  ("RISE insertion AUC (higher better)", "insertion", "auc", "{:.3f}")]
+ROAD_COLUMNS = [("ROAD MoRF AUC (lower better)", "road_morf", "auc", "{:.3f}"),
+                ("ROAD LeRF AUC (higher better)", "road_lerf", "auc", "{:.3f}")]
+"""The report's ROAD columns (``metrics="road"`` only), after the image columns."""
 _COMPLETENESS_COLUMNS = [("completeness error, mean (lower better)", "completeness_error", "mean_error", "{:.3f}"),
                          ("completeness error, max", "completeness_error", "max_error", "{:.3g}")]
 _GRAPH_COLUMNS = [("SRG, nodes dropped (higher better)", "srg_graphs", "srg", "{:.3f}"),
@@ -89,14 +96,32 @@ RECENT_COLUMNS: Dict[str, List[Tuple[str, str, str, str]]] = {
 """The report's columns of the recent metrics (``"-"`` where a method has no such row, e.g. completeness)."""
 
 
+def recent_columns(task: str, metric_set: str) -> List[Tuple[str, str, str, str]]:
+    """The report's recent columns of a run: ``RECENT_COLUMNS`` plus, under ``"road"``, ROAD's."""
+    if metric_set == "classic":
+        return []
+    columns = RECENT_COLUMNS[task]
+    if metric_set == "road":  # ROAD after the image columns, before completeness
+        columns = _IMAGE_COLUMNS + ROAD_COLUMNS + columns[len(_IMAGE_COLUMNS):]
+    return columns
+
+
 def metric_parts(metric_set: str, task: str) -> Tuple[bool, bool]:
-    """(classic, recent): which metric families a run of ``task`` evaluates."""
+    """(classic, recent): which metric families a run of ``task`` evaluates (ROAD: ``road_wanted``)."""
     if metric_set not in METRIC_SETS:
         raise InputError(f"metrics={metric_set!r}: expected one of {', '.join(METRIC_SETS)}.")
     if metric_set != "classic" and task not in RECENT_TASKS:
         raise InputError(f"metrics={metric_set!r}: task {task!r} has no recent metrics (they exist for "
                          f"{', '.join(RECENT_TASKS)}); drop the option.")
-    return metric_set != "recent", metric_set != "classic"
+    if metric_set == "road" and task not in ROAD_TASKS:
+        raise InputError(f"metrics='road': task {task!r} has no ROAD (it imputes pixels: "
+                         f"{', '.join(ROAD_TASKS)}); use metrics='recent'.")
+    return metric_set in ("classic", "all"), metric_set != "classic"
+
+
+def road_wanted(metric_set: str) -> bool:
+    """Whether a run adds ROAD MoRF / LeRF (opt-in: ``metrics="road"``)."""
+    return metric_set == "road"
 
 
 def merged(classic: Dict[str, List[Accumulator]], recent: Optional["RecentMetrics"]) -> Dict[str, List[Accumulator]]:
@@ -140,16 +165,19 @@ class RecentMetrics:
 
 
 class RecentImageMetrics(RecentMetrics):
-    """SRG over patches, RISE deletion and insertion, ROAD MoRF and LeRF, completeness error (digits tasks)."""
+    """SRG over patches, RISE deletion and insertion, ROAD MoRF and LeRF if ``road``, completeness error
+    (digits tasks)."""
 
-    def __init__(self, forward: Callable, normalize: Callable, method_names: Sequence[str]) -> None:
+    def __init__(self, forward: Callable, normalize: Callable, method_names: Sequence[str],
+                 road: bool = False) -> None:
         self.forward = forward  # forward(normalised images) -> logits
+        self._curves = 5 if road else 3  # accumulators fed the maps; completeness follows them
         super().__init__({name: [
             ImageRelevanceGain(forward, patch_size=DIGIT_PATCH, normalize=normalize, max_batch_size=MAX_ROWS),
             RiseDeletion(forward, normalize=normalize, max_batch_size=MAX_ROWS),
             RiseInsertion(forward, normalize=normalize, max_batch_size=MAX_ROWS),
-            ROAD(forward, "morf", normalize=normalize, max_batch_size=MAX_ROWS),
-            ROAD(forward, "lerf", normalize=normalize, max_batch_size=MAX_ROWS),
+            *([ROAD(forward, "morf", normalize=normalize, max_batch_size=MAX_ROWS),
+               ROAD(forward, "lerf", normalize=normalize, max_batch_size=MAX_ROWS)] if road else []),
             *self._completeness(name)] for name in method_names})
 
     def begin_batch(self, inputs: torch.Tensor, target: torch.Tensor, first_example: int) -> None:
@@ -157,7 +185,7 @@ class RecentImageMetrics(RecentMetrics):
         ``first_example``: the batch's index in the evaluation set (ROAD's noise seed)."""
         self._target = target.cpu()
         for metrics in self.by_method.values():
-            for road in metrics[3:5]:
+            for road in metrics[3:self._curves]:
                 road.generator = torch.Generator().manual_seed(first_example)
         if self._needs_scores():
             with torch.no_grad():
@@ -168,10 +196,10 @@ class RecentImageMetrics(RecentMetrics):
 
     def update(self, name: str, images: torch.Tensor, maps: torch.Tensor, relevance: torch.Tensor) -> None:
         """``images`` in [0, 1], ``maps`` (B, H, W), ``relevance`` the full attribution (summed for completeness)."""
-        gain, deletion, insertion, road_morf, road_lerf, *completeness = self.by_method[name]
-        for metric in (gain, deletion, insertion, road_morf, road_lerf):
+        metrics = self.by_method[name]
+        for metric in metrics[:self._curves]:
             metric.update(images, self._target, maps)
-        self._update_completeness(name, relevance, completeness)
+        self._update_completeness(name, relevance, metrics[self._curves:])
 
 
 class RecentTokenMetrics(RecentMetrics):
@@ -228,5 +256,6 @@ class RecentGraphMetrics(RecentMetrics):
             scores = _node_scores(explainer, data, target.to(device), device, arguments)
             self.by_method[name][0].update(data.x, data.edge_index, data.batch, scores, target)
 
-__all__ = ["METRIC_SETS", "RECENT_TASKS", "COMPLETENESS_SCORES", "RECENT_COLUMNS", "RecentImageMetrics",
-           "RecentTokenMetrics", "RecentGraphMetrics", "metric_parts", "merged"]
+__all__ = ["METRIC_SETS", "RECENT_TASKS", "ROAD_TASKS", "COMPLETENESS_SCORES", "RECENT_COLUMNS", "ROAD_COLUMNS",
+           "RecentImageMetrics", "RecentTokenMetrics", "RecentGraphMetrics", "metric_parts", "road_wanted",
+           "recent_columns", "merged"]

@@ -7,7 +7,7 @@ from typing import Dict, List, Tuple
 
 from ..evaluation import plot_curves, write_csv, write_json
 from ..evaluation.results import CurveResult
-from .extended_metrics import RECENT_COLUMNS
+from .extended_metrics import recent_columns
 from .recall_benchmark import recall_columns
 from .runner import BenchmarkReport
 
@@ -39,8 +39,8 @@ _COLUMNS["recall"] = recall_columns()  # means with bootstrap 95 % intervals (ta
 
 def table(report: BenchmarkReport) -> str:
     """The run as a Markdown table: one row per method, the task's metrics as columns."""
-    columns = ((_COLUMNS[report.task] if report.metrics != "recent" else [])
-               + (RECENT_COLUMNS[report.task] if report.metrics != "classic" else []))
+    columns = ((_COLUMNS[report.task] if report.metrics in ("classic", "all") else [])
+               + recent_columns(report.task, report.metrics))
     by_key = {(method, result.name): result for method, result in report.rows}
     lines = ["| method | " + " | ".join(header for header, *_ in columns) + " |",
              "|---" * (len(columns) + 1) + "|"]

@@ -26,7 +26,8 @@ Tasks (``TASKS``):
 
 ``metrics="recent"`` (``--metrics recent``) evaluates SRG, RISE deletion / insertion,
 comprehensiveness / sufficiency AOPC and completeness error instead, ``"all"`` both
-(:mod:`.extended_metrics`; digits, digits-swin, movies and the motifs tasks).
+(:mod:`.extended_metrics`; digits, digits-swin, movies and the motifs tasks); ``"road"`` the
+recent metrics plus ROAD MoRF / LeRF (digits tasks; opt-in, hours on one CPU thread).
 
 The evaluation set is cut into batches first and the batches are sharded over processes
 (``torch.distributed`` under ``torchrun``), so every example is explained in the same batch
@@ -54,7 +55,8 @@ from ..evaluation.accumulator import Accumulator
 from ..evaluation.pixel_perturbation import PIXEL_PROTOCOLS
 from ..evaluation.results import ResultRecord
 from ..methods.catalog import METHOD_NAMES, PACKAGE_METHOD_NAMES, build_method, resolve_method_names
-from .extended_metrics import RecentGraphMetrics, RecentImageMetrics, RecentTokenMetrics, merged, metric_parts
+from .extended_metrics import (RecentGraphMetrics, RecentImageMetrics, RecentTokenMetrics, merged, metric_parts,
+                               road_wanted)
 
 TASKS = ("digits", "digits-two", "digits-swin", "digits-two-swin", "movies", "motifs", "motifs-graphormer", "recall")
 # Tasks with pixel perturbation, and the two-digit tasks (both labels explained).
@@ -125,7 +127,7 @@ def _digit_classifier(swin: bool):
 
 
 def _run_digits(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps, swin=False,
-                parts=(True, False)):
+                parts=(True, False), road=False):
     from .digit_canvas import digit_canvases, normalize
 
     classic, recent_set = parts  # (classic metrics, recent metrics): tasks.extended_metrics.metric_parts
@@ -137,7 +139,7 @@ def _run_digits(method_names, limit, batch_size, progress, device, explain, cach
                PixelPerturbation(forward, "negative", fractions=pixel_steps, normalize=normalize),
                SegmentationScores()] if classic else []
         for name in method_names}
-    recent = RecentImageMetrics(forward, normalize, method_names) if recent_set else None
+    recent = RecentImageMetrics(forward, normalize, method_names, road=road) if recent_set else None
     explainers = {name: build_method(name, model) for name in method_names}
     for chunk in _my_batches(len(data), batch_size, "digits", progress):
         images, labels, masks = data.images[chunk], data.labels[chunk], data.masks[chunk]
@@ -304,7 +306,8 @@ def run_benchmark(task: str, methods: Optional[Sequence[str]] = None, limit: Opt
     ``$CAPTUM_TRANSFORMERS_CACHE`` or ``~/.cache/captum_transformers``). ``pixel_steps`` names
     the digits task's pixel perturbation protocol (``"fine"`` or ``"cvpr21"``; other tasks refuse
     ``"cvpr21"``). ``metrics`` picks the metric set: ``"classic"`` (the task's original metrics),
-    ``"recent"`` (SRG, RISE, AOPC, completeness: :mod:`.extended_metrics`) or ``"all"``. Under
+    ``"recent"`` (SRG, RISE, AOPC, completeness: :mod:`.extended_metrics`), ``"all"`` (both) or
+    ``"road"`` (``"recent"`` plus ROAD; digits tasks; slow: opt-in). Under
     ``torch.distributed`` each process evaluates its shard of
     batches and the results are reduced; every process returns the full report.
     """
@@ -333,7 +336,7 @@ def run_benchmark(task: str, methods: Optional[Sequence[str]] = None, limit: Opt
     names = resolve_method_names(methods if methods is not None else _DEFAULT_METHODS.get(task))
     start = time.perf_counter()
     accumulators, examples = runner(names, limit, batch_size, progress, torch.device(device), explain, cache_dir,
-                                    pixel_steps, parts=parts)
+                                    pixel_steps, parts=parts, **({"road": True} if road_wanted(metrics) else {}))
     all_reduce_metrics([metric for name in names for metric in accumulators[name]])
     rows = tuple((name, metric.compute()) for name in names for metric in accumulators[name])
     _, world_size = _distributed()
