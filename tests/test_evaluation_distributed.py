@@ -1,13 +1,12 @@
 """Sharded evaluation over 2 gloo processes, reduced with all_reduce_metrics, equals one process bit for bit."""
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from captum_transformers.errors import InputError
 from captum_transformers.evaluation import (ClassSpecificity, ModalityTokenRemoval, PixelPerturbation, RationaleF1,
                                             SegmentationScores, TokenActivation, TokenPruning, all_reduce_metrics,
                                             shard_indices)
+from distributed_runs import assert_reduced_equals_single, sharded_and_reduced_states
 
 N, SIZE, LENGTH, UNK = 11, 6, 7, 1
 
@@ -69,30 +68,12 @@ def evaluate(indices, batch_size):
     return metrics
 
 
-def _worker(rank, world_size, init_file, out_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        metrics = evaluate(shard_indices(N, rank, world_size), batch_size=2)
-        all_reduce_metrics(metrics)
-        if rank == 0:
-            torch.save([{k: v.clone() for k, v in m.state().items()} for m in metrics], out_file)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_sharded_and_reduced_equals_single_process_exactly(tmp_path):
-    out_file = tmp_path / "states.pt"
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(out_file)), nprocs=2, join=True)
-    reduced_states = torch.load(out_file)
+    reduced_states = sharded_and_reduced_states(evaluate, N, tmp_path)
     single = evaluate(range(N), batch_size=3)  # other batch boundaries too
-    for metric, reduced in zip(single, reduced_states):
-        for name, tensor in metric.state().items():
-            assert torch.equal(tensor, reduced[name]), (type(metric).__name__, name)
-        rebuilt = type(metric).__new__(type(metric))
-        rebuilt.__dict__.update(metric.__dict__)
-        rebuilt._state = reduced
-        assert rebuilt.compute() == metric.compute()
+    assert_reduced_equals_single(single, reduced_states)
 
 
 def test_all_reduce_is_a_no_op_without_a_process_group():

@@ -1,15 +1,13 @@
 """SRG, RISE deletion / insertion and completeness error, sharded over 2 gloo processes and reduced with
 all_reduce_metrics, equal one process bit for bit."""
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from captum_transformers.evaluation import all_reduce_metrics, shard_indices
 from captum_transformers.evaluation.completeness import CompletenessError
 from captum_transformers.evaluation.deletion_insertion import RiseDeletion, RiseInsertion
 from captum_transformers.evaluation.relevance_gain_graphs import GraphRelevanceGain
 from captum_transformers.evaluation.relevance_gain_images import ImageRelevanceGain
 from captum_transformers.evaluation.relevance_gain_tokens import TokenRelevanceGain
+from distributed_runs import assert_reduced_equals_single, sharded_and_reduced_states
 
 N, SIZE, LENGTH, NODES, UNK = 7, 4, 6, 4, 1
 FRACTIONS = (0.0, 0.25, 0.5, 1.0)
@@ -71,27 +69,10 @@ def evaluate(indices, batch_size):
     return metrics
 
 
-def _worker(rank, world_size, init_file, out_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        metrics = evaluate(shard_indices(N, rank, world_size), batch_size=2)
-        all_reduce_metrics(metrics)
-        if rank == 0:
-            torch.save([{k: v.clone() for k, v in m.state().items()} for m in metrics], out_file)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_sharded_and_reduced_equals_single_process_exactly(tmp_path):
-    out_file = tmp_path / "states.pt"
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(out_file)), nprocs=2, join=True)
-    reduced_states = torch.load(out_file)
+    reduced_states = sharded_and_reduced_states(evaluate, N, tmp_path)
     single = evaluate(range(N), batch_size=3)  # other batch boundaries too
-    for metric, reduced in zip(single, reduced_states):
-        for name, tensor in metric.state().items():
-            assert torch.equal(tensor, reduced[name]), (type(metric).__name__, name)
-        rebuilt = type(metric).__new__(type(metric))
-        rebuilt.__dict__.update(metric.__dict__)
-        rebuilt._state = reduced
-        assert rebuilt.compute() == metric.compute() and metric.compute().count == N
+    assert_reduced_equals_single(single, reduced_states)
+    assert all(metric.compute().count == N for metric in single)
