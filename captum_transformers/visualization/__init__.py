@@ -16,6 +16,7 @@ CurvePlot, curve_plots perturbation curves from results or a benchmark's results
 GenerationMatrix       an LLM's generated tokens x the prompt and earlier output tokens
 GenerationText         one generated token's evidence coloured over the text
 generation_report      several methods' views of one generation side by side
+GenerationImageView    a VLM's generated token: its image map beside its text evidence
 =====================  ==============================================================
 
 >>> from captum_transformers.visualization import report
@@ -24,6 +25,7 @@ generation_report      several methods' views of one generation side by side
 from .colors import ColorScale
 from .curves import CurvePlot, curve_plots, plot_curves
 from .generation import GenerationMatrix
+from .generation_image import GenerationImageView
 from .generation_text import GenerationReport, GenerationText, generation_report
 from .grid import ExplanationGrid, report
 from .images import ImageOverlay, image_overlay
@@ -34,4 +36,5 @@ __all__ = [
     "ColorScale", "CurvePlot", "curve_plots", "plot_curves", "ExplanationGrid", "report", "ImageOverlay",
     "image_overlay", "StreamView", "detection_view", "text_image_view", "text_regions_view", "TokenHeatmap",
     "merge_word_pieces", "GenerationMatrix", "GenerationText", "GenerationReport", "generation_report",
+    "GenerationImageView",
 ]
