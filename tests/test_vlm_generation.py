@@ -11,68 +11,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from generation_models import IdTokenizer
 from restore import assert_same, raising_after, snapshot
-from vlm_models import (IMAGE, IMAGE_SIZE, IMAGE_TOKENS, build_llava, build_siglip_llava, image_prompt, llava_config,
-                        llava_processor, pixels, transformers)
+from vlm_generation_checks import METHODS, PROMPT, TARGET, TOKENIZER, TOL, prefix_differences, shared_llava, text_columns
+from vlm_models import (IMAGE, IMAGE_SIZE, IMAGE_TOKENS, build_llava, build_siglip_llava, image_prompt, pixels,
+                        transformers)
 
-from captum_transformers import (AttentionFlow, AttentionGradCAM, AttentionRollout, AttnLRP, ConservativeLRP,
-                                 GenericAttention, InputError, PartialLRP, RawAttention, TransformerLRP,
-                                 TransformerRelevance, UnsupportedModelError)
-from captum_transformers.adapters.llava import LlavaAdapter
+from captum_transformers import AttnLRP, ConservativeLRP, GenericAttention, InputError, RawAttention
 from captum_transformers.generation import GenerationAttribution
-from captum_transformers.methods.captum_baselines import CaptumIntegratedGradients
-
-TOL = 1e-10
-TOKENIZER = IdTokenizer()
-PROMPT, TARGET = image_prompt([1, 5], [7, 9]), [20, 21, 22]
-METHODS = {
-    "AttnLRP": AttnLRP,
-    "ConservativeLRP-AH+LN": lambda m: ConservativeLRP(m, "AH+LN"),
-    "TransformerLRP": TransformerLRP,
-    "GenericAttention": GenericAttention,
-    "TransformerRelevance": TransformerRelevance,
-    "AttentionRollout": AttentionRollout,
-    "RawAttention": RawAttention,
-    "AttentionGradCAM": AttentionGradCAM,
-    "PartialLRP": PartialLRP,
-    "AttentionFlow": AttentionFlow,
-}
-_MODEL: dict = {}
-
-
-def model() -> torch.nn.Module:
-    if "llava" not in _MODEL:
-        _MODEL["llava"] = build_llava()
-    return _MODEL["llava"]
-
-
-def text_columns(prompt):
-    return [i for i, token in enumerate(prompt) if token != IMAGE]
-
-
-def prefix_differences(explainer, result, prompt, target, images):
-    """Largest |difference| of each row with the same method explaining y_t alone on its prefix."""
-    worst = 0.0
-    n_text = len(text_columns(prompt))
-    for t, token in enumerate(target):
-        single = explainer.attribute(prompt + target[:t], target=[token], images=images)
-        parts = [(result.token_attr[t], single.token_attr[0, :n_text]),
-                 (result.target_attr[t, :t], single.token_attr[0, n_text:])]
-        mine = result.image_attr if isinstance(result.image_attr, list) else [result.image_attr]
-        theirs = single.image_attr if isinstance(single.image_attr, list) else [single.image_attr]
-        mine_tokens = result.image_token_attr if isinstance(result.image_token_attr, list) else [result.image_token_attr]
-        their_tokens = single.image_token_attr if isinstance(single.image_token_attr, list) else \
-            [single.image_token_attr]
-        parts += [(a[t], b[0]) for a, b in zip(mine, theirs)] + [(a[t], b[0]) for a, b in zip(mine_tokens, their_tokens)]
-        for a, b in parts:
-            worst = max(worst, (a - b).abs().max().item() if a.numel() else 0.0)
-    return worst
 
 
 @pytest.mark.parametrize("name", list(METHODS))
 def test_rows_equal_explanations_of_each_prefix(name):
-    llava, px = model(), pixels(1)
+    llava, px = shared_llava(), pixels(1)
     method = METHODS[name](llava)
     explainer = GenerationAttribution(method, TOKENIZER)
     result = explainer.attribute(PROMPT, target=TARGET, images=px)
@@ -96,7 +46,7 @@ def test_rows_equal_explanations_of_each_prefix(name):
 def test_methods_that_chain_layers_reach_the_vision_tower():
     """GenericAttention carries the image tokens' relevance through the tower's layers (ICCV'21):
     its tower-input map differs from the image tokens' own scores; RawAttention stops there."""
-    llava, px = model(), pixels(1)
+    llava, px = shared_llava(), pixels(1)
     generic = GenerationAttribution(GenericAttention(llava), TOKENIZER).attribute(PROMPT, target=TARGET, images=px)
     raw = GenerationAttribution(RawAttention(llava), TOKENIZER).attribute(PROMPT, target=TARGET, images=px)
     assert not raw.image_token_attr[:, 0].any()  # the dropped CLS token feeds no image token
@@ -104,7 +54,7 @@ def test_methods_that_chain_layers_reach_the_vision_tower():
 
 
 def test_batch_of_two_examples_with_two_images_equals_single_calls():
-    llava = model()
+    llava = shared_llava()
     prompts = [PROMPT, image_prompt([1, 6, 8], [3, 4, 10, 12])]  # left padding moves the first image
     targets = [TARGET, [23, 24]]
     images = [pixels(1, seed=1), pixels(1, seed=2)]
@@ -117,7 +67,7 @@ def test_batch_of_two_examples_with_two_images_equals_single_calls():
 
 
 def test_two_images_in_one_prompt_give_one_map_each():
-    llava = model()
+    llava = shared_llava()
     prompt = image_prompt([1, 5], [7], images=2)
     px = pixels(2, seed=3)
     explainer = GenerationAttribution(GenericAttention(llava), TOKENIZER)
@@ -128,7 +78,7 @@ def test_two_images_in_one_prompt_give_one_map_each():
 
 
 def test_generated_target_and_pixel_values_keyword():
-    llava, px = model(), pixels(1)
+    llava, px = shared_llava(), pixels(1)
     explainer = GenerationAttribution(AttnLRP(llava), TOKENIZER)
     result = explainer.attribute(PROMPT, gen_args={"max_new_tokens": 3, "do_sample": False}, pixel_values=px)
     with torch.no_grad():
@@ -193,65 +143,6 @@ def test_model_restored_after_a_call_and_after_an_exception():
         assert torch.equal(llava(ids, pixel_values=px).logits, logits)
 
 
-def test_refusals():
-    llava, px = model(), pixels(1)
-    explainer = GenerationAttribution(GenericAttention(llava), TOKENIZER)
-    with pytest.raises(InputError, match="image tokens"):
-        explainer.attribute(PROMPT[:-3], target=TARGET, images=pixels(2))
-    with pytest.raises(InputError, match="image_sizes .* are not mapped back to the image; give one pixel_values"):
-        explainer.attribute(PROMPT, target=TARGET, pixel_values=px, image_sizes=torch.tensor([[16, 16]]))
-    with pytest.raises(InputError, match="twice"):
-        explainer.attribute(PROMPT, target=TARGET, images=px, pixel_values=px)
-    with pytest.raises(InputError, match="not a vision-language one"):
-        GenerationAttribution(CaptumIntegratedGradients(llava), TOKENIZER).attribute(PROMPT, target=TARGET, images=px)
-    with pytest.raises(InputError, match="one entry per prompt"):
-        explainer.attribute([PROMPT, PROMPT], target=[TARGET, TARGET], images=px)
-    assert isinstance(explainer.method.adapter, LlavaAdapter)
-    several = GenerationAttribution(GenericAttention(build_llava(feature_layer=[-2, -1])), TOKENIZER)
-    with pytest.raises(InputError, match="several hidden states"):
-        several.attribute(PROMPT, target=TARGET, images=px)
-
-
-@pytest.mark.parametrize("name", ["AttnLRP", "GenericAttention", "RawAttention"])
-def test_direct_return_tokens_refuses_the_unscored_tower_stream(name):
-    """A direct call scores the decoder's tokens only: return_tokens=True (which would return the
-    vision tower's tokens as an all-zero map) is refused, pointing to GenerationAttribution."""
-    llava, px = model(), pixels(1)
-    method = METHODS[name](llava)
-    ids = torch.tensor([PROMPT])
-    with pytest.raises(InputError, match=r"GenerationAttribution\(method, tokenizer\).*images=pixel_values"):
-        method.attribute(ids, target=TARGET[0], forward_kwargs={"pixel_values": px}, return_tokens=True)
-    decoder = method.attribute(ids, target=TARGET[0], forward_kwargs={"pixel_values": px})
-    assert decoder.shape == ids.shape and decoder.abs().sum() > 0
-
-
-def test_an_image_token_in_the_answer_is_refused_naming_its_step():
-    """A generated (or given) output token equal to the image placeholder id: refused, naming the
-    output step, instead of a count mismatch between image tokens and images."""
-    llava, px = model(), pixels(1)
-    explainer = GenerationAttribution(AttnLRP(llava), TOKENIZER)
-    forced = {"max_new_tokens": 3, "do_sample": False, "sequence_bias": [[[IMAGE], 1e4]]}
-    with pytest.raises(InputError, match=r"the model generated the image placeholder token .* output step\(s\) "
-                                         r"\[0, 1, 2\] of 3"):
-        explainer.attribute(PROMPT, gen_args=forced, images=px)
-    allowed = explainer.attribute(PROMPT, gen_args={**forced, "bad_words_ids": [[IMAGE]]}, images=px)  # as advised
-    assert IMAGE not in allowed.output_ids and len(allowed.output_ids) > 0
-    with pytest.raises(InputError, match=r"the target holds the image placeholder token .* step\(s\) \[1\] of 2"):
-        explainer.attribute(PROMPT, target=[TARGET[0], IMAGE], images=px)
-
-
-def test_processor_output_is_a_prompt_with_its_images():
-    processor, llava = llava_processor(), model()
-    image = torch.rand(3, IMAGE_SIZE, IMAGE_SIZE, generator=torch.Generator().manual_seed(5))
-    inputs = processor(images=image, text="t1 t5 <image> t7 t9", return_tensors="pt")
-    assert inputs["input_ids"][0].tolist() == PROMPT
-    explainer = GenerationAttribution(GenericAttention(llava), processor.tokenizer)
-    result = explainer.attribute(inputs, target=TARGET)
-    explicit = explainer.attribute(PROMPT, target=TARGET, images=inputs["pixel_values"][0])
-    assert result.input_tokens == ["t1", "t5", "t7", "t9"]
-    assert torch.equal(result.image_attr, explicit.image_attr) and torch.equal(result.token_attr, explicit.token_attr)
-
-
 @pytest.mark.parametrize("name", ["AttentionRollout", "GenericAttention", "AttnLRP"])
 def test_tower_layers_after_the_feature_layer_change_nothing(name):
     """LLaVA's default feature layer (-2) skips the tower's last layer: changing its weights
@@ -283,7 +174,7 @@ def test_span_and_json_round_trip():
     one image and one with two read back from JSON bit for bit."""
     from captum_transformers.generation.serialization import result_from_dict, result_to_dict
 
-    llava, px = model(), pixels(1)
+    llava, px = shared_llava(), pixels(1)
     explainer = GenerationAttribution(AttnLRP(llava), TOKENIZER)
     rows = explainer.attribute(PROMPT, target=TARGET, images=px)
     span = explainer.attribute(PROMPT, target=TARGET, images=px, span=slice(0, 3))
@@ -303,7 +194,7 @@ def test_generic_attention_follows_the_iccv_rules_across_the_two_streams():
     """Reference from whole matrices: ``R^{vv} = prod (I + Abar_v)`` over the tower's calls,
     ``R^{dd} = prod (I + Abar_d)`` over the decoder's, ``R^{dv} = R^{dd} E R^{vv}`` (the image
     tokens are the tower's outputs); the image row is ``e_q R^{dv}`` (Chefer et al., ICCV 2021)."""
-    llava, px = model(), pixels(1)
+    llava, px = shared_llava(), pixels(1)
     method = GenericAttention(llava)
     result = GenerationAttribution(method, TOKENIZER).attribute(PROMPT, target=TARGET[:1], images=px)
     trace = method.adapter.trace(llava, (torch.tensor([PROMPT]),), (), TARGET[0], method.capture_spec(),
@@ -344,53 +235,6 @@ def test_gradient_times_input_pixel_maps_are_the_plain_gradient():
         logits = llava(torch.tensor([PROMPT + TARGET[:t]]), pixel_values=leaf).logits
         (grad,) = torch.autograd.grad(logits[0, -1, token], leaf)
         assert (result.image_attr[t] - (leaf * grad).sum(1)[0]).abs().max() < 1e-12
-
-
-def _processor_inputs():
-    processor = llava_processor()
-    image = torch.rand(3, IMAGE_SIZE, IMAGE_SIZE, generator=torch.Generator().manual_seed(5))
-    return processor, processor(images=image, text="t1 t5 <image> t7 t9", return_tensors="pt")
-
-
-def test_image_inputs_that_would_be_dropped_or_misread_are_refused():
-    llava, px = model(), pixels(1)
-    processor, inputs = _processor_inputs()
-    for make in (GenericAttention, AttnLRP):  # placeholders read as text embeddings, hidden from token_attr
-        with pytest.raises(InputError, match="16 image placeholder tokens .* but no images"):
-            GenerationAttribution(make(llava), TOKENIZER).attribute(PROMPT, target=TARGET)
-    captum_rows = GenerationAttribution(CaptumIntegratedGradients(llava), processor.tokenizer)
-    with pytest.raises(InputError, match=r"holds images \(\['pixel_values'\]\), but .* explains no images"):
-        captum_rows.attribute(inputs, target=TARGET)
-    with pytest.raises(InputError, match="16 image placeholder tokens .* explains no images"):
-        captum_rows.attribute(PROMPT, target=TARGET)
-    explainer = GenerationAttribution(GenericAttention(llava), processor.tokenizer)
-    with pytest.raises(InputError, match="given twice"):
-        explainer.attribute(inputs, target=TARGET, images=px)
-    inputs["image_sizes"] = torch.tensor([[16, 16]])
-    with pytest.raises(InputError, match="image_sizes .* are not mapped back to the image; give one pixel_values"):
-        explainer.attribute(inputs, target=TARGET)
-    with pytest.raises(InputError, match=r"unexpected keyword arguments \['skip_token'\]"):
-        explainer.attribute(PROMPT, target=TARGET, images=px, skip_token=[1])
-    text_model = transformers.LlamaForCausalLM(llava.config.text_config).to(torch.float64).eval()
-    with pytest.raises(InputError, match=r"unexpected keyword arguments \['skip_token'\]"):
-        GenerationAttribution(AttnLRP(text_model), TOKENIZER).attribute([1, 5, 7], target=[20], skip_token=[1])
-
-
-def test_llava_next_is_refused_with_its_reason():
-    config = llava_config()
-    next_config = transformers.LlavaNextConfig(vision_config=config.vision_config, text_config=config.text_config,
-                                               image_token_id=IMAGE, vision_feature_layer=-1,
-                                               image_grid_pinpoints=[[16, 16]], attn_implementation="eager")
-    torch.manual_seed(0)
-    llava_next = transformers.LlavaNextForConditionalGeneration(next_config).to(torch.float64).eval()
-    ids = torch.tensor([[1, 5] + [IMAGE] * 20 + [7, 9]])
-    feature = transformers.BatchFeature({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                                         "pixel_values": pixels(2)[None], "image_sizes": torch.tensor([[16, 16]])})
-    for make in (GenericAttention, AttnLRP):
-        with pytest.raises(UnsupportedModelError, match="LlavaNextForConditionalGeneration .* tiles each image"):
-            GenerationAttribution(make(llava_next), TOKENIZER).attribute(feature, target=[20, 21])
-        with pytest.raises(UnsupportedModelError, match="tiles each image"):  # text only, single calls too
-            make(llava_next).attribute(torch.tensor([[1, 5, 7]]), target=20)
 
 
 def test_full_strategy_keeps_the_cls_token_as_an_image_token():
@@ -442,15 +286,3 @@ def test_siglip_tower_has_no_cls_token(strategy):
     assert (result.image_token_attr[0] - expected).abs().max() < TOL
     raw = GenerationAttribution(RawAttention(siglip), TOKENIZER).attribute(prompt, target=TARGET[:1], images=px)
     assert (raw.image_token_attr[0, 0] == 0) == bool(dropped)  # the dropped patch feeds no image token
-
-
-def test_a_batch_prompt_without_images_takes_none():
-    llava = model()
-    prompts, targets = [PROMPT, [1, 6, 8, 3]], [TARGET[:2], [22]]
-    explainer = GenerationAttribution(AttnLRP(llava), TOKENIZER)
-    for empty in (None, torch.zeros(0, 3, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.float64)):
-        results = explainer.attribute(prompts, target=targets, images=[pixels(1, seed=1), empty])
-        assert results[1].image_attr is None
-        assert prefix_differences(explainer, results[0], PROMPT, TARGET[:2], pixels(1, seed=1)) < TOL
-        alone = explainer.attribute(prompts[1], target=[22])
-        assert (results[1].token_attr - alone.token_attr).abs().max() < TOL
