@@ -1,12 +1,12 @@
 """Sharded evaluation over 2 gloo processes, reduced with all_reduce_metrics, equals one process bit for bit."""
 import pytest
 import torch
+from distributed_runs import assert_reduced_equals_single, sharded_and_reduced_states
 
 from captum_transformers.errors import InputError
 from captum_transformers.evaluation import (ClassSpecificity, ModalityTokenRemoval, PixelPerturbation, RationaleF1,
                                             SegmentationScores, TokenActivation, TokenPruning, all_reduce_metrics,
                                             shard_indices)
-from distributed_runs import assert_reduced_equals_single, sharded_and_reduced_states
 
 N, SIZE, LENGTH, UNK = 11, 6, 7, 1
 

@@ -1,10 +1,10 @@
 """Comprehensiveness, Sufficiency and GenerationFaithfulness sharded over 2 gloo processes and reduced with
 all_reduce_metrics equal one process bit for bit."""
 import torch
+from distributed_runs import assert_reduced_equals_single, sharded_and_reduced_states
 
 from captum_transformers.evaluation.aopc import Comprehensiveness, Sufficiency
 from captum_transformers.evaluation.generation_faithfulness import GenerationFaithfulness
-from distributed_runs import assert_reduced_equals_single, sharded_and_reduced_states
 
 N, LENGTH, VOCAB, UNK, CLS = 11, 7, 20, 1, 2
 EMBED = torch.randn(VOCAB, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)

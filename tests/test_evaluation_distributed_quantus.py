@@ -1,11 +1,11 @@
 """The Quantus-defined metrics (PixelFlipping, RegionPerturbation, ROAD, Monotonicity), sharded over
 2 gloo processes and reduced with all_reduce_metrics, equal one process bit for bit."""
 import torch
+from distributed_runs import assert_reduced_equals_single, sharded_and_reduced_states
 
 from captum_transformers.evaluation.monotonicity import Monotonicity
 from captum_transformers.evaluation.pixel_flipping import PixelFlipping, RegionPerturbation
 from captum_transformers.evaluation.road import ROAD
-from distributed_runs import assert_reduced_equals_single, sharded_and_reduced_states
 
 N, SIZE = 9, 6
 WEIGHTS = torch.randn(3 * SIZE * SIZE, 3, generator=torch.Generator().manual_seed(1))
