@@ -3,27 +3,20 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 
 import pytest
 import torch
+from benchmark_scripts import benchmark_script
 
 pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "attention_methods.py")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("attention_methods_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_script("attention_methods.py", "attention_methods_benchmark") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_quick_benchmark_prints_every_method(bench, capsys):

@@ -1,29 +1,17 @@
 """benchmarks/generation_cost.py --quick runs in process and prints every row (no timing checks)."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 import torch
+from benchmark_scripts import benchmark_script
 
 pytest.importorskip("transformers")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "generation_cost.py")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("generation_cost_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_script("generation_cost.py", "generation_cost_benchmark") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_quick_run_prints_every_operation_and_ratio(bench, capsys):

@@ -1,28 +1,16 @@
 """benchmarks/gpu_long_context.py --tiny runs on the CPU and prints every row (no timing checks)."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
+from benchmark_scripts import benchmark_script
 
 pytest.importorskip("transformers")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_long_context.py")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("gpu_long_context_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_script("gpu_long_context.py", "gpu_long_context_benchmark") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_tiny_cpu_run_prints_one_row_per_operation(bench, capsys):
