@@ -26,11 +26,9 @@ Example::
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -43,6 +41,7 @@ from .digit_captioner import (LLAVA_CONFIG, PRE_NORM_GAIN, RECORD_FILE, TEXT_CON
                               captioner_tokenizer, vision_tower_from_digit_vit)
 from .digit_model import load_digit_model
 from .shipped_weights import save_shipped
+from .training_loop import deterministic_algorithms, round_to_float16, train_keeping_best
 
 DEFAULT_STEPS = 5000
 DEFAULT_SEED = 0
@@ -102,14 +101,6 @@ def _learning_rate(step: int, total: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
-def _round_to_float16(model: torch.nn.Module) -> torch.nn.Module:
-    """The model with every floating tensor rounded through float16: what the shipped file holds."""
-    rounded = copy.deepcopy(model)
-    rounded.load_state_dict({k: v.half().float() if v.is_floating_point() else v
-                             for k, v in model.state_dict().items()})
-    return rounded.eval()
-
-
 def train(steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED, evaluate_n: Optional[int] = None,
           log=None) -> Dict[str, Any]:
     """Fine-tune a captioner; returns the best-on-val model (float16-rounded) and its scores.
@@ -125,9 +116,7 @@ def train(steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED, evaluate_n: Opti
     tokenizer = captioner_tokenizer()
     val = digit_canvases("val", "two", n=min(VAL_N, evaluate_n), seed=VAL_SEED)
     torch.manual_seed(seed)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms():
         model = build_digit_captioner()
         vision_tower_from_digit_vit(model, load_digit_model())
         tower = [p for name, p in model.named_parameters() if ".vision_tower." in f".{name}"]
@@ -135,40 +124,17 @@ def train(steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED, evaluate_n: Opti
         optimizer = torch.optim.AdamW([{"params": tower, "base_lr": TOWER_LEARNING_RATE},
                                        {"params": rest, "base_lr": LEARNING_RATE}], lr=LEARNING_RATE,
                                       weight_decay=WEIGHT_DECAY)
-        losses, best, best_score, best_step = [], None, -1.0, 0
-        start, cpu_start = time.perf_counter(), time.process_time()
-        for step in range(steps):
-            model.train()
-            # Each step's canvases come from their own seeded stream: fresh data, reproducible.
-            batch = training_batch(tokenizer, digit_canvases("train", "two", n=BATCH_SIZE,
-                                                             seed=seed * 1_000_003 + step))
-            for group in optimizer.param_groups:
-                group["lr"] = group["base_lr"] * _learning_rate(step, steps)
-            loss = model(**batch).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            losses.append(loss.item())
-            if (step + 1) % EVAL_EVERY == 0 or step + 1 == steps:
-                model.eval()
-                score = teacher_forced_accuracy(model, tokenizer, val)
-                if log is not None:
-                    recent = losses[-EVAL_EVERY:]
-                    log(f"step {step + 1}/{steps} loss {sum(recent) / len(recent):.4f} val digit accuracy "
-                        f"{score:.4f} ({time.perf_counter() - start:.0f} s)")
-                if score > best_score:
-                    best, best_score, best_step = copy.deepcopy(model.state_dict()), score, step + 1
-                if score >= TARGET_VAL_ACCURACY:
-                    break
-        train_seconds, train_cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-        model.load_state_dict(best)
-        shipped = _round_to_float16(model)
+        # Each step's canvases come from their own seeded stream: fresh data, reproducible.
+        run = train_keeping_best(
+            model, optimizer, steps,
+            batch_at=lambda step: training_batch(tokenizer, digit_canvases("train", "two", n=BATCH_SIZE,
+                                                                           seed=seed * 1_000_003 + step)),
+            learning_rate=lambda step, group: group["base_lr"] * _learning_rate(step, steps),
+            validate=lambda trained: teacher_forced_accuracy(trained, tokenizer, val),
+            eval_every=EVAL_EVERY, target=TARGET_VAL_ACCURACY, log=log, score_name="val digit accuracy")
+        shipped = round_to_float16(model)
         test = caption_accuracy(shipped, tokenizer, digit_canvases("test", "two", n=evaluate_n, seed=TEST_SEED))
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
-    return {"model": shipped, "losses": losses, "best_step": best_step, "steps_run": len(losses), "val": best_score,
-            "test": test, "train_seconds": train_seconds, "train_cpu_seconds": train_cpu_seconds}
+    return {"model": shipped, **run, "test": test}
 
 
 def save(result: Dict[str, Any], out: Path, command: str, steps: int, seed: int) -> Path:

@@ -27,12 +27,10 @@ Example::
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import os
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -42,6 +40,7 @@ from ..errors import InputError
 from .recall_model import MAX_NEW_TOKENS, MODEL_CONFIG, RECORD_FILE, WEIGHTS_FILE, build_recall_model, recall_tokenizer
 from .recall_task import EOS, QUERY_MARK, RecallExample, recall_examples, vocabulary
 from .shipped_weights import save_shipped
+from .training_loop import deterministic_algorithms, round_to_float16, train_keeping_best
 
 DEFAULT_STEPS = 3000
 DEFAULT_SEED = 0
@@ -180,13 +179,6 @@ def _learning_rate(step: int, total: int) -> float:
     return LEARNING_RATE * 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
-def _round_to_float16(model: torch.nn.Module) -> torch.nn.Module:
-    """The model with every parameter rounded through float16: what the shipped file holds."""
-    rounded = copy.deepcopy(model)
-    rounded.load_state_dict({k: v.half().float() for k, v in model.state_dict().items()})
-    return rounded.eval()
-
-
 def train(steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED, evaluate_n: Optional[int] = None,
           log=None) -> Dict[str, Any]:
     """Train a recall Llama from scratch; returns the best-on-val model (float16-rounded) and its scores.
@@ -204,51 +196,28 @@ def train(steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED, evaluate_n: Opti
     pad_id = tokenizer.pad_token_id
     val_examples = recall_examples(min(VAL_N, evaluate_n), seed=VAL_SEED, split="val")
     torch.manual_seed(seed)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+
+    def batch_at(step: int) -> Dict[str, torch.Tensor]:
+        # Each step's prompts come from their own seeded stream: fresh data, reproducible.
+        examples = recall_examples(BATCH_SIZE, seed=seed * 1_000_003 + step, split="train")
+        asked = random.Random(f"extra:{seed}:{step}")
+        # Keys asked again with replacement: a key asked twice is a plain copy of its earlier
+        # answer, which forms the induction circuit the first answer needs (without repeats the
+        # model sat on the "any value word" plateau; with them, val 0.99 in ~500 steps).
+        extra = [[asked.choice([key for key, _ in e.pairs]) for _ in range(EXTRA_QUERIES)] for e in examples]
+        return collate(examples, pad_id, extra)
+
+    with deterministic_algorithms():
         model = build_recall_model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
-        losses, best, best_score, best_step = [], None, -1.0, 0
-        start, cpu_start = time.perf_counter(), time.process_time()
-        for step in range(steps):
-            model.train()
-            # Each step's prompts come from their own seeded stream: fresh data, reproducible.
-            examples = recall_examples(BATCH_SIZE, seed=seed * 1_000_003 + step, split="train")
-            asked = random.Random(f"extra:{seed}:{step}")
-            # Keys asked again with replacement: a key asked twice is a plain copy of its earlier
-            # answer, which forms the induction circuit the first answer needs (without repeats the
-            # model sat on the "any value word" plateau; with them, val 0.99 in ~500 steps).
-            extra = [[asked.choice([key for key, _ in e.pairs]) for _ in range(EXTRA_QUERIES)] for e in examples]
-            batch = collate(examples, pad_id, extra)
-            for group in optimizer.param_groups:
-                group["lr"] = _learning_rate(step, steps)
-            loss = model(**batch).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            losses.append(loss.item())
-            if (step + 1) % EVAL_EVERY == 0 or step + 1 == steps:
-                model.eval()
-                score = teacher_forced_accuracy(model, val_examples, pad_id)
-                if log is not None:
-                    recent = losses[-EVAL_EVERY:]
-                    log(f"step {step + 1}/{steps} loss {sum(recent) / len(recent):.4f} val value-word "
-                        f"accuracy {score:.4f} ({time.perf_counter() - start:.0f} s)")
-                if score > best_score:
-                    best, best_score, best_step = copy.deepcopy(model.state_dict()), score, step + 1
-                if score >= TARGET_VAL_ACCURACY:
-                    break
-        train_seconds, train_cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-        model.load_state_dict(best)
-        shipped = _round_to_float16(model)
+        run = train_keeping_best(model, optimizer, steps, batch_at,
+                                 learning_rate=lambda step, group: _learning_rate(step, steps),
+                                 validate=lambda trained: teacher_forced_accuracy(trained, val_examples, pad_id),
+                                 eval_every=EVAL_EVERY, target=TARGET_VAL_ACCURACY, log=log,
+                                 score_name="val value-word accuracy")
+        shipped = round_to_float16(model)
         test = generation_accuracy(shipped, tokenizer, recall_examples(evaluate_n, seed=TEST_SEED, split="test"))
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
-    return {"model": shipped, "losses": losses, "best_step": best_step, "steps_run": len(losses), "val": best_score,
-            "test": test,
-            "train_seconds": train_seconds, "train_cpu_seconds": train_cpu_seconds}
+    return {"model": shipped, **run, "test": test}
 
 
 def save(result: Dict[str, Any], out: Path, command: str, steps: int, seed: int) -> Path:
