@@ -25,7 +25,6 @@ Example::
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -41,6 +40,7 @@ from .digit_captioner import (LLAVA_CONFIG, PRE_NORM_GAIN, RECORD_FILE, TEXT_CON
                               captioner_tokenizer, vision_tower_from_digit_vit)
 from .digit_model import load_digit_model
 from .shipped_weights import save_shipped
+from .training_command import parse_training_command
 from .training_loop import deterministic_algorithms, round_to_float16, train_keeping_best
 
 DEFAULT_STEPS = 5000
@@ -167,19 +167,8 @@ def save(result: Dict[str, Any], out: Path, command: str, steps: int, seed: int)
 
 
 def main(argv=None) -> int:
-    default_out = Path(__file__).resolve().parent.parent / "assets" / WEIGHTS_FILE
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=default_out,
-                        help=f"weights path (default: {default_out}); the record goes beside it with suffix "
-                             f".json ({RECORD_FILE} for the default)")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
-                        help="CPU threads (the same seed and thread count give the same weights)")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    command = "python -m captum_transformers.tasks.train_captioner " + " ".join(
-        f"--{name} {getattr(args, name)}" for name in ("steps", "seed", "threads"))
+    args, command = parse_training_command("train_captioner", __doc__.split("\n\n")[0], WEIGHTS_FILE, RECORD_FILE,
+                                           DEFAULT_STEPS, DEFAULT_SEED, DEFAULT_THREADS, argv)
     result = train(args.steps, args.seed, log=lambda line: print(line, file=sys.stderr, flush=True))
     path = save(result, args.out, command, args.steps, args.seed)
     print(f"test digit accuracy {result['test']['digit_accuracy']:.4f}, exact captions "

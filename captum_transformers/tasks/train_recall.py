@@ -26,7 +26,6 @@ Example::
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import random
@@ -40,6 +39,7 @@ from ..errors import InputError
 from .recall_model import MAX_NEW_TOKENS, MODEL_CONFIG, RECORD_FILE, WEIGHTS_FILE, build_recall_model, recall_tokenizer
 from .recall_task import EOS, QUERY_MARK, RecallExample, recall_examples, vocabulary
 from .shipped_weights import save_shipped
+from .training_command import parse_training_command
 from .training_loop import deterministic_algorithms, round_to_float16, train_keeping_best
 
 DEFAULT_STEPS = 3000
@@ -244,19 +244,8 @@ def save(result: Dict[str, Any], out: Path, command: str, steps: int, seed: int)
 
 
 def main(argv=None) -> int:
-    default_out = Path(__file__).resolve().parent.parent / "assets" / WEIGHTS_FILE
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=default_out,
-                        help=f"weights path (default: {default_out}); the record goes beside it with suffix "
-                             f".json ({RECORD_FILE} for the default)")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
-                        help="CPU threads (the same seed and thread count give the same weights)")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    command = "python -m captum_transformers.tasks.train_recall " + " ".join(
-        f"--{name} {getattr(args, name)}" for name in ("steps", "seed", "threads"))
+    args, command = parse_training_command("train_recall", __doc__.split("\n\n")[0], WEIGHTS_FILE, RECORD_FILE,
+                                           DEFAULT_STEPS, DEFAULT_SEED, DEFAULT_THREADS, argv)
     result = train(args.steps, args.seed, log=lambda line: print(line, flush=True))
     path = save(result, args.out, command, args.steps, args.seed)
     print(f"test token accuracy {result['test']['tokens']:.4f}, exact answers {result['test']['exact_answer']:.4f} "
