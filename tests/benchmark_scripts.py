@@ -21,3 +21,9 @@ def benchmark_script(file_name: str, module_name: str):
         yield module
     finally:
         sys.modules.pop(spec.name, None)
+
+
+def load_benchmark_script(file_name: str, module_name: str):
+    """``benchmarks/<file_name>`` loaded as module ``module_name``, registered in ``sys.modules`` only while it runs."""
+    with benchmark_script(file_name, module_name) as module:
+        return module

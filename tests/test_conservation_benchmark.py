@@ -2,28 +2,15 @@
 the identity-activation row conserves, the table has one row per method and class."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 import torch
+from benchmark_scripts import load_benchmark_script
 
 transformers = pytest.importorskip("transformers")
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
-                      "conservation_movie.py")
-
 
 def _load():
-    spec = importlib.util.spec_from_file_location("conservation_movie_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(spec.name, None)
-    return module
+    return load_benchmark_script("conservation_movie.py", "conservation_movie_benchmark")
 
 
 def test_measure_and_table_on_a_tiny_bias_free_bert():

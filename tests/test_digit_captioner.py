@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark_script
 
 pytest.importorskip("transformers")
 
@@ -126,19 +127,7 @@ def test_training_is_seeded():
 
 
 def _benchmark():
-    import importlib.util
-    import os
-    import sys
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
-                        "caption_mask_share.py")
-    spec = importlib.util.spec_from_file_location("caption_mask_share_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(spec.name, None)
-    return module
+    return load_benchmark_script("caption_mask_share.py", "caption_mask_share_benchmark")
 
 
 def test_mask_share_counts_positive_mass_on_the_written_digit_against_both():
