@@ -14,6 +14,7 @@ import torch
 from generation_models import IdTokenizer
 from restore import assert_same, raising_after, snapshot
 from vlm_family_models import GEMMA_SIZE, GEMMA_TOKENS, IMAGE, PATCH, build_gemma3, gemma_pixels, gemma_prompt
+from vlm_generation_checks import worst_difference
 
 from captum_transformers import (AttentionFlow, AttentionGradCAM, AttentionRollout, AttnLRP, ConservativeLRP,
                                  GenericAttention, InputError, PartialLRP, RawAttention, TransformerLRP,
@@ -111,18 +112,6 @@ def single_step_rows(explainer, prompt, target, pixels):
         single = explainer.attribute(torch.tensor(prompt + target[:t]), target=[token], pixel_values=pixels)
         rows.append((single.token_attr[0], single.image_attr[0]))
     return rows
-
-
-def worst_difference(result, rows) -> float:
-    worst = 0.0
-    for t, (text, image) in enumerate(rows):
-        prompt_part = result.token_attr.shape[1]
-        worst = max(worst, (result.token_attr[t] - text[:prompt_part]).abs().max().item(),
-                    (result.image_attr[t] - image).abs().max().item())
-        if t:
-            worst = max(worst, (result.target_attr[t, :t] - text[prompt_part:]).abs().max().item())
-        assert not result.target_attr[t, t:].any(), f"step {t} credits output tokens it never read"
-    return worst
 
 
 @pytest.mark.parametrize("name", list(METHODS))

@@ -14,6 +14,7 @@ from generation_models import EOS, IdTokenizer
 from restore import assert_same, raising_after, snapshot
 from vlm_family_models import (IMAGE, MERGE, PATCH, TEMPORAL, build_qwen2_5_vl, build_qwen2_vl, qwen_pixels,
                                qwen_prompt)
+from vlm_generation_checks import worst_difference
 
 from captum_transformers import (AttentionFlow, AttentionGradCAM, AttentionRollout, AttnLRP, ConservativeLRP,
                                  GenericAttention, InputError, PartialLRP, RawAttention, TransformerLRP,
@@ -204,18 +205,6 @@ def plain_scores(model, prompt, target, images) -> torch.Tensor:
     with torch.no_grad():
         logits = model(ids, **images, mm_token_type_ids=(ids == IMAGE).int()).logits[0, len(prompt) - 1:]
     return logits[torch.arange(len(target)), torch.tensor(target)]
-
-
-def worst_difference(result, rows) -> float:
-    worst = 0.0
-    for t, (text, image) in enumerate(rows):
-        prompt_part = result.token_attr.shape[1]
-        worst = max(worst, (result.token_attr[t] - text[:prompt_part]).abs().max().item(),
-                    (result.image_attr[t] - image).abs().max().item())
-        if t:
-            worst = max(worst, (result.target_attr[t, :t] - text[prompt_part:]).abs().max().item())
-        assert not result.target_attr[t, t:].any(), f"step {t} credits output tokens it never read"
-    return worst
 
 
 @pytest.mark.parametrize("name", list(METHODS))

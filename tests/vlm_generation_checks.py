@@ -1,5 +1,6 @@
-"""What the LLaVA generation tests share: the tiny model built once, the prompt and target, the methods, and
-the per-row check against one-step calls on each prefix (tests/test_vlm_generation.py, tests/test_vlm_inputs.py)."""
+"""What the vision-language generation tests share: for LLaVA (tests/test_vlm_generation.py, test_vlm_inputs.py)
+the tiny model built once, the prompt and target, the methods and the per-row check against one-step calls on each
+prefix; for Qwen2-VL and Gemma 3 (test_vlm_qwen2.py, test_vlm_gemma3.py) the same check on precomputed rows."""
 from __future__ import annotations
 
 import torch
@@ -54,4 +55,18 @@ def prefix_differences(explainer, result, prompt, target, images):
         parts += [(a[t], b[0]) for a, b in zip(mine, theirs)] + [(a[t], b[0]) for a, b in zip(mine_tokens, their_tokens)]
         for a, b in parts:
             worst = max(worst, (a - b).abs().max().item() if a.numel() else 0.0)
+    return worst
+
+
+def worst_difference(result, rows) -> float:
+    """Largest |difference| of each row of ``result`` with ``rows`` (one (text + earlier output, image) map pair
+    per step, from one-step calls on each prefix); each step must give no credit to outputs it has not read."""
+    worst = 0.0
+    for t, (text, image) in enumerate(rows):
+        prompt_part = result.token_attr.shape[1]
+        worst = max(worst, (result.token_attr[t] - text[:prompt_part]).abs().max().item(),
+                    (result.image_attr[t] - image).abs().max().item())
+        if t:
+            worst = max(worst, (result.target_attr[t, :t] - text[prompt_part:]).abs().max().item())
+        assert not result.target_attr[t, t:].any(), f"step {t} credits output tokens it never read"
     return worst
