@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from .vision_language import IMAGE_STREAM, TEXT_STREAM, ImageTokens, VisionLanguageAdapter
+from .vision_language import IMAGE_STREAM, TEXT_STREAM, ImageTokens, VisionLanguageAdapter, placeholders_per_image
 
 
 def _gemma(model: nn.Module) -> nn.Module:
@@ -98,16 +98,9 @@ class Gemma3Adapter(VisionLanguageAdapter):
             raise InputError(f"input_ids hold {len(found)} image tokens (id {config.image_token_id}) but "
                              f"{pixels.shape[0]} image(s) give {per_image} tokens each; expand each image's "
                              "placeholder to mm_tokens_per_image tokens (as Gemma3Processor does).")
-        images = []
-        for i in range(pixels.shape[0]):
-            chunk = found[i * per_image:(i + 1) * per_image]
-            examples = {b for b, _ in chunk}
-            if len(examples) != 1:
-                raise InputError(f"Image {i}'s {per_image} placeholder tokens are split over examples "
-                                 f"{sorted(examples)}; each image's tokens must sit in one prompt.")
-            positions = torch.tensor([p for _, p in chunk], dtype=torch.long)
-            images.append(ImageTokens(chunk[0][0], positions, i, (0, grid * grid), token_map, (grid, grid),
-                                      torch.arange(grid * grid), (size, size)))
+        images = [ImageTokens(example, positions, i, (0, grid * grid), token_map, (grid, grid),
+                              torch.arange(grid * grid), (size, size))
+                  for i, (example, positions) in enumerate(placeholders_per_image(found, [per_image] * len(pixels)))]
         return images
 
     def pixel_relevance(self, model: nn.Module, products: Mapping[str, torch.Tensor],

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError, UnsupportedModelError
-from .vision_language import IMAGE_STREAM, TEXT_STREAM, ImageTokens, VisionLanguageAdapter
+from .vision_language import IMAGE_STREAM, TEXT_STREAM, ImageTokens, VisionLanguageAdapter, placeholders_per_image
 
 
 def _config(model: nn.Module) -> Any:
@@ -145,16 +145,8 @@ class LlavaAdapter(VisionLanguageAdapter):
         token_map = torch.zeros(per_image, vision_tokens, dtype=torch.float64)
         token_map[torch.arange(per_image), torch.arange(per_image) + dropped] = 1.0
         cells = torch.arange(cls, vision_tokens)
-        images = []
-        for i in range(pixels.shape[0]):
-            chunk = found[i * per_image:(i + 1) * per_image]
-            examples = {b for b, _ in chunk}
-            if len(examples) != 1:
-                raise InputError(f"Image {i}'s {per_image} placeholder tokens are split over examples "
-                                 f"{sorted(examples)}; each image's tokens must sit in one prompt.")
-            positions = torch.tensor([p for _, p in chunk], dtype=torch.long)
-            images.append(ImageTokens(chunk[0][0], positions, i, (0, vision_tokens), token_map, grid, cells,
-                                      (height, width)))
+        images = [ImageTokens(example, positions, i, (0, vision_tokens), token_map, grid, cells, (height, width))
+                  for i, (example, positions) in enumerate(placeholders_per_image(found, [per_image] * len(pixels)))]
         return images
 
     def pixel_relevance(self, model: nn.Module, products: Mapping[str, torch.Tensor],

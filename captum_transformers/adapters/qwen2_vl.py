@@ -51,7 +51,7 @@ from ..capture import patching
 from ..capture.recorder import Recorder
 from ..errors import InputError
 from .qwen2_vl_geometry import ImageGrid, image_grids, patch_row_spans, patchify
-from .vision_language import IMAGE_STREAM, TEXT_STREAM, ImageTokens, VisionLanguageAdapter
+from .vision_language import IMAGE_STREAM, TEXT_STREAM, ImageTokens, VisionLanguageAdapter, placeholders_per_image
 
 
 def _qwen(model: nn.Module) -> nn.Module:
@@ -200,18 +200,13 @@ class Qwen2VLAdapter(VisionLanguageAdapter):
                              f"images' grids {[(g.h, g.w) for g in grids]} give {[g.num_tokens for g in grids]} "
                              "tokens; expand each image's placeholder to h*w/merge^2 tokens (as the processor does).")
         order = window_order(model, self._flat_inputs(model, image_inputs)["image_grid_thw"].cpu())
+        runs = placeholders_per_image(found, [g.num_tokens for g in grids])
         images, start = [], 0
-        for index, (grid, span) in enumerate(zip(grids, patch_row_spans(grids))):
-            chunk = found[start:start + grid.num_tokens]
-            examples = {b for b, _ in chunk}
-            if len(examples) != 1:
-                raise InputError(f"Image {index}'s {grid.num_tokens} placeholder tokens are split over examples "
-                                 f"{sorted(examples)}; each image's tokens must sit in one prompt.")
+        for (example, positions), grid, span in zip(runs, grids, patch_row_spans(grids)):
             places = tower_places(grid, order, start)
             start += grid.num_tokens
-            positions = torch.tensor([p for _, p in chunk], dtype=torch.long)
             # The tower's one flat row (vision_row 0): the image's patches are rows span of it.
-            images.append(ImageTokens(chunk[0][0], positions, 0, span, merge_map(grid, places), (grid.h, grid.w),
+            images.append(ImageTokens(example, positions, 0, span, merge_map(grid, places), (grid.h, grid.w),
                                       grid_order(grid, places), grid.image_size))
         return images
 

@@ -237,3 +237,26 @@ def split_by_example(images: Sequence[ImageTokens], batch: int) -> Dict[int, Lis
     for index, image in enumerate(images):
         owned[image.example].append(index)
     return owned
+
+
+def placeholders_per_image(found: Sequence[Tuple[int, int]], counts: Sequence[int]) -> List[Tuple[int, torch.Tensor]]:
+    """Split the row-major placeholder ``(example, position)`` pairs (:meth:`VisionLanguageAdapter.
+    image_token_positions`) into one run per image, ``counts[i]`` tokens for image ``i``; returns
+    ``(example, positions)`` per image. An image's run must sit in one example (the caller has checked
+    that ``len(found) == sum(counts)``).
+
+    Example::
+
+        >>> placeholders_per_image([(0, 2), (0, 3), (1, 1), (1, 2)], [2, 2])
+        [(0, tensor([2, 3])), (1, tensor([1, 2]))]
+    """
+    runs, start = [], 0
+    for index, count in enumerate(counts):
+        chunk = found[start:start + count]
+        start += count
+        examples = {b for b, _ in chunk}
+        if len(examples) != 1:
+            raise InputError(f"Image {index}'s {count} placeholder tokens are split over examples "
+                             f"{sorted(examples)}; each image's tokens must sit in one prompt.")
+        runs.append((chunk[0][0], torch.tensor([p for _, p in chunk], dtype=torch.long)))
+    return runs
