@@ -44,12 +44,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peak_memory import _tight_malloc, peak_bytes  # noqa: E402
+from peak_memory import measure_on_random_ids  # noqa: E402
 
 METHODS = ("AttnLRP", "ConservativeLRP", "GenericAttention", "TransformerRelevance", "AttentionGradCAM")
 
@@ -92,17 +91,7 @@ def operation(name: str, model, ids: torch.Tensor, target: int, kept: bool):
 
 def cell(name: str, kept: bool, tokens: int) -> dict:
     torch.set_num_threads(1)
-    model = build_model()
-    ids = torch.randint(3, 512, (1, tokens), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        target = int(model(ids[:, :16], logits_to_keep=1).logits[0, -1].argmax())
-    operation(name, model, ids[:, :16], target, kept)()  # lazy imports and kernels, on a short input
-    run = operation(name, model, ids, target, kept)
-    _tight_malloc()
-    peak, exact = peak_bytes(run, warmup=False)
-    start = time.process_time()
-    run()
-    return {"peak": peak, "exact": exact, "cpu": time.process_time() - start}
+    return measure_on_random_ids(build_model(), tokens, lambda m, ids, target: operation(name, m, ids, target, kept))
 
 
 def main() -> None:

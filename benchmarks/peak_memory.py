@@ -12,6 +12,7 @@ import ctypes
 import gc
 import resource
 import sys
+import time
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -116,3 +117,21 @@ def peak_bytes(op: Callable[[], object], device: str = "cpu", warmup: bool = Tru
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     del result
     return max(after - before, 0) * scale, False
+
+
+def measure_on_random_ids(model, tokens: int, make_run: Callable[[object, torch.Tensor, int], Callable[[], object]]
+                          ) -> dict:
+    """One subprocess cell of the long-input benchmarks: ``tokens`` seeded random ids, the target the model
+    predicts after the first 16, ``make_run(model, ids, target)`` warmed up once on those 16 (lazy imports and
+    kernels), then the peak memory (glibc returning freed buffers at once) and CPU seconds of one run on all ids.
+    Returns ``{"peak": bytes, "exact": bool, "cpu": seconds}``."""
+    ids = torch.randint(3, 512, (1, tokens), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        target = int(model(ids[:, :16], logits_to_keep=1).logits[0, -1].argmax())
+    make_run(model, ids[:, :16], target)()
+    run = make_run(model, ids, target)
+    _tight_malloc()
+    peak, exact = peak_bytes(run, warmup=False)
+    start = time.process_time()
+    run()
+    return {"peak": peak, "exact": exact, "cpu": time.process_time() - start}
