@@ -101,9 +101,10 @@ def test_transformer_relevance_from_one_forward_equals_two_forwards(case):
     assert two.abs().max() > 1e-3
 
 
-def _attention_of_kept_maps(scores_fn, query, key, value, *extras, softmax_dtype=None, observer=None):
+def _attention_of_kept_maps(scores_fn, query, key, value, *extras, softmax_dtype=None, observer=None, keep_map=True):
     """The attention as separate operations (each under its own rule Function, keeping the
-    scores and the map), its map's gradient reported through a tensor hook."""
+    scores and the map), its map's gradient reported through a tensor hook (``keep_map``: this
+    stand-in always keeps it)."""
     probs = torch.softmax(scores_fn(query, key, *extras), dim=-1, dtype=softmax_dtype).to(query.dtype)
     if observer is not None and probs.requires_grad:
         kept = probs.detach()
