@@ -48,7 +48,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peak_memory import measure_on_random_ids  # noqa: E402
+from peak_memory import measure_on_random_ids, plain_gradient_run  # noqa: E402
 
 METHODS = ("AttnLRP", "ConservativeLRP", "GenericAttention", "TransformerRelevance", "AttentionGradCAM")
 
@@ -67,17 +67,11 @@ def build_model():
 def operation(name: str, model, ids: torch.Tensor, target: int, kept: bool):
     from captum_transformers.capture.checkpointing import keep_gradient_checkpointing
     if name == "reference":
-        embeddings = model.get_input_embeddings()(ids).detach()
         if not kept:  # the layers run plainly, as inside a default explanation
             for module in model.modules():
                 if getattr(module, "gradient_checkpointing", False):
                     module.gradient_checkpointing = False
-
-        def run():
-            leaf = embeddings.clone().requires_grad_(True)
-            logits = model(inputs_embeds=leaf, logits_to_keep=1).logits
-            return torch.autograd.grad(logits[0, -1, target], leaf)[0]
-        return run
+        return plain_gradient_run(model, ids, target)
     import captum_transformers as ct
     method = getattr(ct, name)(model)
 

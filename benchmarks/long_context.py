@@ -59,7 +59,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peak_memory import measure_on_random_ids  # noqa: E402
+from peak_memory import measure_on_random_ids, plain_gradient_run  # noqa: E402
 
 METHODS = ("GenericAttention", "TransformerRelevance", "AttentionRollout", "AttnLRP", "AttentionGradCAM",
            "RawAttention")
@@ -76,13 +76,7 @@ def build_model(impl: str):
 
 def operation(name: str, model, ids: torch.Tensor, target: int):
     if name == "reference":
-        embeddings = model.get_input_embeddings()(ids).detach()
-
-        def run():
-            leaf = embeddings.clone().requires_grad_(True)
-            logits = model(inputs_embeds=leaf, logits_to_keep=1).logits
-            return torch.autograd.grad(logits[0, -1, target], leaf)[0]
-        return run
+        return plain_gradient_run(model, ids, target)
     import captum_transformers as ct
     method = getattr(ct, name)(model)
     return lambda: method.attribute(ids, target=target, return_tokens=True)

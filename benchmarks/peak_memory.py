@@ -135,3 +135,15 @@ def measure_on_random_ids(model, tokens: int, make_run: Callable[[object, torch.
     start = time.process_time()
     run()
     return {"peak": peak, "exact": exact, "cpu": time.process_time() - start}
+
+
+def plain_gradient_run(model, ids: torch.Tensor, target: int) -> Callable[[], torch.Tensor]:
+    """The reference the explanations are measured against: one forward (head at the last
+    position) and one backward to the input embeddings, as a callable."""
+    embeddings = model.get_input_embeddings()(ids).detach()
+
+    def run():
+        leaf = embeddings.clone().requires_grad_(True)
+        logits = model(inputs_embeds=leaf, logits_to_keep=1).logits
+        return torch.autograd.grad(logits[0, -1, target], leaf)[0]
+    return run
