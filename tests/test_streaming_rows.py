@@ -6,7 +6,8 @@ agree to 1e-12 in float64 on batches of 2 (padding in the second text example):
 
 1. every attention method on HF Llama (GQA, causal, padding; eager and sdpa), BERT, ViT, timm
    ViT and Swin, with the map recomputed one query row at a time (the chunked kernels), and the
-   stream's decision recorded (streamed on dense layouts, declined on Swin's windows);
+   stream's decision recorded (streamed on dense layouts, declined on Swin's windows; Grad-CAM
+   streams text only, where each row is weighted as its gradient arrives);
 2. a map that reaches the stream out of order is kept until its turn (same rows);
 3. on a causal model the chunked kernel stops each chunk at its last open key (fewer keys than
    the sequence) and no (B, H, N, N) map is made in the forward pass.
@@ -58,6 +59,7 @@ MODELS = {
     "hf swin": _swin,
 }
 STREAMED = {"llama eager", "llama sdpa", "bert sdpa", "vit eager", "timm vit"}
+IMAGES = {"vit eager", "timm vit", "hf swin"}
 
 
 @pytest.fixture
@@ -88,10 +90,13 @@ def test_streamed_rows_equal_the_dense_path(model_name, method_name, one_row_chu
     torch.testing.assert_close(streamed, trace.layout.returned(dense), rtol=0, atol=1e-12)
     if method_name != "AttentionGradCAM":  # rectified: may be all zero on a random model
         assert streamed.abs().max() > 1e-3  # not a trivially equal zero map
-    if method_name == "GenericAttention":
+    if method_name in ("GenericAttention", "TransformerRelevance"):
         assert stream.streamed == (model_name in STREAMED), stream.reason
         assert bool(chunked) == (model_name in STREAMED), "chunks of rows where (and only where) rows stream"
-    if model_name == "hf swin" and method_name == "GenericAttention":
+    if method_name == "AttentionGradCAM":  # weighted per row as the gradient arrives: text only
+        text = model_name in STREAMED - IMAGES
+        assert (stream is not None and stream.streamed) == text and bool(chunked) == text
+    if model_name == "hf swin" and method_name in ("GenericAttention", "TransformerRelevance"):
         assert "windowed" in stream.reason
 
 

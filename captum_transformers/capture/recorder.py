@@ -112,15 +112,27 @@ class SiteObserver:
     @property
     def takes_rows(self) -> bool:
         """Whether the kernel may hand the map over in chunks of query rows (:meth:`rows`, then
-        :meth:`done`): the recorder streams it (:class:`~..methods.streaming_rows.RowStream`)."""
-        return self.wanted and not self.deferred and self.recorder.streams_site(self.site)
+        :meth:`done`): the recorder streams it (:class:`~..methods.streaming_rows.RowStream`).
+        A deferring pass (the first of a pair) takes rows too when the stream pairs the two passes:
+        it then hands nothing over, and the second pass hands both gradients per chunk."""
+        return self.wanted and self.recorder.streams_site(self.site)
+
+    @property
+    def streams_unread(self) -> bool:
+        """Whether the map is not reduced in this pass (:attr:`wanted` is False) while the recorder
+        streams the maps it does reduce: the kernel may then differentiate it in chunks of rows
+        too, handing nothing over (no whole map where the reduced ones are streamed)."""
+        return not self.wanted and self.site is not None and self.recorder is not None \
+            and self.recorder.spec.row_stream is not None and self.recorder.streams_site(self.site)
 
     def __call__(self, probs: torch.Tensor, grad: torch.Tensor) -> None:
         self.recorder.reduce_gradient(self.site, grad, probs)
 
-    def rows(self, rows: slice, probs: torch.Tensor, grad: torch.Tensor) -> None:
-        """Query rows ``rows`` of the map (B, H, c, K) and of the gradient at it."""
-        self.recorder.reduce_rows(self.site, rows, probs, grad)
+    def rows(self, rows: slice, probs: torch.Tensor, grad: torch.Tensor,
+             first: Optional[torch.Tensor] = None) -> None:
+        """Query rows ``rows`` of the map (B, H, c, K) and of the gradient at it; ``first``: the
+        deferred first pass's gradient at those rows (a pair), reduced before ``grad``."""
+        self.recorder.reduce_rows(self.site, rows, probs, grad, first)
 
     def done(self) -> None:
         """Every row of the map was handed over (:meth:`rows`)."""
@@ -285,7 +297,8 @@ class Recorder:
         value = self._reduce(self.spec, site, site.probs if probs is None else probs, grad)
         if not self.keep_probs:
             site.probs = None
-        if self.streams_site(site):  # folded into the explained rows and dropped
+        # Folded into the explained rows and dropped; a pair's first pass only kept what its spec keeps.
+        if not self.keep_probs and self.streams_site(site):
             self.spec.row_stream.fold(site.call_index, value)
             return
         site.backward_value = value
@@ -295,12 +308,17 @@ class Recorder:
         stream = self.spec.row_stream
         return stream is not None and stream.accepts(self)
 
-    def reduce_rows(self, site: Site, rows: slice, probs: torch.Tensor, grad: torch.Tensor) -> None:
-        """Reduce query rows ``rows`` of a streamed site's map (B, H, c, K) into its row stream."""
-        extra = {"call_index": site.call_index} if self.spec.pass_call_index else {}
+    def reduce_rows(self, site: Site, rows: slice, probs: torch.Tensor, grad: torch.Tensor,
+                    first: Optional[torch.Tensor] = None) -> None:
+        """Reduce query rows ``rows`` of a streamed site's map (B, H, c, K) into its row stream;
+        ``first``: the previous pass's gradient at those rows, reduced first (a pair)."""
         valid = self.valid_pairs(site, rows)
         if valid is not None:  # the kernel may stop at the last key these rows attend to
             valid = valid[..., :probs.shape[-1]]
+        if first is not None:
+            extra = {"call_index": site.call_index} if self.first_spec.pass_call_index else {}
+            self.first_spec.backward_reduce(probs, first, valid, **extra)
+        extra = {"call_index": site.call_index} if self.spec.pass_call_index else {}
         value = self.spec.backward_reduce(probs, grad, valid, **extra)
         self.spec.row_stream.fold_rows(site.call_index, rows, value)
 

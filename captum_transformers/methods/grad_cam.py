@@ -12,6 +12,7 @@ from ..errors import CaptureError, InputError
 from .base import TraceAttribution
 from .pass_plan import PassPlan
 from .row_chains import last_map_row, row_layout
+from .streaming_rows import RowStream
 
 HeadWeights = Literal["row", "all"]
 HEAD_WEIGHTS = ("row", "all")
@@ -95,9 +96,20 @@ class AttentionGradCAM(TraceAttribution):
         tensors = [*inputs, *additional, *(forward_kwargs or {}).values()]
         image = any(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() for t in tensors)
         keep_heads = image and self.adapter.single_token_grid
-        return PassPlan(self.capture_spec(keep_heads=keep_heads))
+        spec = self.capture_spec(keep_heads=keep_heads)
+        # In attribute(), a map weighted per row as its gradient arrives ("row" without prefix
+        # columns) is folded into the explained rows a chunk of rows at a time (streaming_rows,
+        # last_only): the last layer's (B, H, N, N) map and gradient are never made whole.
+        self._row_stream = None
+        if self.streaming_rows and self.head_weights == "row" and not keep_heads:
+            self._row_stream = RowStream(last_only=True)
+            spec = dataclasses.replace(spec, row_stream=self._row_stream)
+        return PassPlan(spec)
 
     def reduce(self, trace: AttentionTrace):
+        stream = self._row_stream
+        if stream is not None and stream.streamed:
+            return stream.result()
         if self.head_weights == "row":
             records = tuple(self._row_weighted(trace, r) if r.backward_value is not None else r for r in trace.records)
             trace = dataclasses.replace(trace, records=records)

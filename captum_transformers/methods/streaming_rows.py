@@ -12,10 +12,15 @@ fused map as the recorder reduces it, whole or in chunks of query rows ``c`` (th
 rows at a time), folds it into the row and drops it. Memory: O(B N) per carried row, plus one
 chunk of rows, where the dense path keeps one (B, N, N) map per call.
 
+Two variants: ``paired=True`` (TransformerRelevance, CVPR'21) folds maps reduced from two
+backward passes through one graph (the relevance pass defers, the plain-gradient pass hands
+both gradients per chunk); ``last_only=True`` (AttentionGradCAM) keeps only the last call's
+map, ``r <- r A_L`` with padding zeroed (:func:`~.row_chains.last_map_row`).
+
 Where it applies is decided at the first reduction, from the recorder: one token sequence
-attending to itself (no windows, no other stream), every call reduced (``backward_blocks="all"``),
-one backward pass (not TransformerRelevance's pair). Elsewhere the stream declines and the
-recorder keeps the maps as before. A call whose map arrives out of order (a model whose
+attending to itself (no windows, no other stream), every call reduced (``backward_blocks="all"``;
+the last one for ``last_only``), one backward pass (two for ``paired``). Elsewhere the stream
+declines and the recorder keeps the maps as before. A call whose map arrives out of order (a model whose
 backward pass does not visit its attention calls last to first) is kept whole until its turn,
 so the result never depends on the order.
 
@@ -44,8 +49,10 @@ class RowStream:
     The recorder calls :meth:`accepts`, then :meth:`fold_rows` per chunk and :meth:`finish`
     per call, or :meth:`fold` with a whole map; the method reads :meth:`result`."""
 
-    def __init__(self, start_layer: int = 0) -> None:
+    def __init__(self, start_layer: int = 0, *, paired: bool = False, last_only: bool = False) -> None:
         self.start_layer = start_layer
+        self.paired, self.last_only = paired, last_only
+        self._last: Optional[int] = None       # last_only: the call whose map is the result
         self.streamed: Optional[bool] = None   # None until the first reduction decides it
         self.reason = ""                       # why the stream declined, for tests and messages
         self._rows: Optional[DenseRows] = None
@@ -59,11 +66,11 @@ class RowStream:
     def accepts(self, recorder) -> bool:
         """Whether this recorder's maps are streamed (decided once, at the first reduction)."""
         if self.streamed is None:
-            self.reason = _why_not(recorder)
+            self.reason = _why_not(recorder, self)
             self.streamed = not self.reason
             if self.streamed:
                 self._rows = DenseRows(recorder.streams.layouts[recorder.streams.explained[0]])
-                self._next = len(recorder.sites) - 1
+                self._next = self._last = len(recorder.sites) - 1
         return self.streamed
 
     def decline(self, reason: str) -> None:
@@ -76,7 +83,7 @@ class RowStream:
     def fold_rows(self, call_index: int, rows: slice, value: torch.Tensor) -> None:
         """Rows ``rows`` (B, c, K) of call ``call_index``'s fused map, its first K keys (the
         others are 0: after the last key a causal chunk attends to)."""
-        if call_index < self.start_layer:
+        if call_index < self.start_layer or (self.last_only and call_index != self._last):
             return
         keys = value.shape[-1]
         if call_index != self._next:
@@ -89,32 +96,50 @@ class RowStream:
         row = self._current(value)
         if self._update is None:
             self._update = torch.zeros_like(row)
+        if self.last_only:  # last_map_row reads the map with padded queries and keys zeroed
+            value = self._real_rows(rows, value)
         self._update[:, None, :keys].baddbmm_(row[:, None, rows], value.to(row.dtype))
 
     def finish(self, call_index: int) -> None:
         """Call ``call_index``'s rows have all been folded (:meth:`fold_rows`)."""
-        if call_index < self.start_layer:
+        if call_index < self.start_layer or (self.last_only and call_index != self._last):
             return
         if call_index in self._chunks:
             self._pending[call_index] = self._chunks.pop(call_index)
         elif call_index == self._next:
             if self._update is not None:
-                self._row = self._row + self._update
+                self._row = self._update if self.last_only else self._row + self._update
             self._update = None
-            self._next -= 1
+            self._next = self._after(call_index)
         self._fold_pending()
 
     def fold(self, call_index: int, value: torch.Tensor) -> None:
         """Call ``call_index``'s whole fused map (B, N, N)."""
-        if call_index < self.start_layer:
+        if call_index < self.start_layer or (self.last_only and call_index != self._last):
             return
         if call_index != self._next:
             self._pending[call_index] = value
             return
         row = self._current(value)
-        self._row = row + self._rows.carry(row, call_index, value)
-        self._next -= 1
+        if self.last_only:
+            self._row = self._rows.carry(row, call_index, self._rows.real_map(call_index, value))
+        else:
+            self._row = row + self._rows.carry(row, call_index, value)
+        self._next = self._after(call_index)
         self._fold_pending()
+
+    def _after(self, call_index: int) -> int:
+        """The call folded after ``call_index``: the previous one, or none after the last call's
+        map when only that one is read (``last_only``)."""
+        return self.start_layer - 1 if self.last_only else call_index - 1
+
+    def _real_rows(self, rows: slice, value: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` (B, c, K) of a map with padded queries and keys zeroed."""
+        mask = self._rows.layout.token_mask
+        if mask is None:
+            return value
+        mask = mask.to(value.dtype)
+        return value * mask[:, rows, None] * mask[:, None, :value.shape[-1]]
 
     def _fold_pending(self) -> None:
         while self._next in self._pending:
@@ -136,8 +161,8 @@ class RowStream:
         return self._row
 
 
-def _why_not(recorder) -> str:
-    """Why a recorder's maps cannot be streamed ('' when they can)."""
+def _why_not(recorder, stream: RowStream) -> str:
+    """Why a recorder's maps cannot be streamed into ``stream`` ('' when they can)."""
     streams = getattr(recorder, "streams", None)
     if streams is None:
         return "the adapter gave the recorder no token layout before the backward pass"
@@ -145,10 +170,12 @@ def _why_not(recorder) -> str:
         return "several token streams (the ICCV'21 rules between streams keep whole maps)"
     if isinstance(streams.layouts[streams.explained[0]], WindowedLayout):
         return "a windowed layout (Swin)"
-    if recorder.spec.backward_blocks != "all":
-        return "only the last call is reduced"
-    if recorder.keep_probs or recorder.first_spec is not None:
+    if recorder.spec.backward_blocks != ("last" if stream.last_only else "all"):
+        return f"backward_blocks={recorder.spec.backward_blocks!r} (this stream folds {'the last' if stream.last_only else 'every'} call)"
+    if (recorder.keep_probs or recorder.first_spec is not None) and not stream.paired:
         return "two backward passes reduce each map together"
+    if stream.paired and not (recorder.keep_probs or recorder.first_spec is not None):
+        return "a paired stream needs the two backward passes through one graph"
     return ""
 
 

@@ -1,17 +1,18 @@
 """Chefer et al. (CVPR 2021): gradient-weighted attention relevance, and Partial LRP."""
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Mapping
 
 import torch
 
 from . import relevancy_maps
 from ..errors import InputError
 from ..propagation.rules import RuleSet
-from ..capture.trace import AttentionTrace, CaptureSpec
+from ..capture.trace import TOKENS, AttentionTrace, CaptureSpec
 from .base import StartLayer, TraceAttribution
 from .pass_plan import PassPlan
 from .row_chains import last_map_row, relevance_chain, rollout_chain, row_layout
+from .streaming_rows import RowStream
 
 
 def _relevance(probs: torch.Tensor, lrp_grad: torch.Tensor) -> torch.Tensor:
@@ -78,8 +79,16 @@ class TransformerRelevance(TraceAttribution):
             relevance = by_call.pop(call_index)
             return relevance.mul_(grad.to(relevance.dtype)).clamp_(min=0).mean(dim=1)
 
-        relevance_spec = CaptureSpec(backward_reduce=keep_relevance, pass_call_index=True)
-        gradient_spec = CaptureSpec(backward_reduce=weighted, pass_call_index=True)
+        # In attribute(), one-sequence maps are folded into the explained rows as the plain pass
+        # reaches them, each chunk of rows paired with the relevance pass's (streaming_rows, paired):
+        # no per-layer map is kept. rownorm(I + Abar) (row_normalize) is not a row update: dense path.
+        self._row_stream = None
+        if self.streaming_rows and self.rules.attention_gate == "gradient" and not self.row_normalize \
+                and isinstance(self.start_layer, (int, Mapping)):
+            start = self.start_layer.get(TOKENS, 0) if isinstance(self.start_layer, Mapping) else self.start_layer
+            self._row_stream = RowStream(start, paired=True)
+        relevance_spec = CaptureSpec(backward_reduce=keep_relevance, pass_call_index=True, row_stream=self._row_stream)
+        gradient_spec = CaptureSpec(backward_reduce=weighted, pass_call_index=True, row_stream=self._row_stream)
         if self.rules.attention_gate == "gradient":
             # One forward under the rules, then two backward passes through the same graph:
             # the relevance (rules), then the plain gradient (every rule switched off).
@@ -90,6 +99,9 @@ class TransformerRelevance(TraceAttribution):
 
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
+        stream = self._row_stream
+        if stream is not None and stream.streamed:
+            return stream.result()
         if self.is_one_sequence(trace):
             values = self.values_from(trace, self.start_layer, backward=True)
             if self.row_normalize:  # the authors' BERT generator: rownorm(I + Abar) at every layer

@@ -139,7 +139,12 @@ class _SoftmaxAttention(torch.autograd.Function):
         plain = ctx.mode is None or (ctx.switch is not None and ctx.switch.plain)
         rules = None if ctx.mode is None else ctx.mode.rules
         plain_gradient = _plain_gradient_of_scores(ctx, plain, extras)
-        if plain_gradient is not None and _takes_rows(ctx):
+        chunked = _takes_rows(ctx)
+        if chunked == "defer" and not any(t.requires_grad for t in extras):
+            # Imported here: that module builds on this one's chunk helpers.
+            from .row_chunked_rules import rules_backward_in_row_chunks
+            return rules_backward_in_row_chunks(ctx, g_output, g_probs_outside, query, key, value, extras)
+        if plain_gradient is not None and chunked in ("now", "pair", "unread"):
             return _plain_backward_in_row_chunks(ctx, plain_gradient, g_output, g_probs_outside, query, key, value,
                                                  extras)
         if plain_gradient is not None:
@@ -236,12 +241,18 @@ def _row_chunks(scores_fn, query, key, value, extras):
         yield (rows, query[..., rows, :], key[..., :keys, :], value[..., :keys, :], extras_rows, keys)
 
 
-def _takes_rows(ctx) -> bool:
-    """Whether this backward pass may run in chunks of query rows: the observer streams the map
-    (``takes_rows``: it folds each chunk into explained rows and keeps none), the scores of a row
-    chunk are that chunk of the scores (``scores_fn.row_sliceable``), and one pass reduces it."""
-    return _observer_for_this_pass(ctx) == "now" and getattr(ctx.scores_fn, "row_sliceable", False) \
-        and bool(getattr(ctx.observer, "takes_rows", False))
+def _takes_rows(ctx) -> Optional[str]:
+    """This pass's report (:func:`_observer_for_this_pass`) where it may run in chunks of query
+    rows, else None: the observer streams the map (``takes_rows``: it folds each chunk into
+    explained rows and keeps none; for a pair, the first pass defers and the second hands both
+    gradients per chunk), and the scores of a row chunk are that chunk of the scores
+    (``scores_fn.row_sliceable``)."""
+    report = _observer_for_this_pass(ctx)
+    if not getattr(ctx.scores_fn, "row_sliceable", False):
+        return None
+    if report is None:  # a map the stream does not read (Grad-CAM's earlier layers): chunked all the same
+        return "unread" if getattr(ctx.observer, "streams_unread", False) else None
+    return report if getattr(ctx.observer, "takes_rows", False) else None
 
 
 def _rows_of(tensor: torch.Tensor, rows: slice, num_queries: int) -> torch.Tensor:
@@ -262,6 +273,7 @@ def _plain_backward_in_row_chunks(ctx, plain_gradient, g_output, g_probs_outside
     if g_output is None:
         g_output = torch.zeros((*query.shape[:-1], value.shape[-1]), dtype=value.dtype, device=value.device)
     num_queries = query.shape[-2]
+    hand_over = _observer_for_this_pass(ctx) is not None  # else a map no stream reads: only the gradients
     g_query = torch.empty_like(query) if query.requires_grad else None
     g_key = torch.zeros_like(key) if key.requires_grad else None
     g_value = torch.zeros_like(value)
@@ -274,7 +286,8 @@ def _plain_backward_in_row_chunks(ctx, plain_gradient, g_output, g_probs_outside
         outside = None if g_probs_outside is None else _rows_of(g_probs_outside, rows, num_queries)[..., :stop]
         g_probs = _map_gradient(values, g_rows, outside, halved=False)
         g_value[..., :stop, :].add_(torch.matmul(probs.transpose(-1, -2), g_rows))
-        ctx.observer.rows(rows, probs, g_probs)
+        if hand_over:
+            ctx.observer.rows(rows, probs, g_probs, _first_pass_rows(ctx, values, rows, stop, num_queries))
         g_scores = scores_gradient(soft, scores, g_probs.to(soft.dtype), -1, identity=False, owned=False)
         del soft, probs, g_probs, scores
         g_q, g_k = plain_gradient(g_scores.to(query.dtype), q_rows, keys)
@@ -282,9 +295,21 @@ def _plain_backward_in_row_chunks(ctx, plain_gradient, g_output, g_probs_outside
             g_query[..., rows, :] = g_q
         if g_key is not None:
             g_key[..., :stop, :].add_(g_k)
-    ctx.observer.done()
+    if hand_over:
+        ctx.observer.done()
+    ctx.first_pass = None
     g_value = g_value.sum_to_size(value.shape) if value.requires_grad else None
     return (None, None, None, None, None, None, g_query, g_key, g_value, *[None for _ in extras])
+
+
+def _first_pass_rows(ctx, values: torch.Tensor, rows: slice, stop: int, num_queries: int) -> Optional[torch.Tensor]:
+    """The deferred first pass's gradient at rows ``rows`` of the map (its first ``stop`` keys),
+    recomputed from the ``g_O`` it kept (a pair, see the module docstring), or None."""
+    if ctx.first_pass is None:
+        return None
+    first_output, first_outside = ctx.first_pass
+    outside = None if first_outside is None else _rows_of(first_outside, rows, num_queries)[..., :stop]
+    return _map_gradient(values, first_output[..., rows, :], outside, halved=_uniform(ctx))
 
 
 def _plain_gradient_of_scores(ctx, plain: bool, extras) -> Optional[Callable]:

@@ -1,0 +1,116 @@
+"""TransformerRelevance's two passes and Grad-CAM's last map, streamed into the explained rows.
+
+TransformerRelevance (CVPR'21) pairs each map's LRP relevance (a first backward pass under the
+rules) with its plain gradient (a second pass through the same graph). Streamed
+(``RowStream(paired=True)``), the first pass runs a few query rows at a time under the rules
+(``propagation/row_chunked_rules.py``) and the second hands both gradients per chunk; Grad-CAM
+(``RowStream(last_only=True)``) folds only the last call's rows, and the earlier calls are
+differentiated in chunks too. Checked here, beyond the equality of every method in
+``test_streaming_rows.py``: equal to the dense path relative to the maps' own small entries, no
+whole map made in any pass, and the cases that keep the dense path, with their reasons.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import captum_transformers as ct
+import captum_transformers.propagation.attention_core as core
+import captum_transformers.propagation.row_chunked_rules as chunked_rules
+
+F64 = torch.float64
+
+
+def _llama(impl="sdpa"):
+    from hf_models import CASES
+    case = CASES["llama_gqa"]
+    inputs, kwargs = case.inputs(batch=2, seq=7, dtype=F64)
+    return case.model(impl, dtype=F64), inputs, kwargs
+
+
+def _dense(method, inputs, kwargs):
+    trace = method.trace(inputs, target=1, forward_kwargs=kwargs)
+    return trace.layout.returned(method.stream_scores(trace)["tokens"])
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("start_layer", [0, 1])
+def test_paired_stream_equals_the_dense_pair_in_every_entry(impl, start_layer, monkeypatch):
+    """Relative to each entry (most are ~1e-5 next to the explained token's ~1): a chunk paired
+    with the wrong rows, or a missed halving, moves them by far more than rounding."""
+    monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)
+    rules_passes = []
+    original = chunked_rules.rules_backward_in_row_chunks
+
+    def counted(*args):
+        rules_passes.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(chunked_rules, "rules_backward_in_row_chunks", counted)
+    model, inputs, kwargs = _llama(impl)
+    method = ct.TransformerRelevance(model, start_layer=start_layer)
+    streamed = method.attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
+    assert method._row_stream.streamed and method._row_stream.paired
+    assert len(rules_passes) == 2  # both layers' relevance passes ran in chunks of rows
+    dense = _dense(method, inputs, kwargs)
+    torch.testing.assert_close(streamed, dense, rtol=1e-10, atol=1e-16)
+    assert (dense[dense < 0.5] > 1e-7).any()  # the small entries the check is about are there
+
+
+@pytest.mark.parametrize("method_name", ["TransformerRelevance", "AttentionGradCAM"])
+def test_no_whole_map_is_made_in_any_pass(method_name, monkeypatch):
+    model, inputs, kwargs = _llama("sdpa")
+    monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)
+    shapes = []
+    softmax = torch.softmax
+
+    def watched(tensor, *args, **kw):
+        shapes.append(tuple(tensor.shape))
+        return softmax(tensor, *args, **kw)
+
+    monkeypatch.setattr(torch, "softmax", watched)
+    getattr(ct, method_name)(model).attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
+    maps = [shape for shape in shapes if len(shape) == 4]
+    assert maps and all(shape[-2] == 1 for shape in maps), maps
+
+
+def test_grad_cam_streams_text_and_equals_dense_rows(monkeypatch):
+    monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)
+    from hf_models import CASES
+    case = CASES["bert"]
+    inputs, kwargs = case.inputs(batch=2, seq=7, dtype=F64)
+    model = case.model("sdpa", dtype=F64)
+    method = ct.AttentionGradCAM(model)
+    streamed = method.attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
+    assert method._row_stream.streamed and method._row_stream.last_only
+    dense = _dense(method, inputs, kwargs)
+    torch.testing.assert_close(streamed, dense, rtol=1e-10, atol=1e-18)
+    assert dense.abs().max() > 0
+
+
+@pytest.mark.parametrize("method, why", [
+    (lambda m: ct.TransformerRelevance(m, row_normalize=True), "rownorm(I + Abar) is not a row update"),
+    (lambda m: ct.AttentionGradCAM(m, head_weights="all"), "weights over every row: known after the last chunk"),
+])
+def test_methods_that_need_whole_maps_keep_the_dense_path(method, why):
+    model, inputs, kwargs = _llama("sdpa")
+    explainer = method(model)
+    scores = explainer.attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
+    assert explainer._row_stream is None, why
+    torch.testing.assert_close(scores, _dense(explainer, inputs, kwargs), rtol=0, atol=0)
+
+
+def test_a_paired_stream_declines_a_single_pass():
+    """A paired stream given one backward pass (no relevance to pair with) declines, never folds."""
+    from captum_transformers.capture.trace import TokenLayout
+    from captum_transformers.methods.streaming_rows import RowStream
+    layout = TokenLayout(3, torch.tensor([[2]]))
+
+    class Recorder:
+        streams = ct.StreamLayouts.single(layout, 1)
+        sites = [type("Site", (), {"streams": ("tokens", "tokens")})()] * 2
+        spec = ct.CaptureSpec(backward_reduce=lambda *a: None)
+        keep_probs, first_spec = False, None
+
+    stream = RowStream(paired=True)
+    assert not stream.accepts(Recorder()) and "two backward passes" in stream.reason
