@@ -10,7 +10,7 @@ path). On batches of 2 (padding in the second text example), in float64:
 2. the replay declines, with its reason, for ``discard_ratio``, Swin's windows, a timm model,
    ``output_attentions=True`` and a forward hook on an attention module (the weights are then
    the model's own), and the maps are the dense path's;
-3. no (B, H, N, N) or (B, N, N) map is made in the forward pass, nor any causal (N, N) mask on sdpa;
+3. no (B, H, N, N) or (B, N, N) map is made in the forward pass, nor a causal (N, N) mask on sdpa;
 4. an exception inside the forward leaves the model and transformers' registries as they were;
 5. two threads explaining with one instance each replay their own calls.
 """
@@ -137,13 +137,15 @@ def test_the_replay_declines_with_its_reason(case, cls):
     torch.testing.assert_close(scores, dense, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @pytest.mark.parametrize("cls", [ct.AttentionRollout, ct.RawAttention])
-def test_requested_attention_weights_decline_the_replay(cls):
+def test_requested_attention_weights_decline_the_replay(cls, impl):
     """output_attentions=True: the model returns its real weights and the maps are the dense path's."""
-    model, inputs, kwargs = _hf("llama_gqa", "eager")
+    model, inputs, kwargs = _hf("llama_gqa", impl)
     kwargs = {**kwargs, "output_attentions": True}
-    with torch.no_grad():
-        expected = model(inputs, **kwargs).attentions
+    with torch.no_grad():  # the same weights' eager attention (sdpa returns none)
+        expected = _hf("llama_gqa", "eager")[0](inputs, **kwargs).attentions
+    assert len(expected) == model.config.num_hidden_layers
     seen = []
     handle = model.register_forward_hook(lambda module, args, output: seen.append(output.attentions))
     try:
@@ -151,15 +153,17 @@ def test_requested_attention_weights_decline_the_replay(cls):
     finally:
         handle.remove()
     assert replay.replayed is False and "output_attentions" in replay.reason, replay.reason
+    assert len(seen[0]) == len(expected)
     for returned, own in zip(seen[0], expected):
         assert returned.abs().max() > 0.1  # not a stand-in
         torch.testing.assert_close(returned, own, rtol=0, atol=1e-6)
     torch.testing.assert_close(scores, dense, rtol=0, atol=1e-12)
 
 
-def test_a_hook_on_any_attention_module_declines_the_replay_before_the_first_call():
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_a_hook_on_any_attention_module_declines_the_replay_before_the_first_call(impl):
     """A hook on the last layer's attention declines at the first call, before any map is dropped."""
-    model, inputs, kwargs = _hf("llama_gqa", "eager")
+    model, inputs, kwargs = _hf("llama_gqa", impl)
     seen = []
     attention = model.model.layers[-1].self_attn
     handle = attention.register_forward_hook(lambda module, args, output: seen.append(output[1]))
@@ -170,7 +174,7 @@ def test_a_hook_on_any_attention_module_declines_the_replay_before_the_first_cal
     assert replay.replayed is False and "forward hook" in replay.reason, replay.reason
     assert all(v is not None for v in values)
     with torch.no_grad():
-        own = model(inputs, **kwargs, output_attentions=True).attentions[-1]
+        own = _hf("llama_gqa", "eager")[0](inputs, **kwargs, output_attentions=True).attentions[-1]
     torch.testing.assert_close(seen[0], own, rtol=0, atol=1e-6)
     torch.testing.assert_close(scores, dense, rtol=0, atol=1e-12)
 
@@ -192,8 +196,8 @@ def test_weights_read_without_announcement_fail_loudly():
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_no_map_is_made_in_the_forward_pass(impl, monkeypatch):
-    """Softmax inputs and fused maps have one query row per chunk; no (N, N) causal mask is built
-    by the kernel on sdpa (the model's own padding mask, shared by the layers, is (B, 1, N, N))."""
+    """Softmax inputs and fused maps have one query row per chunk; on sdpa no (N, N) causal mask is
+    built or kept (eager: the model's own additive mask, made once and shared by the layers)."""
     model, inputs, kwargs = _hf("llama_gqa", impl, batch=1)
     monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)
     tokens, softmaxed, fused, ones = inputs.shape[1], [], [], []
@@ -214,6 +218,9 @@ def test_no_map_is_made_in_the_forward_pass(impl, monkeypatch):
     monkeypatch.setattr(torch, "softmax", watched_softmax)
     monkeypatch.setattr(functional, "fuse_heads", watched_fuse)
     monkeypatch.setattr(torch, "ones", watched_ones)
+    kept, keep = [], replayed_rows.ReplayedRows.keep
+    monkeypatch.setattr(replayed_rows.ReplayedRows, "keep",
+                        lambda self, index, call: (kept.append(call), keep(self, index, call))[1])
     for cls in (ct.AttentionRollout, ct.RawAttention):
         method = cls(model)
         method.attribute(inputs, target=1, return_tokens=True)
@@ -221,6 +228,10 @@ def test_no_map_is_made_in_the_forward_pass(impl, monkeypatch):
     assert softmaxed and all(s[-2] == 1 for s in softmaxed if len(s) == 4), softmaxed
     assert fused and all(s[-2] == 1 for s in fused), fused
     assert (tokens, tokens) not in ones, "an (N, N) causal mask was built"
+    if impl == "sdpa":  # SDPA's masks: none for one causal sequence (the chunks make theirs)
+        assert kept and all(call.causal and not call.extras for call in kept)
+    else:  # the eager mask transformers builds once per forward pass (two here), shared by the layers
+        assert kept and len({e.untyped_storage().data_ptr() for call in kept for e in call.extras}) <= 2
     fused.clear()
     ct.AttentionRollout(model).trace(inputs, target=1)  # the check can fail: the dense path fuses whole maps
     assert any(s[-2:] == (tokens, tokens) for s in fused)
