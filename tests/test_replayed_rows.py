@@ -284,3 +284,24 @@ def test_two_threads_replay_their_own_calls():
         dense = trace.layout.returned(method.stream_scores(trace)["tokens"])
         torch.testing.assert_close(results[name], dense, rtol=0, atol=1e-12)
     assert not torch.allclose(results["a"], results["b"])
+
+
+@pytest.mark.parametrize("cls", [ct.AttentionRollout, ct.RawAttention])
+def test_several_streams_decline_before_the_forward_pass(cls):
+    """BART (encoder, decoder, cross-attention; sdpa): declined from the blocks, the maps kept."""
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+        init_std=0.1, attn_implementation="sdpa")).to(F64).eval()
+    generator = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(3, 90, (2, 7), generator=generator), torch.randint(3, 90, (2, 4), generator=generator))
+    method = cls(model)
+    scores = method.attribute(inputs, target=1, return_tokens=True)
+    replay = method._row_stream
+    assert replay.replayed is False and "several token streams" in replay.reason, replay.reason
+    trace = method.trace(inputs, target=1)
+    dense = method.stream_scores(trace)
+    for returned, (name, layout) in zip(scores, trace.streams.layouts.items()):
+        torch.testing.assert_close(returned, layout.returned(dense[name]), rtol=0, atol=1e-12)

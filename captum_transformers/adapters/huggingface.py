@@ -219,7 +219,8 @@ class HuggingFaceAdapter(Adapter):
         # A replayed sdpa model keeps SDPA's masks (None for a causal sequence: made per chunk), not the
         # additive (B, 1, N, N) float mask the eager key makes transformers build (hf_kernel, replayed_kernel).
         replay = getattr(recorder.spec, "replay", None)
-        key = SDPA_KEY if replay is not None and replay.replayed is not False and _runs_sdpa(model) else ATTENTION_KEY
+        key = SDPA_KEY if replay is not None and replay.one_sequence(blocks.values()) and _runs_sdpa(model) \
+            else ATTENTION_KEY
         with active_recorder(recorder, blocks), patching.hf_attention_implementation(model, key), \
                 _gradient_checkpointing_off(model):
             yield

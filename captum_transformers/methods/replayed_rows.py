@@ -111,13 +111,18 @@ class ReplayedRows:
         if self.replayed is None:
             self.replayed, self.reason = False, reason
 
+    def one_sequence(self, blocks: Iterable[Block]) -> bool:
+        """Declines unless the model's ``blocks`` are one token sequence attending to itself;
+        whether the replay may still apply (the adapter asks before the forward pass)."""
+        pairs = {block.default_streams for block in blocks}
+        if len(pairs) != 1 or any(query != key for query, key in pairs):
+            self.decline(f"several token streams or cross-attention ({sorted(pairs)}): maps between streams")
+        return self.replayed is not False
+
     def accepts(self, blocks: Iterable[Block], reader: str) -> bool:
         """Decided once, at the first kernel call: the model's ``blocks`` must be one token
         sequence attending to itself, and nothing (``reader``: what may) read the weights."""
-        if self.replayed is None:
-            pairs = {block.default_streams for block in blocks}
-            if len(pairs) != 1 or any(query != key for query, key in pairs):
-                self.decline(f"several token streams or cross-attention ({sorted(pairs)}): maps between streams")
+        if self.replayed is None and self.one_sequence(blocks):
             if reader:
                 self.decline(reader)
             self.replayed = self.replayed is None
