@@ -155,10 +155,10 @@ def test_model_maps_with_chunks_equal_unchunked(monkeypatch, model_name, method,
     target = None if method == "AttentionRollout" else 1
 
     def attribute():
-        if method == "GenericAttention":  # its dense path: attribute() streams rows (tests/test_streaming_rows.py)
-            trace = explainer.trace(inputs, target=target, forward_kwargs=kwargs or None)
-            return trace.layout.returned(explainer.stream_scores(trace)["tokens"])
-        return explainer.attribute(inputs, target=target, return_tokens=True, forward_kwargs=kwargs or None)
+        # The dense path, whose kernel runs batch chunks: attribute() streams GenericAttention's rows
+        # (tests/test_streaming_rows.py) and replays AttentionRollout's on HF models (tests/test_replayed_rows.py).
+        trace = explainer.trace(inputs, target=target, forward_kwargs=kwargs or None)
+        return trace.layout.returned(explainer.stream_scores(trace)["tokens"])
 
     monkeypatch.setattr(attention_core, "_CHUNK_BYTES", 2**62)
     whole = attribute()

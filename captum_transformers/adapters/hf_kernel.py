@@ -25,6 +25,7 @@ from torch import nn
 
 from ..errors import CaptureError
 from ..methods.streaming_rows import UnreadWeights
+from .replayed_kernel import explicit_sdpa_mask, replay_of, replayed_attention, sdpa_mask_for
 from ..propagation.attention_core import softmax_attention
 from ..propagation.backward_switch import _SWITCH
 from ..propagation.fused_attention import fused_operands, scaled_gradient
@@ -178,7 +179,11 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     # precision, so float64 maps equal its eager attention's, not a float32 rounding of them.
     softmax_dtype = torch.promote_types(query.dtype, torch.float32)
     observer = None
-    if operands is not None:
+    replay = replay_of(active, module, kwargs, rules, dropout)  # forward-only, in attribute(): replayed_kernel
+    if replay is not None:
+        output, probs = replayed_attention(replay, len(active[0].sites), scores, query, key_states, value_states,
+                                           extras, softmax_dtype, kwargs)
+    elif operands is not None:
         # The rules live in the operands' gradients: no rule Function may act on these operations.
         with torch._C.DisableTorchFunction():
             probs = torch.softmax(scores(query, key_states, *extras), dim=-1, dtype=softmax_dtype).to(query.dtype)
@@ -203,8 +208,8 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         dropped = nn.functional.dropout(gate(probs, rules), p=dropout, training=module.training)
         output = torch.matmul(dropped, value_states)
     if active is not None:
-        _record(active, module, probs, attention_mask, observer)
-        if observer is not None and not any(probs.stride()):  # the streamed kernel's stand-in: no map
+        _record(active, module, probs, attention_mask, observer, replayed=replay is not None)
+        if (observer is not None or replay is not None) and not any(probs.stride()):  # a stand-in: no map
             probs = UnreadWeights.of(probs)
     return output.transpose(1, 2).contiguous(), probs
 
@@ -256,14 +261,14 @@ def _weights_reader(module: nn.Module, kwargs: Dict[str, Any]) -> str:
 
 
 def _record(active, module: nn.Module, probs: torch.Tensor, attention_mask: Optional[torch.Tensor],
-            observer: Optional[SiteObserver]) -> None:
+            observer: Optional[SiteObserver], replayed: bool = False) -> None:
     recorder, blocks = active
     block = blocks.get(id(module)) or Block(type(module).__name__, module, block_kind(module))
     # The recorder keeps the first mask per key stream: later calls need not derive theirs.
     known = block.default_streams[1] in recorder.stream_valid
     recorder.record(block, probs, key_valid=None if known else _key_valid_from_mask(attention_mask),
                     causal=bool(getattr(module, "is_causal", False)) and block.kind == "self",
-                    observer=observer)
+                    observer=observer, replayed=replayed)
 
 
 def captum_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -292,9 +297,9 @@ def captum_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
                                       position_bias is not None and position_bias.requires_grad)
             if operands is not None:
                 return _fused_sdpa(module, *operands, attention_mask, dropout, scaling, is_causal, active, kwargs)
-    return captum_attention(module, query, key, value, _explicit_sdpa_mask(module, query, key, attention_mask,
-                                                                           is_causal),
-                            scaling=scaling, dropout=dropout, **kwargs)
+    mask, causal_rows = sdpa_mask_for(module, query, key, attention_mask, is_causal,
+                                      replay_of(active, module, kwargs, rules, dropout))
+    return captum_attention(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs, **causal_rows)
 
 
 def _fused_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -316,7 +321,7 @@ def _fused_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
             and torch.is_grad_enabled() and value.requires_grad:
         # A constant map (the AH rule): the model's own call forward, g_V = A^T g_O backward.
         output = attention_over_constant_map(run, query, key, value,
-                                             _explicit_sdpa_mask(module, query, key, attention_mask, is_causal),
+                                             explicit_sdpa_mask(module, query, key, attention_mask, is_causal),
                                              query.shape[-1] ** -0.5 if scaling is None else scaling)
     else:
         output = run(value)
@@ -325,27 +330,6 @@ def _fused_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
         shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         _record(active, module, query.new_zeros(()).expand(shape), attention_mask, None)
     return output, None
-
-
-def _explicit_sdpa_mask(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                        attention_mask: Optional[torch.Tensor], is_causal: Optional[bool]) -> Optional[torch.Tensor]:
-    """The mask SDPA applies, made explicit for a recomputed map: the one it was given (cut to
-    the keys), else its causal one (:func:`_causal_mask_of_sdpa`)."""
-    if attention_mask is not None:
-        return attention_mask[:, :, :, : key.shape[-2]]
-    return _causal_mask_of_sdpa(module, query, key, is_causal)
-
-
-def _causal_mask_of_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                         is_causal: Optional[bool]) -> Optional[torch.Tensor]:
-    """The boolean mask (1, 1, Q, K) that ``sdpa_attention_forward`` applies through
-    ``is_causal`` when it is given no mask (None when it applies none): the same decision
-    (the call's flag, else the module's, default True; more than one query), upper-left aligned."""
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if not (query.shape[2] > 1 and causal):
-        return None
-    rows = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril_()
-    return rows[None, None]
 
 
 def block_kind(module: nn.Module, name: str = "") -> str:

@@ -216,7 +216,12 @@ class HuggingFaceAdapter(Adapter):
     @contextlib.contextmanager
     def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
         blocks = {id(b.module): b for b in self.blocks(model)}
-        with active_recorder(recorder, blocks), patching.hf_attention_implementation(model, ATTENTION_KEY), \
+        # A replayed sdpa model keeps SDPA's masks (None for a causal sequence: made per chunk), not the
+        # additive (B, 1, N, N) float mask the eager key makes transformers build (hf_kernel, replayed_kernel).
+        replay = getattr(recorder.spec, "replay", None)
+        key = SDPA_KEY if replay is not None and replay.one_sequence(blocks.values()) and _runs_sdpa(model) \
+            else ATTENTION_KEY
+        with active_recorder(recorder, blocks), patching.hf_attention_implementation(model, key), \
                 _gradient_checkpointing_off(model):
             yield
 

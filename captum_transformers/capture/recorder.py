@@ -203,6 +203,7 @@ class Recorder:
         streams: Optional[Streams] = None,
         group: Optional[Hashable] = None,
         observer: Optional[SiteObserver] = None,
+        replayed: bool = False,
     ) -> None:
         """Store one call's attention ``probs`` (B, H, Q, K).
 
@@ -214,13 +215,14 @@ class Recorder:
         ``group`` ties consecutive calls that read the same inputs (see AttentionRecord).
         ``observer``: the kernel reports the gradient at the map through it (no hook, and
         the map is not kept); ignored for a map outside the autograd graph, which is then
-        refused like any other when a gradient is needed.
+        refused like any other when a gradient is needed. ``replayed``: ``probs`` is a stand-in (the
+        spec's ``replay`` recomputes the map after the forward pass), so no forward value is made.
         """
         if probs.dim() != 4:
             raise ValueError(f"attention probabilities must be (B, H, Q, K), got shape {tuple(probs.shape)}")
         site = Site(block, len(self.sites), probs.shape[2], probs.shape[3], probs.shape[0],
                     streams=tuple(streams) if streams is not None else block.default_streams, group=group)
-        if self.spec.forward_reduce is not None:
+        if self.spec.forward_reduce is not None and not replayed:
             site.forward_value = self.spec.forward_reduce(probs.detach())
         if self.spec.needs_gradient and observer is not None and probs.requires_grad:
             observer.recorder, observer.site = self, site

@@ -65,6 +65,9 @@ class CaptureSpec:
     # A :class:`~captum_transformers.methods.streaming_rows.RowStream` that folds each reduced map
     # into the explained rows and drops it (one-sequence layouts); None: the maps are kept.
     row_stream: Optional[Any] = field(default=None, compare=False)
+    # A :class:`~captum_transformers.methods.replayed_rows.ReplayedRows`: forward-only methods whose
+    # kernel keeps what recomputes each map (not the map) and replays it after the forward pass.
+    replay: Optional[Any] = field(default=None, compare=False)
 
     @property
     def needs_gradient(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import functional
+from .replayed_rows import replay_for
 from .row_chains import last_map_row, row_layout
 from ..capture.trace import AttentionTrace, CaptureSpec
 from .base import TraceAttribution
@@ -40,9 +41,16 @@ class RawAttention(TraceAttribution):
         self.head_fusion = head_fusion
 
     def capture_spec(self) -> CaptureSpec:
-        return CaptureSpec(forward_reduce=lambda probs: functional.fuse_heads(probs, self.head_fusion))
+        # In attribute(), a one-sequence model keeps what recomputes its last call's map (replayed_rows),
+        # and only that call's chunks holding explained rows are made; trace() keeps the maps.
+        self._row_stream = replay_for(self, last_only=True)
+        return CaptureSpec(forward_reduce=lambda probs: functional.fuse_heads(probs, self.head_fusion),
+                           replay=self._row_stream)
 
     def reduce(self, trace: AttentionTrace):
+        replay = getattr(self, "_row_stream", None)
+        if replay is not None and replay.used():
+            return replay.last_row(trace, self.head_fusion)
         if self.is_one_sequence(trace):
             return last_map_row(row_layout(trace), [r.forward_value for r in trace.records])
         return self.last_map_rows(trace, backward=False)

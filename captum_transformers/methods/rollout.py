@@ -1,13 +1,14 @@
 """Attention rollout (Abnar & Zuidema, 2020)."""
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
 from . import functional, relevancy_maps
+from .replayed_rows import replay_for
 from .row_chains import rollout_chain, row_layout
-from ..capture.trace import AttentionTrace, CaptureSpec
+from ..capture.trace import TOKENS, AttentionTrace, CaptureSpec
 from .base import StartLayer, TraceAttribution
 
 
@@ -53,7 +54,11 @@ class AttentionRollout(TraceAttribution):
         self.start_layer = start_layer
 
     def capture_spec(self) -> CaptureSpec:
-        return CaptureSpec(forward_reduce=lambda probs: functional.fuse_heads(probs, self.head_fusion))
+        # In attribute(), a one-sequence model's maps are recomputed after the forward pass, a chunk of
+        # rows at a time, last call first (replayed_rows: no per-layer map kept); trace() keeps them.
+        self._row_stream = replay_for(self, self.discard_ratio)
+        return CaptureSpec(forward_reduce=lambda probs: functional.fuse_heads(probs, self.head_fusion),
+                           replay=self._row_stream)
 
     def _corrected(self, layer_map: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         return functional.add_identity_and_normalize(functional.discard_lowest(layer_map, self.discard_ratio, valid))
@@ -69,6 +74,10 @@ class AttentionRollout(TraceAttribution):
 
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
+        replay = getattr(self, "_row_stream", None)
+        if replay is not None and replay.used():
+            start = self.start_layer.get(TOKENS, 0) if isinstance(self.start_layer, Mapping) else self.start_layer
+            return replay.rollout(trace, start, self.head_fusion)
         if self.is_one_sequence(trace):
             values = self.values_from(trace, self.start_layer, backward=False)
             return rollout_chain(row_layout(trace), values, self.discard_ratio)
