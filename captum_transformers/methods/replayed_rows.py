@@ -159,7 +159,8 @@ class ReplayedRows:
     def _rollout_step(row: torch.Tensor, call: ReplayedCall, fusion: functional.HeadFusion) -> torch.Tensor:
         scaled, update = torch.zeros_like(row), torch.zeros_like(row)
         for rows, probs in call_chunks(call, skip=lambda rows: not bool(row[:, rows].any())):
-            fused = functional.fuse_heads(probs, fusion).to(row.dtype)
+            # A model spread over devices: every call's rows are reduced on the explained rows' device.
+            fused = functional.fuse_heads(probs, fusion).to(device=row.device, dtype=row.dtype)
             del probs
             part = row[:, rows] / (fused.sum(dim=-1) + 1)
             scaled[:, rows] = part
@@ -181,7 +182,7 @@ class ReplayedRows:
         mask = None if mask is None else mask.to(start.dtype)
         with torch.no_grad():
             for chunk, probs in call_chunks(call, skip=lambda chunk: not bool(start[:, chunk].any())):
-                fused = functional.fuse_heads(probs, fusion)
+                fused = functional.fuse_heads(probs, fusion).to(start.device)
                 del probs
                 keys = fused.shape[-1]
                 if mask is not None:  # as zero_padding: queries, then keys

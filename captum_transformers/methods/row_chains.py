@@ -162,8 +162,8 @@ def _carried(rows: RowLayout, values: Values, step, start: Optional[torch.Tensor
     row = rows.start(present[-1]) if start is None else start.to(torch.promote_types(present[-1].dtype,
                                                                                       torch.float32))
     for index in reversed(range(len(values))):
-        if values[index] is not None:
-            row = step(row, index, values[index])
+        if values[index] is not None:  # a model spread over devices: reduced on the explained rows' device
+            row = step(row, index, values[index].to(row.device))
         row = rows.to_previous(row, index)
     return row
 

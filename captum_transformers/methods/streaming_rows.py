@@ -94,6 +94,7 @@ class RowStream:
             whole[:, rows, :keys] = value
             return
         row = self._current(value)
+        value = value.to(row.device)  # a model spread over devices: reduced on the explained rows' device
         if self._update is None:
             self._update = torch.zeros_like(row)
         if self.last_only:  # last_map_row reads the map with padded queries and keys zeroed
@@ -121,6 +122,7 @@ class RowStream:
             self._pending[call_index] = value
             return
         row = self._current(value)
+        value = value.to(row.device)
         if self.last_only:
             self._row = self._rows.carry(row, call_index, self._rows.real_map(call_index, value))
         else:
