@@ -298,7 +298,8 @@ class Recorder:
     def reduce_rows(self, site: Site, rows: slice, probs: torch.Tensor, grad: torch.Tensor) -> None:
         """Reduce query rows ``rows`` of a streamed site's map (B, H, c, K) into its row stream."""
         extra = {"call_index": site.call_index} if self.spec.pass_call_index else {}
-        valid = self.valid_pairs(site, rows)
+        # A reduction marked ``reads_valid = False`` ignores the pairs: not made for every chunk.
+        valid = self.valid_pairs(site, rows) if getattr(self.spec.backward_reduce, "reads_valid", True) else None
         if valid is not None:  # the kernel may stop at the last key these rows attend to
             valid = valid[..., :probs.shape[-1]]
         value = self.spec.backward_reduce(probs, grad, valid, **extra)

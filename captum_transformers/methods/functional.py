@@ -42,6 +42,9 @@ def gradient_weighted_heads(probs: torch.Tensor, grad: torch.Tensor, valid: Opti
     return (grad.to(dtype) * probs.to(dtype)).clamp_(min=0).mean(dim=1)  # the product is fresh: clamped in place
 
 
+gradient_weighted_heads.reads_valid = False  # the recorder need not make the pairs (a pass per chunk of rows)
+
+
 def gradcam_heads(probs: torch.Tensor, grad: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Grad-CAM on attention heads as Chefer et al.'s BERT code computes it (their ERASER baseline).
 

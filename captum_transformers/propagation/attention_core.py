@@ -204,9 +204,14 @@ def _rows_per_chunk(query: torch.Tensor, key: torch.Tensor) -> int:
 def _attend_rows(scores_fn, query, key, value, extras, softmax_dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(A V, stand-in)``: :func:`_attend`'s output a few query rows at a time (the softmax is
     row-wise, so each chunk's rows are those of the whole map), with a zero-stride stand-in of the
-    map's shape (B, H, Q, K) instead of the map: what the recorder reads when it keeps no map."""
+    map's shape (B, H, Q, K) instead of the map: what the recorder reads when it keeps no map.
+    A scores function may carry ``fused_output(Q, K, V, *extras)``: the same output to rounding by a
+    fused kernel (no map at all; the backward pass recomputes it either way), or None to decline."""
     num_queries = query.shape[-2]
-    output = None
+    fused = getattr(scores_fn, "fused_output", None)
+    output = None if fused is None else fused(query, key, value, *extras)
+    if output is not None:
+        return output, query.new_zeros(()).expand((*output.shape[:2], num_queries, key.shape[-2]))
     for rows, q_rows, keys, values, extras_rows, _ in _row_chunks(scores_fn, query, key, value, extras):
         scores = scores_fn(q_rows, keys, *extras_rows)
         probs = _softmax_in_place(scores, softmax_dtype).to(query.dtype)
