@@ -25,6 +25,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from ..propagation.attention_core import add_product
+
 # The masks causal_mask made that are alive now, by id (dropped with their last reference).
 _MADE: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 _LATEST: Dict[Tuple[int, int, torch.device], "weakref.ref[torch.Tensor]"] = {}
@@ -79,17 +81,24 @@ def is_causal_mask(mask: Optional[torch.Tensor]) -> bool:
 
 
 def _reads_causal(mask: torch.Tensor, block: int = 256) -> bool:
-    """:func:`is_causal_mask` from the values, a block of query rows at a time (small temporaries)."""
+    """:func:`is_causal_mask` from the values, a block of query rows ``[s, e)`` at a time: the keys
+    before ``s`` open and those from ``e`` on blocked in every row (reductions, no temporaries of
+    the mask's size: one read of it), the diagonal block compared entry by entry."""
     num_queries, num_keys = mask.shape[-2:]
-    keys = torch.arange(num_keys, device=mask.device)
     lowest = None if mask.dtype == torch.bool else torch.finfo(mask.dtype).min / 2
     for start in range(0, num_queries, block):
         rows = mask[..., start:start + block, :]
-        earlier = (keys <= torch.arange(start, start + rows.shape[-2], device=mask.device)[:, None]).expand_as(rows)
+        stop = start + rows.shape[-2]
+        before, diagonal, after = rows[..., :start], rows[..., start:stop], rows[..., stop:]
+        earlier = torch.arange(start, start + diagonal.shape[-1], device=mask.device) \
+            <= torch.arange(start, stop, device=mask.device)[:, None]
         if lowest is None:
-            if not torch.equal(rows, earlier):
-                return False
-        elif not torch.equal(rows == 0, earlier) or not bool((rows <= lowest).logical_or_(earlier).all()):
+            causal = bool(before.all()) and not bool(after.any()) and torch.equal(diagonal, earlier.expand_as(diagonal))
+        else:
+            causal = not bool(before.any()) and (after.numel() == 0 or bool(after.amax() <= lowest)) \
+                and torch.equal(diagonal == 0, earlier.expand_as(diagonal)) \
+                and bool((diagonal <= lowest).logical_or_(earlier).all())
+        if not causal:
             return False
     return True
 
@@ -170,3 +179,26 @@ def fused_output(mask: Optional[torch.Tensor], scaling: float, plain: bool) -> O
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scaling)
 
     return output
+
+
+def plain_gradient_of(scaling: float) -> Callable:
+    r"""The ``plain_gradient`` of scores ``S = scaling Q K^T`` plus constant masks: ``(g_S, Q, K) ->
+    (g_Q, g_K)`` with ``g_Q = scaling g_S K`` and ``g_K = scaling g_S^T Q`` (``g_S`` is scaled in
+    place). ``key_grad``: a tensor that ``g_K`` is added to in its own buffer (returned as ``g_K``),
+    the chunked backward pass's sum over chunks of rows (``accumulates``); ``g_S`` is then left as
+    it is and the scaling applied to the products (one pass less over a (B, H, c, K) chunk).
+
+    Example::
+
+        >>> g_query, g_key = plain_gradient_of(0.125)(g_scores, query, key)
+    """
+    def plain_gradient(g_scores: torch.Tensor, query: torch.Tensor, key_states: torch.Tensor,
+                       key_grad: Optional[torch.Tensor] = None):
+        if key_grad is None:
+            g_scores = g_scores.mul_(scaling)
+            return torch.matmul(g_scores, key_states), torch.matmul(g_scores.transpose(-1, -2), query)
+        return (torch.matmul(g_scores, key_states).mul_(scaling),
+                add_product(key_grad, g_scores.transpose(-1, -2), query, alpha=scaling))
+
+    plain_gradient.accumulates = True
+    return plain_gradient
