@@ -35,7 +35,7 @@ from ..propagation.recomputed_softmax import softmax_of_recomputed_scores
 from ..propagation.rules import RuleSet, gate
 from ..capture.trace import Block
 from ..capture.recorder import Recorder, SiteObserver
-from .hf_rows import causal_mask, fused_output, keys_needed_of, masked_from, plain_gradient_of
+from .hf_rows import causal_mask, fused_output, grouped_scores, keys_needed_of, masked_from, plain_gradient_of
 
 ATTENTION_KEY = "captum_transformers"
 # The key of models whose own implementation is "sdpa": SDPA's masks, and the fused kernel where
@@ -151,7 +151,7 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         extras = iter(extras)
         fresh = not torch.is_grad_enabled()  # nothing to differentiate: the same operations in one buffer
         scores = heads_matmul(query, key_states.transpose(-1, -2)) if out is None or not fresh \
-            else torch.matmul(query, key_states.transpose(-1, -2), out=out)  # out: a buffer the caller reuses
+            else grouped_scores(query, key_states, groups, out)  # out: a buffer the caller reuses
         scores = scores.mul_(scaling) if fresh else scores * scaling
         if position_bias is not None:
             scores = _add(scores, next(extras), fresh)
@@ -175,6 +175,7 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     if softcap is None:
         scores.plain_gradient = plain_gradient_of(scaling)
     scores.writes_into = True  # takes out=: the chunked backward pass reuses one buffer for every chunk
+    scores.kv_groups = groups  # key_states and value_states repeat each model head, and go nowhere else
     scores.batch_sliceable = True  # reads nothing per example but its arguments
     scores.row_sliceable = True  # nor per query row: a chunk of rows gets that chunk of the scores
     if mask is not None:

@@ -25,7 +25,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..propagation.attention_core import add_product
+from ..propagation.chunk_products import add_product
 
 # The masks causal_mask made that are alive now, by id (dropped with their last reference).
 _MADE: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
@@ -43,7 +43,7 @@ def causal_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.
     alive = _LATEST.get(key)
     mask = alive() if alive is not None else None
     if mask is None:
-        mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril_()[None, None]
+        mask = torch.ones(1, 1, num_queries, num_keys, dtype=torch.bool, device=device).tril_()
         _MADE[id(mask)] = mask
         _LATEST.clear()  # one shape at a time: nothing grows over many sequence lengths
         _LATEST[key] = weakref.ref(mask)
@@ -186,7 +186,9 @@ def plain_gradient_of(scaling: float) -> Callable:
     (g_Q, g_K)`` with ``g_Q = scaling g_S K`` and ``g_K = scaling g_S^T Q`` (``g_S`` is scaled in
     place). ``key_grad``: a tensor that ``g_K`` is added to in its own buffer (returned as ``g_K``),
     the chunked backward pass's sum over chunks of rows (``accumulates``); ``g_S`` is then left as
-    it is and the scaling applied to the products (one pass less over a (B, H, c, K) chunk).
+    it is and the scaling applied to the products (one pass less over a (B, H, c, K) chunk). A
+    ``key_grad`` with H / G heads sums each group of G heads, whose keys are the same (attention_core's
+    ``kv_groups``): one product per group (:func:`grouped_scores`).
 
     Example::
 
@@ -197,8 +199,27 @@ def plain_gradient_of(scaling: float) -> Callable:
         if key_grad is None:
             g_scores = g_scores.mul_(scaling)
             return torch.matmul(g_scores, key_states), torch.matmul(g_scores.transpose(-1, -2), query)
-        return (torch.matmul(g_scores, key_states).mul_(scaling),
-                add_product(key_grad, g_scores.transpose(-1, -2), query, alpha=scaling))
+        groups = key_states.shape[1] // key_grad.shape[1]
+        g_query = torch.matmul(_stacked(g_scores, groups), key_states[:, ::groups]).mul_(scaling)
+        key_grad = add_product(key_grad, _stacked(g_scores, groups).transpose(-1, -2), _stacked(query, groups),
+                               alpha=scaling)
+        return g_query.view(g_scores.shape[:-1] + g_query.shape[-1:]), key_grad
 
     plain_gradient.accumulates = True
     return plain_gradient
+
+
+def _stacked(tensor: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, H, c, n) as (B, H / G, G c, n): the rows of each group's G heads stacked."""
+    if groups == 1:
+        return tensor
+    return tensor.reshape(tensor.shape[0], tensor.shape[1] // groups, groups * tensor.shape[2], tensor.shape[3])
+
+
+def grouped_scores(query: torch.Tensor, key_states: torch.Tensor, groups: int, out: torch.Tensor) -> torch.Tensor:
+    """``Q K^T`` into ``out`` (B, H, c, K), for keys whose heads repeat each of H / G heads G times
+    (``_repeat_kv``): one product per group, its G heads' query rows stacked, each key read once."""
+    if groups == 1 or query.dim() != 4 or query.shape[:2] != key_states.shape[:2] or query.shape[1] % groups:
+        return torch.matmul(query, key_states.transpose(-1, -2), out=out)
+    torch.matmul(_stacked(query, groups), key_states[:, ::groups].transpose(-1, -2), out=_stacked(out, groups))
+    return out

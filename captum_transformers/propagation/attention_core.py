@@ -26,6 +26,7 @@ from typing import Callable, Optional, Protocol, Tuple
 import torch
 
 from .backward_switch import _SWITCH
+from .chunk_products import ChunkBuffers, add_product, group_gradient, group_zeros, grouped, kv_groups
 from .head_products import heads_matmul
 from .operation_rules import _ACTIVE_RULES
 from .recomputed_softmax import owns_buffer, recompute_under_rules, scores_gradient
@@ -266,16 +267,18 @@ def _plain_backward_in_row_chunks(ctx, plain_gradient, g_output, g_probs_outside
     Equal to the whole-map backward up to the order of the sums; no (B, H, Q, K) tensor exists.
 
     The chunks' scores, ``g_A`` and ``g_S`` are written into three buffers made once per call
-    (:class:`_ChunkBuffers`), and ``g_V``, ``g_K`` accumulate in place (:func:`add_product`):
+    (:class:`~.chunk_products.ChunkBuffers`), and ``g_V``, ``g_K`` accumulate in place
+    (:func:`~.chunk_products.add_product`; grouped-query heads per group, ``kv_groups``):
     fresh (B, H, c, K) tensors each chunk cost a page fault per 4 KiB where freed memory goes
     back to the system (large buffers under glibc's low mmap thresholds), up to half the time."""
     if g_output is None:
         g_output = torch.zeros((*query.shape[:-1], value.shape[-1]), dtype=value.dtype, device=value.device)
     num_queries = query.shape[-2]
+    groups = kv_groups(ctx.scores_fn, plain_gradient, query, key, value, g_output)
     g_query = torch.empty_like(query) if query.requires_grad else None
-    g_key = torch.zeros_like(key) if key.requires_grad else None
-    g_value = torch.zeros_like(value)
-    buffers = _ChunkBuffers()
+    g_key = group_zeros(key, groups) if key.requires_grad else None
+    g_value = group_zeros(value, groups)
+    buffers = ChunkBuffers()
     writes_into = getattr(ctx.scores_fn, "writes_into", False)
     accumulates = getattr(plain_gradient, "accumulates", False)
     for rows, q_rows, keys, values, extras_rows, stop in _row_chunks(ctx.scores_fn, query, key, value, extras):
@@ -288,10 +291,11 @@ def _plain_backward_in_row_chunks(ctx, plain_gradient, g_output, g_probs_outside
         probs = soft.to(query.dtype)
         outside = None if g_probs_outside is None else _rows_of(g_probs_outside, rows, num_queries)[..., :stop]
         g_shape = (*torch.broadcast_shapes(g_rows.shape[:-2], values.shape[:-2]), g_rows.shape[-2], stop)
-        g_probs = torch.matmul(g_rows, values.transpose(-1, -2), out=buffers.take(1, g_shape, g_rows))
+        g_probs = buffers.take(1, g_shape, g_rows)
+        torch.matmul(grouped(g_rows, groups), values[:, ::groups].transpose(-1, -2), out=grouped(g_probs, groups))
         if outside is not None:
             g_probs.add_(outside)
-        add_product(g_value[..., :stop, :], probs.transpose(-1, -2), g_rows)
+        add_product(g_value[..., :stop, :], grouped(probs, groups).transpose(-1, -2), grouped(g_rows, groups))
         ctx.observer.rows(rows, probs, g_probs)
         g_scores = torch.ops.aten._softmax_backward_data.out(g_probs.to(soft.dtype), soft, -1, soft.dtype,
                                                              grad_input=buffers.take(2, soft.shape, soft))
@@ -306,40 +310,9 @@ def _plain_backward_in_row_chunks(ctx, plain_gradient, g_output, g_probs_outside
         if g_query is not None:
             g_query[..., rows, :] = g_q
     ctx.observer.done()
-    g_value = g_value.sum_to_size(value.shape) if value.requires_grad else None
+    g_key = None if g_key is None else group_gradient(g_key, key, groups)
+    g_value = group_gradient(g_value, value, groups).sum_to_size(value.shape) if value.requires_grad else None
     return (None, None, None, None, None, None, g_query, g_key, g_value, *[None for _ in extras])
-
-
-class _ChunkBuffers:
-    """Buffers reused by the chunks of one call: :meth:`take` gives a contiguous tensor of a
-    shape, dtype and device, a view of the buffer of that slot (made, or grown, when too small)."""
-
-    def __init__(self) -> None:
-        self._flat = {}
-
-    def take(self, slot: int, shape, like: torch.Tensor) -> torch.Tensor:
-        numel = 1
-        for size in shape:
-            numel *= size
-        flat = self._flat.get(slot)
-        if flat is None or flat.numel() < numel or flat.dtype != like.dtype or flat.device != like.device:
-            flat = self._flat[slot] = torch.empty(numel, dtype=like.dtype, device=like.device)
-        return flat[:numel].view(shape)
-
-
-def add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """``out += alpha a @ b`` for (B, H, M, K) and (B, H, K, N) operands into (B, H, M, N): in
-    ``out``'s own buffer (``baddbmm_``, no product tensor) where its heads fold into one batch,
-    else by a product and an in-place sum. The same sum to rounding."""
-    folds = out.dim() == 4 and a.shape[:2] == b.shape[:2] == out.shape[:2] and a.dtype == b.dtype == out.dtype \
-        and (out.shape[0] == 1 or out.stride(0) == out.shape[1] * out.stride(1))
-    if not folds or torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        return out.add_(torch.matmul(a, b), alpha=alpha)
-    merged = out.shape[0] * out.shape[1]
-    out.view(merged, *out.shape[2:]).baddbmm_(a.reshape(merged, *a.shape[2:]), b.reshape(merged, *b.shape[2:]),
-                                              alpha=alpha)
-    return out
-
 
 
 def _plain_gradient_of_scores(ctx, plain: bool, extras) -> Optional[Callable]:
