@@ -150,9 +150,11 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
         extras = iter(extras)
         fresh = not torch.is_grad_enabled()  # nothing to differentiate: the same operations in one buffer
-        scores = heads_matmul(query, key_states.transpose(-1, -2)) if out is None or not fresh \
-            else grouped_scores(query, key_states, groups, out)  # out: a buffer the caller reuses
-        scores = scores.mul_(scaling) if fresh else scores * scaling
+        if out is None or not fresh:
+            scores = heads_matmul(query, key_states.transpose(-1, -2))
+            scores = scores.mul_(scaling) if fresh else scores * scaling
+        else:  # the chunked backward's buffer: the few query rows scaled, not the (B, H, c, K) scores
+            scores = grouped_scores(query * scaling, key_states, groups, out)
         if position_bias is not None:
             scores = _add(scores, next(extras), fresh)
         if softcap is not None:
