@@ -74,7 +74,7 @@ def is_causal_mask(mask: Optional[torch.Tensor]) -> bool:
     if known is not None and known[0]() is root and known[1] == root._version:
         return known[2]
     verdict = _reads_causal(mask)
-    for stale in [key for key, (ref, _, _) in _READ.items() if ref() is None]:
+    for stale in [key for key, (ref, _, _) in list(_READ.items()) if ref() is None]:
         del _READ[stale]
     _READ[place] = (weakref.ref(root), root._version, verdict)
     return verdict
