@@ -36,6 +36,7 @@ from ..propagation.recomputed_softmax import softmax_of_recomputed_scores
 from ..propagation.rules import RuleSet, gate
 from ..capture.trace import Block
 from ..capture.recorder import Recorder, SiteObserver
+from .hf_rows import fused_output, grouped_scores, keys_needed_of, masked_from, plain_gradient_of
 
 ATTENTION_KEY = "captum_transformers"
 # The key of models whose own implementation is "sdpa": SDPA's masks, and the fused kernel where
@@ -146,34 +147,44 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
 
     mask = attention_mask[:, :, :, : key_states.shape[-2]] if attention_mask is not None else None
 
-    def scores(query: torch.Tensor, key_states: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor:
+    def scores(query: torch.Tensor, key_states: torch.Tensor, *extras: torch.Tensor,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
         extras = iter(extras)
         fresh = not torch.is_grad_enabled()  # nothing to differentiate: the same operations in one buffer
-        scores = heads_matmul(query, key_states.transpose(-1, -2))
-        scores = scores.mul_(scaling) if fresh else scores * scaling
+        if out is None or not fresh:
+            scores = heads_matmul(query, key_states.transpose(-1, -2))
+            scores = scores.mul_(scaling) if fresh else scores * scaling
+        else:  # the chunked backward's buffer: the few query rows scaled, not the (B, H, c, K) scores
+            scores = grouped_scores(query * scaling, key_states, groups, out)
         if position_bias is not None:
             scores = _add(scores, next(extras), fresh)
         if softcap is not None:
             scores = scores.div_(softcap).tanh_().mul_(softcap) if fresh else torch.tanh(scores / softcap) * softcap
         if mask is not None:
+            rows = next(extras)
+            # A causal chunk of rows attends to every key before its first row: only the rest is masked.
+            tail = masked_from(mask, rows) if fresh and (mask.dtype == torch.bool or torch.result_type(
+                scores, rows) == scores.dtype) and torch.broadcast_shapes(scores.shape, rows.shape) == scores.shape \
+                else 0  # (in place: the masked part is a view of the scores)
+            part, rows = (scores[..., tail:], rows[..., tail:]) if tail else (scores, rows)
             if mask.dtype == torch.bool:
-                blocked, lowest = ~next(extras), torch.finfo(scores.dtype).min
-                scores = scores.masked_fill_(blocked, lowest) if fresh else scores.masked_fill(blocked, lowest)
+                blocked, lowest = ~rows, torch.finfo(scores.dtype).min
+                part = part.masked_fill_(blocked, lowest) if fresh else part.masked_fill(blocked, lowest)
             else:
-                scores = _add(scores, next(extras), fresh)
+                part = _add(part, rows, fresh)
+            scores = scores if tail else part
         return scores
 
     if softcap is None:
-        def plain_gradient(g_scores: torch.Tensor, query: torch.Tensor, key_states: torch.Tensor):
-            g_scores = g_scores.mul_(scaling)
-            return torch.matmul(g_scores, key_states), torch.matmul(g_scores.transpose(-1, -2), query)
-
-        scores.plain_gradient = plain_gradient
-
+        scores.plain_gradient = plain_gradient_of(scaling)
+    scores.writes_into = True  # takes out=: the chunked backward pass reuses one buffer for every chunk
+    scores.kv_groups = groups  # key_states and value_states repeat each model head, and go nowhere else
     scores.batch_sliceable = True  # reads nothing per example but its arguments
     scores.row_sliceable = True  # nor per query row: a chunk of rows gets that chunk of the scores
     if mask is not None:
-        scores.keys_needed = _keys_needed  # the mask comes last among the extras
+        scores.keys_needed = keys_needed_of(mask)  # the mask comes last among the extras
+    # A streamed forward needs only the output: SDPA's fused kernel where it gives the same (hf_rows).
+    scores.fused_output = fused_output(mask, scaling, softcap is None and position_bias is None)
     extras = tuple(t for t in (position_bias, mask) if t is not None)
     # float32 at least (half-precision scores), float64 for float64 models: the model's own
     # precision, so float64 maps equal its eager attention's, not a float32 rounding of them.
@@ -212,19 +223,6 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         if (observer is not None or replay is not None) and not any(probs.stride()):  # a stand-in: no map
             probs = UnreadWeights.of(probs)
     return output.transpose(1, 2).contiguous(), probs
-
-
-def _keys_needed(*extras: torch.Tensor) -> int:
-    """How many leading keys some of a chunk of query rows may attend to, from its mask (the
-    last extra, (B, 1, c, K), boolean or additive): after the last open key every probability is
-    exactly 0 (a causal mask), so the chunk's map stops there. All keys when a row has none open
-    (its softmax is then over every key)."""
-    mask = extras[-1]
-    open_keys = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-    open_keys = open_keys.reshape(-1, open_keys.shape[-1])
-    if not bool(open_keys.any(dim=-1).all()):
-        return mask.shape[-1]
-    return int(open_keys.any(dim=0).nonzero().max()) + 1
 
 
 def _streamed(active, module: nn.Module, kwargs: Dict[str, Any]) -> bool:

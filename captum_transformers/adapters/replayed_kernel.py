@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..methods.replayed_rows import ReplayedCall, ReplayedRows, chunked_output
+from .hf_rows import causal_mask
 
 #: The keyword :func:`sdpa_mask_for` passes on to the kernel for a causal sequence given no mask.
 CAUSAL_ROWS = "captum_causal_rows"
@@ -88,5 +89,4 @@ def causal_mask_of_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     ``is_causal`` when it is given no mask (None when it applies none), upper-left aligned."""
     if not _sdpa_is_causal(module, query, is_causal):
         return None
-    rows = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril_()
-    return rows[None, None]
+    return causal_mask(query.shape[2], key.shape[2], query.device)  # one mask shared by the layers

@@ -314,7 +314,10 @@ class Recorder:
                     first: Optional[torch.Tensor] = None) -> None:
         """Reduce query rows ``rows`` of a streamed site's map (B, H, c, K) into its row stream;
         ``first``: the previous pass's gradient at those rows, reduced first (a pair)."""
-        valid = self.valid_pairs(site, rows)
+        # A reduction marked ``reads_valid = False`` ignores the pairs: not made for every chunk.
+        reductions = [self.spec.backward_reduce] + ([self.first_spec.backward_reduce] if first is not None else [])
+        reads_valid = any(getattr(reduction, "reads_valid", True) for reduction in reductions)
+        valid = self.valid_pairs(site, rows) if reads_valid else None
         if valid is not None:  # the kernel may stop at the last key these rows attend to
             valid = valid[..., :probs.shape[-1]]
         if first is not None:

@@ -26,6 +26,7 @@ from typing import Callable, Optional, Protocol, Tuple
 import torch
 
 from .backward_switch import _SWITCH
+from .chunk_products import ChunkBuffers, add_product, group_gradient, group_zeros, grouped, kv_groups
 from .head_products import heads_matmul
 from .operation_rules import _ACTIVE_RULES
 from .recomputed_softmax import owns_buffer, recompute_under_rules, scores_gradient
@@ -209,9 +210,14 @@ def _rows_per_chunk(query: torch.Tensor, key: torch.Tensor) -> int:
 def _attend_rows(scores_fn, query, key, value, extras, softmax_dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(A V, stand-in)``: :func:`_attend`'s output a few query rows at a time (the softmax is
     row-wise, so each chunk's rows are those of the whole map), with a zero-stride stand-in of the
-    map's shape (B, H, Q, K) instead of the map: what the recorder reads when it keeps no map."""
+    map's shape (B, H, Q, K) instead of the map: what the recorder reads when it keeps no map.
+    A scores function may carry ``fused_output(Q, K, V, *extras)``: the same output to rounding by a
+    fused kernel (no map at all; the backward pass recomputes it either way), or None to decline."""
     num_queries = query.shape[-2]
-    output = None
+    fused = getattr(scores_fn, "fused_output", None)
+    output = None if fused is None else fused(query, key, value, *extras)
+    if output is not None:
+        return output, query.new_zeros(()).expand((*output.shape[:2], num_queries, key.shape[-2]))
     for rows, q_rows, keys, values, extras_rows, _ in _row_chunks(scores_fn, query, key, value, extras):
         scores = scores_fn(q_rows, keys, *extras_rows)
         probs = _softmax_in_place(scores, softmax_dtype).to(query.dtype)
@@ -269,36 +275,58 @@ def _plain_backward_in_row_chunks(ctx, plain_gradient, g_output, g_probs_outside
     (:meth:`~captum_transformers.capture.recorder.SiteObserver.rows`), then
     ``g_V += A_c^T g_{O_c}``, ``g_{S_c}`` by the softmax Jacobian (row-wise) and
     ``(g_{Q_c}, g_K^{(c)}) = plain_gradient(g_{S_c}, Q_c, K)``, ``g_K = \sum_c g_K^{(c)}``.
-    Equal to the whole-map backward up to the order of the sums; no (B, H, Q, K) tensor exists."""
+    Equal to the whole-map backward up to the order of the sums; no (B, H, Q, K) tensor exists.
+
+    The chunks' scores, ``g_A`` and ``g_S`` are written into three buffers made once per call
+    (:class:`~.chunk_products.ChunkBuffers`), and ``g_V``, ``g_K`` accumulate in place
+    (:func:`~.chunk_products.add_product`; grouped-query heads per group, ``kv_groups``):
+    fresh (B, H, c, K) tensors each chunk cost a page fault per 4 KiB where freed memory goes
+    back to the system (large buffers under glibc's low mmap thresholds), up to half the time."""
     if g_output is None:
         g_output = torch.zeros((*query.shape[:-1], value.shape[-1]), dtype=value.dtype, device=value.device)
     num_queries = query.shape[-2]
     hand_over = _observer_for_this_pass(ctx) is not None  # else a map no stream reads: only the gradients
+    groups = kv_groups(ctx.scores_fn, plain_gradient, query, key, value, g_output)
     g_query = torch.empty_like(query) if query.requires_grad else None
-    g_key = torch.zeros_like(key) if key.requires_grad else None
-    g_value = torch.zeros_like(value)
+    g_key = group_zeros(key, groups) if key.requires_grad else None
+    g_value = group_zeros(value, groups)
+    buffers = ChunkBuffers()
+    writes_into = getattr(ctx.scores_fn, "writes_into", False)
+    accumulates = getattr(plain_gradient, "accumulates", False)
     for rows, q_rows, keys, values, extras_rows, stop in _row_chunks(ctx.scores_fn, query, key, value, extras):
         g_rows = g_output[..., rows, :]
+        shape = (*torch.broadcast_shapes(q_rows.shape[:-2], keys.shape[:-2]), q_rows.shape[-2], stop)
         with torch.no_grad():
-            scores = ctx.scores_fn(q_rows, keys, *extras_rows)
+            scores = ctx.scores_fn(q_rows, keys, *extras_rows, out=buffers.take(0, shape, query)) if writes_into \
+                else ctx.scores_fn(q_rows, keys, *extras_rows)
         soft = _softmax_in_place(scores, ctx.softmax_dtype)
         probs = soft.to(query.dtype)
         outside = None if g_probs_outside is None else _rows_of(g_probs_outside, rows, num_queries)[..., :stop]
-        g_probs = _map_gradient(values, g_rows, outside, halved=False)
-        g_value[..., :stop, :].add_(torch.matmul(probs.transpose(-1, -2), g_rows))
+        g_shape = (*torch.broadcast_shapes(g_rows.shape[:-2], values.shape[:-2]), g_rows.shape[-2], stop)
+        g_probs = buffers.take(1, g_shape, g_rows)
+        torch.matmul(grouped(g_rows, groups), values[:, ::groups].transpose(-1, -2), out=grouped(g_probs, groups))
+        if outside is not None:
+            g_probs.add_(outside)
+        add_product(g_value[..., :stop, :], grouped(probs, groups).transpose(-1, -2), grouped(g_rows, groups))
         if hand_over:
             ctx.observer.rows(rows, probs, g_probs, _first_pass_rows(ctx, values, rows, stop, num_queries))
-        g_scores = scores_gradient(soft, scores, g_probs.to(soft.dtype), -1, identity=False, owned=False)
+        g_scores = torch.ops.aten._softmax_backward_data.out(g_probs.to(soft.dtype), soft, -1, soft.dtype,
+                                                             grad_input=buffers.take(2, soft.shape, soft))
         del soft, probs, g_probs, scores
-        g_q, g_k = plain_gradient(g_scores.to(query.dtype), q_rows, keys)
+        g_scores = g_scores.to(query.dtype)
+        if accumulates and g_key is not None:
+            g_q, _ = plain_gradient(g_scores, q_rows, keys, key_grad=g_key[..., :stop, :])
+        else:
+            g_q, g_k = plain_gradient(g_scores, q_rows, keys)
+            if g_key is not None:
+                g_key[..., :stop, :].add_(g_k)
         if g_query is not None:
             g_query[..., rows, :] = g_q
-        if g_key is not None:
-            g_key[..., :stop, :].add_(g_k)
     if hand_over:
         ctx.observer.done()
     ctx.first_pass = None
-    g_value = g_value.sum_to_size(value.shape) if value.requires_grad else None
+    g_key = None if g_key is None else group_gradient(g_key, key, groups)
+    g_value = group_gradient(g_value, value, groups).sum_to_size(value.shape) if value.requires_grad else None
     return (None, None, None, None, None, None, g_query, g_key, g_value, *[None for _ in extras])
 
 
