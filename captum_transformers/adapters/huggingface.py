@@ -95,6 +95,22 @@ def _gradient_checkpointing_off(model: nn.Module) -> Iterator[None]:
         yield
 
 
+def _sdpa_masks_serve(recorder: Recorder, blocks, model: nn.Module) -> bool:
+    """Whether a capture runs under SDPA's masks (:data:`SDPA_KEY`): an sdpa model whose maps are
+    replayed (forward-only methods) or streamed into the explained rows (one token sequence). SDPA's
+    masks are boolean, or None for a causal sequence (made once, shared by the layers, or per chunk),
+    where the eager key makes transformers build an additive float (B, 1, N, N) mask (64 MiB at 4k)."""
+    if not _runs_sdpa(model):
+        return False
+    replay = getattr(recorder.spec, "replay", None)
+    if replay is not None:
+        return replay.one_sequence(blocks)
+    if recorder.spec.row_stream is None:
+        return False
+    pairs = {block.default_streams for block in blocks}
+    return len(pairs) == 1 and all(query == key for query, key in pairs)
+
+
 def _runs_sdpa(model: nn.Module) -> bool:
     """Whether every HF config of ``model`` stores the "sdpa" implementation (read past any
     context that points it at the package's kernels)."""
@@ -216,11 +232,7 @@ class HuggingFaceAdapter(Adapter):
     @contextlib.contextmanager
     def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
         blocks = {id(b.module): b for b in self.blocks(model)}
-        # A replayed sdpa model keeps SDPA's masks (None for a causal sequence: made per chunk), not the
-        # additive (B, 1, N, N) float mask the eager key makes transformers build (hf_kernel, replayed_kernel).
-        replay = getattr(recorder.spec, "replay", None)
-        key = SDPA_KEY if replay is not None and replay.one_sequence(blocks.values()) and _runs_sdpa(model) \
-            else ATTENTION_KEY
+        key = SDPA_KEY if _sdpa_masks_serve(recorder, blocks.values(), model) else ATTENTION_KEY
         with active_recorder(recorder, blocks), patching.hf_attention_implementation(model, key), \
                 _gradient_checkpointing_off(model):
             yield
