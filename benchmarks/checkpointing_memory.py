@@ -47,6 +47,8 @@ import sys
 
 import torch
 
+# This checkout's package, not whichever one the environment installed (a second worktree).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peak_memory import measure_on_random_ids, plain_gradient_run  # noqa: E402
 

@@ -42,6 +42,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+# This checkout's package, not whichever one the environment installed (a second worktree).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peak_memory import peak_bytes  # noqa: E402
 

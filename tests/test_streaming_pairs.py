@@ -11,10 +11,13 @@ whole map made in any pass, and the cases that keep the dense path, with their r
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import captum_transformers as ct
+from captum_transformers.methods.functional import gradient_weighted_heads
 import captum_transformers.propagation.attention_core as core
 import captum_transformers.propagation.row_chunked_rules as chunked_rules
 
@@ -109,8 +112,94 @@ def test_a_paired_stream_declines_a_single_pass():
     class Recorder:
         streams = ct.StreamLayouts.single(layout, 1)
         sites = [type("Site", (), {"streams": ("tokens", "tokens")})()] * 2
-        spec = ct.CaptureSpec(backward_reduce=lambda *a: None)
+        spec = ct.CaptureSpec(backward_reduce=gradient_weighted_heads)
         keep_probs, first_spec = False, None
 
     stream = RowStream(paired=True)
     assert not stream.accepts(Recorder()) and "two backward passes" in stream.reason
+
+
+def test_a_subclass_reduction_not_marked_row_separable_keeps_the_dense_path():
+    """A subclass may reduce each map across its rows (here: every row divided by the map's total);
+    chunks of rows would change that silently, so the stream declines and the map is the dense one."""
+    class WholeMapNormalized(ct.GenericAttention):
+        def capture_spec(self):
+            spec = super().capture_spec()
+
+            def normalized(probs, grad, valid=None):
+                value = gradient_weighted_heads(probs, grad, valid)
+                return value / value.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
+
+            return dataclasses.replace(spec, backward_reduce=normalized)
+
+    model, inputs, kwargs = _llama("sdpa")
+    method = WholeMapNormalized(model)
+    scores = method.attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
+    assert method._row_stream.streamed is False and "row_separable" in method._row_stream.reason
+    torch.testing.assert_close(scores, _dense(method, inputs, kwargs), rtol=0, atol=0)
+
+
+def test_rows_left_by_attribute_are_not_read_for_a_later_dense_trace():
+    model, inputs, kwargs = _llama("sdpa")
+    method = ct.GenericAttention(model)
+    trace = method.trace(inputs, target=1, forward_kwargs=kwargs)
+    dense = method.stream_scores(trace)
+    method.attribute(inputs, target=0, forward_kwargs=kwargs, return_tokens=True)  # other rows, left behind
+    assert method._row_stream.streamed
+    again = method.stream_scores(trace)
+    torch.testing.assert_close(again["tokens"], dense["tokens"], rtol=0, atol=0)
+
+
+def test_a_failed_attribute_drops_its_rows():
+    model, inputs, kwargs = _llama("sdpa")
+    method = ct.GenericAttention(model, start_layer=5)  # past the 2 layers: refused after the passes
+    with pytest.raises(ct.InputError):
+        method.attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
+    assert method._row_stream is None
+
+
+def test_grad_cam_keeps_every_key_where_a_mask_not_the_module_makes_it_causal(monkeypatch):
+    """CLIP's text tower: causal through its mask, ``is_causal=False`` on the module. The dense
+    Grad-CAM averages the gradient over every real key of the row, past the causal cut too (the
+    map is 0 there, its gradient is not): the streamed chunks must not stop at the row's last open key."""
+    from hf_models import CASES
+    case = CASES["clip_text"]
+    model = case.model("eager", dtype=F64)
+    ids, kwargs = case.inputs(batch=1, seq=9)
+    ids[0, -1], ids[0, 4] = 5, 98  # the explained EOS in the middle: real tokens after it
+    monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)
+    method = ct.AttentionGradCAM(model)
+    streamed = method.attribute(ids, target=1, forward_kwargs=kwargs, return_tokens=True)
+    assert method._row_stream.streamed
+    dense = _dense(method, ids, kwargs)
+    torch.testing.assert_close(streamed, dense, rtol=1e-10, atol=1e-18)
+    assert dense.abs().max() > 0
+
+
+@pytest.mark.parametrize("method_name", ["GenericAttention", "TransformerRelevance"])
+def test_a_layer_the_score_does_not_read_is_folded_without_a_whole_zero_map(method_name, monkeypatch):
+    """The explained logit read after the first layer: the second layer gets a zero gradient,
+    reduced a chunk of rows at a time (no (B, H, N, N) zeros) and equal to the dense path."""
+    model, inputs, kwargs = _llama("sdpa")
+    monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)
+    monkeypatch.setattr("captum_transformers.capture.recorder._ZERO_CHUNK_BYTES", 1)
+    second = model.model.layers[1]
+    handle = second.register_forward_hook(lambda module, args, output: (args[0] * 1.0,) + tuple(output[1:])
+                                          if isinstance(output, tuple) else args[0] * 1.0)
+    zeros, original = [], torch.zeros
+
+    def counted(*size, **kw):
+        shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else tuple(size)
+        if len(shape) == 4 and shape[-2] > 1 and shape[-2] == shape[-1]:
+            zeros.append(shape)
+        return original(*size, **kw)
+
+    try:
+        method = getattr(ct, method_name)(model)
+        monkeypatch.setattr(torch, "zeros", counted)
+        streamed = method.attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
+        monkeypatch.setattr(torch, "zeros", original)
+        assert method._row_stream.streamed and not zeros, zeros
+        torch.testing.assert_close(streamed, _dense(method, inputs, kwargs), rtol=1e-10, atol=1e-16)
+    finally:
+        handle.remove()

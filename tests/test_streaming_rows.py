@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import captum_transformers as ct
+from captum_transformers.methods.functional import gradient_weighted_heads
 import captum_transformers.propagation.attention_core as core
 from captum_transformers.capture.trace import TokenLayout
 from captum_transformers.methods.streaming_rows import RowStream
@@ -109,7 +110,7 @@ def test_an_out_of_order_map_waits_for_its_turn():
     class Recorder:  # what RowStream reads of a recorder
         streams = ct.StreamLayouts.single(layout, 1)
         sites = [type("Site", (), {"streams": ("tokens", "tokens")})()] * 3
-        spec = ct.CaptureSpec(backward_reduce=lambda *a: None)
+        spec = ct.CaptureSpec(backward_reduce=gradient_weighted_heads)
         keep_probs, first_spec = False, None
 
     stream = RowStream()
@@ -131,7 +132,7 @@ def test_an_incomplete_stream_is_refused():
     class Recorder:
         streams = ct.StreamLayouts.single(layout, 1)
         sites = [type("Site", (), {"streams": ("tokens", "tokens")})()] * 2
-        spec = ct.CaptureSpec(backward_reduce=lambda *a: None)
+        spec = ct.CaptureSpec(backward_reduce=gradient_weighted_heads)
         keep_probs, first_spec = False, None
 
     stream = RowStream()

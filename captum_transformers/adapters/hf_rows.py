@@ -27,8 +27,10 @@ import torch
 
 from ..propagation.chunk_products import add_product
 
-# The masks causal_mask made that are alive now, by id (dropped with their last reference).
+# The masks causal_mask made that are alive now, by id (dropped with their last reference), and
+# their versions then (a mask written to since is read again).
 _MADE: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+_MADE_VERSION: Dict[int, int] = {}
 _LATEST: Dict[Tuple[int, int, torch.device], "weakref.ref[torch.Tensor]"] = {}
 # Masks is_causal_mask read, by (id of the tensor viewed, offset, shape, strides): (a weak reference
 # to that tensor, its version then, the answer).
@@ -42,9 +44,12 @@ def causal_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.
     key = (num_queries, num_keys, torch.device(device))
     alive = _LATEST.get(key)
     mask = alive() if alive is not None else None
-    if mask is None:
+    if mask is None or _MADE_VERSION.get(id(mask)) != mask._version:  # none alive, or one written to
         mask = torch.ones(1, 1, num_queries, num_keys, dtype=torch.bool, device=device).tril_()
+        for dead in [made for made in _MADE_VERSION if made not in _MADE]:
+            del _MADE_VERSION[dead]
         _MADE[id(mask)] = mask
+        _MADE_VERSION[id(mask)] = mask._version
         _LATEST.clear()  # one shape at a time: nothing grows over many sequence lengths
         _LATEST[key] = weakref.ref(mask)
     return mask
@@ -52,11 +57,11 @@ def causal_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.
 
 def _made_here(mask: torch.Tensor) -> bool:
     """Whether ``mask`` is a :func:`causal_mask`, or a view of all of it."""
-    if _MADE.get(id(mask)) is mask:
-        return True
-    base = mask._base
-    return base is not None and _MADE.get(id(base)) is base and mask.shape == base.shape \
-        and mask.stride() == base.stride() and mask.storage_offset() == base.storage_offset()
+    base = mask if mask._base is None else mask._base
+    if _MADE.get(id(base)) is not base or _MADE_VERSION.get(id(base)) != base._version:
+        return False
+    return base is mask or (mask.shape == base.shape and mask.stride() == base.stride()
+                            and mask.storage_offset() == base.storage_offset())
 
 
 def is_causal_mask(mask: Optional[torch.Tensor]) -> bool:

@@ -37,6 +37,9 @@ def replay_of(active, module: nn.Module, kwargs: Dict[str, Any], rules, dropout:
     if replay is None or replay.replayed is False or rules is not None or torch.is_grad_enabled() \
             or (dropout and module.training):
         return None
+    if replay.replayed is None and getattr(active[0].spec.forward_reduce, "head_fusion", None) is None:
+        # A subclass's own forward reduction: the replay recomputes head fusions only.
+        replay.decline("the spec's forward_reduce is not a head fusion (functional.head_fusion_of)")
     if replay.replayed is None:
         from .hf_kernel import _weights_reader  # the kernel module imports this one
         blocks = list(active[1].values())

@@ -125,6 +125,14 @@ class SiteObserver:
         return not self.wanted and self.site is not None and self.recorder is not None \
             and self.recorder.spec.row_stream is not None and self.recorder.streams_site(self.site)
 
+    @property
+    def reads_masked_keys(self) -> bool:
+        """Whether this pass's reduction reads the gradient at masked entries of the map (marked
+        ``reads_masked_keys``), where the map is 0 but its gradient is not: chunks then keep every key."""
+        recorder = self.recorder
+        specs = () if recorder is None else (recorder.spec, recorder.first_spec)
+        return any(getattr(spec.backward_reduce, "reads_masked_keys", False) for spec in specs if spec is not None)
+
     def __call__(self, probs: torch.Tensor, grad: torch.Tensor) -> None:
         self.recorder.reduce_gradient(self.site, grad, probs)
 
@@ -350,6 +358,14 @@ class Recorder:
             site.received_gradient = True  # the first of two passes: both are reduced in the second
             return
         shape, dtype, device = site.map_like
+        if self.streams_site(site):  # folded a chunk of rows at a time: no (B, H, N, N) zeros
+            rows_per_chunk = max(1, _ZERO_CHUNK_BYTES // max(1, shape[0] * shape[1] * shape[3] * 4))
+            for start in range(0, shape[2], rows_per_chunk):
+                rows = slice(start, min(start + rows_per_chunk, shape[2]))
+                zeros = torch.zeros((shape[0], shape[1], rows.stop - start, shape[3]), dtype=dtype, device=device)
+                self.reduce_rows(site, rows, zeros, zeros, zeros if self.first_spec is not None else None)
+            self.finish_rows(site)
+            return
         zeros = torch.zeros(shape, dtype=dtype, device=device)
         if self.first_spec is not None:
             self.reduce_first(site, zeros, zeros)
@@ -396,6 +412,10 @@ class Recorder:
                 me.reduce_gradient(hooked, hooked.grad_view(grad) if hooked.grad_view is not None else grad)
 
         site.grad_tensor.register_hook(on_gradient)
+
+
+# A zero gradient of a streamed map is reduced in chunks of rows of about this size.
+_ZERO_CHUNK_BYTES = 4 * 2**20
 
 
 def _earlier_keys(rows: slice, num_queries: int, num_keys: int, device) -> torch.Tensor:

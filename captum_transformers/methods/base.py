@@ -191,9 +191,7 @@ def _query_vectors(layout: TokenLayout, dtype: torch.dtype) -> torch.Tensor:
 
 class _PerThreadCall(threading.local):
     """What one ``attribute`` call of a method instance keeps while it runs, separately per thread."""
-
-    streaming_rows = False
-    row_stream = None
+    streaming_rows, row_stream = False, None
 
 
 class TraceAttribution(StochasticOptIn, Attribution):
@@ -233,7 +231,7 @@ class TraceAttribution(StochasticOptIn, Attribution):
         return self._per_thread().row_stream
 
     @_row_stream.setter
-    def _row_stream(self, value: Any) -> None:
+    def _row_stream(self, value: Any) -> None:  # set by capture_spec / pass_plan in attribute()
         self._per_thread().row_stream = value
 
     def _per_thread(self) -> "_PerThreadCall":  # setdefault is atomic: one object for every thread
@@ -307,9 +305,12 @@ class TraceAttribution(StochasticOptIn, Attribution):
             call.streaming_rows = True
             try:
                 trace = self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
+                per_stream = self.stream_scores(trace)
+            except BaseException:  # a failed call's rows or replayed calls are never read: freed now
+                call.row_stream = None
+                raise
             finally:
                 call.streaming_rows = False
-        per_stream = self.stream_scores(trace)
         streams = trace.streams
         if return_tokens:
             returned = tuple(layout.returned(per_stream[name]) for name, layout in streams.layouts.items())

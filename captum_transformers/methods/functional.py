@@ -53,6 +53,17 @@ def gradient_weighted_heads(probs: torch.Tensor, grad: torch.Tensor, valid: Opti
 
 
 gradient_weighted_heads.reads_valid = False  # the recorder need not make the pairs (a pass per chunk of rows)
+gradient_weighted_heads.row_separable = True  # each query row's value reads that row alone: streamable
+
+
+def head_fusion_of(how: HeadFusion):
+    """:func:`fuse_heads` with ``how`` as a forward reduction, marked with it (``.head_fusion``): what
+    a replay (:mod:`~.replayed_rows`) may recompute in its place; an unmarked reduction is kept."""
+    def fused(probs: torch.Tensor) -> torch.Tensor:
+        return fuse_heads(probs, how)
+
+    fused.head_fusion = how
+    return fused
 
 
 def gradcam_heads(probs: torch.Tensor, grad: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:

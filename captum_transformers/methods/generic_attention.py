@@ -64,7 +64,7 @@ class GenericAttention(TraceAttribution):
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
         stream = getattr(self, "_row_stream", None)
-        if stream is not None and stream.streamed:
+        if stream is not None and stream.served(trace):
             return stream.result()
         if self.is_one_sequence(trace):
             return relevance_chain(row_layout(trace), self.values_from(trace, self.start_layer, backward=True))

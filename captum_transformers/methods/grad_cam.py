@@ -34,6 +34,10 @@ def _weighted_by_real_keys(probs: torch.Tensor, grad: torch.Tensor, valid=None) 
     return functional.gradcam_heads_by_row(probs, grad, columns)
 
 
+_weighted_by_real_keys.row_separable = True  # each row weighted over its own keys: streamable
+_weighted_by_real_keys.reads_masked_keys = True  # its head weights average g_A over keys where A may be 0
+
+
 class AttentionGradCAM(TraceAttribution):
     r"""Gradient-weighted attention heads of the last layer.
 
@@ -108,7 +112,7 @@ class AttentionGradCAM(TraceAttribution):
 
     def reduce(self, trace: AttentionTrace):
         stream = self._row_stream
-        if stream is not None and stream.streamed:
+        if stream is not None and stream.served(trace):
             return stream.result()
         if self.head_weights == "row":
             records = tuple(self._row_weighted(trace, r) if r.backward_value is not None else r for r in trace.records)

@@ -44,12 +44,12 @@ class RawAttention(TraceAttribution):
         # In attribute(), a one-sequence model keeps what recomputes its last call's map (replayed_rows),
         # and only that call's chunks holding explained rows are made; trace() keeps the maps.
         self._row_stream = replay_for(self, last_only=True)
-        return CaptureSpec(forward_reduce=lambda probs: functional.fuse_heads(probs, self.head_fusion),
+        return CaptureSpec(forward_reduce=functional.head_fusion_of(self.head_fusion),
                            replay=self._row_stream)
 
     def reduce(self, trace: AttentionTrace):
         replay = getattr(self, "_row_stream", None)
-        if replay is not None and replay.used():
+        if replay is not None and replay.used(trace):
             return replay.last_row(trace, self.head_fusion)
         if self.is_one_sequence(trace):
             return last_map_row(row_layout(trace), [r.forward_value for r in trace.records])

@@ -128,10 +128,12 @@ class ReplayedRows:
             self.replayed = self.replayed is None
         return self.replayed
 
-    def used(self) -> bool:
-        """Whether the calls were replayed; a model whose kernel kept none declines here."""
+    def used(self, trace: AttentionTrace) -> bool:
+        """Whether ``trace``'s calls were replayed (some call kept no forward value); a model whose
+        kernel kept none declines here, and a trace made elsewhere (``method.trace``) is never read
+        through the replay left by an earlier ``attribute``."""
         self.decline("no attention call ran through the HuggingFace kernel (nothing to replay)")
-        return bool(self.replayed)
+        return bool(self.replayed) and any(record.forward_value is None for record in trace.records)
 
     def keep(self, call_index: int, call: ReplayedCall) -> None:
         if self.last_only:

@@ -57,7 +57,7 @@ class AttentionRollout(TraceAttribution):
         # In attribute(), a one-sequence model's maps are recomputed after the forward pass, a chunk of
         # rows at a time, last call first (replayed_rows: no per-layer map kept); trace() keeps them.
         self._row_stream = replay_for(self, self.discard_ratio)
-        return CaptureSpec(forward_reduce=lambda probs: functional.fuse_heads(probs, self.head_fusion),
+        return CaptureSpec(forward_reduce=functional.head_fusion_of(self.head_fusion),
                            replay=self._row_stream)
 
     def _corrected(self, layer_map: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -75,7 +75,7 @@ class AttentionRollout(TraceAttribution):
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
         replay = getattr(self, "_row_stream", None)
-        if replay is not None and replay.used():
+        if replay is not None and replay.used(trace):
             start = self.start_layer.get(TOKENS, 0) if isinstance(self.start_layer, Mapping) else self.start_layer
             return replay.rollout(trace, start, self.head_fusion)
         if self.is_one_sequence(trace):

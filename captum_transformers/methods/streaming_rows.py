@@ -152,6 +152,12 @@ class RowStream:
             self._row = self._rows.start(like)
         return self._row
 
+    def served(self, trace) -> bool:
+        """Whether ``trace`` is the one these rows were folded from: a streamed trace's calls keep no
+        backward value, so a trace made elsewhere (``method.trace``) is never read through the rows
+        left by an earlier ``attribute``."""
+        return bool(self.streamed) and all(record.backward_value is None for record in trace.records)
+
     def result(self) -> torch.Tensor:
         """The carried rows (B, N) once every call from ``start_layer`` on was folded."""
         self._fold_pending()
@@ -172,6 +178,10 @@ def _why_not(recorder, stream: RowStream) -> str:
         return "several token streams (the ICCV'21 rules between streams keep whole maps)"
     if isinstance(streams.layouts[streams.explained[0]], WindowedLayout):
         return "a windowed layout (Swin)"
+    unknown = [spec for spec in (recorder.spec, recorder.first_spec) if spec is not None
+               and not getattr(spec.backward_reduce, "row_separable", False)]
+    if unknown:  # a subclass's own reduction may read across rows: chunks of rows would change it
+        return f"the reduction {unknown[0].backward_reduce!r} is not marked row_separable"
     if recorder.spec.backward_blocks != ("last" if stream.last_only else "all"):
         return f"backward_blocks={recorder.spec.backward_blocks!r} (this stream folds {'the last' if stream.last_only else 'every'} call)"
     if (recorder.keep_probs or recorder.first_spec is not None) and not stream.paired:
@@ -205,8 +215,8 @@ class UnreadWeights(torch.Tensor):
         if func in cls._READABLE or func in (torch.Tensor.size, torch.Tensor.dim):
             return super().__torch_function__(func, types, args, kwargs or {})
         raise CaptureError(
-            f"The attention weights returned during a streamed GenericAttention.attribute were read "
-            f"({getattr(func, '__name__', func)}); the streamed kernel makes no map. Pass "
+            f"The attention weights returned during a streamed or replayed attribute() were read "
+            f"({getattr(func, '__name__', func)}); that kernel makes no map. Pass "
             "output_attentions=True (the stream then declines and the weights are the model's), or "
             "explain with method.trace(...) (the dense path).")
 

@@ -87,6 +87,7 @@ class TransformerRelevance(TraceAttribution):
                 and isinstance(self.start_layer, (int, Mapping)):
             start = self.start_layer.get(TOKENS, 0) if isinstance(self.start_layer, Mapping) else self.start_layer
             self._row_stream = RowStream(start, paired=True)
+        keep_relevance.row_separable = weighted.row_separable = True  # each row's value reads that row alone
         relevance_spec = CaptureSpec(backward_reduce=keep_relevance, pass_call_index=True, row_stream=self._row_stream)
         gradient_spec = CaptureSpec(backward_reduce=weighted, pass_call_index=True, row_stream=self._row_stream)
         if self.rules.attention_gate == "gradient":
@@ -100,7 +101,7 @@ class TransformerRelevance(TraceAttribution):
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
         stream = self._row_stream
-        if stream is not None and stream.streamed:
+        if stream is not None and stream.served(trace):
             return stream.result()
         if self.is_one_sequence(trace):
             values = self.values_from(trace, self.start_layer, backward=True)

@@ -230,14 +230,16 @@ def _attend_rows(scores_fn, query, key, value, extras, softmax_dtype) -> Tuple[t
     return output, query.new_zeros(()).expand(shape)
 
 
-def _row_chunks(scores_fn, query, key, value, extras):
+def _row_chunks(scores_fn, query, key, value, extras, cut: bool = True):
     """``(rows, Q_c, K_c, V_c, extras_c, keys)`` for each chunk of query rows: the operands cut
     to the rows and, where ``scores_fn.keys_needed(rows, *extras_c)`` says that every key from
     ``keys`` on is masked in all of these rows (a causal mask), to the keys before it: the
-    masked keys' probabilities are exactly 0, so the map's other entries keep their values."""
+    masked keys' probabilities are exactly 0, so the map's other entries keep their values.
+    ``cut=False`` keeps every key: the gradient at a masked entry is not 0 (``g_O V^T``), and a
+    reduction that reads it there (Grad-CAM's head weights) needs it."""
     num_queries, num_keys = query.shape[-2], key.shape[-2]
     chunk = _rows_per_chunk(query, key)
-    keys_needed = getattr(scores_fn, "keys_needed", None)
+    keys_needed = getattr(scores_fn, "keys_needed", None) if cut else None
     for start in range(0, num_queries, chunk):
         rows = slice(start, min(start + chunk, num_queries))
         extras_rows = [_rows_of(e, rows, num_queries) for e in extras]
@@ -293,7 +295,8 @@ def _plain_backward_in_row_chunks(ctx, plain_gradient, g_output, g_probs_outside
     buffers = ChunkBuffers()
     writes_into = getattr(ctx.scores_fn, "writes_into", False)
     accumulates = getattr(plain_gradient, "accumulates", False)
-    for rows, q_rows, keys, values, extras_rows, stop in _row_chunks(ctx.scores_fn, query, key, value, extras):
+    cut = not (hand_over and getattr(ctx.observer, "reads_masked_keys", False))
+    for rows, q_rows, keys, values, extras_rows, stop in _row_chunks(ctx.scores_fn, query, key, value, extras, cut):
         g_rows = g_output[..., rows, :]
         shape = (*torch.broadcast_shapes(q_rows.shape[:-2], keys.shape[:-2]), q_rows.shape[-2], stop)
         with torch.no_grad():
