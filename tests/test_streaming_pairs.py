@@ -203,3 +203,19 @@ def test_a_layer_the_score_does_not_read_is_folded_without_a_whole_zero_map(meth
         torch.testing.assert_close(streamed, _dense(method, inputs, kwargs), rtol=1e-10, atol=1e-16)
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("method_name", ["TransformerRelevance", "AttentionGradCAM", "GenericAttention"])
+def test_streamed_sdpa_models_keep_sdpa_masks_under_the_rules_too(method_name, monkeypatch):
+    """Unpadded causal sdpa Llama: the capture and, inside it, TransformerRelevance's rule context
+    run under SDPA's masks, so the causal mask is the package's own boolean one (never read) and
+    transformers builds no additive float (B, 1, N, N) mask (64 MiB at 4k tokens)."""
+    from captum_transformers.adapters import hf_rows
+    model, inputs, kwargs = _llama("sdpa")
+    kwargs = {"attention_mask": torch.ones_like(kwargs["attention_mask"])}
+    reads = []  # an additive eager mask would be read once (is it causal?); SDPA's own one is known
+    reads_causal = hf_rows._reads_causal
+    monkeypatch.setattr(hf_rows, "_reads_causal", lambda *a, **k: reads.append(1) or reads_causal(*a, **k))
+    method = getattr(ct, method_name)(model)
+    method.attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
+    assert method._row_stream.streamed and not reads, reads

@@ -127,7 +127,10 @@ def test_one_forward_equals_two_forwards_in_float32(monkeypatch, name):
     model = _lively(case.model())
     inputs, kwargs = case.inputs()
     explainer = TransformerRelevance(model)
-    one = explainer.attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
+    # The dense path (trace): attribute() streams the rows, whose float32 rounding under the identity
+    # rules differs (both within 1e-5 of float64; streamed == dense in float64: test_streaming_pairs).
+    trace = explainer.trace(inputs, target=1, forward_kwargs=kwargs)
+    one = trace.layout.returned(explainer.stream_scores(trace)["tokens"])
     _keep_maps(monkeypatch, hf_kernel)
     two = _two_forward_relevance(explainer, inputs, 1, kwargs)
     mask = explainer.trace(inputs, target=1, forward_kwargs=kwargs).layout.token_mask

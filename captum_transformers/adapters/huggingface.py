@@ -19,11 +19,11 @@ from ..capture import patching
 from ..capture import checkpointing, module_walk
 from ..errors import CaptureError, InputError
 from ..propagation.operation_rules import operation_rules
-from ..propagation.fused_attention import fusable
 from ..propagation.rules import RuleSet, norm_rules
 from ..capture.trace import CONTEXT, Block, InputSpan, StreamLayouts, Streams, TokenLayout
 from .base import Adapter
 from .hf_kernel import ATTENTION_KEY, SDPA_KEY, active_recorder, active_rules, block_kind
+from .hf_kernel_keys import capture_key, propagation_key
 from .kept_logits import kept_logit_positions
 from .position_padding import _learned_position_table, warn_left_padding_without_positions
 from .query_rows import QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen_rows
@@ -93,29 +93,6 @@ def _gradient_checkpointing_off(model: nn.Module) -> Iterator[None]:
                     continue
                 stack.enter_context(patching.flag(module, "gradient_checkpointing", False))  # this thread only
         yield
-
-
-def _sdpa_masks_serve(recorder: Recorder, blocks, model: nn.Module) -> bool:
-    """Whether a capture runs under SDPA's masks (:data:`SDPA_KEY`): an sdpa model whose maps are
-    replayed (forward-only methods) or streamed into the explained rows (one token sequence). SDPA's
-    masks are boolean, or None for a causal sequence (made once, shared by the layers, or per chunk),
-    where the eager key makes transformers build an additive float (B, 1, N, N) mask (64 MiB at 4k)."""
-    if not _runs_sdpa(model):
-        return False
-    replay = getattr(recorder.spec, "replay", None)
-    if replay is not None:
-        return replay.one_sequence(blocks)
-    if recorder.spec.row_stream is None:
-        return False
-    pairs = {block.default_streams for block in blocks}
-    return len(pairs) == 1 and all(query == key for query, key in pairs)
-
-
-def _runs_sdpa(model: nn.Module) -> bool:
-    """Whether every HF config of ``model`` stores the "sdpa" implementation (read past any
-    context that points it at the package's kernels)."""
-    configs = patching._reachable_configs(model)  # the configs the kernel key is switched on
-    return bool(configs) and all(getattr(c, "_attn_implementation_internal", None) == "sdpa" for c in configs)
 
 
 def _takes_decoder_inputs(model: nn.Module) -> bool:
@@ -232,16 +209,14 @@ class HuggingFaceAdapter(Adapter):
     @contextlib.contextmanager
     def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
         blocks = {id(b.module): b for b in self.blocks(model)}
-        key = SDPA_KEY if _sdpa_masks_serve(recorder, blocks.values(), model) else ATTENTION_KEY
+        key = capture_key(recorder, blocks.values(), model)
         with active_recorder(recorder, blocks), patching.hf_attention_implementation(model, key), \
                 _gradient_checkpointing_off(model):
             yield
 
     @contextlib.contextmanager
     def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
-        # Models that run SDPA keep it where the rules are a scaling of its operands (the AH gate,
-        # AttnLRP, plain gradients): their kernel key (see hf_kernel.captum_sdpa_attention).
-        key = SDPA_KEY if _runs_sdpa(model) and fusable(rules) else ATTENTION_KEY
+        key = propagation_key(model, rules)
         with active_rules(rules), patching.hf_attention_implementation(model, key), \
                 _gradient_checkpointing_off(model), norm_rules(model, rules), operation_rules(model, rules):
             yield
