@@ -23,7 +23,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from captum_transformers import AttnLRP, ConservativeLRP, GenericAttention, RuleSet, get_adapter  # noqa: E402
-from captum_transformers.adapters import hf_kernel, huggingface  # noqa: E402
+from captum_transformers.adapters import hf_kernel, hf_kernel_keys  # noqa: E402
 from captum_transformers.capture.trace import CaptureSpec  # noqa: E402
 from captum_transformers.propagation.attention_core import softmax_attention  # noqa: E402
 from captum_transformers.propagation.fused_attention import fusable, fused_operands  # noqa: E402
@@ -115,7 +115,7 @@ def test_maps_equal_explicit_path_float32(impl, monkeypatch):
 
 
 def _disable(monkeypatch):
-    monkeypatch.setattr(huggingface, "fusable", lambda rules: False)
+    monkeypatch.setattr(hf_kernel_keys, "fusable", lambda rules: False)
     monkeypatch.setattr(hf_kernel, "fused_operands", lambda *args, **kwargs: None)
 
 
