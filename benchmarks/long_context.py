@@ -19,34 +19,43 @@ Command (about 10 minutes)::
 
 ``--sizes 1024 2048`` / ``--impls eager`` / ``--methods GenericAttention`` select cells.
 
-Figures (2-core VM shared with other jobs, load average 6-9 during both runs, so times are
-noisy to +-20 %; one thread; peak RSS growth; memory x / time x of the reference, same impl).
-Before: commit c75e2b6; after: streamed rows (GenericAttention only, see
-``captum_transformers/methods/streaming_rows.py``). Reference peak MiB: eager 255 / 892 / 3318,
-sdpa 74 / 146 / 291 at 1k / 2k / 4k.
+Figures (2-core VM, one thread; peak RSS growth and CPU time, memory x / time x of the reference,
+same impl). "Issue" is what issue 31 measured at 2k (dense maps, commit c75e2b6); "before" is commit
+0152d65 (only GenericAttention streamed; load 0.3 -> 3.1); "after" is this commit's sdpa run at load
+0.4 -> 1.0 (times vary by about 10 %; the eager run shared the machine at load 1-3). Reference peak
+MiB: eager 255 / 892 / 3319, sdpa 74 / 146 / 291 at 1k / 2k / 4k.
 
-=================== ======= ================ ================ ================
-method              impl    1k before/after  2k before/after  4k before/after
-=================== ======= ================ ================ ================
-GenericAttention    eager   0.67/0.35 mem    0.61/0.20        0.58/0.11
-                            1.01/0.84 time   1.08/0.76        0.85/0.84
-GenericAttention    sdpa    2.29/1.19 mem    3.74/1.20     6.64/1.30
-                            2.32/1.58 time   2.79/2.20     3.73/3.07
-TransformerRelevance eager  0.77 mem, 2.0 time (unchanged)    0.61, 1.8-2.0
-TransformerRelevance sdpa   2.66 / 4.5-5.2   4.06 / 6.6       6.96 / 7.0 (unchanged)
-AttentionRollout    eager   0.26 mem, 0.3 time at every size (unchanged)
-AttentionRollout    sdpa    0.88 / 0.7-0.8   1.59 / 0.84      3.03 / 0.93 (unchanged)
-AttnLRP             sdpa    0.88 / 0.8-1.1 at every size (unchanged; eager 1.0 / 0.9-1.0)
-=================== ======= ================ ================ ================
+===================== ===== ============= ============= =============
+method                impl  1k mem / time 2k mem / time 4k mem / time
+===================== ===== ============= ============= =============
+GenericAttention      sdpa  before 1.19 / 1.54, 1.19 / 1.64, 1.31 / 2.69 (issue, 2k: 2.8 / 3.5)
+                            after  1.11 / 1.35  1.11 / 1.48  1.14 / 1.62
+TransformerRelevance  sdpa  before 2.66 / 4.63, 4.06 / 4.89, 6.96 / 8.59 (issue, 2k: 3.2 / 6.8)
+                            after  1.55 / 3.72  1.49 / 3.88  1.47 / 4.90
+AttentionGradCAM      sdpa  before 2.34 / 1.94, 3.85 / 2.06 at 1k / 2k
+                            after  1.14 / 1.36  1.11 / 1.57  1.14 / 2.00
+AttentionRollout      sdpa  before 0.88 / 0.75, 1.59 / 0.66, 3.03 / 1.17 (issue, 2k: 1.2 / 1.0)
+                            after  0.33 / 0.71  0.29 / 0.80  0.29 / 0.94
+RawAttention          sdpa  before 0.88 / 0.69, 1.59 / 0.64, 3.03 / 1.14
+                            after  0.28 / 0.53  0.22 / 0.58  0.20 / 0.67
+AttnLRP               sdpa  0.88 / 0.92-0.97 at every size (unchanged)
+every attention method eager after: memory 0.04-0.46, time 0.16-0.70 (TransformerRelevance
+                            1.26-1.45); AttnLRP 1.0 / 1.0
+===================== ===== ============= ============= =============
 
-Extra memory over the reference (before, sdpa), KiB per token: GenericAttention 306 (1k->2k),
-621 (2k->4k); TransformerRelevance 325, 644; AttentionRollout 96, 252: quadratic (one
-(B, N, N) map per layer kept, plus a (B, H, N, N) map made per layer). After, GenericAttention
-sdpa: 15 and 30 KiB per token (extra 14 / 29 / 88 MiB): what is left is quadratic but 20x
-smaller, the (1, 1, N, N) boolean causal mask each layer builds for the recomputed map
-(16 MiB per layer at 4k). Time stays above 1.5x on sdpa: the explicit attention (7 products
-per chunk, the causal half skipped) against PyTorch's fused flash kernel; the 4k sdpa cell was
-run by itself while the machine was loaded (load 8).
+Extra memory over the reference (after, sdpa), KiB per token between 1k -> 2k and 2k -> 4k:
+GenericAttention 8.0, 11.8; Grad-CAM 6.3, 11.8; TransformerRelevance 31.0, 33.2: linear in N (the
+small rise for the first two is the one boolean causal mask shared by the layers, 16 MiB at 4k);
+rollout -54, -52 and raw attention -61, -59 (below the reference: no backward pass). Before, the
+slopes were 306-644 KiB per token (a (B, N, N) map kept per layer) for the unstreamed methods.
+
+What stays above 1.3x memory / 1.5x time, and why: TransformerRelevance is one forward under the LRP
+rules and two backward passes by definition; its alpha=1/beta=0 rule makes four products per linear
+layer (at 2k the linear layers alone take about as long as the whole reference: 1.0 s of its 2.6 s),
+and its rule graph keeps about five more activations per layer than a plain forward (the linear
+33 KiB per token). GenericAttention and Grad-CAM at 4k: the recomputed attention backward (five
+products per chunk of rows plus the softmax and the head reduction, about 3.4 s) against PyTorch's
+fused flash backward (about 1.6 s), which does the same work per cache-resident tile.
 """
 from __future__ import annotations
 
