@@ -109,14 +109,9 @@ def test_a_paired_stream_declines_a_single_pass():
     from captum_transformers.methods.streaming_rows import RowStream
     layout = TokenLayout(3, torch.tensor([[2]]))
 
-    class Recorder:
-        streams = ct.StreamLayouts.single(layout, 1)
-        sites = [type("Site", (), {"streams": ("tokens", "tokens")})()] * 2
-        spec = ct.CaptureSpec(backward_reduce=gradient_weighted_heads)
-        keep_probs, first_spec = False, None
-
+    from test_streaming_rows import fake_recorder
     stream = RowStream(paired=True)
-    assert not stream.accepts(Recorder()) and "two backward passes" in stream.reason
+    assert not stream.accepts(fake_recorder(layout, calls=2)) and "two backward passes" in stream.reason
 
 
 def test_a_subclass_reduction_not_marked_row_separable_keeps_the_dense_path():

@@ -101,20 +101,23 @@ def test_streamed_rows_equal_the_dense_path(model_name, method_name, one_row_chu
         assert "windowed" in stream.reason
 
 
+def fake_recorder(layout, calls: int):
+    """What RowStream reads of a recorder: one token sequence, ``calls`` self-attention calls, one
+    backward pass reduced by GenericAttention's (row-separable) reduction."""
+    return type("Recorder", (), {"streams": ct.StreamLayouts.single(layout, 1),
+                                 "sites": [type("Site", (), {"streams": ("tokens", "tokens")})()] * calls,
+                                 "spec": ct.CaptureSpec(backward_reduce=gradient_weighted_heads),
+                                 "keep_probs": False, "first_spec": None})()
+
+
 def test_an_out_of_order_map_waits_for_its_turn():
     generator = torch.Generator().manual_seed(0)
     maps = [torch.rand(2, 5, 5, generator=generator, dtype=F64) for _ in range(3)]
     layout = TokenLayout(5, torch.tensor([[4], [3]]))
     expected = relevance_chain(DenseRows(layout), maps)
 
-    class Recorder:  # what RowStream reads of a recorder
-        streams = ct.StreamLayouts.single(layout, 1)
-        sites = [type("Site", (), {"streams": ("tokens", "tokens")})()] * 3
-        spec = ct.CaptureSpec(backward_reduce=gradient_weighted_heads)
-        keep_probs, first_spec = False, None
-
     stream = RowStream()
-    assert stream.accepts(Recorder())
+    assert stream.accepts(fake_recorder(layout, calls=3))
     stream.fold(1, maps[1])                       # early: kept whole
     stream.fold_rows(2, slice(0, 3), maps[2][:, :3])
     stream.fold_rows(2, slice(3, 5), maps[2][:, 3:])
@@ -129,14 +132,8 @@ def test_an_out_of_order_map_waits_for_its_turn():
 def test_an_incomplete_stream_is_refused():
     layout = TokenLayout(3, torch.tensor([[2]]))
 
-    class Recorder:
-        streams = ct.StreamLayouts.single(layout, 1)
-        sites = [type("Site", (), {"streams": ("tokens", "tokens")})()] * 2
-        spec = ct.CaptureSpec(backward_reduce=gradient_weighted_heads)
-        keep_probs, first_spec = False, None
-
     stream = RowStream()
-    stream.accepts(Recorder())
+    stream.accepts(fake_recorder(layout, calls=2))
     stream.fold(1, torch.eye(3, dtype=F64)[None])
     with pytest.raises(ct.CaptureError, match="call 0"):
         stream.result()
