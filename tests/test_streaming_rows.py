@@ -107,7 +107,7 @@ def fake_recorder(layout, calls: int):
     return type("Recorder", (), {"streams": ct.StreamLayouts.single(layout, 1),
                                  "sites": [type("Site", (), {"streams": ("tokens", "tokens")})()] * calls,
                                  "spec": ct.CaptureSpec(backward_reduce=gradient_weighted_heads),
-                                 "keep_probs": False, "first_spec": None})()
+                                 "keep_probs": False, "first_spec": None, "pairs_passes": False})()
 
 
 def test_an_out_of_order_map_waits_for_its_turn():

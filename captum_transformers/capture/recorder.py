@@ -308,10 +308,21 @@ class Recorder:
         if not self.keep_probs:
             site.probs = None
         # Folded into the explained rows and dropped; a pair's first pass only kept what its spec keeps.
-        if not self.keep_probs and self.streams_site(site):
+        if not self.first_of_pair and self.streams_site(site):
             self.spec.row_stream.fold(site.call_index, value)
             return
         site.backward_value = value
+
+    @property
+    def first_of_pair(self) -> bool:
+        """Whether this pass is the first of two reduced together (its values wait for the second):
+        ``pair_first`` where the passes say so (generation), else while the maps are kept."""
+        return self.keep_probs if self.pair_first is None else self.pair_first
+
+    @property
+    def pairs_passes(self) -> bool:
+        """Whether this pass is one of two reduced together (the first, or the one after it)."""
+        return self.first_of_pair or self.first_spec is not None
 
     def streams_site(self, site: Site) -> bool:
         """Whether ``site``'s reduced map goes to the spec's row stream instead of the trace."""
@@ -354,7 +365,7 @@ class Recorder:
         if site.observer is None:
             self.reduce_gradient(site, torch.zeros_like(site.probs))
             return
-        if self.keep_probs if self.pair_first is None else self.pair_first:
+        if self.first_of_pair:
             site.received_gradient = True  # the first of two passes: both are reduced in the second
             return
         shape, dtype, device = site.map_like

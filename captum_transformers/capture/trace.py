@@ -186,6 +186,9 @@ class AttentionTrace:
     logits: torch.Tensor
     target: Optional[torch.Tensor]
     streams: Optional[StreamLayouts] = None
+    # The RowStream these records were folded into (one per explained group of a generation),
+    # read by the method instead of the one its last attribute() left; None: see the method's.
+    row_stream: Optional[Any] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.streams is None:

@@ -47,7 +47,7 @@ from ..methods.base import TraceAttribution, finished
 from ..methods.lrp import RuleGradientXInput
 from .assembly import assemble_results, encoder_decoder_model
 from .batch import GenerationBatch, decoder_batch, encoder_decoder_batch, padding_id
-from .engine import relevance_steps, trace_steps
+from .engine import relevance_steps, streamed_pass_plan, trace_steps
 from .generate import generated_targets, refuse_image_token_targets
 from .image_inputs import (gathered_image_inputs, moved, placeholder_check, processor_images,
                            vision_language_adapter)
@@ -238,7 +238,7 @@ class GenerationAttribution(Attribution):
                 raise InputError("AttentionGradCAM(head_weights='all') weights each head by its gradient averaged over "
                                  "every query row of the sequence, so a step's map depends on the rows after it; use "
                                  "head_weights='row' (the default) for generation.")
-            plan = method.pass_plan(batch.inputs, (), batch.forward_kwargs)
+            plan = streamed_pass_plan(method, batch.inputs, batch.forward_kwargs)
             with method.stochastic_rule():
                 logits = trace_steps(method.adapter, self.model, batch.inputs, (), batch.forward_kwargs, steps, plan,
                                      keep)

@@ -110,6 +110,21 @@ def _refuse_non_causal(recorder: Recorder, streams: StreamLayouts) -> None:
         )
 
 
+def streamed_pass_plan(method: Any, inputs: Tuple[torch.Tensor, ...], forward_kwargs: Optional[dict]) -> PassPlan:
+    """``method``'s pass plan with the row stream its ``attribute`` would use (each explained group
+    then folds its maps into a fresh copy: :meth:`RowStream.fresh`, no per-layer map kept); a
+    replay (rollout, raw attention: one explained row per forward pass) is left out."""
+    call = method._per_thread()
+    call.streaming_rows = True
+    try:
+        plan = method.pass_plan(inputs, (), forward_kwargs)
+    finally:
+        call.streaming_rows = False
+    if getattr(plan.spec, "replay", None) is not None:
+        plan = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, replay=None))
+    return plan
+
+
 def trace_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional: Sequence[Any],
                 forward_kwargs: Optional[dict], steps: ExplainedSteps, plan: PassPlan, on_step: OnStep) -> StepLogits:
     """Run ``plan`` for every explained group of ``steps`` from one forward pass.
@@ -146,21 +161,28 @@ def trace_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tensor, 
         logits = _step_logits(adapter, model, output, kept, steps.positions, streams)
         for g, group in enumerate(groups):
             last = g == len(groups) - 1
+            step_streams = _step_streams(streams, int(steps.positions[group[-1]]))
+            # A method that streams its rows folds each group's maps into a stream of its own.
+            stream = None if spec.row_stream is None else spec.row_stream.fresh()
+            step_spec, step_plain = (spec, plain_spec) if stream is None else (
+                dataclasses.replace(spec, row_stream=stream),
+                None if plain_spec is None else dataclasses.replace(plain_spec, row_stream=stream))
             if spec.needs_gradient:
                 score = group_scores(logits, steps, group)
-                recorder.begin_pass(spec, None, keep_probs=not last or plain_spec is not None,
+                recorder.streams = step_streams  # the rows a stream starts from: this group's
+                recorder.begin_pass(step_spec, None, keep_probs=not last or plain_spec is not None,
                                     pair_first=plain_spec is not None)
                 adapter._backward(recorder, seeded(score, plan.rules), retain_graph=not last or switch is not None)
                 if switch is not None:
-                    recorder.begin_pass(plain_spec, spec, keep_probs=not last)
+                    recorder.begin_pass(step_plain, step_spec, keep_probs=not last)
                     with switch.plain_gradient():
                         adapter._backward(recorder, score, retain_graph=not last)
             records = tuple(AttentionRecord(s.block, s.call_index, s.forward_value, s.backward_value, s.streams,
                                             s.group) for s in recorder.sites)
-            step_streams = _step_streams(streams, int(steps.positions[group[-1]]))
             layout = step_streams.layouts[step_streams.explained[0]]
             target = steps.targets[:, list(group)]
-            on_step(g, AttentionTrace(records, layout, logits[:, group[-1]].detach(), target, step_streams))
+            on_step(g, AttentionTrace(records, layout, logits[:, group[-1]].detach(), target, step_streams,
+                                      row_stream=stream))
     return StepLogits(logits.detach(), streams)
 
 

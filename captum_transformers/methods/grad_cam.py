@@ -111,7 +111,7 @@ class AttentionGradCAM(TraceAttribution):
         return PassPlan(spec)
 
     def reduce(self, trace: AttentionTrace):
-        stream = self._row_stream
+        stream = trace.row_stream or self._row_stream  # a generation step's, or attribute()'s
         if stream is not None and stream.served(trace):
             return stream.result()
         if self.head_weights == "row":

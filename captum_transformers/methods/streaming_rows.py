@@ -73,6 +73,14 @@ class RowStream:
                 self._next = self._last = len(recorder.sites) - 1
         return self.streamed
 
+    def fresh(self) -> "RowStream":
+        """A new, empty stream with these options (one per explained group of a generation); one
+        declined before its first reduction (a kernel whose weights something may read) stays so."""
+        stream = RowStream(self.start_layer, paired=self.paired, last_only=self.last_only)
+        if self.streamed is False:
+            stream.decline(self.reason)
+        return stream
+
     def decline(self, reason: str) -> None:
         """Keep the maps (the dense path) for ``reason``: a kernel whose weights something may read
         returns its whole map, so the stream is declined before the first reduction decides."""
@@ -184,9 +192,9 @@ def _why_not(recorder, stream: RowStream) -> str:
         return f"the reduction {unknown[0].backward_reduce!r} is not marked row_separable"
     if recorder.spec.backward_blocks != ("last" if stream.last_only else "all"):
         return f"backward_blocks={recorder.spec.backward_blocks!r} (this stream folds {'the last' if stream.last_only else 'every'} call)"
-    if (recorder.keep_probs or recorder.first_spec is not None) and not stream.paired:
+    if recorder.pairs_passes and not stream.paired:
         return "two backward passes reduce each map together"
-    if stream.paired and not (recorder.keep_probs or recorder.first_spec is not None):
+    if stream.paired and not recorder.pairs_passes:
         return "a paired stream needs the two backward passes through one graph"
     return ""
 

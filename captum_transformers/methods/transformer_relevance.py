@@ -100,7 +100,7 @@ class TransformerRelevance(TraceAttribution):
 
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
-        stream = self._row_stream
+        stream = trace.row_stream or self._row_stream  # a generation step's, or attribute()'s
         if stream is not None and stream.served(trace):
             return stream.result()
         if self.is_one_sequence(trace):
