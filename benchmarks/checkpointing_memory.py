@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -50,7 +49,7 @@ import torch
 # This checkout's package, not whichever one the environment installed (a second worktree).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peak_memory import measure_on_random_ids, plain_gradient_run  # noqa: E402
+from peak_memory import measure_on_random_ids, plain_gradient_run, run_cell  # noqa: E402
 
 METHODS = ("AttnLRP", "ConservativeLRP", "GenericAttention", "TransformerRelevance", "AttentionGradCAM")
 
@@ -107,12 +106,11 @@ def main() -> None:
         for name in ("reference", *args.methods):
             results = {}
             for mode in ("plain", "kept"):
-                out = subprocess.run([sys.executable, __file__, "--cell", name, mode, str(tokens)], env=env,
-                                     capture_output=True, text=True)
-                if out.returncode:
-                    print(f"{name:22} {tokens:5} {mode} failed: {out.stderr.strip().splitlines()[-1:]}")
+                result = run_cell(__file__, (name, mode, tokens), env)
+                if isinstance(result, str):
+                    print(f"{name:22} {tokens:5} {mode} {result}")
                     break
-                results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+                results[mode] = result
             if len(results) < 2:
                 continue
             plain, kept = results["plain"], results["kept"]

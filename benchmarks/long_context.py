@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -70,7 +69,7 @@ import torch
 # This checkout's package, not whichever one the environment installed (a second worktree).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peak_memory import measure_on_random_ids, plain_gradient_run  # noqa: E402
+from peak_memory import measure_on_random_ids, plain_gradient_run, run_cell  # noqa: E402
 
 METHODS = ("GenericAttention", "TransformerRelevance", "AttentionRollout", "AttnLRP", "AttentionGradCAM",
            "RawAttention")
@@ -117,12 +116,11 @@ def main() -> None:
         for tokens in args.sizes:
             results = {}
             for name in ("reference", *args.methods):
-                out = subprocess.run([sys.executable, __file__, "--cell", name, impl, str(tokens)], env=env,
-                                     capture_output=True, text=True)
-                if out.returncode:
-                    print(f"{impl:6} {tokens:5} {name:22} failed: {out.stderr.strip().splitlines()[-1:]}")
+                result = run_cell(__file__, (name, impl, tokens), env)
+                if isinstance(result, str):
+                    print(f"{impl:6} {tokens:5} {name:22} {result}")
                     continue
-                results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+                results[name] = result
             ref = results.get("reference")
             for name, res in results.items():
                 extra = (res["peak"] - ref["peak"]) / 2**20

@@ -147,3 +147,15 @@ def plain_gradient_run(model, ids: torch.Tensor, target: int) -> Callable[[], to
         logits = model(inputs_embeds=leaf, logits_to_keep=1).logits
         return torch.autograd.grad(logits[0, -1, target], leaf)[0]
     return run
+
+
+def run_cell(script: str, arguments, env) -> "dict | str":
+    """Run ``script --cell *arguments`` in a fresh process (its own peak RSS) and return the JSON
+    object it prints last, or the last line of its error output when it failed."""
+    import json
+    import subprocess
+    out = subprocess.run([sys.executable, script, "--cell", *map(str, arguments)], env=env,
+                         capture_output=True, text=True)
+    if out.returncode:
+        return f"failed: {out.stderr.strip().splitlines()[-1:]}"
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..capture import patching
 from ..capture.recorder import Recorder
-from ..capture.trace import Block
+from ..capture.trace import Block, one_self_attending_sequence
 from ..propagation.fused_attention import fusable
 from ..propagation.rules import RuleSet
 from .hf_kernel import ATTENTION_KEY, SDPA_KEY
@@ -48,10 +48,7 @@ def _rows_of_one_sequence(recorder: Recorder, blocks) -> bool:
     replay = getattr(recorder.spec, "replay", None)
     if replay is not None:
         return replay.one_sequence(blocks)
-    if recorder.spec.row_stream is None:
-        return False
-    pairs = {block.default_streams for block in blocks}
-    return len(pairs) == 1 and all(query == key for query, key in pairs)
+    return recorder.spec.row_stream is not None and one_self_attending_sequence(blocks)
 
 
 def runs_sdpa(model: nn.Module) -> bool:

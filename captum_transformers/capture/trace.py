@@ -5,7 +5,7 @@ A method never touches a module: it receives an :class:`AttentionTrace` and redu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, Literal, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterable, Literal, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -202,3 +202,10 @@ class AttentionTrace:
 
     def backward_values(self, start: int = 0) -> list:
         return [r.backward_value for r in self.records[start:]]
+
+
+def one_self_attending_sequence(blocks: Iterable[Block]) -> bool:
+    """Whether attention ``blocks`` are one token sequence attending to itself (one (query, key)
+    stream pair, the same stream on both sides): what rows carried or replayed per call need."""
+    pairs = {block.default_streams for block in blocks}
+    return len(pairs) == 1 and all(query == key for query, key in pairs)

@@ -37,7 +37,7 @@ from typing import Callable, Dict, Iterable, Iterator, NamedTuple, Optional, Tup
 
 import torch
 
-from ..capture.trace import AttentionTrace, Block
+from ..capture.trace import AttentionTrace, Block, one_self_attending_sequence
 from ..capture.windows import WindowedLayout
 from ..errors import CaptureError
 from ..propagation.attention_core import _rows_of, _rows_per_chunk, _softmax_in_place
@@ -114,9 +114,10 @@ class ReplayedRows:
     def one_sequence(self, blocks: Iterable[Block]) -> bool:
         """Declines unless the model's ``blocks`` are one token sequence attending to itself;
         whether the replay may still apply (the adapter asks before the forward pass)."""
-        pairs = {block.default_streams for block in blocks}
-        if len(pairs) != 1 or any(query != key for query, key in pairs):
-            self.decline(f"several token streams or cross-attention ({sorted(pairs)}): maps between streams")
+        blocks = list(blocks)
+        if not one_self_attending_sequence(blocks):
+            pairs = sorted({block.default_streams for block in blocks})
+            self.decline(f"several token streams or cross-attention ({pairs}): maps between streams")
         return self.replayed is not False
 
     def accepts(self, blocks: Iterable[Block], reader: str) -> bool:
