@@ -8,6 +8,9 @@ its arg-max token), one table row per operation:
   ``autograd.grad`` of the score to those embeddings;
 * the package's ``AttnLRP``, ``ConservativeLRP`` (AH+LN) and ``GenericAttention`` token maps of
   that score;
+* with ``--cpu-chunks``, on an accelerator, ``GenericAttention`` again with the CPU's chunk size (the streamed rows are
+  recomputed in chunks of about 4 MiB on a CPU, ``chunk_products.ACCELERATOR_CHUNK_SCALE`` times
+  that on an accelerator);
 * ``GenerationAttribution(AttnLRP)`` on the last 32 tokens taken as the output, teacher-forced
   (``target=`` the ids: one forward over prompt + output and one backward pass per output token);
 * LXT's AttnLRP and CP-LRP (``lxt.efficient``, Achtibat et al.) beside the package's rows when
@@ -106,9 +109,11 @@ def lxt_status() -> Optional[str]:
     return None
 
 
-def make_ops(model: torch.nn.Module, tokens: int, with_lxt: bool) -> Dict[str, Callable[[], object]]:
+def make_ops(model: torch.nn.Module, tokens: int, with_lxt: bool,
+             cpu_chunks: bool = False) -> Dict[str, Callable[[], object]]:
     from captum_transformers import AttnLRP, ConservativeLRP, GenericAttention
     from captum_transformers.generation import GenerationAttribution
+    from captum_transformers.propagation import chunk_products
 
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(1)
@@ -133,6 +138,15 @@ def make_ops(model: torch.nn.Module, tokens: int, with_lxt: bool) -> Dict[str, C
         "GenericAttention": lambda: generic.attribute(ids, target=target, return_tokens=True),
         f"GenerationAttribution(AttnLRP), {GENERATED} tokens": lambda: generation.attribute(prompt, target=output),
     }
+    if cpu_chunks and device.type != "cpu":  # the accelerator's chunk size against the CPU's (chunk_budget)
+        def cpu_sized_chunks():
+            scale = chunk_products.ACCELERATOR_CHUNK_SCALE
+            chunk_products.ACCELERATOR_CHUNK_SCALE = 1
+            try:
+                return generic.attribute(ids, target=target, return_tokens=True)
+            finally:
+                chunk_products.ACCELERATOR_CHUNK_SCALE = scale
+        ops["GenericAttention, CPU-sized chunks"] = cpu_sized_chunks
     if with_lxt:
         from lrp_cost import _lxt_maps, lxt_patched
 
@@ -192,17 +206,18 @@ def _ratio(value: Optional[float], reference: Optional[float]) -> str:
     return f"{value / reference:.2f}x"
 
 
+def row(tokens: int, name: str, cell: Cell, reference: Cell) -> str:
+    if cell.note:
+        return f"| {tokens} | {name} | {cell.note} | - | {cell.note} | - |"
+    return (f"| {tokens} | {name} | {cell.seconds:.3f} | {_ratio(cell.seconds, reference.seconds)} | "
+            f"{cell.peak / 2 ** 20:.1f} | {_ratio(cell.peak, reference.peak)} |")
+
+
 def table(results: Dict[int, Dict[str, Cell]]) -> List[str]:
     lines = ["| tokens | operation | time (s) | time / fwd+bwd | peak (MiB) | peak / fwd+bwd |",
              "|---:|:---|---:|---:|---:|---:|"]
     for tokens, cells in results.items():
-        reference = cells["forward + backward"]
-        for name, cell in cells.items():
-            if cell.note:
-                lines.append(f"| {tokens} | {name} | {cell.note} | - | {cell.note} | - |")
-                continue
-            lines.append(f"| {tokens} | {name} | {cell.seconds:.3f} | {_ratio(cell.seconds, reference.seconds)} | "
-                         f"{cell.peak / 2 ** 20:.1f} | {_ratio(cell.peak, reference.peak)} |")
+        lines += [row(tokens, name, cell, cells["forward + backward"]) for name, cell in cells.items()]
     return lines
 
 
@@ -213,6 +228,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
     parser.add_argument("--tokens", type=int, nargs="+", default=None, help="context lengths (default 1024 4096 8192)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per cell (default 3; --tiny 1)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--cpu-chunks", action="store_true", help="also GenericAttention with the CPU's chunk size")
     args = parser.parse_args(argv)
     size = TINY if args.tiny else ONE_B
     tokens = args.tokens or ([64, 128] if args.tiny else [1024, 4096, 8192])
@@ -230,12 +246,13 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
     results: Dict[int, Dict[str, Cell]] = {}
     started = time.perf_counter()
     for length in tokens:
-        ops = make_ops(model, length, why_not_lxt is None)
+        ops = make_ops(model, length, why_not_lxt is None, args.cpu_chunks)
         results[length] = {}
         for name, op in ops.items():
-            results[length][name] = measure(op, args.device, repeats)
-            print(f"  {length} tokens, {name}: done at {time.perf_counter() - started:.0f} s", file=sys.stderr,
-                  flush=True)
+            results[length][name] = cell = measure(op, args.device, repeats)
+            # Each row as soon as it is measured (stderr), so a run stopped at a time limit still reports.
+            print(f"{row(length, name, cell, results[length]['forward + backward'])} at "
+                  f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     lines = [header, ""] + table(results)
     print("\n".join(lines[1:]))
     return lines

@@ -37,19 +37,26 @@ def gradient_weighted_heads(probs: torch.Tensor, grad: torch.Tensor, valid: Opti
     """Chefer et al. (ICCV 2021) Eq. 5: ``Abar = E_h[(grad(A) * A)^+]``.
 
     ``valid`` is accepted for a uniform signature; padded keys already have ``A = 0``.
-    Without a graph to record, the heads are summed one at a time through one (B, Q, K) buffer:
-    no (B, H, Q, K) product is made (on a long sequence's chunks of rows, fresh memory costs a
-    page fault per 4 KiB, and a head's product stays in cache for its sum). Example: one head,
-    ``A = [[.5, .5]]``, ``grad = [[2., -4.]]`` gives ``[[1., 0.]]``.
+    On a CPU without a graph to record, the heads are summed one at a time through one (B, Q, K)
+    buffer: no (B, H, Q, K) product is made (on a long sequence's chunks of rows, fresh memory
+    costs a page fault per 4 KiB, and a head's product stays in cache for its sum); an accelerator
+    gets one product (a kernel launch per head would cost more than the head's arithmetic).
+    Example: one head, ``A = [[.5, .5]]``, ``grad = [[2., -4.]]`` gives ``[[1., 0.]]``.
     """
     dtype = _accumulation_dtype(probs)
-    if torch.is_grad_enabled() and (probs.requires_grad or grad.requires_grad) or probs.shape[1] == 0:
+    if not _heads_one_at_a_time(probs, grad):
         return (grad.to(dtype) * probs.to(dtype)).clamp_(min=0).mean(dim=1)  # the product is fresh: clamped in place
     heads, total, part = probs.shape[1], None, None
     for head in range(heads):
         part = torch.mul(grad[:, head].to(dtype), probs[:, head].to(dtype), out=part).clamp_(min=0)
         total = part.clone() if total is None else total.add_(part)
     return total.div_(heads)
+
+
+def _heads_one_at_a_time(probs: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether :func:`gradient_weighted_heads` sums head by head: on a CPU, with no graph to record."""
+    recording = torch.is_grad_enabled() and (probs.requires_grad or grad.requires_grad)
+    return not recording and probs.shape[1] > 0 and probs.device.type == "cpu"
 
 
 gradient_weighted_heads.reads_valid = False  # the recorder need not make the pairs (a pass per chunk of rows)

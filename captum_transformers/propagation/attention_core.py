@@ -26,7 +26,8 @@ from typing import Callable, Optional, Protocol, Tuple
 import torch
 
 from .backward_switch import _SWITCH
-from .chunk_products import ChunkBuffers, add_product, group_gradient, group_zeros, grouped, kv_groups
+from .chunk_products import (ChunkBuffers, add_product, chunk_budget, group_gradient, group_zeros, grouped,
+                             kv_groups)
 from .head_products import heads_matmul
 from .operation_rules import _ACTIVE_RULES
 from .recomputed_softmax import owns_buffer, recompute_under_rules, scores_gradient
@@ -199,12 +200,13 @@ class _SoftmaxAttention(torch.autograd.Function):
 
 # Each chunk of query rows recomputes a (B, H, c, K) map of about this size (and its gradient,
 # scores and softmax Jacobian next to it): what a streamed backward pass adds to the model's own.
+# On a CPU (an accelerator's are larger: chunk_products.chunk_budget).
 _ROW_CHUNK_BYTES = 4 * 2**20
 
 
 def _rows_per_chunk(query: torch.Tensor, key: torch.Tensor) -> int:
     per_row = query.shape[0] * query.shape[1] * key.shape[-2] * max(query.element_size(), 4)
-    return max(1, _ROW_CHUNK_BYTES // per_row)
+    return max(1, chunk_budget(_ROW_CHUNK_BYTES, query.device) // per_row)
 
 
 def _attend_rows(scores_fn, query, key, value, extras, softmax_dtype) -> Tuple[torch.Tensor, torch.Tensor]:

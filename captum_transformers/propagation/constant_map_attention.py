@@ -14,11 +14,13 @@ tensor is kept or made whole).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 
-# Elements of one block of recomputed scores (4 MiB in float32).
+from .chunk_products import chunk_budget
+
+# Elements of one block of recomputed scores on a CPU (4 MiB in float32; larger on an accelerator).
 _BLOCK_ELEMENTS = 1 << 20
 
 
@@ -52,15 +54,12 @@ def value_gradient(query: torch.Tensor, key: torch.Tensor, mask: Optional[torch.
     if groups > 1:
         keys = keys[:, :, None].expand(batch, value_heads, groups, *key.shape[2:]).reshape(batch, heads, *key.shape[2:])
     g_value = torch.zeros(batch, heads, key.shape[2], g_output.shape[-1], dtype=dtype, device=query.device)
-    step = max(1, _BLOCK_ELEMENTS // max(1, batch * heads * key.shape[2]))
-    for start in range(0, queries, step):
+    step = max(1, min(queries, chunk_budget(_BLOCK_ELEMENTS, query.device) // max(1, batch * heads * key.shape[2])))
+    # Keys no query of a block may see (beyond the causal diagonal) get A = 0 exactly: they are
+    # left out, which halves a causal model's work as a fused kernel's blocks do.
+    for start, seen in zip(range(0, queries, step), _keys_seen_by_block(mask, queries, key.shape[2], step)):
         rows = slice(start, start + step)
-        block = None if mask is None else (mask[..., rows, :] if mask.shape[-2] > 1 else mask)
-        # Keys no query of the block may see (beyond the causal diagonal) get A = 0 exactly:
-        # they are left out, which halves a causal model's work as a fused kernel's blocks do.
-        seen = _keys_seen(block, key.shape[2])
-        if block is not None:
-            block = block[..., :seen]
+        block = None if mask is None else (mask[..., rows, :seen] if mask.shape[-2] > 1 else mask[..., :seen])
         scores = torch.matmul(query[:, :, rows].to(dtype), keys[:, :, :seen].transpose(-1, -2)).mul_(scale)
         if block is not None:
             if block.dtype == torch.bool:
@@ -74,16 +73,24 @@ def value_gradient(query: torch.Tensor, key: torch.Tensor, mask: Optional[torch.
     return g_value
 
 
-def _keys_seen(block: Optional[torch.Tensor], keys: int) -> int:
-    """How many leading keys some query of a boolean mask block may attend to: all of them for
-    no mask, an additive one, or a block with a fully masked row (whose map is uniform over
-    every key, as the explicit kernel makes it)."""
-    if block is None or block.dtype != torch.bool:
-        return keys
-    rows = block.reshape(-1, block.shape[-1])
-    if not bool(rows.any(dim=1).all()):
-        return keys
-    return int(rows.any(dim=0).nonzero()[-1]) + 1
+def _keys_seen_by_block(mask: Optional[torch.Tensor], queries: int, keys: int, step: int) -> List[int]:
+    """For each block of ``step`` query rows, how many leading keys some query of the block may
+    attend to: all of them for no mask, an additive one, or a block with a fully masked row (whose
+    map is uniform over every key, as the explicit kernel makes it). Read in one pass over the
+    mask (one device synchronisation, not one per block)."""
+    blocks = -(-queries // step)
+    if mask is None or mask.dtype != torch.bool:
+        return [keys] * blocks
+    rows = mask.reshape(-1, *mask.shape[-2:])  # (examples x heads, Q or 1, K)
+    width = mask.shape[-1]
+    allowed = rows.any(dim=0)  # (Q or 1, K): some example or head may attend
+    # The last allowed key of each row + 1; a row with none allowed anywhere reads every key.
+    last = width - allowed.flip(-1).int().argmax(dim=-1)
+    seen = torch.where(rows.any(dim=-1).all(dim=0), last, torch.full_like(last, keys))
+    if seen.shape[0] == 1:  # one mask row for every query
+        return [int(seen[0])] * blocks
+    padded = torch.nn.functional.pad(seen[:queries], (0, blocks * step - queries))
+    return padded.view(blocks, step).amax(dim=1).tolist()
 
 
 def attention_over_constant_map(run: Callable[[torch.Tensor], torch.Tensor], query: torch.Tensor, key: torch.Tensor,
