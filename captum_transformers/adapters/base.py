@@ -345,11 +345,8 @@ class Adapter(abc.ABC):
             explained = streams.layouts[streams.explained[0]]
             read_rows.refuse_unexplained(explained.num_tokens, explained.query_rows, explained.query_weights,
                                          explained.token_mask, self.query_rows_hint())
-        records = tuple(
-            AttentionRecord(s.block, s.call_index, s.forward_value, s.backward_value, s.streams, s.group)
-            for s in recorder.sites
-        )
         layout = streams.layouts[streams.explained[0]]
+        records = AttentionRecord.of_sites(recorder.sites, layout.query_rows.device)
         return AttentionTrace(records, layout, logits.detach(), index, streams)
 
     def _backward(self, recorder: Recorder, scores: torch.Tensor, retain_graph: bool = False) -> None:

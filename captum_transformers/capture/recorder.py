@@ -337,8 +337,8 @@ class Recorder:
         reductions = [self.spec.backward_reduce] + ([self.first_spec.backward_reduce] if first is not None else [])
         reads_valid = any(getattr(reduction, "reads_valid", True) for reduction in reductions)
         valid = self.valid_pairs(site, rows) if reads_valid else None
-        if valid is not None:  # the kernel may stop at the last key these rows attend to
-            valid = valid[..., :probs.shape[-1]]
+        if valid is not None:  # the kernel may stop at the last key these rows attend to; on the map's device
+            valid = valid[..., :probs.shape[-1]].to(probs.device)
         if first is not None:
             extra = {"call_index": site.call_index} if self.first_spec.pass_call_index else {}
             self.first_spec.backward_reduce(probs, first, valid, **extra)
@@ -358,7 +358,8 @@ class Recorder:
 
     def _reduce(self, spec: CaptureSpec, site: Site, probs: torch.Tensor, grad: torch.Tensor):
         extra = {"call_index": site.call_index} if spec.pass_call_index else {}
-        return spec.backward_reduce(probs, grad, self.valid_pairs(site), **extra)
+        valid = self.valid_pairs(site)  # on the input's device; the map is on its layer's (a spread model)
+        return spec.backward_reduce(probs, grad, None if valid is None else valid.to(probs.device), **extra)
 
     def zero_gradient(self, site: Site) -> None:
         """Reduce a map the explained output does not depend on, with a zero gradient."""

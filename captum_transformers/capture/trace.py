@@ -92,6 +92,17 @@ class AttentionRecord:
     def is_self(self) -> bool:
         return self.streams[0] == self.streams[1]
 
+    @classmethod
+    def of_sites(cls, sites: Iterable[Any], device: torch.device) -> Tuple["AttentionRecord", ...]:
+        """The records of a recorder's sites, their kept values moved to ``device`` (the explained
+        rows'): a model spread over devices (accelerate's ``device_map``) keeps each layer's map on
+        that layer's device, and a method reduces them on one. A value already there is not copied."""
+        def moved(value: Any) -> Any:
+            return value.to(device) if isinstance(value, torch.Tensor) else value
+
+        return tuple(cls(s.block, s.call_index, moved(s.forward_value), moved(s.backward_value), s.streams, s.group)
+                     for s in sites)
+
 
 @dataclass(frozen=True)
 class TokenLayout:

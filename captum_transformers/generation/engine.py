@@ -177,9 +177,8 @@ def trace_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tensor, 
                     recorder.begin_pass(step_plain, step_spec, keep_probs=not last)
                     with switch.plain_gradient():
                         adapter._backward(recorder, score, retain_graph=not last)
-            records = tuple(AttentionRecord(s.block, s.call_index, s.forward_value, s.backward_value, s.streams,
-                                            s.group) for s in recorder.sites)
             layout = step_streams.layouts[step_streams.explained[0]]
+            records = AttentionRecord.of_sites(recorder.sites, layout.query_rows.device)
             target = steps.targets[:, list(group)]
             on_step(g, AttentionTrace(records, layout, logits[:, group[-1]].detach(), target, step_streams,
                                       row_stream=stream))

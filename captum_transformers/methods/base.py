@@ -30,8 +30,7 @@ from .pass_plan import PassPlan, resolved_target
 from .row_chains import record_without_padding, row_layout
 from .stochastic_opt_in import StochasticOptIn, _opt_in_flag
 
-#: What :meth:`TraceAttribution.reduce` returns: token scores (B, N) of a one-stream model,
-#: or scores per stream name.
+#: What :meth:`TraceAttribution.reduce` returns: token scores (B, N) of a one-stream model, or per stream.
 StreamScores = Union[torch.Tensor, Dict[str, torch.Tensor]]
 #: ``start_layer`` of the layer-wise methods: one value for every stream, or one per stream.
 StartLayer = Union[int, Mapping[str, int]]
@@ -159,13 +158,14 @@ def attribution_dtype(model: nn.Module) -> torch.dtype:
     return torch.promote_types(model_dtype(model), torch.float32)
 
 
-def finished(attributions: Any, model: nn.Module) -> Any:
-    """Attributions (a tensor or a tuple of them) in :func:`attribution_dtype`, refused if
-    any value is not finite: a half-precision backward pass can overflow (float16 tops out
-    at 65504), and an ``inf`` or ``nan`` in a map is never an explanation."""
-    dtype = attribution_dtype(model)
-    cast = tuple(a.to(dtype) for a in attributions) if isinstance(attributions, tuple) else attributions.to(dtype)
-    for tensor in cast if isinstance(cast, tuple) else (cast,):
+def finished(attributions: Any, model: nn.Module, device: Optional[torch.device] = None) -> Any:
+    """Attributions (a tensor or a tuple of them) in :func:`attribution_dtype` on ``device`` (the inputs':
+    a model spread over devices may end elsewhere), refused if any value is not finite: a half-precision
+    backward pass can overflow (float16 tops out at 65504), and an ``inf`` or ``nan`` is no explanation."""
+    moved = tuple(a.to(device=device, dtype=attribution_dtype(model))
+                  for a in (attributions if isinstance(attributions, tuple) else (attributions,)))
+    cast = moved if isinstance(attributions, tuple) else moved[0]
+    for tensor in moved:
         if tensor.numel() and not _all_finite(tensor):
             raise CaptureError(
                 f"The attributions of this {model_dtype(model)} model contain "
@@ -314,7 +314,7 @@ class TraceAttribution(StochasticOptIn, Attribution):
         streams = trace.streams
         if return_tokens:
             returned = tuple(layout.returned(per_stream[name]) for name, layout in streams.layouts.items())
-            return finished(returned[0] if streams.is_single else returned, self.model)
+            return finished(returned[0] if streams.is_single else returned, self.model, formatted[0].device)
         if len(streams.inputs) != len(formatted):
             raise CaptureError(
                 f"The {self.adapter.name} adapter described {len(streams.inputs)} input(s) but {len(formatted)} were "
@@ -324,7 +324,7 @@ class TraceAttribution(StochasticOptIn, Attribution):
             torch.zeros(t.shape, device=t.device) if span is None else span_to_input(per_stream[span.stream], span, t)
             for span, t in zip(streams.inputs, formatted)
         )
-        return finished(mapped if is_tuple else mapped[0], self.model)
+        return finished(mapped if is_tuple else mapped[0], self.model, formatted[0].device)
 
     def stream_scores(self, trace: AttentionTrace) -> Dict[str, torch.Tensor]:
         """:meth:`reduce` as scores for every stream of the trace, zero at padding.
@@ -348,7 +348,7 @@ class TraceAttribution(StochasticOptIn, Attribution):
             if value is None:
                 value = reference.new_zeros(reference.shape[0], layout.num_tokens)
             if layout.token_mask is not None:
-                value = value * layout.token_mask.to(value.dtype)
+                value = value * layout.token_mask.to(device=value.device, dtype=value.dtype)
             out[name] = value
         return out
 

@@ -175,13 +175,13 @@ class _CaptumGradientBaseline(StochasticOptIn, Attribution):
         if embeddings is None:
             attribution = self._input_attribution(forward, inputs, target, additional)
             detached = tuple(a.detach() for a in attribution) if isinstance(attribution, tuple) else None
-            return finished(attribution.detach() if detached is None else detached, self.model)
+            return finished(attribution.detach() if detached is None else detached, self.model, formatted[0].device)
         per_dimension = self._embedding_attribution(forward, embeddings, formatted[0], target, additional)
         scores = per_dimension.detach().to(attribution_dtype(self.model)).sum(-1)  # summed in >= float32
         mask = (forward_kwargs or {}).get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] == scores.shape[1]:
-            scores = scores * mask.to(scores.dtype)  # (B, S) or one (1, S) row for all
-        return finished(scores, self.model)
+            scores = scores * mask.to(device=scores.device, dtype=scores.dtype)  # (B, S) or one (1, S) row for all
+        return finished(scores, self.model, formatted[0].device)
 
 
 class CaptumIntegratedGradients(_CaptumGradientBaseline):

@@ -137,7 +137,7 @@ class AttentionGradCAM(TraceAttribution):
         if layout is not None:
             columns[:, :layout.num_prefix_tokens] = False
             if layout.token_mask is not None and layout.token_mask.shape[-1] == keys:
-                columns &= layout.token_mask.to(torch.bool)
+                columns &= layout.token_mask.to(device=columns.device, dtype=torch.bool)
         if not bool(columns.any(dim=1).all()):
             raise CaptureError(
                 f"Attention call {record.call_index} ({record.block.name}) has no patch column to average its "

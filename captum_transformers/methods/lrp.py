@@ -89,7 +89,7 @@ class RuleGradientXInput(StochasticOptIn, GradientAttribution):
                 attributions = mapped if is_tuple else mapped[0]
         else:
             attributions = result.per_input if is_tuple else result.per_input[0]
-        attributions = finished(attributions, self.model)
+        attributions = finished(attributions, self.model, formatted[0].device)
         if return_convergence_delta:
             dtype = attribution_dtype(self.model)
             return attributions, result.total.to(dtype) - result.scores.to(dtype)

@@ -182,7 +182,7 @@ class ReplayedRows:
         call, start = self._call(last), rows.start(like)
         out = torch.zeros_like(start)
         mask = rows.layout.token_mask
-        mask = None if mask is None else mask.to(start.dtype)
+        mask = None if mask is None else mask.to(device=start.device, dtype=start.dtype)
         with torch.no_grad():
             for chunk, probs in call_chunks(call, skip=lambda chunk: not bool(start[:, chunk].any())):
                 fused = functional.fuse_heads(probs, fusion).to(start.device)

@@ -64,12 +64,12 @@ class AttentionRollout(TraceAttribution):
         return functional.add_identity_and_normalize(functional.discard_lowest(layer_map, self.discard_ratio, valid))
 
     @staticmethod
-    def _valid_pairs(trace: AttentionTrace, record) -> Optional[torch.Tensor]:
+    def _valid_pairs(trace: AttentionTrace, record, device: torch.device) -> Optional[torch.Tensor]:
         """(B, Q, K) real (query, key) pairs of a self-attention call, from its stream's mask."""
         layout = trace.streams.layouts.get(record.streams[0])
         if layout is None or layout.token_mask is None:
             return None
-        mask = layout.token_mask.to(torch.bool)
+        mask = layout.token_mask.to(device=device, dtype=torch.bool)
         return mask[:, :, None] & mask[:, None, :]
 
     def reduce(self, trace: AttentionTrace):
@@ -88,9 +88,10 @@ class AttentionRollout(TraceAttribution):
         maps = relevancy_maps.identity_maps(sizes, batch, dtype, device)
         last_cross = {}
         for record in records:
-            layer_map = self.without_padding(trace, record, record.forward_value.to(dtype))
+            # A model spread over devices: every map is reduced on the first map's device.
+            layer_map = self.without_padding(trace, record, record.forward_value.to(device=device, dtype=dtype))
             if record.is_self:
-                corrected = self._corrected(layer_map, self._valid_pairs(trace, record))
+                corrected = self._corrected(layer_map, self._valid_pairs(trace, record, device))
                 maps[record.streams] = torch.bmm(corrected, maps[record.streams])
             else:
                 last_cross[record.streams] = layer_map

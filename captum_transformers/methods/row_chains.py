@@ -101,7 +101,7 @@ class DenseRows(RowLayout):
 
     def without_lowest(self, index: int, value: torch.Tensor, ratio: Ratio) -> torch.Tensor:
         if self._valid is None and self.layout.token_mask is not None:  # the same real pairs for every call
-            mask = self.layout.token_mask.to(torch.bool)
+            mask = self.layout.token_mask.to(device=value.device, dtype=torch.bool)
             self._valid = mask[:, :, None] & mask[:, None, :]
         return functional.discard_lowest(value, ratio, self._valid)
 
@@ -256,7 +256,8 @@ def zero_padding(value: torch.Tensor, masks: Sequence[Tuple[Optional[torch.Tenso
                 f"{call} has {value.shape[axis]} {'queries' if axis == 1 else 'keys'} but {name} covers "
                 f"{mask.shape[-1]} tokens; the adapter's layout does not describe this call."
             )
-        value = value * (mask.to(value.dtype)[:, :, None] if axis == 1 else mask.to(value.dtype)[:, None, :])
+        mask = mask.to(device=value.device, dtype=value.dtype)  # the layer's device (a spread model)
+        value = value * (mask[:, :, None] if axis == 1 else mask[:, None, :])
     return value
 
 

@@ -148,7 +148,7 @@ class RowStream:
         mask = self._rows.layout.token_mask
         if mask is None:
             return value
-        mask = mask.to(value.dtype)
+        mask = mask.to(device=value.device, dtype=value.dtype)  # the layer's device (a spread model)
         return value * mask[:, rows, None] * mask[:, None, :value.shape[-1]]
 
     def _fold_pending(self) -> None:
