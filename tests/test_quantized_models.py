@@ -10,12 +10,14 @@ quantization itself changes the model (NF4 on this tiny random model: median 0.9
 int8 and torchao: medians 0.998). Rules that read a weight read the dequantized one; the
 CPU inference repacking of 4-bit weights (no backward) is undone; a bitsandbytes build without
 a kernel for the device is refused by name. Skipped with the reason where a library or its CPU
-backend is missing.
+backend is missing. ``CAPTUM_TRANSFORMERS_TEST_DEVICE=cuda`` runs the correlation and dequantization
+tests on a GPU's kernels instead (the other tests are about the CPU backend).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import warnings
 
 import pytest
@@ -31,6 +33,7 @@ from generation_models import IdTokenizer  # noqa: E402
 
 KINDS = ("nf4", "nf4-double", "int8", "torchao")  # nf4-double: double quantization (nested scales)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DEVICE = torch.device(os.environ.get("CAPTUM_TRANSFORMERS_TEST_DEVICE", "cpu"))
 ROUNDING_SENSITIVE = {"partial-lrp", "lrp", "transformer-relevance"}  # refuse bfloat16 models, quantized or not
 _CONFIG = dict(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, initializer_range=0.2)
@@ -43,8 +46,9 @@ def _require(kind: str) -> None:
         return
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install captum-transformers[quantized])")
     operator = quantized_linear._BNB_OPERATORS[quantized_linear.BNB_4BIT if kind.startswith("nf4") else quantized_linear.BNB_8BIT]
-    if not quantized_linear._kernel_available(operator, torch.device("cpu")):
-        pytest.skip(f"this bitsandbytes build has no CPU backend for {operator} (a CUDA build runs these tests on a GPU)")
+    if not quantized_linear._kernel_available(operator, DEVICE):
+        pytest.skip(f"this bitsandbytes build has no {DEVICE.type} backend for {operator} "
+                    "(CAPTUM_TRANSFORMERS_TEST_DEVICE=cuda runs these tests on a GPU)")
 
 
 def _quantization_config(kind: str, dtype: torch.dtype):
@@ -69,13 +73,13 @@ def _pair(kind: str, dtype_name: str, head: str = "classifier"):
         torch.manual_seed(0)
         cls = transformers.LlamaForSequenceClassification if head == "classifier" else transformers.LlamaForCausalLM
         config = transformers.LlamaConfig(**_CONFIG, num_labels=3)
-        base = cls(config).to(dtype).eval()
+        base = cls(config).to(dtype).eval().to(DEVICE)
         import tempfile
         with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             base.save_pretrained(folder)
             quantized = cls.from_pretrained(folder, quantization_config=_quantization_config(kind, dtype),
-                                            device_map="cpu", dtype=dtype).eval()
+                                            device_map=str(DEVICE), dtype=dtype).eval()
         reference = copy.deepcopy(base)
         modules = dict(reference.named_modules())
         layers = quantized_linear.quantized_linears(quantized)
@@ -99,8 +103,8 @@ TARGET = torch.tensor([1, 2])
 def _map(name: str, model: torch.nn.Module) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # bitsandbytes' int8 cast notice
-        result = build_method(name, model).attribute(IDS, target=TARGET)
-    return result[0] if isinstance(result, tuple) else result
+        result = build_method(name, model).attribute(IDS.to(DEVICE), target=TARGET.to(DEVICE))
+    return (result[0] if isinstance(result, tuple) else result).cpu()
 
 
 @pytest.mark.parametrize("dtype_name", sorted(DTYPES))
@@ -123,7 +127,7 @@ def test_every_method_follows_the_dequantized_model(name, kind, dtype_name):
 def test_dequantized_weight_is_the_weight_the_forward_multiplies_by(kind):
     quantized, _, _ = _pair(kind, "float32")
     name, module, _ = quantized_linear.quantized_linears(quantized)[0]
-    x = torch.randn(3, module.in_features)
+    x = torch.randn(3, module.in_features, device=DEVICE)
     # (The kernels an explanation runs: a CPU-repacked 4-bit weight computes in bfloat16.)
     with torch.no_grad(), warnings.catch_warnings(), quantized_linear.differentiable_kernels(quantized):
         warnings.simplefilter("ignore")
