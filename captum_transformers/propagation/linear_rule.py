@@ -38,10 +38,12 @@ def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor, tiny: float 
 
 
 def _layer_output_kept(ctx, x, weight, bias, func, args, kwargs) -> torch.Tensor:
-    """The layer's own output; its input, weight, bias and output kept for a rule's backward,
-    with the backward switch active now (the plain gradient on request)."""
+    """The layer's own output; its input, weight and bias kept for a rule's backward, with the
+    backward switch active now (the plain gradient on request). The output is not kept: the
+    rule recomputes it chunk by chunk (:func:`_row_chunks`), one product more per layer instead
+    of one more activation per linear layer held through the backward pass."""
     output = func(*args, **kwargs)
-    ctx.save_for_backward(x, weight, bias, output)
+    ctx.save_for_backward(x, weight, bias)
     ctx.switch = _SWITCH.get()
     return output
 
@@ -63,7 +65,7 @@ class _LinearAlphaBeta(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, bias, output = ctx.saved_tensors
+        x, weight, bias = ctx.saved_tensors
         if _plain(ctx):
             return grad @ weight.to(grad.dtype), None, None, None, None, None, None
         in_dtype = x.dtype
@@ -73,7 +75,7 @@ class _LinearAlphaBeta(torch.autograd.Function):
             rule, weights = _alpha_beta_shared, (weight, weight.abs())
         else:
             rule, weights = _alpha_beta_separate, (weight.clamp(min=0), weight.clamp(max=0))
-        g_x = _row_chunks(rule, weights, x, None if bias is None else bias.to(dtype), output, grad, dtype)
+        g_x = _row_chunks(rule, weights, x, None if bias is None else bias.to(dtype), weight, grad, dtype)
         return g_x.to(in_dtype), None, None, None, None, None, None
 
 
@@ -92,29 +94,47 @@ def linear_rule(rules, x: torch.Tensor, weight: torch.Tensor, bias, func: Callab
 _CHUNK_ELEMENTS = 1 << 20
 
 
-def _row_chunks(rule: Callable, weights: tuple, x, bias, output, grad, dtype: torch.dtype) -> torch.Tensor:
+_NO_BIAS = object()
+
+
+def _row_chunks(rule: Callable, weights: tuple, x, bias, weight, grad, dtype: torch.dtype,
+                output_bias=_NO_BIAS) -> torch.Tensor:
     """``rule(x, weights, bias, output, grad)`` applied to chunks of rows (every leading
-    dimension flattened) of a linear layer's input, output and output gradient, cast to
-    ``dtype`` chunk by chunk and written into one gradient buffer (in ``x``'s dtype): the
-    rules act on each row alone, so chunking bounds their temporaries without changing them.
-    ``weights`` (derived from the (out, in) weight once) are shared by every chunk; a bias
-    with one row per example (``addmm(M, x, W)``) is chunked with the rows."""
+    dimension flattened) of a linear layer's input and output gradient, cast to ``dtype`` chunk
+    by chunk and written into one gradient buffer (in ``x``'s dtype): the rules act on each row
+    alone, so chunking bounds their temporaries without changing them. The layer's output
+    ``y = x W^T + b`` is recomputed per chunk in ``dtype`` (``weight`` (out, in) in ``dtype``,
+    ``output_bias`` the layer's bias where ``bias`` is a rule's own). ``weights`` (derived from
+    the weight once) are shared by every chunk; a bias with one row per example
+    (``addmm(M, x, W)``) is chunked with the rows."""
     features_out, features_in = weights[0].shape
-    rows_x, rows_out, rows_grad = x.reshape(-1, features_in), output.reshape(-1, features_out), \
-        grad.reshape(-1, features_out)
+    layer_bias = bias if output_bias is _NO_BIAS else output_bias
+    rows_x, rows_grad = x.reshape(-1, features_in), grad.reshape(-1, features_out)
+    shape = (*x.shape[:-1], features_out)
     if bias is not None and bias.dim() > 1:
-        bias = bias.expand(output.shape).reshape(-1, features_out)
+        bias = bias.expand(shape).reshape(-1, features_out)
+    if layer_bias is not None:
+        layer_bias = layer_bias.to(dtype)
+        if layer_bias.dim() > 1:
+            layer_bias = layer_bias.expand(shape).reshape(-1, features_out)
+
+    def output_of(rows_in: torch.Tensor, rows: slice) -> torch.Tensor:
+        if layer_bias is None:
+            return F.linear(rows_in, weight)
+        return F.linear(rows_in, weight).add_(layer_bias[rows] if layer_bias.dim() > 1 else layer_bias)
+
     step = max(1, _CHUNK_ELEMENTS // max(features_in, features_out))
     if rows_x.shape[0] <= step:  # one chunk: no gradient buffer to copy it into
-        return rule(rows_x.to(dtype), weights, bias, rows_out.to(dtype), rows_grad.to(dtype)).view(x.shape)
+        rows_in = rows_x.to(dtype)
+        return rule(rows_in, weights, bias, output_of(rows_in, slice(None)), rows_grad.to(dtype)).view(x.shape)
     g_x = torch.empty_like(rows_x)
     for start in range(0, rows_x.shape[0], step):
         rows = slice(start, start + step)
         chunk_bias = bias[rows] if bias is not None and bias.dim() > 1 else bias
+        rows_in = rows_x[rows].to(dtype)
         # The rule writes its last product into the gradient buffer where the dtypes allow.
         out = g_x[rows] if g_x.dtype == dtype else None
-        chunk = rule(rows_x[rows].to(dtype), weights, chunk_bias, rows_out[rows].to(dtype), rows_grad[rows].to(dtype),
-                     out=out)
+        chunk = rule(rows_in, weights, chunk_bias, output_of(rows_in, rows), rows_grad[rows].to(dtype), out=out)
         if chunk is not out:
             g_x[rows] = chunk
     return g_x.view(x.shape)
@@ -168,7 +188,7 @@ class _LinearGamma(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, bias, output = ctx.saved_tensors
+        x, weight, bias = ctx.saved_tensors
         if _plain(ctx):
             return grad @ weight.to(grad.dtype), None, None, None, None, None, None, None
         dtype = torch.promote_types(x.dtype, torch.float32)
@@ -179,10 +199,10 @@ class _LinearGamma(torch.autograd.Function):
             bias = bias.to(dtype)
         if ctx.generalized:
             rule = functools.partial(_generalized_gamma, gamma=gamma)
-            g_x = _row_chunks(rule, (w_up, w_down), x, bias, output, grad, dtype)
+            g_x = _row_chunks(rule, (w_up, w_down), x, bias, weight, grad, dtype)
         else:
             b_gamma = None if bias is None else bias + gamma * bias.clamp(min=0)
-            g_x = _row_chunks(_gamma, (w_up,), x, b_gamma, output, grad, dtype)
+            g_x = _row_chunks(_gamma, (w_up,), x, b_gamma, weight, grad, dtype, output_bias=bias)
         return g_x.to(x.dtype), None, None, None, None, None, None, None
 
 
