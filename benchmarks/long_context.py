@@ -32,6 +32,8 @@ GenericAttention      sdpa  before 1.19 / 1.54, 1.19 / 1.64, 1.31 / 2.69 (issue,
                             after  1.11 / 1.35  1.11 / 1.48  1.14 / 1.62
 TransformerRelevance  sdpa  before 2.66 / 4.63, 4.06 / 4.89, 6.96 / 8.59 (issue, 2k: 3.2 / 6.8)
                             after  1.55 / 3.72  1.49 / 3.88  1.47 / 4.90
+                            linear rules recompute their output (load 1.1-1.5):
+                                   1.47 / 3.67  1.44 / 4.24  1.40 / 5.06
 AttentionGradCAM      sdpa  before 2.34 / 1.94, 3.85 / 2.06 at 1k / 2k
                             after  1.14 / 1.36  1.11 / 1.57  1.14 / 2.00
 AttentionRollout      sdpa  before 0.88 / 0.75, 1.59 / 0.66, 3.03 / 1.17 (issue, 2k: 1.2 / 1.0)
@@ -51,9 +53,11 @@ slopes were 306-644 KiB per token (a (B, N, N) map kept per layer) for the unstr
 
 What stays above 1.3x memory / 1.5x time, and why: TransformerRelevance is one forward under the LRP
 rules and two backward passes by definition; its alpha=1/beta=0 rule makes four products per linear
-layer (at 2k the linear layers alone take about as long as the whole reference: 1.0 s of its 2.6 s),
-and its rule graph keeps about five more activations per layer than a plain forward (the linear
-33 KiB per token). GenericAttention and Grad-CAM at 4k: the recomputed attention backward (five
+layer (at 2k the linear layers alone take about as long as the whole reference: 1.0 s of its 2.6 s).
+Its memory (27-29 KiB per token now): the rules keep each linear layer's input (relevance is
+``x * g``), where the reference, with no parameter gradient, keeps none, and the normalised add keeps
+both operands of every add (the residuals and RoPE's ``q cos + rot(q) sin``); by saved tensors at 2k,
+194 MiB against the reference's 148. GenericAttention and Grad-CAM at 4k: the recomputed attention backward (five
 products per chunk of rows plus the softmax and the head reduction, about 3.4 s) against PyTorch's
 fused flash backward (about 1.6 s), which does the same work per cache-resident tile.
 """
