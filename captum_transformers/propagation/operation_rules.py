@@ -56,7 +56,7 @@ from .backward_switch import plain_requested as _plain
 from .gated_product import ConstantGateProduct, GateTracker, gate_scopes
 from .identity_ratio import identity_ratio
 from .linear_rule import _LinearAlphaBeta, _LinearGamma, linear_rule, safe_divide  # noqa: F401  (part of this API)
-from .normalized_add import NormalizedAdd, row_groups
+from .normalized_add import NormalizedAdd, keep_sums_overwritten_by, row_groups
 from .pixel_rule import PixelBoundedConv
 
 
@@ -224,6 +224,8 @@ class OperationRules(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.rules.add == "normalized":  # a sum the add rule keeps, about to be overwritten
+            keep_sums_overwritten_by(func, args, kwargs)
         if func not in self.handled or not torch.is_grad_enabled():  # most operations: no rule
             return func(*args, **kwargs)
         rules = self.rules
@@ -266,6 +268,8 @@ class OperationRules(TorchFunctionMode):
             a, b = args
             if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.requires_grad and b.requires_grad \
                     and a.is_floating_point() and (a.shape == b.shape or self._batch_broadcast(a, b)):
+                if a.dim() == 0:  # two scalars: one example (no batch dimension to read)
+                    return NormalizedAdd.apply(a, b, None, func, args, kwargs)
                 wide = a if a.shape[0] >= b.shape[0] else b
                 if self.groups is not None:
                     return NormalizedAdd.apply(a, b, 0, func, args, kwargs, row_groups(self.groups, wide))
