@@ -65,3 +65,22 @@ def test_rule_with_a_recomputed_output_equals_the_rule_from_its_definition(monke
         expected = _alpha1beta0(x, weight, bias, grad) if linear == "alpha1beta0" else _gamma(x, weight, bias, grad, 0.25)
     torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
     assert found.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("linear", ["alpha1beta0", "gamma"])
+def test_a_bias_computed_from_the_input_gets_the_plain_gradient(linear):
+    """``addmm(M, x, W)`` with an activation ``M``: before, the rule returned nothing for ``M``, and
+    every path through it was cut from the explanation."""
+    torch.manual_seed(1)
+    x = torch.randn(5, 6, dtype=F64, requires_grad=True)
+    weight, grad = torch.randn(4, 6, dtype=F64), torch.randn(5, 4, dtype=F64)
+    rules = dataclasses.replace(RuleSet.GRADIENT, linear=linear, gamma=0.25 if linear == "gamma" else 0.0)
+    bias = x[:, :4] * 2.0  # computed from the input
+    y = lr.linear_rule(rules, x, weight, bias, lambda a, w, b: a @ w.t() + b, (x, weight, bias), {})
+    (through_rule,) = torch.autograd.grad(y, x, grad)
+    leaf_bias = bias.detach().requires_grad_()
+    y_leaf = lr.linear_rule(rules, x, weight, leaf_bias, lambda a, w, b: a @ w.t() + b, (x, weight, leaf_bias), {})
+    (rule_only,) = torch.autograd.grad(y_leaf, x, grad)
+    expected = rule_only.clone()
+    expected[:, :4] += 2.0 * grad  # the plain gradient through M = 2 x[:, :4]
+    torch.testing.assert_close(through_rule, expected, rtol=0, atol=1e-12)

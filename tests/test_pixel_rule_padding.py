@@ -58,3 +58,27 @@ def test_uneven_same_padding_is_refused_with_the_fix():
         PixelBoundedConv.apply(x, weight, F.conv2d, args, {})
     message = str(error.value)
     assert "(4, 4)" in message and "pixel_conv='gradient'" in message
+
+
+def test_a_copy_of_the_input_pixels_gets_the_rule_too():
+    """accelerate moves the pixels to the patch embedding's device (a ToCopy node, not a leaf); a
+    cast does the same. Before, such a copy silently got the plain gradient."""
+    import dataclasses
+
+    from captum_transformers.propagation.operation_rules import OperationRules
+    from captum_transformers.propagation.pixel_rule import is_input_pixels
+    from captum_transformers.propagation.rules import RuleSet
+
+    x, weight, args, generator = _conv("valid", 4, 1, 4)
+    rules = dataclasses.replace(RuleSet.GRADIENT, pixel_conv="zB")
+    copied = x.to(torch.float32).to(torch.float64)  # two copies back to the input leaf
+    assert is_input_pixels(x) and is_input_pixels(copied) and not is_input_pixels(x * 2.0)
+    grad = torch.randn(2, 5, 4, 4, dtype=torch.float64, generator=generator)
+    with OperationRules(rules, batch_size=2):
+        y_leaf = F.conv2d(x, *args[1:])
+        y_copy = F.conv2d(copied, *args[1:])
+    (g_leaf,) = torch.autograd.grad(y_leaf, x, grad)
+    (g_copy,) = torch.autograd.grad(y_copy, x, grad)
+    expected = torch.autograd.grad(PixelBoundedConv.apply(x, weight, F.conv2d, args, {}), x, grad)[0]
+    torch.testing.assert_close(g_leaf, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(g_copy, expected, rtol=1e-6, atol=1e-6)  # the float32 round trip rounds x

@@ -427,7 +427,7 @@ class Adapter(abc.ABC):
                                              scores.shape[0])
                           for stream, hidden in zip(read, products)}
             first = next(iter(per_stream.values()))
-            total = sum(r.sum(-1) for r in per_stream.values())
+            total = sum(r.sum(-1).to(first.device) for r in per_stream.values())  # streams may start apart
             return RelevanceResult(first, None, layout, explained, index, total, per_stream, streams)
         remaining = iter(products)
         per_input = tuple(next(remaining) if t.is_floating_point() else torch.zeros(t.shape, device=t.device)

@@ -107,4 +107,5 @@ def kept_logit_positions(model: nn.Module, inputs: Tuple[torch.Tensor, ...], add
     positions = tuple(sorted(set(last)))
     if positions == (num_tokens - 1,):
         return KeptLogitPositions(1, positions)
-    return KeptLogitPositions(torch.tensor(positions, device=inputs[0].device), positions)
+    # On the CPU: an index every device accepts (the final norm may sit on another device than the inputs).
+    return KeptLogitPositions(torch.tensor(positions), positions)

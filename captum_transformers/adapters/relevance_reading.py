@@ -94,6 +94,6 @@ def token_sums(token_states, product: torch.Tensor, mask: Optional[torch.Tensor]
     hidden = token_states(product)
     tokens = hidden.reshape(hidden.shape[0], hidden.shape[1], -1).sum(-1)
     if mask is not None and mask.shape == tokens.shape:
-        tokens = tokens * mask.to(tokens.dtype)
+        tokens = tokens * mask.to(device=tokens.device, dtype=tokens.dtype)  # layer 0's device may differ
     return tokens
 

@@ -282,7 +282,7 @@ class Recorder:
             queries = torch.ones(site.batch_size, site.num_queries, dtype=torch.bool, device=device)
         if keys is None or keys.shape[-1] != site.num_keys:
             keys = torch.ones(site.batch_size, site.num_keys, dtype=torch.bool, device=device)
-        queries, keys = queries.to(torch.bool), keys.to(torch.bool)
+        queries, keys = queries.to(torch.bool), keys.to(device=device, dtype=torch.bool)  # streams' devices
         if rows is not None:
             queries = queries[:, rows]
         return self._causal_pairs(site, (queries[:, :, None] & keys[:, None, :]).unsqueeze(1), rows)
@@ -358,7 +358,7 @@ class Recorder:
 
     def _reduce(self, spec: CaptureSpec, site: Site, probs: torch.Tensor, grad: torch.Tensor):
         extra = {"call_index": site.call_index} if spec.pass_call_index else {}
-        valid = self.valid_pairs(site)  # on the input's device; the map is on its layer's (a spread model)
+        valid = self.valid_pairs(site)  # on the mask's device; the map is on its layer's (a spread model)
         return spec.backward_reduce(probs, grad, None if valid is None else valid.to(probs.device), **extra)
 
     def zero_gradient(self, site: Site) -> None:

@@ -60,7 +60,7 @@ def kept_positions(model: nn.Module, positions: torch.Tensor) -> Any:
     if signature is None or "logits_to_keep" not in signature.parameters:
         return "all"
     listed = tuple(sorted({int(p) for p in positions.tolist()}))
-    return KeptLogitPositions(torch.tensor(listed, dtype=torch.long, device=positions.device), listed)
+    return KeptLogitPositions(torch.tensor(listed, dtype=torch.long), listed)  # CPU: any device accepts it
 
 
 def _step_logits(adapter: Adapter, model: nn.Module, output: Any, kept: Optional[KeptLogitPositions],

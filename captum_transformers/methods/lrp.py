@@ -92,7 +92,8 @@ class RuleGradientXInput(StochasticOptIn, GradientAttribution):
         attributions = finished(attributions, self.model, formatted[0].device)
         if return_convergence_delta:
             dtype = attribution_dtype(self.model)
-            return attributions, result.total.to(dtype) - result.scores.to(dtype)
+            device = formatted[0].device  # a spread model reads its relevance and logits on two devices
+            return attributions, result.total.to(device, dtype) - result.scores.to(device, dtype)
         return attributions
 
 

@@ -76,21 +76,23 @@ def value_gradient(query: torch.Tensor, key: torch.Tensor, mask: Optional[torch.
 def _keys_seen_by_block(mask: Optional[torch.Tensor], queries: int, keys: int, step: int) -> List[int]:
     """For each block of ``step`` query rows, how many leading keys some query of the block may
     attend to: all of them for no mask, an additive one, or a block with a fully masked row (whose
-    map is uniform over every key, as the explicit kernel makes it). Read in one pass over the
-    mask (one device synchronisation, not one per block)."""
+    map is uniform over every key, as the explicit kernel makes it). Each block is reduced on the
+    device to one number and all are read at once (one device synchronisation, not one per block;
+    no (Q, K) temporary beyond a block's)."""
     blocks = -(-queries // step)
-    if mask is None or mask.dtype != torch.bool:
+    if mask is None or mask.dtype != torch.bool or blocks == 0:
         return [keys] * blocks
     rows = mask.reshape(-1, *mask.shape[-2:])  # (examples x heads, Q or 1, K)
     width = mask.shape[-1]
-    allowed = rows.any(dim=0)  # (Q or 1, K): some example or head may attend
-    # The last allowed key of each row + 1; a row with none allowed anywhere reads every key.
-    last = width - allowed.flip(-1).int().argmax(dim=-1)
-    seen = torch.where(rows.any(dim=-1).all(dim=0), last, torch.full_like(last, keys))
-    if seen.shape[0] == 1:  # one mask row for every query
-        return [int(seen[0])] * blocks
-    padded = torch.nn.functional.pad(seen[:queries], (0, blocks * step - queries))
-    return padded.view(blocks, step).amax(dim=1).tolist()
+    found = []
+    for start in ([0] if rows.shape[-2] == 1 else range(0, queries, step)):
+        block = rows[:, start:start + step]
+        allowed = block.any(dim=1).any(dim=0)  # (K,): some query of the block may attend
+        last = width - allowed.flip(0).to(torch.uint8).argmax()  # the last allowed key + 1
+        every_row_open = block.any(dim=-1).all()
+        found.append(torch.where(every_row_open, last, torch.full_like(last, keys)))
+    seen = torch.stack(found).tolist()
+    return seen * blocks if rows.shape[-2] == 1 else seen
 
 
 def attention_over_constant_map(run: Callable[[torch.Tensor], torch.Tensor], query: torch.Tensor, key: torch.Tensor,

@@ -45,7 +45,18 @@ def _layer_output_kept(ctx, x, weight, bias, func, args, kwargs) -> torch.Tensor
     output = func(*args, **kwargs)
     ctx.save_for_backward(x, weight, bias)
     ctx.switch = _SWITCH.get()
+    # A bias computed from the input (``addmm(M, x, W)`` with an activation ``M``) carries relevance
+    # the rules do not split: it gets the plain gradient, so no path through it is cut.
+    ctx.bias_carries = bias is not None and bias.requires_grad and bias.grad_fn is not None
     return output
+
+
+def _bias_gradient(ctx, grad: torch.Tensor):
+    """The plain gradient of a relevance-carrying bias (see :func:`_layer_output_kept`), else None."""
+    if not ctx.bias_carries:
+        return None
+    bias = ctx.saved_tensors[2]
+    return grad.sum_to_size(bias.shape).to(bias.dtype)
 
 
 class _LinearAlphaBeta(torch.autograd.Function):
@@ -67,7 +78,7 @@ class _LinearAlphaBeta(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, bias = ctx.saved_tensors
         if _plain(ctx):
-            return grad @ weight.to(grad.dtype), None, None, None, None, None, None
+            return grad @ weight.to(grad.dtype), None, _bias_gradient(ctx, grad), None, None, None, None
         in_dtype = x.dtype
         dtype = torch.promote_types(x.dtype, torch.float32)
         weight = weight.to(dtype)
@@ -76,7 +87,7 @@ class _LinearAlphaBeta(torch.autograd.Function):
         else:
             rule, weights = _alpha_beta_separate, (weight.clamp(min=0), weight.clamp(max=0))
         g_x = _row_chunks(rule, weights, x, None if bias is None else bias.to(dtype), weight, grad, dtype)
-        return g_x.to(in_dtype), None, None, None, None, None, None
+        return g_x.to(in_dtype), None, _bias_gradient(ctx, grad), None, None, None, None
 
 
 def linear_rule(rules, x: torch.Tensor, weight: torch.Tensor, bias, func: Callable, args: tuple,
@@ -190,7 +201,7 @@ class _LinearGamma(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, bias = ctx.saved_tensors
         if _plain(ctx):
-            return grad @ weight.to(grad.dtype), None, None, None, None, None, None, None
+            return grad @ weight.to(grad.dtype), None, _bias_gradient(ctx, grad), None, None, None, None, None
         dtype = torch.promote_types(x.dtype, torch.float32)
         weight = weight.to(dtype)
         gamma = ctx.gamma
@@ -203,7 +214,7 @@ class _LinearGamma(torch.autograd.Function):
         else:
             b_gamma = None if bias is None else bias + gamma * bias.clamp(min=0)
             g_x = _row_chunks(_gamma, (w_up,), x, b_gamma, weight, grad, dtype, output_bias=bias)
-        return g_x.to(x.dtype), None, None, None, None, None, None, None
+        return g_x.to(x.dtype), None, _bias_gradient(ctx, grad), None, None, None, None, None
 
 
 def _gamma(x, weights, bias, output, grad, out=None) -> torch.Tensor:

@@ -57,7 +57,7 @@ from .gated_product import ConstantGateProduct, GateTracker, gate_scopes
 from .identity_ratio import identity_ratio
 from .linear_rule import _LinearAlphaBeta, _LinearGamma, linear_rule, safe_divide  # noqa: F401  (part of this API)
 from .normalized_add import NormalizedAdd, keep_sums_overwritten_by, row_groups
-from .pixel_rule import PixelBoundedConv
+from .pixel_rule import PixelBoundedConv, is_input_pixels
 
 
 class _IdentityRule(torch.autograd.Function):
@@ -246,7 +246,7 @@ class OperationRules(TorchFunctionMode):
                 # A torchao layer passes its quantized weight: the rule reads the dequantized one.
                 return linear_rule(rules, layer[0], plain_weight(layer[1]), layer[2], func, args, kwargs)
         if rules.pixel_conv == "zB" and func is F.conv2d and isinstance(args[0], torch.Tensor) \
-                and args[0].requires_grad and args[0].is_leaf and args[0].dim() == 4:
+                and args[0].requires_grad and is_input_pixels(args[0]) and args[0].dim() == 4:
             return PixelBoundedConv.apply(args[0], args[1], func, args, kwargs)
         if func in _ACTIVATIONS and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
             if rules.activation == "identity":

@@ -33,6 +33,16 @@ def _numeric_padding(padding, weight: torch.Tensor, dilation):
     return padding
 
 
+def is_input_pixels(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is an input leaf, or a device or dtype copy of one (accelerate moving the
+    pixels to the patch embedding's device, a cast): the conv that reads the pixels. Before, such
+    a copy silently got the plain gradient instead of the z^B rule."""
+    node = tensor.grad_fn
+    while node is not None and type(node).__name__ == "ToCopyBackward0":
+        node = node.next_functions[0][0]
+    return tensor.is_leaf or (node is not None and type(node).__name__ == "AccumulateGrad")
+
+
 class PixelBoundedConv(torch.autograd.Function):
     """The z^B rule (Montavon et al. 2017) on the convolution that reads the pixels, with
     per-image bounds L = min(x), H = max(x): ``z = W x - W+ L - W- H``,

@@ -271,7 +271,7 @@ class _ScaleConstantNorm(torch.autograd.Function):
         centred = x - x.mean(dim=-1, keepdim=True) if ctx.centered else x
         # sigma = sqrt(mean(centred^2) + eps), from the norm of each row: no squared copy of x.
         sigma = torch.linalg.vector_norm(centred, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(ctx.eps).sqrt_()
-        scaled = (grad.to(dtype) * scale.to(dtype)).div_(sigma)
+        scaled = (grad.to(dtype) * scale.to(device=grad.device, dtype=dtype)).div_(sigma)
         if ctx.centered and not ctx.freeze_mean:
             scaled = scaled - scaled.mean(dim=-1, keepdim=True)
         return scaled.to(grad.dtype), None, None, None, None, None, None
