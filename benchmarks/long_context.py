@@ -34,6 +34,8 @@ TransformerRelevance  sdpa  before 2.66 / 4.63, 4.06 / 4.89, 6.96 / 8.59 (issue,
                             after  1.55 / 3.72  1.49 / 3.88  1.47 / 4.90
                             linear rules recompute their output (load 1.1-1.5):
                                    1.47 / 3.67  1.44 / 4.24  1.40 / 5.06
+                            and the normalised add keeps the sum, not v (load 0.3-1.3):
+                                   1.31 / 3.64  1.27 / 4.20  1.24 / 5.42
 AttentionGradCAM      sdpa  before 2.34 / 1.94, 3.85 / 2.06 at 1k / 2k
                             after  1.14 / 1.36  1.11 / 1.57  1.14 / 2.00
 AttentionRollout      sdpa  before 0.88 / 0.75, 1.59 / 0.66, 3.03 / 1.17 (issue, 2k: 1.2 / 1.0)
@@ -46,7 +48,7 @@ every attention method eager after: memory 0.04-0.46, time 0.16-0.70 (Transforme
 ===================== ===== ============= ============= =============
 
 Extra memory over the reference (after, sdpa), KiB per token between 1k -> 2k and 2k -> 4k:
-GenericAttention 8.0, 11.8; Grad-CAM 6.3, 11.8; TransformerRelevance 31.0, 33.2: linear in N (the
+GenericAttention 8.0, 11.8; Grad-CAM 6.3, 11.8; TransformerRelevance 31.0, 33.2 (now 16.6, 15.0): linear in N (the
 small rise for the first two is the one boolean causal mask shared by the layers, 16 MiB at 4k);
 rollout -54, -52 and raw attention -61, -59 (below the reference: no backward pass). Before, the
 slopes were 306-644 KiB per token (a (B, N, N) map kept per layer) for the unstreamed methods.
@@ -54,12 +56,13 @@ slopes were 306-644 KiB per token (a (B, N, N) map kept per layer) for the unstr
 What stays above 1.3x memory / 1.5x time, and why: TransformerRelevance is one forward under the LRP
 rules and two backward passes by definition; its alpha=1/beta=0 rule makes four products per linear
 layer (at 2k the linear layers alone take about as long as the whole reference: 1.0 s of its 2.6 s).
-Its memory (27-29 KiB per token now): the rules keep each linear layer's input (relevance is
-``x * g``), where the reference, with no parameter gradient, keeps none, and the normalised add keeps
-both operands of every add (the residuals and RoPE's ``q cos + rot(q) sin``); by saved tensors at 2k,
-194 MiB against the reference's 148. GenericAttention and Grad-CAM at 4k: the recomputed attention backward (five
-products per chunk of rows plus the softmax and the head reduction, about 3.4 s) against PyTorch's
-fused flash backward (about 1.6 s), which does the same work per cache-resident tile.
+Its memory (15-17 KiB per token over the reference now): the rules keep each linear layer's input
+(relevance is ``x * g``), where the reference, with no parameter gradient, keeps none. (Before the
+normalised add kept the sum instead of its second operand, both operands of every add were kept,
+the residuals and RoPE's ``q cos + rot(q) sin``: by saved tensors at 2k, 194 MiB against 148.)
+GenericAttention and Grad-CAM at 4k: the recomputed attention backward (five products per chunk of
+rows plus the softmax and the head reduction, about 3.4 s) against PyTorch's fused flash backward
+(about 1.6 s), which does the same work per cache-resident tile.
 """
 from __future__ import annotations
 

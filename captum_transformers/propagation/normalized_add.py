@@ -41,16 +41,10 @@ class NormalizedAdd(torch.autograd.Function):
         # its own (TransformerRelevance at 2k tokens: 1.44x -> 1.27x the plain forward + backward).
         # An in-place change of the sum that the rule mode sees keeps ``v`` first (keep_second);
         # any other is refused in the backward pass (its version counter moved), never read.
-        # Inside a backward pass (an attention's scores recomputed under the rules, then reused
-        # in place by their own backward) both operands are kept: such graphs are short-lived.
-        if _inside_a_backward_pass():
-            ctx.save_for_backward(a, b)
-            ctx.sum = None
-        else:
-            ctx.save_for_backward(a)
-            ctx.sum = output.detach()
-            ctx.sum_version = ctx.sum._version
-        ctx.second, ctx.second_shape = None, b.shape
+        # (The same tensors are kept when checkpointing recomputes the add in the backward pass.)
+        ctx.save_for_backward(a)
+        ctx.sum, ctx.second, ctx.second_shape = output.detach(), None, b.shape
+        ctx.sum_version = ctx.sum._version
         ctx.batch_dim = batch_dim
         ctx.groups = groups
         ctx.switch = _SWITCH.get()
@@ -58,10 +52,10 @@ class NormalizedAdd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        a, *kept = ctx.saved_tensors
+        (a,) = ctx.saved_tensors
         if _plain(ctx):
             return grad.sum_to_size(a.shape), grad.sum_to_size(ctx.second_shape), None, None, None, None, None
-        b = kept[0] if kept else ctx.second if ctx.second is not None else _second_operand(ctx, a)
+        b = ctx.second if ctx.second is not None else _second_operand(ctx, a)
         dtype = torch.promote_types(grad.dtype, torch.float32)
         g = grad.to(dtype)
         batch_dim = ctx.batch_dim
@@ -96,10 +90,10 @@ class NormalizedAdd(torch.autograd.Function):
         return g_a.to(grad.dtype), g_b.to(grad.dtype), None, None, None, None, None
 
 
-def _inside_a_backward_pass() -> bool:
-    """Whether autograd is running a backward pass now (True where torch cannot say: keep both)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is None or task() != -1
+def keeps_its_sum(node) -> bool:
+    """Whether the autograd ``node`` is a :class:`NormalizedAdd` that reads its kept sum (whose
+    buffer must then not be reused in place)."""
+    return getattr(type(node), "_forward_cls", None) is NormalizedAdd and node.second is None
 
 
 def _second_operand(ctx, a: torch.Tensor) -> torch.Tensor:
@@ -130,9 +124,8 @@ def keep_sums_overwritten_by(func, args: tuple, kwargs: dict) -> None:
             continue
         for tensor in (target, target._base):
             node = None if tensor is None else tensor.grad_fn
-            if node is not None and getattr(type(node), "_forward_cls", None) is NormalizedAdd \
-                    and node.sum is not None and node.second is None:
-                a = node.saved_tensors[0]
+            if node is not None and keeps_its_sum(node):
+                (a,) = node.saved_tensors
                 with torch.no_grad():
                     node.second = _second_operand(node, a.detach())
 

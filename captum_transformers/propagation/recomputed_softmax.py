@@ -11,6 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from .backward_switch import _SWITCH
+from .normalized_add import keeps_its_sum
 from .operation_rules import _ACTIVE_RULES, OperationRules, identity_ratio
 
 
@@ -39,8 +40,9 @@ def scores_gradient(probs: torch.Tensor, scores: torch.Tensor, grad: torch.Tenso
 
 def owns_buffer(scores: torch.Tensor) -> bool:
     """Whether recomputed scores are a fresh result (may take their gradient in place), not
-    one of the leaves or a view of one (``scores_fn`` may return an input as it is)."""
-    return scores.grad_fn is not None and scores._base is None
+    one of the leaves or a view of one (``scores_fn`` may return an input as it is), nor a sum
+    that the normalised add rule keeps for its own backward (``S = Q K^T + B``, a position bias)."""
+    return scores.grad_fn is not None and scores._base is None and not keeps_its_sum(scores.grad_fn)
 
 
 def recompute_under_rules(scores_fn: Callable[..., torch.Tensor], leaves, mode: Optional[OperationRules],
