@@ -205,3 +205,15 @@ def test_chunk_buffers_are_reused_and_grown():
     larger = buffers.take(0, (1, 2, 3, 5), like)
     assert larger.shape == (1, 2, 3, 5) and larger.numel() == 30
     assert buffers.take(1, (2, 2), like).data_ptr() != larger.data_ptr()
+
+
+def test_each_device_keeps_its_shared_causal_mask():
+    """A model spread over devices asks for the causal mask on each layer's device in turn: each
+    device keeps its own (before, every change of device made a new mask, one per layer)."""
+    on_cpu = hf_rows.causal_mask(5, 5, torch.device("cpu"))
+    on_meta = hf_rows.causal_mask(5, 5, torch.device("meta"))
+    assert hf_rows.causal_mask(5, 5, torch.device("cpu")) is on_cpu
+    assert hf_rows.causal_mask(5, 5, torch.device("meta")) is on_meta
+    other = hf_rows.causal_mask(6, 6, torch.device("cpu"))  # another length: the old shape is let go
+    assert hf_rows.causal_mask(6, 6, torch.device("cpu")) is other
+    assert (5, 5, torch.device("cpu")) not in hf_rows._LATEST

@@ -50,7 +50,8 @@ def causal_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.
             del _MADE_VERSION[dead]
         _MADE[id(mask)] = mask
         _MADE_VERSION[id(mask)] = mask._version
-        _LATEST.clear()  # one shape at a time: nothing grows over many sequence lengths
+        for other in [made for made in _LATEST if made[:2] != key[:2]]:  # one shape at a time, per device
+            del _LATEST[other]  # (a model spread over devices shares one per device)
         _LATEST[key] = weakref.ref(mask)
     return mask
 
