@@ -96,3 +96,15 @@ def test_two_scalars_are_one_example():
     total = 1.5 * 3.0
     assert g_u.item() == pytest.approx(3.0 * abs(s_u) / (abs(s_u) + abs(s_v)) * total / s_u)
     assert g_v.item() == pytest.approx(3.0 * abs(s_v) / (abs(s_u) + abs(s_v)) * total / s_v)
+
+
+def test_half_precision_keeps_both_operands():
+    """In float16, ``sum - u`` is off by half a unit of the sum: v itself is kept there."""
+    u, v = torch.randn(2, 3, dtype=torch.float16, requires_grad=True), torch.randn(2, 3, dtype=torch.float16,
+                                                                                   requires_grad=True)
+    with OperationRules(RULES, batch_size=2):
+        s = u + v
+    assert len(s.grad_fn.saved_tensors) == 2 and s.grad_fn.sum is None
+    with OperationRules(RULES, batch_size=2):
+        s32 = u.float() + v.float()
+    assert len(s32.grad_fn.saved_tensors) == 1 and s32.grad_fn.sum is not None

@@ -42,9 +42,15 @@ class NormalizedAdd(torch.autograd.Function):
         # An in-place change of the sum that the rule mode sees keeps ``v`` first (keep_second);
         # any other is refused in the backward pass (its version counter moved), never read.
         # (The same tensors are kept when checkpointing recomputes the add in the backward pass.)
-        ctx.save_for_backward(a)
-        ctx.sum, ctx.second, ctx.second_shape = output.detach(), None, b.shape
-        ctx.sum_version = ctx.sum._version
+        # In half precision ``sum - u`` would move ``v`` by half a unit of the sum (5e-4 relative in
+        # float16), enough to flip a near-zero S_v's sign and the branch with it: ``v`` is kept.
+        ctx.second, ctx.second_shape, ctx.sum = None, b.shape, None
+        if output.dtype in (torch.float16, torch.bfloat16):
+            ctx.save_for_backward(a, b)
+        else:
+            ctx.save_for_backward(a)
+            ctx.sum = output.detach()
+            ctx.sum_version = ctx.sum._version
         ctx.batch_dim = batch_dim
         ctx.groups = groups
         ctx.switch = _SWITCH.get()
@@ -52,10 +58,10 @@ class NormalizedAdd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        (a,) = ctx.saved_tensors
+        a, *kept = ctx.saved_tensors
         if _plain(ctx):
             return grad.sum_to_size(a.shape), grad.sum_to_size(ctx.second_shape), None, None, None, None, None
-        b = ctx.second if ctx.second is not None else _second_operand(ctx, a)
+        b = kept[0] if kept else ctx.second if ctx.second is not None else _second_operand(ctx, a)
         dtype = torch.promote_types(grad.dtype, torch.float32)
         g = grad.to(dtype)
         batch_dim = ctx.batch_dim
@@ -93,7 +99,7 @@ class NormalizedAdd(torch.autograd.Function):
 def keeps_its_sum(node) -> bool:
     """Whether the autograd ``node`` is a :class:`NormalizedAdd` that reads its kept sum (whose
     buffer must then not be reused in place)."""
-    return getattr(type(node), "_forward_cls", None) is NormalizedAdd and node.second is None
+    return getattr(type(node), "_forward_cls", None) is NormalizedAdd and node.sum is not None and node.second is None
 
 
 def _second_operand(ctx, a: torch.Tensor) -> torch.Tensor:
@@ -125,7 +131,7 @@ def keep_sums_overwritten_by(func, args: tuple, kwargs: dict) -> None:
         for tensor in (target, target._base):
             node = None if tensor is None else tensor.grad_fn
             if node is not None and keeps_its_sum(node):
-                (a,) = node.saved_tensors
+                a = node.saved_tensors[0]
                 with torch.no_grad():
                     node.second = _second_operand(node, a.detach())
 
