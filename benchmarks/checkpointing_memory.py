@@ -32,6 +32,9 @@ peak-RSS growth; "memory" and "time" are kept / plain), measured on the working 
     TransformerRelevance    2048      594.4     536.2   0.90x  1.25x
     AttentionGradCAM        2048      563.9     461.7   0.82x  1.43x
 
+(The CPU times here were taken under the memory measurement's allocator, before
+``peak_memory.measure_on_random_ids`` timed a separate run with freed buffers reused.)
+
 Keeping checkpointing halves the peak of the one-backward LRP methods (0.4-0.5x, as for the
 model's own forward + backward) for 1.4-2x the CPU time (each layer's forward runs twice).
 TransformerRelevance (two backward passes) and AttentionGradCAM gain less (0.8-0.9x at 2k):

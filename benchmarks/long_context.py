@@ -47,22 +47,35 @@ every attention method eager after: memory 0.04-0.46, time 0.16-0.70 (Transforme
                             1.26-1.45); AttnLRP 1.0 / 1.0
 ===================== ===== ============= ============= =============
 
+The times above were taken under the memory measurement's allocator (every fresh buffer a page
+fault). Timed since in a separate run with freed buffers reused, as an evaluation loop settles into
+(``peak_memory.measure_on_random_ids``), sdpa, load 0.7 -> 1.0, commit after 122744c::
+
+    method                1k mem / time  2k mem / time  4k mem / time
+    GenericAttention      1.11 / 1.03    1.11 / 1.14    1.14 / 1.12
+    TransformerRelevance  1.31 / 2.44    1.27 / 2.67    1.24 / 2.66
+    AttentionGradCAM      1.14 / 1.16    1.11 / 1.30    1.14 / 1.30
+    AttentionRollout      0.33 / 0.56    0.29 / 0.59    0.29 / 0.68
+    RawAttention          0.27 / 0.42    0.22 / 0.43    0.20 / 0.44
+    AttnLRP               0.88 / 0.98    0.88 / 1.02    0.88 / 0.91
+
 Extra memory over the reference (after, sdpa), KiB per token between 1k -> 2k and 2k -> 4k:
 GenericAttention 8.0, 11.8; Grad-CAM 6.3, 11.8; TransformerRelevance 31.0, 33.2 (now 16.6, 15.0): linear in N (the
 small rise for the first two is the one boolean causal mask shared by the layers, 16 MiB at 4k);
 rollout -54, -52 and raw attention -61, -59 (below the reference: no backward pass). Before, the
 slopes were 306-644 KiB per token (a (B, N, N) map kept per layer) for the unstreamed methods.
 
-What stays above 1.3x memory / 1.5x time, and why: TransformerRelevance is one forward under the LRP
+What stays above 1.3x memory / 1.5x time, and why (with buffers reused, only TransformerRelevance's
+time, and its memory at 1k: 1.31): TransformerRelevance is one forward under the LRP
 rules and two backward passes by definition; its alpha=1/beta=0 rule makes four products per linear
 layer (at 2k the linear layers alone take about as long as the whole reference: 1.0 s of its 2.6 s).
 Its memory (15-17 KiB per token over the reference now): the rules keep each linear layer's input
 (relevance is ``x * g``), where the reference, with no parameter gradient, keeps none. (Before the
 normalised add kept the sum instead of its second operand, both operands of every add were kept,
 the residuals and RoPE's ``q cos + rot(q) sin``: by saved tensors at 2k, 194 MiB against 148.)
-GenericAttention and Grad-CAM at 4k: the recomputed attention backward (five products per chunk of
-rows plus the softmax and the head reduction, about 3.4 s) against PyTorch's fused flash backward
-(about 1.6 s), which does the same work per cache-resident tile.
+Under the memory measurement's allocator, GenericAttention and Grad-CAM at 4k also stayed above: their
+recomputed chunks' fresh buffers page-faulted (4.9 s against the reference's 3.0 s in one process,
+2.9 s against 2.7 s with buffers reused).
 """
 from __future__ import annotations
 
