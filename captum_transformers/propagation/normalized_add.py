@@ -39,7 +39,7 @@ class NormalizedAdd(torch.autograd.Function):
         # Kept: ``u`` and the sum, not ``v`` (recomputed as ``sum - u``): the next operation keeps the
         # sum anyway (a norm, the attention after RoPE), so a residual add holds no activation of
         # its own (TransformerRelevance at 2k tokens: 1.44x -> 1.27x the plain forward + backward).
-        # An in-place change of the sum that the rule mode sees keeps ``v`` first (keep_second);
+        # An in-place change of the sum that the rule mode sees keeps ``v`` first (keep_sums_overwritten_by);
         # any other is refused in the backward pass (its version counter moved), never read.
         # (The same tensors are kept when checkpointing recomputes the add in the backward pass.)
         # In half precision ``sum - u`` would move ``v`` by half a unit of the sum (5e-4 relative in
