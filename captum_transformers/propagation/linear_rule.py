@@ -86,7 +86,8 @@ class _LinearAlphaBeta(torch.autograd.Function):
             rule, weights = _alpha_beta_shared, (weight, weight.abs())
         else:
             rule, weights = _alpha_beta_separate, (weight.clamp(min=0), weight.clamp(max=0))
-        g_x = _row_chunks(rule, weights, x, None if bias is None else bias.to(dtype), weight, grad, dtype)
+        bias = None if bias is None else bias.to(dtype)
+        g_x = _row_chunks(rule, weights, x, bias, weight, bias, grad, dtype)
         return g_x.to(in_dtype), None, _bias_gradient(ctx, grad), None, None, None, None
 
 
@@ -105,34 +106,35 @@ def linear_rule(rules, x: torch.Tensor, weight: torch.Tensor, bias, func: Callab
 _CHUNK_ELEMENTS = 1 << 20
 
 
-_NO_BIAS = object()
+def _bias_rows(bias, shape: tuple):
+    """A bias with one row per example (``addmm(M, x, W)``) as (rows, out), to be chunked with the
+    rows; a bias vector (or None) as it is."""
+    if bias is not None and bias.dim() > 1:
+        return bias.expand(shape).reshape(-1, shape[-1])
+    return bias
 
 
-def _row_chunks(rule: Callable, weights: tuple, x, bias, weight, grad, dtype: torch.dtype,
-                output_bias=_NO_BIAS) -> torch.Tensor:
+def _chunk_of(bias, rows: slice):
+    return bias[rows] if bias is not None and bias.dim() > 1 else bias
+
+
+def _row_chunks(rule: Callable, weights: tuple, x, bias, weight, layer_bias, grad, dtype: torch.dtype) -> torch.Tensor:
     """``rule(x, weights, bias, output, grad)`` applied to chunks of rows (every leading
     dimension flattened) of a linear layer's input and output gradient, cast to ``dtype`` chunk
     by chunk and written into one gradient buffer (in ``x``'s dtype): the rules act on each row
     alone, so chunking bounds their temporaries without changing them. The layer's output
-    ``y = x W^T + b`` is recomputed per chunk in ``dtype`` (``weight`` (out, in) in ``dtype``,
-    ``output_bias`` the layer's bias where ``bias`` is a rule's own). ``weights`` (derived from
-    the weight once) are shared by every chunk; a bias with one row per example
-    (``addmm(M, x, W)``) is chunked with the rows."""
+    ``y = x W^T + b`` is recomputed per chunk in ``dtype`` from ``weight`` (out, in) and
+    ``layer_bias`` (``bias`` is the rule's own, LRP-gamma's ``b + gamma b+``). ``weights``
+    (derived from the weight once) are shared by every chunk."""
     features_out, features_in = weights[0].shape
-    layer_bias = bias if output_bias is _NO_BIAS else output_bias
     rows_x, rows_grad = x.reshape(-1, features_in), grad.reshape(-1, features_out)
     shape = (*x.shape[:-1], features_out)
-    if bias is not None and bias.dim() > 1:
-        bias = bias.expand(shape).reshape(-1, features_out)
-    if layer_bias is not None:
-        layer_bias = layer_bias.to(dtype)
-        if layer_bias.dim() > 1:
-            layer_bias = layer_bias.expand(shape).reshape(-1, features_out)
+    bias = _bias_rows(bias, shape)
+    layer_bias = _bias_rows(None if layer_bias is None else layer_bias.to(dtype), shape)
 
     def output_of(rows_in: torch.Tensor, rows: slice) -> torch.Tensor:
-        if layer_bias is None:
-            return F.linear(rows_in, weight)
-        return F.linear(rows_in, weight).add_(layer_bias[rows] if layer_bias.dim() > 1 else layer_bias)
+        output, added = F.linear(rows_in, weight), _chunk_of(layer_bias, rows)
+        return output if added is None else output.add_(added)
 
     step = max(1, _CHUNK_ELEMENTS // max(features_in, features_out))
     if rows_x.shape[0] <= step:  # one chunk: no gradient buffer to copy it into
@@ -141,11 +143,11 @@ def _row_chunks(rule: Callable, weights: tuple, x, bias, weight, grad, dtype: to
     g_x = torch.empty_like(rows_x)
     for start in range(0, rows_x.shape[0], step):
         rows = slice(start, start + step)
-        chunk_bias = bias[rows] if bias is not None and bias.dim() > 1 else bias
         rows_in = rows_x[rows].to(dtype)
         # The rule writes its last product into the gradient buffer where the dtypes allow.
         out = g_x[rows] if g_x.dtype == dtype else None
-        chunk = rule(rows_in, weights, chunk_bias, output_of(rows_in, rows), rows_grad[rows].to(dtype), out=out)
+        chunk = rule(rows_in, weights, _chunk_of(bias, rows), output_of(rows_in, rows), rows_grad[rows].to(dtype),
+                     out=out)
         if chunk is not out:
             g_x[rows] = chunk
     return g_x.view(x.shape)
@@ -210,10 +212,10 @@ class _LinearGamma(torch.autograd.Function):
             bias = bias.to(dtype)
         if ctx.generalized:
             rule = functools.partial(_generalized_gamma, gamma=gamma)
-            g_x = _row_chunks(rule, (w_up, w_down), x, bias, weight, grad, dtype)
+            g_x = _row_chunks(rule, (w_up, w_down), x, bias, weight, bias, grad, dtype)
         else:
             b_gamma = None if bias is None else bias + gamma * bias.clamp(min=0)
-            g_x = _row_chunks(_gamma, (w_up,), x, b_gamma, weight, grad, dtype, output_bias=bias)
+            g_x = _row_chunks(_gamma, (w_up,), x, b_gamma, weight, bias, grad, dtype)
         return g_x.to(x.dtype), None, _bias_gradient(ctx, grad), None, None, None, None, None
 
 
