@@ -19,7 +19,7 @@ from captum_transformers.propagation.attention_core import softmax_attention
 from captum_transformers.propagation.backward_switch import switchable_backward
 from captum_transformers.propagation.operation_rules import OperationRules
 
-B, H, Q, K, D = 2, 3, 5, 6, 4
+B, H, Q, K, D = 2, 6, 5, 6, 4
 RULES = [None, RuleSet.CHEFER, RuleSet.LRP, RuleSet.ATTN_LRP]
 
 
@@ -232,3 +232,48 @@ def test_a_hand_gradient_is_not_used_where_an_extra_needs_a_gradient():
     output, _ = softmax_attention(scores, query, key, value, bias)
     (g_bias,) = torch.autograd.grad(output.sum(), (bias,))
     assert g_bias.abs().sum() > 0
+
+
+@pytest.mark.parametrize("rules", RULES, ids=lambda r: "plain" if r is None else r.name)
+def test_grouped_keys_are_kept_unrepeated_and_get_their_groups_gradient(rules):
+    """``kv_groups=G``: keys and values with H / G heads, repeated inside the Function. Its output and
+    every gradient (the keys' and values' summed over each group's G heads, as the repetition's
+    backward pass sums them) equal the attention over keys and values repeated outside it, and the
+    graph keeps the H / G heads only (a GQA Llama kept all H repeats per layer before)."""
+    from captum_transformers.propagation.chunk_products import repeat_heads
+    groups = 3
+    query, _, _, bias, mask = _tensors()
+    generator = torch.Generator().manual_seed(1)
+    key, value = (torch.randn(B, H // groups, K, D, generator=generator, dtype=torch.float64).requires_grad_()
+                  for _ in range(2))
+    weights = torch.linspace(-1, 2, B * H * Q * D, dtype=torch.float64).reshape(B, H, Q, D)
+
+    def attend(grouped_inside):
+        def run():
+            keys, values = (key, value) if grouped_inside else (repeat_heads(key, groups), repeat_heads(value, groups))
+            output, probs = softmax_attention(_scores, query, keys, values, bias, mask,
+                                              kv_groups=groups if grouped_inside else 1)
+            return output, probs
+        if rules is None:
+            output, probs = run()
+        else:
+            with OperationRules(rules, B):
+                output, probs = run()
+        return output, probs, torch.autograd.grad((output * weights).sum(), (query, key, value, bias))
+
+    inside, outside = attend(True), attend(False)
+    assert torch.equal(inside[0], outside[0]) and torch.equal(inside[1], outside[1])
+    for got, expected in zip(inside[2], outside[2]):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    assert all(g.abs().max() > 1e-6 for g in inside[2])
+
+    def forward():
+        if rules is None:
+            softmax_attention(_scores, query, key, value, bias, mask, kv_groups=groups)
+        else:
+            with OperationRules(rules, B):
+                softmax_attention(_scores, query, key, value, bias, mask, kv_groups=groups)
+
+    kept = _saved_storages(forward)
+    assert key.untyped_storage().data_ptr() in kept and value.untyped_storage().data_ptr() in kept
+    assert B * H * K * D not in kept.values()  # no repeated keys or values

@@ -28,6 +28,7 @@ from ..methods.streaming_rows import UnreadWeights
 from .replayed_kernel import explicit_sdpa_mask, replay_of, replayed_attention, sdpa_mask_for
 from ..propagation.attention_core import softmax_attention
 from ..propagation.backward_switch import _SWITCH
+from ..propagation.chunk_products import repeat_heads
 from ..propagation.fused_attention import fused_operands, scaled_gradient
 from ..propagation.operation_rules import paused_rule_mode
 from ..propagation.constant_map_attention import attention_over_constant_map
@@ -79,13 +80,6 @@ def _add(scores: torch.Tensor, addend: torch.Tensor, in_place: bool) -> torch.Te
             and torch.broadcast_shapes(scores.shape, addend.shape) == scores.shape:
         return scores.add_(addend)
     return scores + addend
-
-
-def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
-    if groups == 1:
-        return states
-    batch, heads, length, dim = states.shape
-    return states[:, :, None].expand(batch, heads, groups, length, dim).reshape(batch, heads * groups, length, dim)
 
 
 def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -142,10 +136,7 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         if position_bias is not None:
             position_bias = position_bias.detach() if bias_factor is None else scaled_gradient(position_bias, bias_factor)
     groups = query.shape[1] // key.shape[1]
-    key_states = _repeat_kv(key, groups)
-    value_states = _repeat_kv(value, groups)
-
-    mask = attention_mask[:, :, :, : key_states.shape[-2]] if attention_mask is not None else None
+    mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None
 
     def scores(query: torch.Tensor, key_states: torch.Tensor, *extras: torch.Tensor,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -192,9 +183,10 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     observer = None
     replay = replay_of(active, module, kwargs, rules, dropout)  # forward-only, in attribute(): replayed_kernel
     if replay is not None:
-        output, probs = replayed_attention(replay, len(active[0].sites), scores, query, key_states, value_states,
-                                           extras, softmax_dtype, kwargs)
+        output, probs = replayed_attention(replay, len(active[0].sites), scores, query, repeat_heads(key, groups),
+                                           repeat_heads(value, groups), extras, softmax_dtype, kwargs)
     elif operands is not None:
+        key_states, value_states = repeat_heads(key, groups), repeat_heads(value, groups)
         # The rules live in the operands' gradients: no rule Function may act on these operations.
         with torch._C.DisableTorchFunction():
             probs = torch.softmax(scores(query, key_states, *extras), dim=-1, dtype=softmax_dtype).to(query.dtype)
@@ -204,12 +196,14 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         probs = scaled_gradient(probs, 1.0 / bias_factor)
     elif (rules is None or rules.attention_gate == "gradient") and (dropout == 0.0 or not module.training):
         # One Function for softmax(S) V that recomputes S and A in its backward pass: no
-        # (B, H, Q, K) tensor is kept per layer (see attention_core).
+        # (B, H, Q, K) tensor is kept per layer (see attention_core), and the model's H / G heads
+        # of keys and values, not their H repeats.
         observer = SiteObserver() if active is not None else None
-        output, probs = softmax_attention(scores, query, key_states, value_states, *extras,
-                                          softmax_dtype=softmax_dtype, observer=observer,
-                                          keep_map=not _streamed(active, module, kwargs))
+        output, probs = softmax_attention(scores, query, key, value, *extras, softmax_dtype=softmax_dtype,
+                                          observer=observer, keep_map=not _streamed(active, module, kwargs),
+                                          kv_groups=groups)
     else:  # a constant gate or training-mode dropout between the map and the product
+        key_states, value_states = repeat_heads(key, groups), repeat_heads(value, groups)
         if rules is not None and rules.softmax == "identity":
             # The identity rule needs the scores: recompute them in the backward pass.
             probs = softmax_of_recomputed_scores(scores, query, key_states, *extras, dim=-1, dtype=softmax_dtype)

@@ -16,6 +16,8 @@ Example::
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -42,6 +44,25 @@ def kv_groups(scores_fn, plain_gradient, query, key, value, g_output) -> int:
             or query.shape[1] % groups:
         return 1
     return groups
+
+
+def repeat_heads(states: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, H / G, N, d) keys or values as (B, H, N, d), each head repeated G times in a row: the
+    heads ``h`` of group ``h // G`` read the same one (grouped-query attention; transformers'
+    ``repeat_kv``)."""
+    if groups == 1:
+        return states
+    batch, heads, length, dim = states.shape
+    return states[:, :, None].expand(batch, heads, groups, length, dim).reshape(batch, heads * groups, length, dim)
+
+
+def model_heads(gradient: Optional[torch.Tensor], groups: int) -> Optional[torch.Tensor]:
+    """The gradient of the H / G heads that :func:`repeat_heads` repeated, from that of the H
+    repeated heads (B, H, N, d): each group's G heads summed, as the repetition's backward pass sums them."""
+    if gradient is None or groups == 1:
+        return gradient
+    batch, heads, length, dim = gradient.shape
+    return gradient.view(batch, heads // groups, groups, length, dim).sum(2)
 
 
 def grouped(tensor: torch.Tensor, groups: int) -> torch.Tensor:
