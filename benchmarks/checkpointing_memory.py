@@ -4,41 +4,41 @@ A 4-layer Llama built from a config (width 256, 8 heads, 2 key-value heads, inte
 512, random weights, float32, eager attention) in train mode (its dropout is 0), one
 sequence of 1k and 2k tokens, the causal-LM head explained at the last position. Each cell
 runs in a fresh subprocess (one thread): peak memory is the growth of peak RSS above what was
-live before the call (``benchmarks/peak_memory.py``), CPU time the process time of a second
-call. "plain": checkpointing enabled but turned off inside the explanation (the default);
-"kept": ``with keep_gradient_checkpointing():``. The reference is the model's forward on input
-embeddings that require grad and ``autograd.grad`` of the explained logit, without and with
-checkpointing (HF's own, as in training).
+live before the call (``benchmarks/peak_memory.py``), CPU time the process time of the fastest
+of three more calls (``peak_memory.measure_on_random_ids``). "plain": checkpointing enabled but
+turned off inside the explanation (the default); "kept": ``with keep_gradient_checkpointing():``.
+The reference is the model's forward on input embeddings that require grad and ``autograd.grad`` of
+the explained logit, without and with checkpointing (HF's own, as in training).
 
-Command (about 3 minutes)::
+Command (about 7 minutes)::
 
     OMP_NUM_THREADS=1 python benchmarks/checkpointing_memory.py [--sizes 1024 2048] [--methods AttnLRP]
 
-Figures (2-core VM shared with other jobs, load average 7-12, one thread; float32; MiB of
-peak-RSS growth; "memory" and "time" are kept / plain), measured on the working tree of
-2026-11-26 12:10 UTC (commit d231017 plus other sessions' uncommitted work in progress)::
+Figures (2-core VM, load 1.0, one thread; float32; MiB of peak-RSS growth; "memory" and "time" are
+kept / plain, the time the fastest of three runs with freed buffers reused), commit 2627444 (the
+attention methods stream their maps inside ``attribute()``, grouped-query keys kept unrepeated)::
 
     method                     N  plain MiB  kept MiB  memory   time
-    reference               1024      254.8     111.1   0.44x  1.29x
-    AttnLRP                 1024      251.7     126.4   0.50x  1.52x
-    ConservativeLRP         1024      205.3      78.8   0.38x  1.67x
-    GenericAttention        1024       88.3      36.9   0.42x  1.47x
-    TransformerRelevance    1024      197.2     151.2   0.77x  1.21x
-    AttentionGradCAM        1024      173.8     122.4   0.70x  1.33x
-    reference               2048      891.8     421.4   0.47x  1.58x
-    AttnLRP                 2048      886.3     451.7   0.51x  1.37x
-    ConservativeLRP         2048      737.9     292.6   0.40x  1.98x
-    GenericAttention        2048      174.6      70.1   0.40x  1.21x
-    TransformerRelevance    2048      594.4     536.2   0.90x  1.25x
-    AttentionGradCAM        2048      563.9     461.7   0.82x  1.43x
+    reference               1024      254.6     111.2   0.44x  1.41x
+    AttnLRP                 1024      251.4     126.5   0.50x  1.27x
+    ConservativeLRP         1024      205.4      78.8   0.38x  1.69x
+    GenericAttention        1024       81.6      34.0   0.42x  1.53x
+    TransformerRelevance    1024       96.3      72.1   0.75x  1.33x
+    AttentionGradCAM        1024       82.9      35.3   0.43x  1.42x
+    reference               2048      891.9     421.7   0.47x  1.17x
+    AttnLRP                 2048      885.8     451.8   0.51x  1.87x
+    ConservativeLRP         2048      737.9     292.5   0.40x  1.77x
+    GenericAttention        2048      162.7      67.1   0.41x  0.99x
+    TransformerRelevance    2048      185.4     136.4   0.74x  1.36x
+    AttentionGradCAM        2048      162.5      67.0   0.41x  1.01x
 
-(The CPU times here were taken under the memory measurement's allocator, before
-``peak_memory.measure_on_random_ids`` timed a separate run with freed buffers reused.)
-
-Keeping checkpointing halves the peak of the one-backward LRP methods (0.4-0.5x, as for the
-model's own forward + backward) for 1.4-2x the CPU time (each layer's forward runs twice).
-TransformerRelevance (two backward passes) and AttentionGradCAM gain less (0.8-0.9x at 2k):
-what they keep per layer between the passes is not an activation checkpointing frees.
+Keeping checkpointing halves the peak of the one-backward methods (0.4-0.5x, as for the model's
+own forward + backward) for 1.0-1.9x the CPU time (each layer's forward runs twice).
+TransformerRelevance (two backward passes) gains less (0.74-0.75x): what its rules keep per layer
+between the passes is not an activation checkpointing frees. (Before the maps were streamed, on
+2026-11-26 12:10 UTC at load 7-12 and timed under the memory measurement's allocator, the plain
+peaks of TransformerRelevance and Grad-CAM were 197 / 174 MiB at 1k and 594 / 564 MiB at 2k, and
+keeping checkpointing gave them only 0.70-0.90x.)
 """
 from __future__ import annotations
 

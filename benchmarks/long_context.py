@@ -5,8 +5,8 @@ float32), HF ``eager`` and ``sdpa`` attention, one sequence of 1k, 2k and 4k tok
 causal-LM head explained at the last position (its arg-max token). Each cell runs in a fresh
 subprocess (one thread): peak memory is the growth of peak RSS above what was live before
 the call (``benchmarks/peak_memory.py``: freed buffers returned to the OS, ``VmHWM`` reset),
-CPU time the process time of a second call. Both are given relative to the reference: the
-model's forward on input embeddings that require grad and ``autograd.grad`` of the explained
+CPU time the process time of the fastest of three more calls. Both are given relative to the
+reference: the model's forward on input embeddings that require grad and ``autograd.grad`` of the explained
 logit to them (``logits_to_keep=1``), on the same attention implementation.
 
 The last column, "slope", is the method's extra memory beyond the reference's
@@ -59,18 +59,42 @@ fault). Timed since in a separate run with freed buffers reused, as an evaluatio
     RawAttention          0.27 / 0.42    0.22 / 0.43    0.20 / 0.44
     AttnLRP               0.88 / 0.98    0.88 / 1.02    0.88 / 0.91
 
-Extra memory over the reference (after, sdpa), KiB per token between 1k -> 2k and 2k -> 4k:
+Grouped-query heads kept unrepeated (``softmax_attention(kv_groups=G)``: the Function keeps the model's
+2 key-value heads, not their 8 repeats), each time the fastest of three runs (one run's time varied up to
+30 % between processes on the shared VM; the single runs above were, at 4k, lucky draws: timed side by
+side, commit cb73c4f gave GenericAttention 1.2x and TransformerRelevance 2.9-3.1x), sdpa, load 0.8 -> 1.0::
+
+    method                1k mem / time  2k mem / time  4k mem / time
+    GenericAttention      1.06 / 1.01    1.03 / 1.08    1.05 / 1.29
+    TransformerRelevance  1.25 / 2.37    1.19 / 2.82    1.17 / 3.03
+    AttentionGradCAM      1.08 / 1.04    1.03 / 1.24    1.05 / 1.46
+    AttentionRollout      0.33 / 0.49    0.29 / 0.67    0.29 / 0.68
+    RawAttention          0.28 / 0.38    0.22 / 0.43    0.20 / 0.45
+    AttnLRP               0.88 / 0.89    0.88 / 0.96    0.88 / 1.00
+
+    slope 1k -> 2k, 2k -> 4k (KiB per token): GenericAttention -0.4, 5.7; TransformerRelevance 8.6,
+    11.1; Grad-CAM -1.8, 5.7; rollout -54.7, -52.0; raw attention -60.8, -58.9
+
+    eager (reference peak 255 / 892 / 3319 MiB), load 0.5 -> 1.0: every attention method 0.04-0.38x the
+    memory and 0.17-0.88x the time, TransformerRelevance 1.91 / 1.54 / 1.01x the time; AttnLRP
+    0.99-1.00x the memory and 1.11 / 1.05 / 0.77x the time.
+
+Earlier extra memory over the reference (after, sdpa), KiB per token between 1k -> 2k and 2k -> 4k:
 GenericAttention 8.0, 11.8; Grad-CAM 6.3, 11.8; TransformerRelevance 31.0, 33.2 (now 16.6, 15.0): linear in N (the
 small rise for the first two is the one boolean causal mask shared by the layers, 16 MiB at 4k);
 rollout -54, -52 and raw attention -61, -59 (below the reference: no backward pass). Before, the
 slopes were 306-644 KiB per token (a (B, N, N) map kept per layer) for the unstreamed methods.
 
-What stays above 1.3x memory / 1.5x time, and why (with buffers reused, only TransformerRelevance's
-time, and its memory at 1k: 1.31): TransformerRelevance is one forward under the LRP
-rules and two backward passes by definition; its alpha=1/beta=0 rule makes four products per linear
-layer (at 2k the linear layers alone take about as long as the whole reference: 1.0 s of its 2.6 s).
-Its memory (15-17 KiB per token over the reference now): the rules keep each linear layer's input
-(relevance is ``x * g``), where the reference, with no parameter gradient, keeps none. (Before the
+What stays above 1.3x memory / 1.5x time, and why (now only TransformerRelevance's time, 2.4-3.0x):
+TransformerRelevance is one forward under the LRP rules and two backward passes by definition. Per
+linear layer that is the rule's forward (1 product), its alpha=1/beta=0 relevance pass (4: the output,
+recomputed rather than kept, ``|x||W|`` for the positive denominators, ``s W`` and ``s |W|``) and the
+plain pass (1), against the reference's 2; per attention layer two recomputing passes over the map
+against one fused backward. Profiled at 2k (one thread): its matrix products 0.57 s (the
+reference's 0.20 s), its two attention backward passes 0.65 s and 0.60 s (the reference's fused one
+0.41 s), the whole call 2.1-2.2 s against 0.81 s. Its memory (9-11 KiB per token over the reference
+now): the rules keep each linear layer's input (relevance is ``x * g``), where the reference, with no
+parameter gradient, keeps none. (Before the
 normalised add kept the sum instead of its second operand, both operands of every add were kept,
 the residuals and RoPE's ``q cos + rot(q) sin``: by saved tensors at 2k, 194 MiB against 148.)
 Under the memory measurement's allocator, GenericAttention and Grad-CAM at 4k also stayed above: their

@@ -101,10 +101,13 @@ def test_transformer_relevance_from_one_forward_equals_two_forwards(case):
     assert two.abs().max() > 1e-3
 
 
-def _attention_of_kept_maps(scores_fn, query, key, value, *extras, softmax_dtype=None, observer=None, keep_map=True):
+def _attention_of_kept_maps(scores_fn, query, key, value, *extras, softmax_dtype=None, observer=None, keep_map=True,
+                            kv_groups=1):
     """The attention as separate operations (each under its own rule Function, keeping the
     scores and the map), its map's gradient reported through a tensor hook (``keep_map``: this
-    stand-in always keeps it)."""
+    stand-in always keeps it; grouped-query keys and values repeated as operations too)."""
+    from captum_transformers.propagation.chunk_products import repeat_heads
+    key, value = repeat_heads(key, kv_groups), repeat_heads(value, kv_groups)
     probs = torch.softmax(scores_fn(query, key, *extras), dim=-1, dtype=softmax_dtype).to(query.dtype)
     if observer is not None and probs.requires_grad:
         kept = probs.detach()
