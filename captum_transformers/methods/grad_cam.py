@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Literal
 
 import torch
@@ -36,6 +37,25 @@ def _weighted_by_real_keys(probs: torch.Tensor, grad: torch.Tensor, valid=None) 
 
 _weighted_by_real_keys.row_separable = True  # each row weighted over its own keys: streamable
 _weighted_by_real_keys.reads_masked_keys = True  # its head weights average g_A over keys where A may be 0
+
+
+BLANK_MAP_WARNING = (
+    "AttentionGradCAM: the map of some explained example is 0 everywhere. For each of its tokens the "
+    "gradient-weighted heads of the last layer sum to <= 0, and Grad-CAM keeps only the positive part "
+    "(Chefer et al.'s baseline): the method finds no positive evidence there, and the map carries no "
+    "information about the prediction. GenericAttention, TransformerRelevance or AttnLRP explain it from every layer.")
+
+
+def _warn_if_blank(scores):
+    """``scores`` as they are, after a warning if some example's map is 0 everywhere (see
+    :data:`BLANK_MAP_WARNING`): a blank map reads as "nothing mattered", which it does not say."""
+    values = scores.values() if isinstance(scores, dict) else scores if isinstance(scores, (tuple, list)) else [scores]
+    tensors = [v for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] and v[0].numel()]
+    if tensors:
+        largest = torch.stack([t.detach().flatten(1).abs().amax(1).to("cpu", torch.float64) for t in tensors]).amax(0)
+        if bool((largest == 0).any()):
+            warnings.warn(BLANK_MAP_WARNING, UserWarning, stacklevel=3)
+    return scores
 
 
 class AttentionGradCAM(TraceAttribution):
@@ -111,6 +131,9 @@ class AttentionGradCAM(TraceAttribution):
         return PassPlan(spec)
 
     def reduce(self, trace: AttentionTrace):
+        return _warn_if_blank(self._reduce(trace))
+
+    def _reduce(self, trace: AttentionTrace):
         stream = trace.row_stream or self._row_stream  # a generation step's, or attribute()'s
         if stream is not None and stream.served(trace):
             return stream.result()
