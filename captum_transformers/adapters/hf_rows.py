@@ -224,7 +224,7 @@ def _stacked(tensor: torch.Tensor, groups: int) -> torch.Tensor:
 
 def grouped_scores(query: torch.Tensor, key_states: torch.Tensor, groups: int, out: torch.Tensor) -> torch.Tensor:
     """``Q K^T`` into ``out`` (B, H, c, K), for keys whose heads repeat each of H / G heads G times
-    (``_repeat_kv``): one product per group, its G heads' query rows stacked, each key read once."""
+    (``chunk_products.repeat_heads``): one product per group, its G heads' query rows stacked, each key read once."""
     if groups == 1 or query.dim() != 4 or query.shape[:2] != key_states.shape[:2] or query.shape[1] % groups:
         return torch.matmul(query, key_states.transpose(-1, -2), out=out)
     torch.matmul(_stacked(query, groups), key_states[:, ::groups].transpose(-1, -2), out=_stacked(out, groups))

@@ -144,11 +144,14 @@ class _SoftmaxAttention(torch.autograd.Function):
         query, key, value, *extras = ctx.saved_tensors
         groups = ctx.kv_groups
         with torch.no_grad():  # this layer's repeated heads, for this backward pass only
-            key, value = (repeat_heads(t, groups).requires_grad_(t.requires_grad) if groups > 1 else t
-                          for t in (key, value))
-        grads = _SoftmaxAttention._backward(ctx, g_output, g_probs_outside, query, key, value, extras)
-        # The gradients of the repeated heads (the first six inputs are not tensors), summed per group.
-        return (*grads[:6], None, grads[6], model_heads(grads[7], groups), model_heads(grads[8], groups), *grads[9:])
+            repeated = [repeat_heads(t, groups).requires_grad_(t.requires_grad) if groups > 1 else t
+                        for t in (key, value)]
+        ctx.model_kv_heads = key.shape[1]
+        grads = _SoftmaxAttention._backward(ctx, g_output, g_probs_outside, query, *repeated, extras)
+        del repeated
+        # Summed per group where a chunked path has not summed them (the first six inputs are not tensors).
+        g_key, g_value = (g if g is None or g.shape[1] == key.shape[1] else model_heads(g, groups) for g in grads[7:9])
+        return (*grads[:6], None, grads[6], g_key, g_value, *grads[9:])
 
     @staticmethod
     def _backward(ctx, g_output, g_probs_outside, query, key, value, extras):
@@ -344,8 +347,10 @@ def _plain_backward_in_row_chunks(ctx, plain_gradient, g_output, g_probs_outside
     if hand_over:
         ctx.observer.done()
     ctx.first_pass = None
-    g_key = None if g_key is None else group_gradient(g_key, key, groups)
-    g_value = group_gradient(g_value, value, groups).sum_to_size(value.shape) if value.requires_grad else None
+    if g_value.shape[1] != ctx.model_kv_heads:  # the sums are the model's heads' gradients where it kept those
+        g_key = None if g_key is None else group_gradient(g_key, key, groups)
+        g_value = group_gradient(g_value, value, groups).sum_to_size(value.shape)
+    g_value = g_value if value.requires_grad else None
     return (None, None, None, None, None, None, g_query, g_key, g_value, *[None for _ in extras])
 
 
