@@ -84,7 +84,8 @@ class AttentionGradCAM(TraceAttribution):
     Class-specific through the gradient of the target score ``y_t``. With several explained
     rows, each row is weighted and rectified on its own, then the rows are mixed. With several
     streams, the last map of each (explained stream, stream) pair is used (ICCV 2021, Sec. 4);
-    ``P`` then follows the key stream's layout.
+    ``P`` then follows the key stream's layout. A map that the rectification leaves 0 everywhere
+    (no positive evidence in the last layer) is returned with a warning (:data:`BLANK_MAP_WARNING`).
 
     Example::
 

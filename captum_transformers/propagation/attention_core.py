@@ -146,7 +146,6 @@ class _SoftmaxAttention(torch.autograd.Function):
         with torch.no_grad():  # this layer's repeated heads, for this backward pass only
             repeated = [repeat_heads(t, groups).requires_grad_(t.requires_grad) if groups > 1 else t
                         for t in (key, value)]
-        ctx.model_kv_heads = key.shape[1]
         grads = _SoftmaxAttention._backward(ctx, g_output, g_probs_outside, query, *repeated, extras)
         del repeated
         # Summed per group where a chunked path has not summed them (the first six inputs are not tensors).
@@ -347,7 +346,7 @@ def _plain_backward_in_row_chunks(ctx, plain_gradient, g_output, g_probs_outside
     if hand_over:
         ctx.observer.done()
     ctx.first_pass = None
-    if g_value.shape[1] != ctx.model_kv_heads:  # the sums are the model's heads' gradients where it kept those
+    if groups != ctx.kv_groups:  # else the per-group sums are the gradients of the heads the Function kept
         g_key = None if g_key is None else group_gradient(g_key, key, groups)
         g_value = group_gradient(g_value, value, groups).sum_to_size(value.shape)
     g_value = g_value if value.requires_grad else None
