@@ -48,20 +48,15 @@ every attention method eager after: memory 0.04-0.46, time 0.16-0.70 (Transforme
 ===================== ===== ============= ============= =============
 
 The times above were taken under the memory measurement's allocator (every fresh buffer a page
-fault). Timed since in a separate run with freed buffers reused, as an evaluation loop settles into
-(``peak_memory.measure_on_random_ids``), sdpa, load 0.7 -> 1.0, commit after 122744c::
-
-    method                1k mem / time  2k mem / time  4k mem / time
-    GenericAttention      1.11 / 1.03    1.11 / 1.14    1.14 / 1.12
-    TransformerRelevance  1.31 / 2.44    1.27 / 2.67    1.24 / 2.66
-    AttentionGradCAM      1.14 / 1.16    1.11 / 1.30    1.14 / 1.30
-    AttentionRollout      0.33 / 0.56    0.29 / 0.59    0.29 / 0.68
-    RawAttention          0.27 / 0.42    0.22 / 0.43    0.20 / 0.44
-    AttnLRP               0.88 / 0.98    0.88 / 1.02    0.88 / 0.91
+fault). Timed since (commit after 122744c) in one separate run with freed buffers reused, as an
+evaluation loop settles into, the memory being as above but for TransformerRelevance (1.31 / 1.27 /
+1.24, its linear rules recomputing their output and the normalised add keeping the sum) and the times
+single draws (GenericAttention 1.03-1.14, TransformerRelevance 2.44-2.67, Grad-CAM 1.16-1.30,
+rollout 0.56-0.68, raw attention 0.42-0.44).
 
 Grouped-query heads kept unrepeated (``softmax_attention(kv_groups=G)``: the Function keeps the model's
 2 key-value heads, not their 8 repeats), each time the fastest of three runs (one run's time varied up to
-30 % between processes on the shared VM; the single runs above were, at 4k, lucky draws: timed side by
+30 % between processes on the shared VM; the single draws above were, at 4k, lucky: timed side by
 side, commit cb73c4f gave GenericAttention 1.2x and TransformerRelevance 2.9-3.1x), sdpa, load 0.8 -> 1.0::
 
     method                1k mem / time  2k mem / time  4k mem / time

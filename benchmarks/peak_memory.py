@@ -128,7 +128,8 @@ def measure_on_random_ids(model, tokens: int, make_run: Callable[[object, torch.
     (:func:`_reusing_malloc`, as an evaluation loop settles into). On the shared 2-core VM one run's time
     varied by up to 30 % from one process to the next. Timed under the memory measurement's allocator
     instead, every fresh buffer costs page faults: GenericAttention's recomputed chunks at 4k tokens then
-    took 1.6x the reference's time, against 1.1x with buffers reused. Returns ``{"peak": bytes, "exact": bool, "cpu": seconds}``."""
+    took 1.6x the reference's time, against 1.1x with buffers reused.
+    Returns ``{"peak": bytes, "exact": bool, "cpu": seconds}``."""
     ids = torch.randint(3, 512, (1, tokens), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         target = int(model(ids[:, :16], logits_to_keep=1).logits[0, -1].argmax())
