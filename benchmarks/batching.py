@@ -33,7 +33,7 @@ METHODS = ("raw-attention", "rollout", "grad-cam", "generic-attention", "transfo
 
 
 def digit_vit() -> torch.nn.Module:
-    from captum_transformers.tasks.digit_model import load_digit_model
+    from captum_transformers.tasks.digits.model import load_digit_model
 
     return load_digit_model()
 

@@ -1,6 +1,6 @@
 """Does each generated digit's image map sit on that digit? Mask scores on the built-in captioner.
 
-The shipped digit captioner (:mod:`captum_transformers.tasks.digit_captioner`, a tiny LLaVA)
+The shipped digit captioner (:mod:`captum_transformers.tasks.captioner.model`, a tiny LLaVA)
 writes the two digits of a two-digit DigitCanvas canvas in reading order. Both digits' exact
 masks are known, so for each generated digit ``t`` with mask ``M_t`` (the other digit's
 ``M_o``) and image map ``A_t`` (``result.image_attr[t]`` of :class:`GenerationAttribution`,
@@ -67,8 +67,8 @@ import torch
 
 from captum_transformers.errors import CaptureError, InputError
 from captum_transformers.tasks.bootstrap import bootstrap_interval
-from captum_transformers.tasks.digit_canvas import digit_canvases, normalize
-from captum_transformers.tasks.digit_captioner import (PROMPT, answer_ids, caption_inputs, caption_targets,
+from captum_transformers.tasks.digits.canvas import digit_canvases, normalize
+from captum_transformers.tasks.captioner.model import (PROMPT, answer_ids, caption_inputs, caption_targets,
                                                        generated_digits, load_digit_captioner)
 
 SEED = 7  # test canvases scored (not those of the accuracy record, seed 0)

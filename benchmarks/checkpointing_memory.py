@@ -69,7 +69,7 @@ def build_model():
 
 
 def operation(name: str, model, ids: torch.Tensor, target: int, kept: bool):
-    from captum_transformers.capture.checkpointing import keep_gradient_checkpointing
+    from captum_transformers.compat.checkpointing import keep_gradient_checkpointing
     if name == "reference":
         if not kept:  # the layers run plainly, as inside a default explanation
             for module in model.modules():

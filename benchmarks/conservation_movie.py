@@ -2,7 +2,7 @@
 
 Conservation (``sum_t R_t = f_target(x)``) holds exactly for ConservativeLRP AH+LN only on a
 model without biases whose nonlinearities are homogeneous of degree one (ReLU); the shipped
-movie model (``captum_transformers.tasks.movie_model``, all-MiniLM-L6-v2 fine-tuned) has
+movie model (``captum_transformers.tasks.movies.model``, all-MiniLM-L6-v2 fine-tuned) has
 biases everywhere, GELU MLPs and a tanh pooler. This script measures, on the first ``--limit``
 test sentences (default 64), for the explained class = the model's predicted class and = 1
 ("positive"):
@@ -23,7 +23,7 @@ different model, with other logits): where AH+LN with ``activation_rule="identit
 conserve exactly (to float32 rounding), it shows that the gap on the shipped model is the
 biases' share.
 
-Needs the fine-tuned model in the cache (``python -m captum_transformers.tasks.movie_model``);
+Needs the fine-tuned model in the cache (``python -m captum_transformers.tasks.movies.model``);
 it does not train one.
 """
 from __future__ import annotations
@@ -34,8 +34,8 @@ import time
 import torch
 
 from captum_transformers import AttnLRP, ConservativeLRP
-from captum_transformers.tasks.movie_model import load_movie_model
-from captum_transformers.tasks.movie_snippets import encode, load_movie_snippets
+from captum_transformers.tasks.movies.model import load_movie_model
+from captum_transformers.tasks.movies.snippets import encode, load_movie_snippets
 
 
 def methods(model) -> dict:

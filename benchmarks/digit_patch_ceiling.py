@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from captum_transformers.evaluation import SegmentationScores
-from captum_transformers.tasks.digit_canvas import digit_canvases
+from captum_transformers.tasks.digits.canvas import digit_canvases
 
 PATCH = 4  # the built-in model's patch size (fixed by the task)
 THRESHOLDS = tuple(round(0.05 * i, 2) for i in range(20))

@@ -47,8 +47,8 @@ def builtin_workspace():
     from captum_transformers.errors import InputError
     from captum_transformers.explorer.generation_sources import builtin_generation_workspace
     from captum_transformers.explorer.generation_workspace import GenerationWorkspace
-    from captum_transformers.tasks.recall_model import build_recall_model, recall_tokenizer
-    from captum_transformers.tasks.recall_task import recall_examples
+    from captum_transformers.tasks.recall.model import build_recall_model, recall_tokenizer
+    from captum_transformers.tasks.recall.task import recall_examples
 
     try:
         return builtin_generation_workspace(), True

@@ -118,8 +118,8 @@ def ours_side(directory: str) -> dict:
     import transformers
     from transformers import BertForSequenceClassification, PreTrainedTokenizerFast
 
-    from captum_transformers.evaluation.aopc import Comprehensiveness, Sufficiency
-    from captum_transformers.evaluation.token_flipping import flip_counts
+    from captum_transformers.evaluation.tokens.aopc import Comprehensiveness, Sufficiency
+    from captum_transformers.evaluation.tokens.token_flipping import flip_counts
 
     with open(os.path.join(directory, "ferret.json")) as handle:
         reference = json.load(handle)

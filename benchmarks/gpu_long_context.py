@@ -123,7 +123,7 @@ def make_ops(model: torch.nn.Module, tokens: int, with_lxt: bool,
              cpu_chunks: bool = False) -> Dict[str, Callable[[], object]]:
     from captum_transformers import AttnLRP, ConservativeLRP, GenericAttention
     from captum_transformers.generation import GenerationAttribution
-    from captum_transformers.propagation import chunk_products
+    from captum_transformers.propagation.attention import chunk_products
 
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(1)

@@ -16,8 +16,8 @@ import torch
 
 from captum_transformers.cli.graph_explain import GRAPH_METHODS
 from captum_transformers.methods.catalog import build_method
-from captum_transformers.tasks.graph_motifs import motif_graphs
-from captum_transformers.tasks.motif_model import load_motif_model
+from captum_transformers.tasks.motifs.graphs import motif_graphs
+from captum_transformers.tasks.motifs.model import load_motif_model
 
 
 def _median(work, repeats: int) -> float:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from captum_transformers import AttentionGradCAM, ConservativeLRP, GenericAttention
-from captum_transformers.tasks.graph_motifs import motif_graphs
-from captum_transformers.tasks.motif_model import load_motif_model
+from captum_transformers.tasks.motifs.graphs import motif_graphs
+from captum_transformers.tasks.motifs.model import load_motif_model
 
 
 def main() -> None:

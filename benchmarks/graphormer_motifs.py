@@ -21,11 +21,11 @@ import time
 import torch
 
 from captum_transformers.evaluation import ClassSpecificity
-from captum_transformers.evaluation.node_perturbation import NodeActivation, NodeAUROC, NodePruning
+from captum_transformers.evaluation.graphs.node_perturbation import NodeActivation, NodeAUROC, NodePruning
 from captum_transformers.methods.catalog import METHOD_NAMES, PACKAGE_METHOD_NAMES, build_method
-from captum_transformers.tasks.graph_motifs import motif_graphs
-from captum_transformers.tasks.graphormer_motifs import graphormer_forward, graphormer_inputs, load_motif_graphormer
-from captum_transformers.tasks.train_motifs import TEST_GRAPHS, TEST_SEED
+from captum_transformers.tasks.motifs.graphs import motif_graphs
+from captum_transformers.tasks.motifs.graphormer import graphormer_forward, graphormer_inputs, load_motif_graphormer
+from captum_transformers.tasks.motifs.train import TEST_GRAPHS, TEST_SEED
 
 CHUNK = 50  # graphs per attribute / metric update
 

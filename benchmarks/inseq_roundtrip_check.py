@@ -39,7 +39,7 @@ def write(out: str) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     import captum_transformers as ct
-    from captum_transformers.generation.inseq_export import save_inseq_json
+    from captum_transformers.integrations.inseq.export import save_inseq_json
     from captum_transformers.generation.serialization import save_scores_json
 
     words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, 40)}}
@@ -140,7 +140,7 @@ def check_registered(folder: str) -> None:
     import inseq
     import torch
 
-    from captum_transformers.generation.inseq_method import INSEQ_METHOD_NAMES, register_inseq_methods
+    from captum_transformers.integrations.inseq.method import INSEQ_METHOD_NAMES, register_inseq_methods
 
     register_inseq_methods()
     worst = 0.0

@@ -21,8 +21,8 @@ import time
 import torch
 
 from captum_transformers import ConservativeLRP
-from captum_transformers.tasks.movie_model import load_movie_model
-from captum_transformers.tasks.movie_snippets import encode, load_movie_snippets
+from captum_transformers.tasks.movies.model import load_movie_model
+from captum_transformers.tasks.movies.snippets import encode, load_movie_snippets
 
 FRACTIONS = torch.linspace(0, 1, 11)
 

@@ -71,11 +71,11 @@ import torch
 from torch import nn
 
 from captum_transformers.evaluation.monotonicity import Monotonicity
-from captum_transformers.evaluation.pixel_flipping import PixelFlipping, RegionPerturbation
+from captum_transformers.evaluation.images.pixel_flipping import PixelFlipping, RegionPerturbation
 from captum_transformers.evaluation.quantus_bridge import quantus_explain_func
-from captum_transformers.evaluation.road import ROAD, noisy_linear_imputation
-from captum_transformers.tasks.digit_canvas import digit_canvases, normalize
-from captum_transformers.tasks.digit_model import load_digit_model
+from captum_transformers.evaluation.images.road import ROAD, noisy_linear_imputation
+from captum_transformers.tasks.digits.canvas import digit_canvases, normalize
+from captum_transformers.tasks.digits.model import load_digit_model
 
 N = 16
 TARGET = 1e-6  # worst |package - Quantus| the issue asks for

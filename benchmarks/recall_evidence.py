@@ -31,8 +31,8 @@ from typing import Dict, List, Tuple
 
 from captum_transformers.generation import GenerationAttribution
 from captum_transformers.methods.catalog import METHOD_FACTORIES
-from captum_transformers.tasks.recall_model import load_recall_model
-from captum_transformers.tasks.recall_task import recall_examples
+from captum_transformers.tasks.recall.model import load_recall_model
+from captum_transformers.tasks.recall.task import recall_examples
 
 METHODS = ("conservative-lrp", "attn-lrp", "generic-attention", "transformer-relevance", "grad-cam", "rollout")
 

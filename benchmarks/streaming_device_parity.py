@@ -40,8 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from long_context import build_model  # noqa: E402
 
 import captum_transformers as ct  # noqa: E402
-import captum_transformers.propagation.attention_core as attention_core  # noqa: E402
-import captum_transformers.propagation.constant_map_attention as constant_map_attention  # noqa: E402
+import captum_transformers.propagation.attention.core as attention_core  # noqa: E402
+import captum_transformers.propagation.attention.constant_map as constant_map_attention  # noqa: E402
 
 METHODS = {
     "GenericAttention": ct.GenericAttention,

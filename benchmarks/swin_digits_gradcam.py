@@ -19,8 +19,8 @@ import time
 import torch
 
 from captum_transformers.evaluation import ClassSpecificity, PixelPerturbation, SegmentationScores
-from captum_transformers.tasks.digit_canvas import digit_canvases, normalize
-from captum_transformers.tasks.digit_swin import load_digit_swin
+from captum_transformers.tasks.digits.canvas import digit_canvases, normalize
+from captum_transformers.tasks.digits.swin import load_digit_swin
 
 
 def grad_cam_maps(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

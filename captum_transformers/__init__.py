@@ -14,7 +14,7 @@ from .methods import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHOD
                       AttnLRP, ConservativeLRP, GenericAttention, PartialLRP, RawAttention, RuleGradientXInput,
                       TraceAttribution, TransformerLRP, TransformerRelevance)
 from .methods import AttentionFlow
-from .propagation.rules import RuleSet
+from .propagation.rules.rule_set import RuleSet
 from .adapters.registry import get_adapter, register_adapter, registered_adapters
 from .capture.trace import AttentionRecord, AttentionTrace, Block, CaptureSpec, InputSpan, StreamLayouts, TokenLayout
 
@@ -30,9 +30,9 @@ __all__ = [
 ]
 
 from .methods.detection import Detections, explain_detections  # noqa: E402
-from .methods.captum_llm_layers import LayerAttnLRP, LayerConservativeLRP  # noqa: E402
+from .integrations.captum_llm_layers import LayerAttnLRP, LayerConservativeLRP  # noqa: E402
 from .generation import GenerationAttribution, GenerationResult  # noqa: E402
-from .capture.checkpointing import keep_gradient_checkpointing  # noqa: E402
+from .compat.checkpointing import keep_gradient_checkpointing  # noqa: E402
 
 __all__ += ["Detections", "explain_detections", "LayerAttnLRP", "LayerConservativeLRP", "GenerationAttribution",
             "GenerationResult", "keep_gradient_checkpointing"]

@@ -40,7 +40,7 @@ def _temporary_cache(tmp_path_factory):
     cache when it has them, so those tests run offline as before; otherwise they are fetched
     into the temporary cache. A fine-tuned movie model is not copied: no test may depend on
     (or retrain) the user's 10-22 CPU-minute model."""
-    from captum_transformers.tasks.movie_snippets import CACHE_ENV, CACHE_SUBDIR
+    from captum_transformers.tasks.movies.snippets import CACHE_ENV, CACHE_SUBDIR
 
     cache = tmp_path_factory.mktemp("captum_transformers_cache")
     shipped = REAL_CACHE / CACHE_SUBDIR

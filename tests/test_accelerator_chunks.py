@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import captum_transformers as ct
-from captum_transformers.methods import functional
-from captum_transformers.propagation import chunk_products, constant_map_attention as cma
+from captum_transformers import functional
+from captum_transformers.propagation.attention import chunk_products, constant_map as cma
 
 F64 = torch.float64
 

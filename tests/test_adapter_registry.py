@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from captum_transformers import ATTENTION_METHODS, InputError, get_adapter, registered_adapters
-from captum_transformers.adapters.vision_language import VisionLanguageAdapter
+from captum_transformers.adapters.vision_language.base import VisionLanguageAdapter
 from tiny_models import EncoderClassifier
 from restore import assert_same, raising_after, snapshot
 

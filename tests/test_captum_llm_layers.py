@@ -10,14 +10,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from captum_transformers.adapters.registry import get_adapter
-from captum_transformers.capture import patching
-from captum_transformers.capture.exclusive import exclusive
+from captum_transformers.model_state import patching
+from captum_transformers.model_state.exclusive import exclusive
 from captum_transformers.errors import InputError, StochasticForwardError
-from captum_transformers.methods.captum_llm_layers import (LayerAttnLRP, LayerConservativeLRP,
+from captum_transformers.integrations.captum_llm_layers import (LayerAttnLRP, LayerConservativeLRP,
                                                            RuleLayerGradientXActivation)
 from captum_transformers.methods.conservative_lrp import ConservativeLRP
 from captum_transformers.methods.lrp import AttnLRP
-from captum_transformers.propagation.rules import RuleSet
+from captum_transformers.propagation.rules.rule_set import RuleSet
 
 WORDS = ["<unk>", "<s>", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "under", "tree"]
 PROMPT, TARGET = "the cat sat", "on the mat"

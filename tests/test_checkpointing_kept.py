@@ -14,8 +14,8 @@ import torch
 import transformers
 
 from captum_transformers import ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS
-from captum_transformers.capture import checkpointing
-from captum_transformers.capture.checkpointing import keep_gradient_checkpointing
+from captum_transformers.compat import checkpointing
+from captum_transformers.compat.checkpointing import keep_gradient_checkpointing
 from captum_transformers.capture.recorder import Recorder
 from hf_models import CASES, SMALL
 from restore import assert_same, snapshot

@@ -40,7 +40,7 @@ from captum_transformers import (  # noqa: E402
     TransformerRelevance,
     get_adapter,
 )
-from captum_transformers.adapters import hf_kernel as hf_adapter  # noqa: E402
+from captum_transformers.adapters.huggingface import kernel as hf_adapter
 from hf_models import CASES  # noqa: E402
 from restore import assert_same, raising_after, snapshot  # noqa: E402
 
@@ -356,7 +356,7 @@ def test_start_layer():
 def test_pixel_zb_rule_conserves_and_matches_its_definition():
     # z^B on the convolution reading the pixels (RuleSet.LRP): with per-image bounds L, H,
     # R_x = x (W^T s) - L (W+^T s) - H (W-^T s), s = R_z / (W x - W+ L - W- H); sums are conserved.
-    from captum_transformers.propagation.operation_rules import OperationRules
+    from captum_transformers.propagation.rules.operations import OperationRules
 
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 4, kernel_size=4, stride=4).double()
@@ -383,7 +383,7 @@ def test_pixel_zb_rule_conserves_and_matches_its_definition():
 def test_activation_modules_are_found_by_behaviour():
     from transformers.activations import NewGELUActivation
 
-    from captum_transformers.propagation.activation_discovery import is_activation as _is_activation
+    from captum_transformers.propagation.rules.activation_discovery import is_activation as _is_activation
 
     like = torch.zeros(1)
 

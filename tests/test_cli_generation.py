@@ -18,9 +18,9 @@ pytest.importorskip("matplotlib")
 serialization = pytest.importorskip("captum_transformers.generation.serialization")
 pytest.importorskip("captum_transformers.visualization.generation_text")
 
-from captum_transformers.tasks.recall_model import (MAX_NEW_TOKENS, MODEL_CONFIG, build_recall_model,  # noqa: E402
+from captum_transformers.tasks.recall.model import (MAX_NEW_TOKENS, MODEL_CONFIG, build_recall_model,  # noqa: E402
                                                     recall_tokenizer, save_recall_pretrained, weights_path)
-from captum_transformers.tasks.recall_task import make_example  # noqa: E402
+from captum_transformers.tasks.recall.task import make_example  # noqa: E402
 
 # The task writes the prompt (its format is the task's): "h" is asked, the answer is "green cat".
 EXAMPLE = make_example([("c", ("red", "fox")), ("q", ("blue", "owl")), ("h", ("green", "cat")),
@@ -32,7 +32,7 @@ FILES = ("generation.html", "generation.png", "scores.json")
 needs_shipped_weights = pytest.mark.skipif(
     not weights_path().is_file(), reason="the recall model's shipped weights (captum_transformers/assets/"
                                          "recall_llama.pt) are not trained yet: python -m "
-                                         "captum_transformers.tasks.train_recall")
+                                         "captum_transformers.tasks.recall.train")
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_target_contrast_and_score_reach_the_explanation(random_folder, tmp_path
 
 @needs_shipped_weights
 def test_builtin_model_answers_and_its_scores_equal_generation_attribution(tmp_path, capsys):
-    from captum_transformers.tasks.recall_model import load_recall_model
+    from captum_transformers.tasks.recall.model import load_recall_model
 
     out = tmp_path / "out"
     assert main(["explain", "--prompt", PROMPT, "--method", "attn-lrp", "--method", "generic-attention", "--out",
@@ -183,7 +183,7 @@ def test_generation_options_without_prompt_are_refused_and_classifier_checks_sta
 def test_methods_a_bfloat16_folder_cannot_run_are_refused_before_any_work(tmp_path, capsys):
     import torch
     from captum_transformers.cli import main
-    from captum_transformers.tasks.recall_model import save_recall_pretrained
+    from captum_transformers.tasks.recall.model import save_recall_pretrained
 
     folder = tmp_path / "bf16"
     save_recall_pretrained(folder, dtype=torch.bfloat16)

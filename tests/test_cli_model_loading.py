@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from captum_transformers.cli.model_loading import load_model, read_image
+from captum_transformers.model_loading import load_model, read_image
 from captum_transformers.errors import InputError
 
 transformers = pytest.importorskip("transformers")

@@ -28,8 +28,8 @@ timm = pytest.importorskip("timm")
 from captum.attr import InputXGradient, LayerGradientXActivation  # noqa: E402
 
 from captum_transformers import ConservativeLRP, InputError, RuleSet, get_adapter  # noqa: E402
-from captum_transformers.adapters import hf_kernel as hf_adapter  # noqa: E402
-from captum_transformers.propagation.rules import find_norms  # noqa: E402
+from captum_transformers.adapters.huggingface import kernel as hf_adapter
+from captum_transformers.propagation.rules.rule_set import find_norms  # noqa: E402
 from hf_models import CASES  # noqa: E402
 from restore import assert_same, raising_after, snapshot  # noqa: E402
 from lrp_models import *  # noqa: F401,F403,E402  (tiny models, cases and helpers)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from captum_transformers import ConservativeLRP
-from captum_transformers.propagation import constant_map_attention
-from captum_transformers.propagation.constant_map_attention import attention_over_constant_map
+from captum_transformers.propagation.attention import constant_map as constant_map_attention
+from captum_transformers.propagation.attention.constant_map import attention_over_constant_map
 
 B, H, H_KV, Q, D = 2, 4, 2, 6, 3
 

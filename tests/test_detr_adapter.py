@@ -8,7 +8,7 @@ from detr_models import NUM_LABELS, NUM_QUERIES, STRIDE, detr, images, padded_ma
 from restore import assert_same, raising_after, snapshot
 
 from captum_transformers import CaptureError, InputError, RuleSet, explain_detections, get_adapter
-from captum_transformers.adapters.detr import DetrAdapter, feature_grid
+from captum_transformers.adapters.huggingface.detr import DetrAdapter, feature_grid
 from captum_transformers.capture.trace import CaptureSpec, InputSpan
 
 ENC, DEC = "encoder", "decoder"
@@ -207,7 +207,7 @@ def test_propagation_rules_keep_the_forward_bit_identical(model, preset):
 
 
 def test_frozen_batch_norms_are_not_taken_for_layer_norms(model):
-    from captum_transformers.propagation.rules import find_norms
+    from captum_transformers.propagation.rules.rule_set import find_norms
 
     names = {site.name for site in find_norms(model)}
     assert names and all("backbone" not in name for name in names)

@@ -7,8 +7,8 @@ pytest.importorskip("sklearn")
 pytest.importorskip("skimage")
 
 from captum_transformers.errors import InputError
-from captum_transformers.tasks import digit_canvas as dc
-from captum_transformers.tasks.digit_canvas import DIGIT_MEAN, DIGIT_STD, DigitCanvasSet, digit_canvases, normalize
+from captum_transformers.tasks.digits import canvas as dc
+from captum_transformers.tasks.digits.canvas import DIGIT_MEAN, DIGIT_STD, DigitCanvasSet, digit_canvases, normalize
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from benchmark_scripts import load_benchmark_script
 pytest.importorskip("transformers")
 
 from captum_transformers.errors import InputError
-from captum_transformers.tasks import digit_captioner as dc
-from captum_transformers.tasks.digit_canvas import DigitCanvasSet, digit_canvases, normalize
+from captum_transformers.tasks.captioner import model as dc
+from captum_transformers.tasks.digits.canvas import DigitCanvasSet, digit_canvases, normalize
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_reading_order_refuses_one_digit_canvases():
 
 def test_vision_tower_copy_is_the_digit_vit_but_for_the_pre_norm():
     """With CLIP's pre-norm bypassed, the copied tower computes the timm ViT's features exactly."""
-    from captum_transformers.tasks.digit_model import load_digit_model
+    from captum_transformers.tasks.digits.model import load_digit_model
     vit = load_digit_model()
     model = dc.build_digit_captioner().eval()
     dc.vision_tower_from_digit_vit(model, vit)
@@ -118,7 +118,7 @@ def test_shipped_file_is_small_and_float16():
 
 
 def test_training_is_seeded():
-    from captum_transformers.tasks.train_captioner import train
+    from captum_transformers.tasks.captioner.train import train
     first, second = (train(steps=2, evaluate_n=16) for _ in range(2))
     assert first["losses"] == second["losses"]
     assert all(torch.equal(a, b) for a, b in zip(first["model"].state_dict().values(),

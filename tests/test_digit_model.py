@@ -9,9 +9,9 @@ pytest.importorskip("sklearn")
 pytest.importorskip("skimage")
 
 from captum_transformers.errors import InputError
-from captum_transformers.tasks import digit_model, train_digits
-from captum_transformers.tasks.digit_canvas import digit_canvases, normalize
-from captum_transformers.tasks.digit_model import build_digit_model, digit_model_record, load_digit_model
+from captum_transformers.tasks.digits import model as digit_model, train as train_digits
+from captum_transformers.tasks.digits.canvas import digit_canvases, normalize
+from captum_transformers.tasks.digits.model import build_digit_model, digit_model_record, load_digit_model
 
 # Accuracy on a few hundred canvases scatters around the recorded value (measured on 2000):
 # a binomial standard error of about 0.015 at n = 400, so 0.05 is > 3 standard errors.
@@ -45,7 +45,7 @@ def test_shipped_weights_are_small_float16_and_load_in_eval_float32(model):
 
 def test_record_holds_accuracy_seed_time_and_command():
     record = digit_model_record()
-    assert record["command"].startswith("python -m captum_transformers.tasks.train_digits")
+    assert record["command"].startswith("python -m captum_transformers.tasks.digits.train")
     assert 0.0 <= record["test_top1_one_digit"] <= 1.0 and 0.0 <= record["test_top2_set_two_digit"] <= 1.0
     assert isinstance(record["seed"], int) and record["train_seconds"] > 0
 
@@ -111,7 +111,7 @@ def test_bad_epochs_raise_input_error():
 
 
 def test_curriculum_ramps_clutter_to_the_benchmark_canvases():
-    from captum_transformers.tasks.train_digits import CLUTTER_RAMP_EPOCHS, clutter_at
+    from captum_transformers.tasks.digits.train import CLUTTER_RAMP_EPOCHS, clutter_at
 
     assert clutter_at(0) == 0.0 and clutter_at(CLUTTER_RAMP_EPOCHS // 2) == pytest.approx(0.5, abs=0.05)
     assert clutter_at(CLUTTER_RAMP_EPOCHS) == 1.0 and clutter_at(10 * CLUTTER_RAMP_EPOCHS) == 1.0

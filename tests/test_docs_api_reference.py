@@ -20,9 +20,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 API = ROOT / "docs" / "api"
 PACKAGES = ("captum_transformers", "captum_transformers.adapters", "captum_transformers.methods",
-            "captum_transformers.visualization", "captum_transformers.evaluation", "captum_transformers.insights",
-            "captum_transformers.graph", "captum_transformers.explorer", "captum_transformers.models")
-OPTIONAL = {"captum_transformers.graph": "torch_geometric", "captum_transformers.explorer": "starlette",
+            "captum_transformers.visualization", "captum_transformers.evaluation", "captum_transformers.integrations.insights",
+            "captum_transformers.integrations.pyg", "captum_transformers.explorer", "captum_transformers.models")
+OPTIONAL = {"captum_transformers.integrations.pyg": "torch_geometric", "captum_transformers.explorer": "starlette",
             "captum_transformers.models": "transformers", "captum_transformers.visualization": "matplotlib"}
 
 

@@ -43,8 +43,8 @@ PRELUDES = {
     # graphs.md's first two blocks use the reader's PyG model and batch: here the shipped
     # 3-layer TransformerConv model on four BA-2Motifs graphs.
     "docs/graphs.md": (
-        "from captum_transformers.tasks.graph_motifs import motif_graphs\n"
-        "from captum_transformers.tasks.motif_model import load_motif_model\n"
+        "from captum_transformers.tasks.motifs.graphs import motif_graphs\n"
+        "from captum_transformers.tasks.motifs.model import load_motif_model\n"
         "model, motifs = load_motif_model(), motif_graphs(4, seed=1)\n"
         "x, edge_index, batch, labels = motifs.x, motifs.edge_index, motifs.batch, motifs.labels\n"),
     # explained-tokens.md lists the adapters' constructors without their import.
@@ -128,7 +128,7 @@ def _use_pretrained_minilm(monkeypatch, tmp_path) -> None:
     """``load_movie_model`` -> the un-fine-tuned pretrained MiniLM (module docstring), and the
     movie snippets copied into the test's fresh cache (skip when they cannot be had offline)."""
     pytest.importorskip("transformers")
-    from captum_transformers.tasks import movie_model
+    from captum_transformers.tasks.movies import model as movie_model
 
     fresh_movie_cache(tmp_path, monkeypatch)
 

@@ -194,7 +194,7 @@ def test_windowed_model_inside_a_wrapper_or_with_a_named_built_in_adapter_is_ref
 
 
 def test_a_user_adapter_may_take_on_a_windowed_model():
-    from captum_transformers.adapters.huggingface import HuggingFaceAdapter
+    from captum_transformers.adapters.huggingface.adapter import HuggingFaceAdapter
 
     class MySwinAdapter(HuggingFaceAdapter):
         name = "my-swin"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from captum_transformers.errors import InputError
-from captum_transformers.evaluation.aopc import ERASER_FRACTIONS, AOPCResult, Comprehensiveness, Sufficiency
+from captum_transformers.evaluation.tokens.aopc import ERASER_FRACTIONS, AOPCResult, Comprehensiveness, Sufficiency
 from captum_transformers.evaluation.results import ResultRecord
 
 PAD, UNK, CLS, SEP = 0, 1, 2, 3

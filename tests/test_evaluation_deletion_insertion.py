@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from captum_transformers.errors import InputError
-from captum_transformers.evaluation.deletion_insertion import RISE_FRACTIONS, RiseDeletion, RiseInsertion
-from captum_transformers.evaluation.image_occlusion import gaussian_blur
+from captum_transformers.evaluation.images.deletion_insertion import RISE_FRACTIONS, RiseDeletion, RiseInsertion
+from captum_transformers.evaluation.images.occlusion import gaussian_blur
 
 HALVES = (0.0, 0.5, 1.0)
 WEIGHTS = torch.tensor([4.0, 3.0, 2.0, 1.0], dtype=torch.float64)

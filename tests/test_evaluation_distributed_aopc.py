@@ -3,8 +3,8 @@ all_reduce_metrics equal one process bit for bit."""
 import torch
 from distributed_runs import assert_reduced_equals_single, sharded_and_reduced_states
 
-from captum_transformers.evaluation.aopc import Comprehensiveness, Sufficiency
-from captum_transformers.evaluation.generation_faithfulness import GenerationFaithfulness
+from captum_transformers.evaluation.tokens.aopc import Comprehensiveness, Sufficiency
+from captum_transformers.evaluation.generation.faithfulness import GenerationFaithfulness
 
 N, LENGTH, VOCAB, UNK, CLS = 11, 7, 20, 1, 2
 EMBED = torch.randn(VOCAB, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)

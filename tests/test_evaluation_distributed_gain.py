@@ -4,10 +4,10 @@ import torch
 from distributed_runs import assert_reduced_equals_single, sharded_and_reduced_states
 
 from captum_transformers.evaluation.completeness import CompletenessError
-from captum_transformers.evaluation.deletion_insertion import RiseDeletion, RiseInsertion
-from captum_transformers.evaluation.relevance_gain_graphs import GraphRelevanceGain
-from captum_transformers.evaluation.relevance_gain_images import ImageRelevanceGain
-from captum_transformers.evaluation.relevance_gain_tokens import TokenRelevanceGain
+from captum_transformers.evaluation.images.deletion_insertion import RiseDeletion, RiseInsertion
+from captum_transformers.evaluation.graphs.relevance_gain import GraphRelevanceGain
+from captum_transformers.evaluation.images.relevance_gain import ImageRelevanceGain
+from captum_transformers.evaluation.tokens.relevance_gain import TokenRelevanceGain
 
 N, SIZE, LENGTH, NODES, UNK = 7, 4, 6, 4, 1
 FRACTIONS = (0.0, 0.25, 0.5, 1.0)

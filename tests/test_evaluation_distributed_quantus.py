@@ -4,8 +4,8 @@ import torch
 from distributed_runs import assert_reduced_equals_single, sharded_and_reduced_states
 
 from captum_transformers.evaluation.monotonicity import Monotonicity
-from captum_transformers.evaluation.pixel_flipping import PixelFlipping, RegionPerturbation
-from captum_transformers.evaluation.road import ROAD
+from captum_transformers.evaluation.images.pixel_flipping import PixelFlipping, RegionPerturbation
+from captum_transformers.evaluation.images.road import ROAD
 
 N, SIZE = 9, 6
 WEIGHTS = torch.randn(3 * SIZE * SIZE, 3, generator=torch.Generator().manual_seed(1))

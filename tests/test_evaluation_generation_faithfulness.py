@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from captum_transformers.errors import InputError
-from captum_transformers.evaluation.generation_faithfulness import (GenerationFaithfulness,
+from captum_transformers.evaluation.generation.faithfulness import (GenerationFaithfulness,
                                                                     GenerationFaithfulnessResult,
                                                                     generation_token_scores)
 from captum_transformers.evaluation.relevance_gain import symmetric_relevance_gain
@@ -106,8 +106,8 @@ def test_per_token_scores_are_the_rows_of_the_metric():
 @pytest.fixture(scope="module")
 def recall_results():
     from captum_transformers import AttnLRP, GenerationAttribution
-    from captum_transformers.tasks.recall_model import load_recall_model
-    from captum_transformers.tasks.recall_task import recall_examples
+    from captum_transformers.tasks.recall.model import load_recall_model
+    from captum_transformers.tasks.recall.task import recall_examples
 
     model, tokenizer = load_recall_model()
     examples = recall_examples(6, seed=0)

@@ -5,18 +5,18 @@ import pytest
 import torch
 
 from captum_transformers.errors import InputError
-from captum_transformers.evaluation.aopc import Comprehensiveness, Sufficiency
+from captum_transformers.evaluation.tokens.aopc import Comprehensiveness, Sufficiency
 from captum_transformers.evaluation.completeness import CompletenessError
-from captum_transformers.evaluation.deletion_insertion import RiseDeletion, RiseInsertion
+from captum_transformers.evaluation.images.deletion_insertion import RiseDeletion, RiseInsertion
 from captum_transformers.evaluation.monotonicity import Monotonicity
-from captum_transformers.evaluation.node_perturbation import NodeActivation
-from captum_transformers.evaluation.pixel_flipping import PixelFlipping, RegionPerturbation
-from captum_transformers.evaluation.pixel_perturbation import PixelPerturbation
-from captum_transformers.evaluation.relevance_gain_graphs import GraphRelevanceGain
-from captum_transformers.evaluation.relevance_gain_images import ImageRelevanceGain
-from captum_transformers.evaluation.relevance_gain_tokens import TokenRelevanceGain
-from captum_transformers.evaluation.road import ROAD
-from captum_transformers.evaluation.token_flipping import TokenActivation
+from captum_transformers.evaluation.graphs.node_perturbation import NodeActivation
+from captum_transformers.evaluation.images.pixel_flipping import PixelFlipping, RegionPerturbation
+from captum_transformers.evaluation.images.pixel_perturbation import PixelPerturbation
+from captum_transformers.evaluation.graphs.relevance_gain import GraphRelevanceGain
+from captum_transformers.evaluation.images.relevance_gain import ImageRelevanceGain
+from captum_transformers.evaluation.tokens.relevance_gain import TokenRelevanceGain
+from captum_transformers.evaluation.images.road import ROAD
+from captum_transformers.evaluation.tokens.token_flipping import TokenActivation
 
 LINEAR = torch.nn.Linear(3 * 4 * 4, 3).double()  # three classes
 

@@ -4,7 +4,7 @@ import torch
 
 from captum_transformers.errors import InputError
 from captum_transformers.evaluation import ModalityTokenRemoval, compact_tokens
-from captum_transformers.evaluation.modality_removal import kept_counts
+from captum_transformers.evaluation.tokens.modality_removal import kept_counts
 
 
 def test_compact_tokens_left_packs_in_order_and_repads():

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from captum_transformers.errors import InputError
-from captum_transformers.evaluation.pixel_flipping import (PixelFlipping, RegionPerturbation, baseline_values,
+from captum_transformers.evaluation.images.pixel_flipping import (PixelFlipping, RegionPerturbation, baseline_values,
                                                            stable_order)
 
 IMAGE = torch.tensor([[[[0.5, 0.2], [0.9, 0.4]]]])          # 1 x 1 x 2 x 2

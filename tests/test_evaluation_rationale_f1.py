@@ -4,7 +4,7 @@ import torch
 
 from captum_transformers.errors import InputError
 from captum_transformers.evaluation import RationaleF1
-from captum_transformers.evaluation.rationale_f1 import word_scores
+from captum_transformers.evaluation.tokens.rationale_f1 import word_scores
 
 # Two examples, 6 pieces, 4 words. -1 marks [CLS]/[SEP]/padding pieces.
 WORD_IDS = torch.tensor([[-1, 0, 0, 1, 2, -1],

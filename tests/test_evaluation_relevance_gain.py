@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from captum_transformers.errors import InputError
-from captum_transformers.evaluation.image_occlusion import gaussian_blur, occlusion_fill
+from captum_transformers.evaluation.images.occlusion import gaussian_blur, occlusion_fill
 from captum_transformers.evaluation.relevance_gain import (RelevanceGainResult, class_scores, removal_masks,
                                                            symmetric_relevance_gain)
-from captum_transformers.evaluation.relevance_gain_graphs import GraphRelevanceGain
-from captum_transformers.evaluation.relevance_gain_images import ImageRelevanceGain
-from captum_transformers.evaluation.relevance_gain_tokens import TokenRelevanceGain
+from captum_transformers.evaluation.graphs.relevance_gain import GraphRelevanceGain
+from captum_transformers.evaluation.images.relevance_gain import ImageRelevanceGain
+from captum_transformers.evaluation.tokens.relevance_gain import TokenRelevanceGain
 
 HALVES = (0.0, 0.5, 1.0)
 

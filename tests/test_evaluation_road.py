@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from captum_transformers.errors import InputError
-from captum_transformers.evaluation.road import ROAD, ROAD_PERCENTAGES, noisy_linear_imputation
+from captum_transformers.evaluation.images.road import ROAD, ROAD_PERCENTAGES, noisy_linear_imputation
 
 DIRECT, DIAGONAL = 1 / 6, 1 / 12
 

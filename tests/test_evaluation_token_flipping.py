@@ -6,7 +6,7 @@ import torch
 
 from captum_transformers.errors import InputError
 from captum_transformers.evaluation import TokenActivation, TokenPruning
-from captum_transformers.evaluation.token_flipping import flip_counts
+from captum_transformers.evaluation.tokens.token_flipping import flip_counts
 
 PAD, UNK, CLS, SEP = 0, 1, 2, 3
 WEIGHT = torch.tensor([0, 0, 0, 0, 0, 1, 2, 3, 4, 5], dtype=torch.float64)  # token 4 is neutral; 5..9 count

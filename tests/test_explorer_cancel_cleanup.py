@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from captum_transformers.capture import exclusive, patching
+from captum_transformers.model_state import exclusive, patching
 from captum_transformers.explorer.workspace import Cancelled
 from captum_transformers.methods.catalog import METHOD_FACTORIES
 from explorer_workspaces import image_workspace

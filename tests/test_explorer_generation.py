@@ -23,8 +23,8 @@ from captum_transformers.explorer.app import create_app  # noqa: E402
 from captum_transformers.explorer.generation_workspace import GenerationWorkspace  # noqa: E402
 from captum_transformers.explorer.method_arguments import WORK_BUDGET  # noqa: E402
 from captum_transformers.explorer.server import start  # noqa: E402
-from captum_transformers.tasks.recall_model import build_recall_model, recall_tokenizer  # noqa: E402
-from captum_transformers.tasks.recall_task import recall_examples  # noqa: E402
+from captum_transformers.tasks.recall.model import build_recall_model, recall_tokenizer  # noqa: E402
+from captum_transformers.tasks.recall.task import recall_examples  # noqa: E402
 
 TOKEN = "generation-test-token-0123456789"
 HEADERS = {"X-Explorer-Token": TOKEN}
@@ -269,7 +269,7 @@ def test_an_encoder_decoder_is_refused_by_the_generation_page():
     import transformers
     from captum_transformers.errors import InputError
     from captum_transformers.explorer.generation_workspace import GenerationWorkspace
-    from captum_transformers.tasks.recall_model import recall_tokenizer
+    from captum_transformers.tasks.recall.model import recall_tokenizer
 
     bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
         vocab_size=70, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,

@@ -19,7 +19,7 @@ from torch import nn
 
 from captum_transformers import CaptureError
 from captum_transformers.adapters import base as adapter_base
-from captum_transformers.adapters import hf_kernel
+from captum_transformers.adapters.huggingface import kernel as hf_kernel
 from captum_transformers.methods.catalog import (CAPTUM_BASELINES, METHOD_FACTORIES, METHOD_NAMES,
                                                  PACKAGE_METHOD_NAMES)
 from hf_models import CASES

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from captum_transformers.methods import functional as F
+from captum_transformers import functional as F
 
 
 def _random_maps(layers=3, batch=2, tokens=5, seed=0):

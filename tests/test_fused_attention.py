@@ -23,11 +23,11 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from captum_transformers import AttnLRP, ConservativeLRP, GenericAttention, RuleSet, get_adapter  # noqa: E402
-from captum_transformers.adapters import hf_kernel, hf_kernel_keys  # noqa: E402
+from captum_transformers.adapters.huggingface import kernel as hf_kernel, kernel_keys as hf_kernel_keys
 from captum_transformers.capture.trace import CaptureSpec  # noqa: E402
-from captum_transformers.propagation.attention_core import softmax_attention  # noqa: E402
-from captum_transformers.propagation.fused_attention import fusable, fused_operands  # noqa: E402
-from captum_transformers.propagation.operation_rules import OperationRules  # noqa: E402
+from captum_transformers.propagation.attention.core import softmax_attention  # noqa: E402
+from captum_transformers.propagation.attention.fused import fusable, fused_operands  # noqa: E402
+from captum_transformers.propagation.rules.operations import OperationRules  # noqa: E402
 from hf_models import decoder_llm as _llm  # noqa: E402
 
 F64 = torch.float64

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from captum_transformers import InputError, RuleGradientXInput, RuleSet, get_adapter
-from captum_transformers.propagation import linear_rule
+from captum_transformers.propagation.rules import linear as linear_rule
 from captum_transformers.propagation.backward_switch import switchable_backward
-from captum_transformers.propagation.operation_rules import operation_rules
+from captum_transformers.propagation.rules.operations import operation_rules
 from lrp_models import CONSERVATION_CASES  # noqa: E402
 
 F64 = torch.float64

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from captum_transformers import ConservativeLRP, RuleSet, get_adapter  # noqa: E402
 from captum_transformers.methods.lrp import RuleGradientXInput  # noqa: E402
 from captum_transformers.propagation.backward_switch import switchable_backward  # noqa: E402
-from captum_transformers.propagation.operation_rules import operation_rules  # noqa: E402
+from captum_transformers.propagation.rules.operations import operation_rules  # noqa: E402
 
 F64 = torch.float64
 TARGET = 1

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from captum_transformers import AttnLRP, GenerationAttribution, InputError
-from captum_transformers.tasks.digit_canvas import digit_canvases, normalize
-from captum_transformers.tasks.digit_captioner import PROMPT, load_digit_captioner
-from captum_transformers.tasks.recall_model import load_recall_model
+from captum_transformers.tasks.digits.canvas import digit_canvases, normalize
+from captum_transformers.tasks.captioner.model import PROMPT, load_digit_captioner
+from captum_transformers.tasks.recall.model import load_recall_model
 from captum_transformers.visualization import GenerationImageView
 
 

@@ -190,7 +190,7 @@ def test_generation_arguments_the_cut_cannot_follow_are_refused(model, tokenizer
 
 
 def test_chat_template_ids_are_a_prompt():
-    from captum_transformers.tasks.recall_model import load_recall_model
+    from captum_transformers.tasks.recall.model import load_recall_model
 
     recall, recall_tokenizer = load_recall_model()
     prompt = "c red fox ; q blue owl ; h green cat ; m pink bee ? h"

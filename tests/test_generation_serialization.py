@@ -15,7 +15,7 @@ import torch
 from captum_transformers import AttnLRP, GenerationAttribution, RawAttention
 from captum_transformers.errors import InputError
 from captum_transformers.generation import GenerationResult
-from captum_transformers.generation.inseq_export import (INSEQ_OUTPUT_TYPE, INSEQ_SEQUENCE_TYPE, INSEQ_TOKEN_TYPE,
+from captum_transformers.integrations.inseq.export import (INSEQ_OUTPUT_TYPE, INSEQ_SEQUENCE_TYPE, INSEQ_TOKEN_TYPE,
                                                          SEQUENCE_FIELDS, save_inseq_json, tensor_from_safetensor_b64,
                                                          to_inseq_dict)
 from captum_transformers.generation.serialization import (ARRAY_FIELDS, SCHEMA, SCORES_SCHEMA, load_scores_json,
@@ -184,4 +184,4 @@ def test_inseq_export_refuses_spans_and_lost_scores(single, span_contrast):
 @pytest.mark.skipif(importlib.util.find_spec("inseq") is not None, reason="inseq is installed here")
 def test_inseq_method_module_needs_inseq():
     with pytest.raises(ImportError, match="needs inseq"):
-        import captum_transformers.generation.inseq_method  # noqa: F401
+        import captum_transformers.integrations.inseq.method  # noqa: F401

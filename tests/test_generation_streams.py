@@ -14,7 +14,7 @@ import torch
 from generation_models import IdTokenizer, build
 
 import captum_transformers.generation.engine as engine
-import captum_transformers.propagation.attention_core as core
+import captum_transformers.propagation.attention.core as core
 from captum_transformers import AttentionGradCAM, GenericAttention, TransformerRelevance
 from captum_transformers.generation import GenerationAttribution
 

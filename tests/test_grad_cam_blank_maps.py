@@ -11,8 +11,8 @@ import torch
 
 from captum_transformers import AttentionGradCAM, GenerationAttribution
 from captum_transformers.methods.grad_cam import BLANK_MAP_WARNING, _warn_if_blank
-from captum_transformers.tasks.recall_model import load_recall_model
-from captum_transformers.tasks.recall_task import recall_examples
+from captum_transformers.tasks.recall.model import load_recall_model
+from captum_transformers.tasks.recall.task import recall_examples
 
 
 def _blank_warnings(call):

@@ -8,8 +8,8 @@ pytest.importorskip("torch_geometric")
 
 from captum_transformers import ConservativeLRP  # noqa: E402
 from captum_transformers.errors import InputError  # noqa: E402
-from captum_transformers.graph import edge_relevance  # noqa: E402
-from captum_transformers.graph.edges import on_user_edges  # noqa: E402
+from captum_transformers.integrations.pyg import edge_relevance  # noqa: E402
+from captum_transformers.integrations.pyg.edges import on_user_edges  # noqa: E402
 from pyg_models import graph_classifier, graphs  # noqa: E402
 
 TARGETS = [0, 1, 1]

@@ -10,8 +10,8 @@ from torch_geometric.explain import Explainer  # noqa: E402
 from torch_geometric.explain.metric import fidelity  # noqa: E402
 
 from captum_transformers.errors import InputError  # noqa: E402
-from captum_transformers.graph import TransformerExplainer, edge_relevance  # noqa: E402
-from captum_transformers.graph.edges import VARIANTS  # noqa: E402
+from captum_transformers.integrations.pyg import TransformerExplainer, edge_relevance  # noqa: E402
+from captum_transformers.integrations.pyg.edges import VARIANTS  # noqa: E402
 from captum_transformers.methods.catalog import METHOD_FACTORIES  # noqa: E402
 from pyg_models import graph_classifier, graphs  # noqa: E402
 from test_pyg_attention import APPLIES  # noqa: E402
@@ -85,7 +85,7 @@ def test_unsupported_settings_are_refused():
 
 
 def test_gps_models_under_the_explainer():
-    from captum_transformers.adapters.pyg_gps import PyGGPSAdapter
+    from captum_transformers.adapters.graph.pyg_gps import PyGGPSAdapter
     from pyg_models import gps_classifier
 
     model = gps_classifier()

@@ -13,9 +13,9 @@ from torch import nn
 pyg = pytest.importorskip("torch_geometric.nn")
 
 from captum_transformers import ConservativeLRP, GenericAttention, RawAttention  # noqa: E402
-from captum_transformers.adapters.pyg_attention import PyGAttentionAdapter  # noqa: E402
+from captum_transformers.adapters.graph.pyg_attention import PyGAttentionAdapter  # noqa: E402
 from captum_transformers.errors import InputError  # noqa: E402
-from captum_transformers.propagation.rules import RuleSet  # noqa: E402
+from captum_transformers.propagation.rules.rule_set import RuleSet  # noqa: E402
 from pyg_models import CHANNELS, FEATURES, graph_classifier, graphs  # noqa: E402
 
 TOKEN_WORDS = ("token", "example", "attention mask", "batch size")

@@ -10,9 +10,9 @@ import torch
 pytest.importorskip("torch_geometric")
 
 from captum_transformers.errors import InputError  # noqa: E402
-from captum_transformers.evaluation.node_perturbation import (NodeActivation, NodeAUROC, NodePruning,  # noqa: E402
+from captum_transformers.evaluation.graphs.node_perturbation import (NodeActivation, NodeAUROC, NodePruning,  # noqa: E402
                                                               graph_auroc, masked_logits)
-from captum_transformers.tasks.graph_motifs import BASE_NODES, MOTIF_NODES, motif_graphs  # noqa: E402
+from captum_transformers.tasks.motifs.graphs import BASE_NODES, MOTIF_NODES, motif_graphs  # noqa: E402
 
 
 def test_generation_is_reproducible_and_leaves_the_global_generators_alone():
@@ -101,7 +101,7 @@ def test_activation_rewards_revealing_what_the_model_reads_first():
 
 
 def test_the_built_in_model_and_the_benchmark_run():
-    from captum_transformers.tasks.motif_model import load_motif_model, motif_model_record
+    from captum_transformers.tasks.motifs.model import load_motif_model, motif_model_record
     from captum_transformers.tasks.report import table
     from captum_transformers.tasks.runner import run_benchmark
 
@@ -118,7 +118,7 @@ def test_the_built_in_model_and_the_benchmark_run():
 
 
 def test_training_runs():
-    from captum_transformers.tasks.train_motifs import train
+    from captum_transformers.tasks.motifs.train import train
 
     result = train(epochs=1, train_graphs=32)
     assert len(result["losses"]) == 1 and 0.0 <= result["test_accuracy"] <= 1.0
@@ -140,8 +140,8 @@ def test_the_motif_picture_colours_each_map_by_its_methods_signedness(tmp_path, 
     import networkx as nx
 
     from captum_transformers.cli import graph_explain
-    from captum_transformers.tasks.graph_motifs import motif_graphs
-    from captum_transformers.tasks.train_motifs import TEST_SEED
+    from captum_transformers.tasks.motifs.graphs import motif_graphs
+    from captum_transformers.tasks.motifs.train import TEST_SEED
 
     pytest.importorskip("matplotlib")
     data = motif_graphs(2, seed=TEST_SEED)

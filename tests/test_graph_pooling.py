@@ -15,7 +15,7 @@ pyg = pytest.importorskip("torch_geometric.nn")
 
 from captum_transformers import (AttentionRollout, ConservativeLRP, GenericAttention,  # noqa: E402
                                  RawAttention)
-from captum_transformers.adapters.pyg_attention import PyGAttentionAdapter  # noqa: E402
+from captum_transformers.adapters.graph.pyg_attention import PyGAttentionAdapter  # noqa: E402
 from captum_transformers.errors import CaptureError  # noqa: E402
 from pyg_models import CHANNELS, FEATURES, graphs  # noqa: E402
 
@@ -129,7 +129,7 @@ def test_an_attention_layer_on_a_node_subset_made_otherwise_is_refused():
 
 
 def test_edge_relevance_after_a_pool_lands_on_the_edges_between_kept_nodes():
-    from captum_transformers.graph.edges import edge_relevance
+    from captum_transformers.integrations.pyg.edges import edge_relevance
 
     model = _pooled("topk")
     _, (x, edge_index, batch) = graphs(SIZES, seed=3)
@@ -185,7 +185,7 @@ def test_two_pools_on_parallel_branches_fed_the_same_nodes_are_refused_naming_bo
 
 
 def test_chained_pools_are_still_followed():
-    from captum_transformers.adapters.graph_pooling import SurvivingNodes
+    from captum_transformers.adapters.graph.pooling import SurvivingNodes
 
     torch.manual_seed(0)
     first, second = pyg.TopKPooling(CHANNELS, ratio=0.5), pyg.TopKPooling(CHANNELS, ratio=0.5)

@@ -15,7 +15,7 @@ from torch import nn
 pyg = pytest.importorskip("torch_geometric.nn")
 
 from captum_transformers import AttentionRollout, ConservativeLRP, GenericAttention, RawAttention  # noqa: E402
-from captum_transformers.adapters.pyg_attention import PyGAttentionAdapter  # noqa: E402
+from captum_transformers.adapters.graph.pyg_attention import PyGAttentionAdapter  # noqa: E402
 from captum_transformers.capture.trace import CaptureSpec  # noqa: E402
 from captum_transformers.errors import CaptureError  # noqa: E402
 from pyg_models import GraphClassifier, graph_classifier, graphs  # noqa: E402
@@ -171,7 +171,7 @@ def test_a_model_defined_without_source_is_explained_like_the_same_model_with_so
 def test_a_graph_wide_norm_between_the_last_attention_and_the_pooling_is_refused_unless_the_readout_is_given():
     """PyG's LayerNorm (graph mode) in GPS normalises each node by statistics of its whole graph:
     the pooled node states mix the attention outputs of every node."""
-    from captum_transformers.adapters.pyg_gps import PyGGPSAdapter
+    from captum_transformers.adapters.graph.pyg_gps import PyGGPSAdapter
     from pyg_models import gps_classifier
 
     model = gps_classifier(norm="layer_norm")
@@ -277,7 +277,7 @@ def test_any_two_mixed_nodes_are_found_not_only_those_next_to_the_first():
 
 
 def test_the_mixing_codes_tell_every_ordered_pair_of_positions_apart_in_few_passes():
-    from captum_transformers.adapters.graph_readout import _separating_codes
+    from captum_transformers.adapters.graph.readout import _separating_codes
 
     for count in (2, 3, 7, 25, 40):
         codes = _separating_codes(count)

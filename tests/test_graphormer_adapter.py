@@ -163,7 +163,7 @@ _LoggingAttention.__name__ = _LoggingAttention.__qualname__ = "GraphormerMultihe
 
 
 def test_a_4x_graphormer_found_by_dotted_key_runs_the_package_attention():
-    from captum_transformers.adapters.graphormer import MODEL_KEYS
+    from captum_transformers.adapters.graph.graphormer import MODEL_KEYS
 
     assert "transformers.models.deprecated.graphormer.modeling_graphormer.GraphormerPreTrainedModel" in MODEL_KEYS
     foreign_base = type("GraphormerPreTrainedModel", (nn.Module,),

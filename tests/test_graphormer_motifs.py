@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("torch_geometric")
 
-from captum_transformers.tasks import graphormer_motifs as task  # noqa: E402
-from captum_transformers.tasks.graph_motifs import motif_graphs  # noqa: E402
+from captum_transformers.tasks.motifs import graphormer as task
+from captum_transformers.tasks.motifs.graphs import motif_graphs  # noqa: E402
 
 
 def test_shipped_weights_reproduce_their_record():
@@ -43,7 +43,7 @@ def test_flat_batches_become_graphormer_inputs_graph_by_graph():
 
 def test_benchmark_task_runs_the_graphormer_from_the_command_line(tmp_path, capsys):
     from captum_transformers.cli import main
-    from captum_transformers.evaluation.node_perturbation import NodeAUROC
+    from captum_transformers.evaluation.graphs.node_perturbation import NodeAUROC
     from captum_transformers.methods.catalog import build_method
     from captum_transformers.tasks.runner import run_benchmark
 

@@ -18,7 +18,7 @@ import torch
 
 from captum_transformers import CaptureError, InputError, TransformerLRP
 from captum_transformers.methods import ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS
-from captum_transformers.propagation.rules import find_norms
+from captum_transformers.propagation.rules.rule_set import find_norms
 from hf_models import CASES
 from test_adapter_registry import EXAMPLES, TARGETS
 

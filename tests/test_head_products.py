@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from captum_transformers.propagation.head_products import heads_matmul
+from captum_transformers.propagation.attention.head_products import heads_matmul
 
 B, N, H, D = 3, 7, 4, 5
 

@@ -12,7 +12,7 @@ import torch
 
 from captum_transformers import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS, CaptureError,
                                  GenericAttention, InputError, get_adapter)
-from captum_transformers.adapters.hf_kernel import captum_attention
+from captum_transformers.adapters.huggingface.kernel import captum_attention
 from captum_transformers.capture.trace import CaptureSpec
 from hf_models import CASES
 from restore import assert_same, raising_after, snapshot

@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 from captum_transformers import (CaptureError, CaptureSpec, ConservativeLRP, GenericAttention, InputError,  # noqa: E402
                                  RuleSet, get_adapter)
-from captum_transformers.adapters.inline_attention import InlineAttentionAdapter, _key_valid  # noqa: E402
+from captum_transformers.adapters.huggingface.inline_attention import InlineAttentionAdapter, _key_valid  # noqa: E402
 from inline_models import (B, CASES, I, KEEP, L_LAYERS, R_LAYERS, T, VIS, X_LAYERS,  # noqa: E402
                            lxmert, regions, text, visual_bert)
 from restore import assert_same, raising_after, snapshot  # noqa: E402

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from captum_transformers.errors import InputError
-from captum_transformers.insights import AttributionVisualizer, Batch, GeneralFeature, ImageFeature, TextFeature
-from captum_transformers.insights import features as insights_features
+from captum_transformers.integrations.insights import AttributionVisualizer, Batch, GeneralFeature, ImageFeature, TextFeature
+from captum_transformers.integrations.insights import features as insights_features
 from captum_transformers.methods.catalog import METHOD_NAMES, build_method
 from explorer_workspaces import PAYLOAD
 from tiny_models import EncoderClassifier, timm_vit_case

@@ -11,7 +11,7 @@ import torch
 
 from captum_transformers import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS, AttnLRP, CaptureError,
                                  HuggingFaceAdapter)
-from captum_transformers.adapters.kept_logits import KeptLogitPositions, kept_logit_positions
+from captum_transformers.adapters.huggingface.kept_logits import KeptLogitPositions, kept_logit_positions
 from captum_transformers.capture.trace import TokenLayout
 from hf_models import CASES
 

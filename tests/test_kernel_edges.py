@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from captum_transformers import CaptureError, GenericAttention, RuleSet
-from captum_transformers.propagation import linear_rule
-from captum_transformers.propagation.attention_core import softmax_attention
-from captum_transformers.propagation.operation_rules import OperationRules
+from captum_transformers.propagation.rules import linear as linear_rule
+from captum_transformers.propagation.attention.core import softmax_attention
+from captum_transformers.propagation.rules.operations import OperationRules
 from hf_models import CASES
 
 

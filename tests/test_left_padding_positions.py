@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from captum_transformers import GenericAttention  # noqa: E402
-from captum_transformers.adapters.huggingface import HuggingFaceAdapter  # noqa: E402
+from captum_transformers.adapters.huggingface.adapter import HuggingFaceAdapter  # noqa: E402
 from hf_models import CASES  # noqa: E402
 
 

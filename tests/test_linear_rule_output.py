@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captum_transformers.propagation import linear_rule as lr
-from captum_transformers.propagation.rules import RuleSet
+from captum_transformers.propagation.rules import linear as lr
+from captum_transformers.propagation.rules.rule_set import RuleSet
 
 F64 = torch.float64
 

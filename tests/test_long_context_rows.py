@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import captum_transformers as ct
-import captum_transformers.propagation.attention_core as core
-from captum_transformers.adapters import hf_rows
-from captum_transformers.propagation import chunk_products
-from captum_transformers.methods import functional
+import captum_transformers.propagation.attention.core as core
+from captum_transformers.adapters.huggingface import kernel_rows as hf_rows
+from captum_transformers.propagation.attention import chunk_products
+from captum_transformers import functional
 
 F64 = torch.float64
 

@@ -19,7 +19,7 @@ import weakref
 import pytest
 import torch
 
-from captum_transformers.adapters.pyg_gps import PyGGPSAdapter
+from captum_transformers.adapters.graph.pyg_gps import PyGGPSAdapter
 from captum_transformers.errors import CaptureError, InputError, UnsupportedModelError
 from captum_transformers.methods.catalog import CAPTUM_BASELINES, METHOD_FACTORIES
 from test_adapter_registry import ADAPTERS, EXAMPLES, TARGETS

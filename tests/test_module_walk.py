@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from captum_transformers import AttnLRP
-from captum_transformers.capture import module_walk
-from captum_transformers.capture.exclusive import exclusive
+from captum_transformers.model_state import module_walk
+from captum_transformers.model_state.exclusive import exclusive
 
 
 def test_exclusive_publishes_the_walk_to_this_thread_only():
@@ -79,8 +79,8 @@ def test_blocks_and_configs_follow_a_module_replaced_between_explanations():
     swapped between two calls is explained through the new one."""
     from transformers import BertConfig, BertModel
 
-    from captum_transformers.adapters.huggingface import HuggingFaceAdapter
-    from captum_transformers.capture import patching
+    from captum_transformers.adapters.huggingface.adapter import HuggingFaceAdapter
+    from captum_transformers.model_state import patching
 
     config = dict(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
     model, donor = BertModel(BertConfig(**config)), BertModel(BertConfig(**config))
@@ -100,7 +100,7 @@ def test_blocks_and_configs_follow_a_module_replaced_between_explanations():
 def test_configs_are_found_behind_a_wrapper_with_a_config_property():
     from transformers import BertConfig, BertModel
 
-    from captum_transformers.capture import patching
+    from captum_transformers.model_state import patching
 
     class Wrapper(nn.Module):
         def __init__(self):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from captum_transformers.errors import InputError
-from captum_transformers.tasks.movie_snippets import (SPLITS, MovieSnippets, build_movie_snippets, encode,
+from captum_transformers.tasks.movies.snippets import (SPLITS, MovieSnippets, build_movie_snippets, encode,
                                                       load_movie_snippets, parse_snippets, silver_rationale,
                                                       split_of_ids, split_words)
 
@@ -65,7 +65,7 @@ def synthetic_sdist(tmp_path):
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from captum_transformers.tasks.movie_model import pretrained_minilm_dir
+    from captum_transformers.tasks.movies.model import pretrained_minilm_dir
     return AutoTokenizer.from_pretrained(pretrained_minilm_dir())
 
 
@@ -153,7 +153,7 @@ def test_word_ids_max_pool_to_the_silver_rationale_words(tokenizer):
 
 
 def test_tiny_fine_tune_lowers_the_loss_and_round_trips(tmp_path):
-    from captum_transformers.tasks.movie_model import (REPORT_FILE, FineTuneConfig, evaluate, fine_tune,
+    from captum_transformers.tasks.movies.model import (REPORT_FILE, FineTuneConfig, evaluate, fine_tune,
                                                        load_movie_model, load_pretrained_minilm, movie_model_dir)
     data = build_movie_snippets(snippets_text(), lexicon_text(), "train")
     model, tokenizer = load_pretrained_minilm(seed=0)
@@ -194,8 +194,8 @@ def test_bad_input_errors_say_what_to_do(tmp_path, synthetic_sdist, tokenizer):
         build_movie_snippets(snippets_text(), lexicon_text(), "test", limit=-1)
     with pytest.raises(InputError, match="list of str"):
         encode("one string", tokenizer)
-    from captum_transformers.tasks.movie_model import load_movie_model
-    with pytest.raises(InputError, match="python -m captum_transformers.tasks.movie_model --cache-dir"):
+    from captum_transformers.tasks.movies.model import load_movie_model
+    with pytest.raises(InputError, match="python -m captum_transformers.tasks.movies.model --cache-dir"):
         load_movie_model(cache_dir=tmp_path, train_if_missing=False)
 
 
@@ -251,7 +251,7 @@ def test_first_use_training_says_what_how_long_and_where_on_stderr(tmp_path, mon
     # A tiny stand-in replaces the real fine-tuning (no 10-22 minute training in the suite); it
     # reports progress through the log it is given and saves a tiny BERT where the real one would.
     transformers = pytest.importorskip("transformers")
-    from captum_transformers.tasks import movie_model
+    from captum_transformers.tasks.movies import model as movie_model
 
     calls = []
 

@@ -11,7 +11,7 @@ timm = pytest.importorskip("timm")
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 
 from captum_transformers import ConservativeLRP  # noqa: E402
-from captum_transformers.propagation.rules import find_norms  # noqa: E402
+from captum_transformers.propagation.rules.rule_set import find_norms  # noqa: E402
 from lrp_models import *  # noqa: F401,F403,E402  (tiny models, cases and helpers)
 from lrp_models import _case_gemma_like, _case_torch_mha, _random_norm_weights, _relative_errors, _text_inputs  # noqa: E402
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from captum_transformers.errors import CaptureError
-from captum_transformers.propagation.linear_rule import safe_divide
-from captum_transformers.propagation.operation_rules import OperationRules, paused_rule_mode
-from captum_transformers.propagation.rules import RuleSet
+from captum_transformers.propagation.rules.linear import safe_divide
+from captum_transformers.propagation.rules.operations import OperationRules, paused_rule_mode
+from captum_transformers.propagation.rules.rule_set import RuleSet
 
 F64 = torch.float64
 RULES = dataclasses.replace(RuleSet.GRADIENT, add="normalized")

@@ -15,8 +15,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from captum_transformers import AttnLRP, ConservativeLRP, RuleSet
-from captum_transformers.propagation import operation_rules
-from captum_transformers.propagation.operation_rules import OperationRules, paused_rule_mode
+from captum_transformers.propagation.rules import operations as operation_rules
+from captum_transformers.propagation.rules.operations import OperationRules, paused_rule_mode
 
 transformers = pytest.importorskip("transformers")
 from hf_models import decoder_llm  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from captum_transformers.errors import CaptureError
-from captum_transformers.propagation.pixel_rule import PixelBoundedConv
+from captum_transformers.propagation.rules.pixel import PixelBoundedConv
 
 
 def _conv(padding, kernel, dilation, stride, seed=0):
@@ -65,9 +65,9 @@ def test_a_copy_of_the_input_pixels_gets_the_rule_too():
     cast does the same. Before, such a copy silently got the plain gradient."""
     import dataclasses
 
-    from captum_transformers.propagation.operation_rules import OperationRules
-    from captum_transformers.propagation.pixel_rule import is_input_pixels
-    from captum_transformers.propagation.rules import RuleSet
+    from captum_transformers.propagation.rules.operations import OperationRules
+    from captum_transformers.propagation.rules.pixel import is_input_pixels
+    from captum_transformers.propagation.rules.rule_set import RuleSet
 
     x, weight, args, generator = _conv("valid", 4, 1, 4)
     rules = dataclasses.replace(RuleSet.GRADIENT, pixel_conv="zB")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from captum_transformers.propagation import activation_discovery, rules
-from captum_transformers.propagation.probe_cache import forget, probed
+from captum_transformers.propagation.rules import activation_discovery, rule_set as rules
+from captum_transformers.propagation.rules.probe_cache import forget, probed
 
 
 class _Tiny(nn.Module):
@@ -99,8 +99,8 @@ def test_maps_unchanged_by_remembered_probes():
     # A model without attention: relevance read at the inputs through Captum inside propagation.
     from captum.attr import InputXGradient
     from captum_transformers import RuleSet
-    from captum_transformers.propagation.operation_rules import operation_rules
-    from captum_transformers.propagation.rules import norm_rules
+    from captum_transformers.propagation.rules.operations import operation_rules
+    from captum_transformers.propagation.rules.rule_set import norm_rules
 
     def relevance():
         with norm_rules(model, RuleSet.ATTN_LRP), operation_rules(model, RuleSet.ATTN_LRP):

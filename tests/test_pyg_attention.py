@@ -16,11 +16,11 @@ pytest.importorskip("torch_geometric")
 
 from captum_transformers import (AttentionGradCAM, AttentionRollout, ConservativeLRP, GenericAttention,  # noqa: E402
                                  RawAttention, get_adapter)
-from captum_transformers.adapters.pyg_attention import PyGAttentionAdapter  # noqa: E402
+from captum_transformers.adapters.graph.pyg_attention import PyGAttentionAdapter  # noqa: E402
 from captum_transformers.capture.trace import CaptureSpec  # noqa: E402
 from captum_transformers.errors import CaptureError, InputError  # noqa: E402
 from captum_transformers.methods.catalog import METHOD_FACTORIES, PACKAGE_METHOD_NAMES  # noqa: E402
-from captum_transformers.propagation.rules import RuleSet  # noqa: E402
+from captum_transformers.propagation.rules.rule_set import RuleSet  # noqa: E402
 from pyg_models import graph_classifier, graphs  # noqa: E402
 from restore import assert_same, raising_after, snapshot  # noqa: E402
 

@@ -11,7 +11,7 @@ import torch_geometric.nn as pyg  # noqa: E402
 from torch_geometric.utils import to_dense_batch  # noqa: E402
 
 from captum_transformers import ConservativeLRP, GenericAttention, UnsupportedModelError, get_adapter  # noqa: E402
-from captum_transformers.adapters.pyg_gps import PyGGPSAdapter  # noqa: E402
+from captum_transformers.adapters.graph.pyg_gps import PyGGPSAdapter  # noqa: E402
 from captum_transformers.capture.trace import CaptureSpec  # noqa: E402
 from captum_transformers.errors import CaptureError, InputError  # noqa: E402
 from captum_transformers.methods.catalog import METHOD_FACTORIES  # noqa: E402

@@ -19,8 +19,8 @@ from captum_transformers import get_adapter  # noqa: E402
 from captum_transformers.errors import CaptureError  # noqa: E402
 from captum_transformers.methods.catalog import METHOD_FACTORIES  # noqa: E402
 from captum_transformers.methods.lrp import RuleGradientXInput  # noqa: E402
-from captum_transformers.propagation.operation_rules import operation_rules  # noqa: E402
-from captum_transformers.propagation.rules import RuleSet  # noqa: E402
+from captum_transformers.propagation.rules.operations import operation_rules  # noqa: E402
+from captum_transformers.propagation.rules.rule_set import RuleSet  # noqa: E402
 from pyg_models import graph_classifier, graphs  # noqa: E402
 
 TARGETS = [0, 1, 1]

@@ -15,8 +15,8 @@ import torch
 
 pytest.importorskip("torch_geometric")
 
-from captum_transformers.adapters import pyg_transformer_alpha  # noqa: E402
-from captum_transformers.adapters.pyg_transformer_alpha import (exact_message_required,  # noqa: E402
+from captum_transformers.adapters.graph import pyg_transformer_alpha
+from captum_transformers.adapters.graph.pyg_transformer_alpha import (exact_message_required,  # noqa: E402
                                                                 refuse_unless_layer_message)
 from captum_transformers.errors import CaptureError  # noqa: E402
 

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("torch_geometric")
 
 from captum_transformers import CaptureError, RuleSet, TransformerRelevance, get_adapter  # noqa: E402
-from captum_transformers.propagation.normalized_add import NormalizedAdd  # noqa: E402
+from captum_transformers.propagation.rules.normalized_add import NormalizedAdd  # noqa: E402
 from pyg_models import graph_classifier, graphs  # noqa: E402
 
 F64 = torch.float64
@@ -25,7 +25,7 @@ TARGETS = [0, 1, 1]
 
 @pytest.mark.parametrize("pool", ["mean", "add"])
 def test_a_batch_of_graphs_gets_each_graph_alone(pool, monkeypatch):
-    from captum_transformers.propagation import operation_rules
+    from captum_transformers.propagation.rules import operations as operation_rules
 
     groups = []
 
@@ -89,7 +89,7 @@ def _batch_of(made):
 
 
 def test_adds_of_rows_that_are_neither_nodes_nor_graphs_are_refused():
-    from captum_transformers.propagation.normalized_add import row_groups
+    from captum_transformers.propagation.rules.normalized_add import row_groups
 
     groups = torch.tensor([0, 0, 1, 1, 1])
     assert row_groups(groups, torch.zeros(5, 4)) is groups

@@ -26,7 +26,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from captum_transformers import AttnLRP, CaptureError, ConservativeLRP, GenericAttention, InputError  # noqa: E402
-from captum_transformers.capture import quantized_linear  # noqa: E402
+from captum_transformers.compat import quantized_linear
 from captum_transformers.generation import GenerationAttribution  # noqa: E402
 from captum_transformers.methods.catalog import KNOWN_METHOD_NAMES, build_method  # noqa: E402
 from generation_models import IdTokenizer  # noqa: E402
@@ -145,7 +145,7 @@ def test_bitsandbytes_layers_get_the_linear_rule(kind, monkeypatch):
     quantized, reference, _ = _pair(kind, "float32")
     expected = _map("lrp", reference)
     ruled = _map("lrp", quantized)
-    monkeypatch.setattr("captum_transformers.propagation.operation_rules.linear_rule_forwards",
+    monkeypatch.setattr("captum_transformers.propagation.rules.operations.linear_rule_forwards",
                         lambda model, rules: contextlib.nullcontext())
     plain = _map("lrp", quantized)
     ruled_r = min(_pearson(a, b) for a, b in zip(ruled, expected))

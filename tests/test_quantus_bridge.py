@@ -55,7 +55,7 @@ def test_explainer_is_built_once_per_model_and_kwargs_reach_attribute():
 def test_package_method_by_name_matches_calling_it_directly():
     pytest.importorskip("timm")
     from captum_transformers import GenericAttention
-    from captum_transformers.tasks.digit_model import build_digit_model
+    from captum_transformers.tasks.digits.model import build_digit_model
     torch.manual_seed(0)
     model = build_digit_model().eval()
     x = torch.rand(2, 3, 32, 32)

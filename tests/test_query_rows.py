@@ -209,7 +209,7 @@ def test_a_hidden_pooling_head_of_an_mha_model_is_refused(batch_first):
 
 def test_detr_takes_no_query_rows():
     """DETR's explained row is the target's object query: the option would be ignored, so it is absent."""
-    from captum_transformers.adapters.detr import DetrAdapter
+    from captum_transformers.adapters.huggingface.detr import DetrAdapter
 
     with pytest.raises(TypeError):
         DetrAdapter(query_rows="mean")

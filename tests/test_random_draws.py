@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import captum_transformers as ct
-from captum_transformers.capture import stochastic_layers
+from captum_transformers.compat import stochastic_layers
 from captum_transformers.errors import StochasticForwardError
 from restore import assert_same, snapshot
 from test_train_mode import P, _build, _timm_vit

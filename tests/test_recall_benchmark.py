@@ -10,9 +10,9 @@ from captum_transformers.cli import main
 from captum_transformers.errors import InputError
 from captum_transformers.evaluation.results import write_csv, write_json
 from captum_transformers.tasks.bootstrap import bootstrap_interval
-from captum_transformers.tasks.recall_benchmark import (evidence_positions, evidence_rows, evidence_scores,
+from captum_transformers.tasks.recall.benchmark import (evidence_positions, evidence_rows, evidence_scores,
                                                         resolve_recall_methods, run_recall_benchmark)
-from captum_transformers.tasks.recall_task import recall_examples
+from captum_transformers.tasks.recall.task import recall_examples
 
 pytest.importorskip("transformers")
 

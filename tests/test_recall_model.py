@@ -6,10 +6,10 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from captum_transformers.errors import InputError
-from captum_transformers.tasks import recall_model, train_recall
-from captum_transformers.tasks.recall_model import (build_recall_model, load_recall_model, recall_model_record,
+from captum_transformers.tasks.recall import model as recall_model, train as train_recall
+from captum_transformers.tasks.recall.model import (build_recall_model, load_recall_model, recall_model_record,
                                                     recall_tokenizer, save_recall_pretrained)
-from captum_transformers.tasks.recall_task import (QUERY_MARK, VALUE_WORDS, make_example,
+from captum_transformers.tasks.recall.task import (QUERY_MARK, VALUE_WORDS, make_example,
                                                    recall_examples, split_of, vocabulary)
 
 # Accuracy on 200 prompts (400 value words) scatters around the recorded value (2000 prompts):
@@ -137,7 +137,7 @@ def test_shipped_model_answers_the_test_prompts_by_greedy_generate(shipped):
 
 def test_record_holds_accuracy_seed_time_and_command():
     record = recall_model_record()
-    assert record["command"].startswith("python -m captum_transformers.tasks.train_recall")
+    assert record["command"].startswith("python -m captum_transformers.tasks.recall.train")
     assert record["test_token_accuracy"] >= 0.95 and 0.0 <= record["test_exact_answer_accuracy"] <= 1.0
     assert isinstance(record["seed"], int) and record["train_seconds"] > 0 and record["steps"] > 0
 
@@ -160,7 +160,7 @@ def test_missing_weights_raise_input_error_naming_the_retrain_command(monkeypatc
     monkeypatch.setattr(recall_model, "WEIGHTS_FILE", "no_such_recall.pt")
     with pytest.raises(InputError, match="no_such_recall.pt") as error:
         load_recall_model()
-    assert "python -m captum_transformers.tasks.train_recall" in str(error.value)
+    assert "python -m captum_transformers.tasks.recall.train" in str(error.value)
 
 
 def test_a_few_training_steps_lower_the_answer_loss():

@@ -9,8 +9,8 @@ from torch import nn
 
 from captum_transformers import AttentionGradCAM, AttentionRollout, GenericAttention, RawAttention
 from captum_transformers import InputError
-from captum_transformers.methods import relevancy_maps
-from captum_transformers.methods.functional import add_identity_and_normalize, self_attention_relevance_rows
+from captum_transformers.methods.math import relevancy_maps
+from captum_transformers.functional import add_identity_and_normalize, self_attention_relevance_rows
 from captum_transformers.methods.transformer_relevance import PartialLRP, TransformerRelevance
 from captum_transformers.capture.trace import AttentionRecord, AttentionTrace, Block, InputSpan, StreamLayouts, TokenLayout
 

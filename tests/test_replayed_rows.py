@@ -1,4 +1,4 @@
-"""Replayed rows (captum_transformers/methods/replayed_rows.py) against the dense path.
+"""Replayed rows (captum_transformers/capture/replayed_rows.py) against the dense path.
 
 In ``attribute``, AttentionRollout and RawAttention keep what recomputes each call's map (Q, K,
 the mask, the scores function) instead of the map, and replay the calls after the forward pass,
@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import captum_transformers as ct
-import captum_transformers.methods.functional as functional
-import captum_transformers.methods.replayed_rows as replayed_rows
-import captum_transformers.propagation.attention_core as core
+import captum_transformers.functional as functional
+import captum_transformers.capture.replayed_rows as replayed_rows
+import captum_transformers.propagation.attention.core as core
 from restore import assert_same, raising_after, snapshot
 
 F64 = torch.float64

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from captum_transformers.capture import patching
+from captum_transformers.model_state import patching
 
 
 class _InterruptsRestores(TorchFunctionMode):

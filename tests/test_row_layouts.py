@@ -1,4 +1,4 @@
-"""Row layouts and the chains written once over them (captum_transformers/methods/row_chains.py).
+"""Row layouts and the chains written once over them (captum_transformers/capture/row_chains.py).
 
 1. On a dense layout each chain is the explained row of the explicit matrix product:
    ``(I + Abar_L) ... (I + Abar_1)``, ``rownorm(I + A_L) ... rownorm(I + A_1)`` (with and
@@ -23,8 +23,8 @@ from torch import nn
 from captum_transformers import AttentionFlow, AttentionRollout, InputError, RawAttention
 from captum_transformers.capture.trace import AttentionRecord, AttentionTrace, Block, TokenLayout
 from captum_transformers.capture.windows import WindowedLayout, WindowGeometry
-from captum_transformers.methods import functional
-from captum_transformers.methods.row_chains import (DenseRows, WindowedRows, last_map_row, relevance_chain,
+from captum_transformers import functional
+from captum_transformers.capture.row_chains import (DenseRows, WindowedRows, last_map_row, relevance_chain,
                                                     rollout_chain, row_layout)
 from swin_models import dense_merge, dense_window_map
 
@@ -215,7 +215,7 @@ def test_importing_the_method_base_imports_no_method():
         seen.add(name)
         spec = importlib.util.find_spec(name)
         todo.extend(_imported_modules(Path(spec.origin), name) - seen)
-    assert "captum_transformers.methods.row_chains" in seen
+    assert "captum_transformers.capture.row_chains" in seen
     assert not seen & method_modules, sorted(seen & method_modules)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captum_transformers.adapters.sdpa_kernel import explicit_sdpa, sdpa_as_softmax_attention
+from captum_transformers.adapters.timm.sdpa_kernel import explicit_sdpa, sdpa_as_softmax_attention
 
 timm = pytest.importorskip("timm")
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import captum_transformers as ct
-from captum_transformers.methods.functional import gradient_weighted_heads
-import captum_transformers.propagation.attention_core as core
-import captum_transformers.propagation.row_chunked_rules as chunked_rules
+from captum_transformers.functional import gradient_weighted_heads
+import captum_transformers.propagation.attention.core as core
+import captum_transformers.propagation.attention.row_chunked_rules as chunked_rules
 
 F64 = torch.float64
 
@@ -106,7 +106,7 @@ def test_methods_that_need_whole_maps_keep_the_dense_path(method, why):
 def test_a_paired_stream_declines_a_single_pass():
     """A paired stream given one backward pass (no relevance to pair with) declines, never folds."""
     from captum_transformers.capture.trace import TokenLayout
-    from captum_transformers.methods.streaming_rows import RowStream
+    from captum_transformers.capture.row_stream import RowStream
     layout = TokenLayout(3, torch.tensor([[2]]))
 
     from test_streaming_rows import fake_recorder
@@ -205,7 +205,7 @@ def test_streamed_sdpa_models_keep_sdpa_masks_under_the_rules_too(method_name, m
     """Unpadded causal sdpa Llama: the capture and, inside it, TransformerRelevance's rule context
     run under SDPA's masks, so the causal mask is the package's own boolean one (never read) and
     transformers builds no additive float (B, 1, N, N) mask (64 MiB at 4k tokens)."""
-    from captum_transformers.adapters import hf_rows
+    from captum_transformers.adapters.huggingface import kernel_rows as hf_rows
     model, inputs, kwargs = _llama("sdpa")
     kwargs = {"attention_mask": torch.ones_like(kwargs["attention_mask"])}
     reads = []  # an additive eager mask would be read once (is it causal?); SDPA's own one is known

@@ -1,4 +1,4 @@
-"""Streamed explained rows (captum_transformers/methods/streaming_rows.py) against the dense path.
+"""Streamed explained rows (captum_transformers/capture/row_stream.py) against the dense path.
 
 ``attribute`` folds each map into the explained rows during the backward pass where the layout
 allows it (one token sequence); ``trace`` + ``reduce`` keeps every map (the dense path). Both
@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import captum_transformers as ct
-from captum_transformers.methods.functional import gradient_weighted_heads
-import captum_transformers.propagation.attention_core as core
+from captum_transformers.functional import gradient_weighted_heads
+import captum_transformers.propagation.attention.core as core
 from captum_transformers.capture.trace import TokenLayout
-from captum_transformers.methods.streaming_rows import RowStream
-from captum_transformers.methods.row_chains import DenseRows, relevance_chain
+from captum_transformers.capture.row_stream import RowStream
+from captum_transformers.capture.row_chains import DenseRows, relevance_chain
 
 F64 = torch.float64
 METHODS = ["GenericAttention", "TransformerRelevance", "AttentionGradCAM", "RawAttention", "AttentionRollout"]

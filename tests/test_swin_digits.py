@@ -6,11 +6,11 @@ import pytest
 pytest.importorskip("timm")
 
 from captum_transformers import GenericAttention, get_adapter  # noqa: E402
-from captum_transformers.tasks import digit_swin  # noqa: E402
-from captum_transformers.tasks.digit_canvas import digit_canvases, normalize  # noqa: E402
-from captum_transformers.tasks.digit_model import _asset  # noqa: E402
+from captum_transformers.tasks.digits import swin as digit_swin
+from captum_transformers.tasks.digits.canvas import digit_canvases, normalize  # noqa: E402
+from captum_transformers.tasks.digits.model import _asset  # noqa: E402
 from captum_transformers.tasks.runner import run_benchmark  # noqa: E402
-from captum_transformers.tasks.train_digits import top1_accuracy, train  # noqa: E402
+from captum_transformers.tasks.digits.train import top1_accuracy, train  # noqa: E402
 
 
 def test_shipped_weights_are_small_recorded_and_accurate():

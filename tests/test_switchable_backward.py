@@ -18,7 +18,8 @@ import torch
 
 from captum_transformers import RuleSet, TransformerRelevance, get_adapter
 from captum_transformers.adapters.relevance_reading import read_layer_input
-from captum_transformers.adapters import hf_kernel, torch_mha
+from captum_transformers.adapters.huggingface import kernel as hf_kernel
+from captum_transformers.adapters import torch_mha
 from captum_transformers.propagation.backward_switch import switchable_backward
 from captum_transformers.capture.trace import CaptureSpec
 from lrp_models import CONSERVATION_CASES, TARGET  # noqa: E402
@@ -75,7 +76,7 @@ def test_switched_graph_gives_the_plain_gradient(case, rules):
 def _two_forward_relevance(explainer, inputs, target, kwargs):
     """TransformerRelevance as it was computed before: a relevance trace under the rules,
     then a separate plain-gradient trace."""
-    from captum_transformers.methods import functional
+    from captum_transformers import functional
     from captum_transformers.methods.transformer_relevance import _relevance
 
     adapter, model = explainer.adapter, explainer.model
@@ -106,7 +107,7 @@ def _attention_of_kept_maps(scores_fn, query, key, value, *extras, softmax_dtype
     """The attention as separate operations (each under its own rule Function, keeping the
     scores and the map), its map's gradient reported through a tensor hook (``keep_map``: this
     stand-in always keeps it; grouped-query keys and values repeated as operations too)."""
-    from captum_transformers.propagation.chunk_products import repeat_heads
+    from captum_transformers.propagation.attention.chunk_products import repeat_heads
     key, value = repeat_heads(key, kv_groups), repeat_heads(value, kv_groups)
     probs = torch.softmax(scores_fn(query, key, *extras), dim=-1, dtype=softmax_dtype).to(query.dtype)
     if observer is not None and probs.requires_grad:

@@ -13,8 +13,8 @@ def _listing(path):
 
 
 def test_the_default_cache_is_a_temporary_directory(_temporary_cache, tmp_path_factory):
-    from captum_transformers.tasks.movie_model import movie_model_dir
-    from captum_transformers.tasks.movie_snippets import CACHE_ENV, cache_root
+    from captum_transformers.tasks.movies.model import movie_model_dir
+    from captum_transformers.tasks.movies.snippets import CACHE_ENV, cache_root
 
     assert os.environ[CACHE_ENV] == str(_temporary_cache)
     assert cache_root() == _temporary_cache
@@ -27,7 +27,7 @@ def test_loading_the_movie_data_leaves_the_real_cache_unchanged(_temporary_cache
     import pytest
 
     from captum_transformers.errors import InputError
-    from captum_transformers.tasks.movie_snippets import CACHE_SUBDIR, load_movie_snippets
+    from captum_transformers.tasks.movies.snippets import CACHE_SUBDIR, load_movie_snippets
 
     # The data's own folder of the real cache (other processes, e.g. a training run, may write
     # elsewhere in it meanwhile).

@@ -259,7 +259,7 @@ def test_a_captured_hf_config_answers_per_thread_and_pickles_as_its_own_class():
     import copy
     import pickle
 
-    from captum_transformers.capture import patching
+    from captum_transformers.model_state import patching
 
     model, _, _ = _hf()
     config = model.config

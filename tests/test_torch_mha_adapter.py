@@ -17,7 +17,7 @@ from captum_transformers import (ATTENTION_METHODS, AttentionGradCAM, CaptureSpe
                                  RawAttention, get_adapter)
 from captum_transformers.capture.recorder import Recorder
 from captum_transformers.adapters.torch_mha import TorchMHAAdapter
-from captum_transformers.methods.functional import gradient_weighted_heads
+from captum_transformers.functional import gradient_weighted_heads
 from restore import assert_same, raising_after, snapshot
 
 METHODS = [pytest.param(m, id=m.__name__) for m in ATTENTION_METHODS]

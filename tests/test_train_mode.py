@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import captum_transformers as ct
-from captum_transformers.capture import stochastic_layers
+from captum_transformers.compat import stochastic_layers
 from captum_transformers.errors import CaptureError, InputError, StochasticForwardError
 from captum_transformers.methods.catalog import METHOD_FACTORIES
 from restore import assert_same, snapshot
@@ -331,7 +331,7 @@ def test_the_pyg_explainer_bridge_follows_the_rule(method):
     """PyG's ``Explainer`` switches the model to eval mode around its algorithm itself; the
     algorithm called on a model in training mode follows the package's rule."""
     from torch_geometric.explain import Explainer
-    from captum_transformers.graph import TransformerExplainer
+    from captum_transformers.integrations.pyg import TransformerExplainer
     model, x, (edge_index, batch), _ = _case("pyg_feature_dropout", P)
     target = torch.tensor([0, 1, 1])
 

@@ -182,8 +182,8 @@ def test_save_round_trip_png_svg_and_refusal_of_other_suffixes(tmp_path):
 
 def test_report_runs_each_method_once_on_the_batch_and_draws_the_grid():
     pytest.importorskip("timm")
-    from captum_transformers.tasks.digit_canvas import digit_canvases, normalize
-    from captum_transformers.tasks.digit_model import load_digit_model
+    from captum_transformers.tasks.digits.canvas import digit_canvases, normalize
+    from captum_transformers.tasks.digits.model import load_digit_model
 
     canvases = digit_canvases("test", n=2, seed=0)
     model = load_digit_model()

@@ -81,8 +81,8 @@ def test_text_strips_are_signed_and_the_scores_file_holds_the_raw_scores(text_mo
 def test_image_scores_file_equals_the_methods_own_output(tmp_path, capsys):
     pytest.importorskip("timm")
     from captum_transformers.methods.catalog import build_method
-    from captum_transformers.tasks.digit_canvas import digit_canvases, normalize
-    from captum_transformers.tasks.digit_model import load_digit_model
+    from captum_transformers.tasks.digits.canvas import digit_canvases, normalize
+    from captum_transformers.tasks.digits.model import load_digit_model
 
     assert main(["explain", "--samples", "2", "--method", "attn-lrp", "--method", "rollout", "--save-scores",
                  "--out", str(tmp_path / "out")]) == 0

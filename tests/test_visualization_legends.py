@@ -177,8 +177,8 @@ def test_signed_names_are_checked_and_an_unsigned_method_with_negatives_is_refus
 
 def test_report_and_the_explain_picture_label_each_map_by_its_method(tmp_path):
     from captum_transformers.cli import figures
-    from captum_transformers.tasks.digit_canvas import digit_canvases, normalize
-    from captum_transformers.tasks.digit_model import load_digit_model
+    from captum_transformers.tasks.digits.canvas import digit_canvases, normalize
+    from captum_transformers.tasks.digits.model import load_digit_model
     from captum_transformers.visualization.grid import report
 
     canvases = digit_canvases("test", n=2)

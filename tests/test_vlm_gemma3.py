@@ -19,10 +19,10 @@ from vlm_generation_checks import worst_difference
 from captum_transformers import (AttentionFlow, AttentionGradCAM, AttentionRollout, AttnLRP, ConservativeLRP,
                                  GenericAttention, InputError, PartialLRP, RawAttention, TransformerLRP,
                                  TransformerRelevance)
-from captum_transformers.adapters.gemma3_vl import Gemma3Adapter, pooling_map
-from captum_transformers.adapters.huggingface import HuggingFaceAdapter
+from captum_transformers.adapters.vision_language.gemma3 import Gemma3Adapter, pooling_map
+from captum_transformers.adapters.huggingface.adapter import HuggingFaceAdapter
 from captum_transformers.adapters.registry import get_adapter
-from captum_transformers.adapters.vision_language import image_token_scores, to_pixels
+from captum_transformers.adapters.vision_language.base import image_token_scores, to_pixels
 from captum_transformers.generation import GenerationAttribution
 
 transformers = pytest.importorskip("transformers")

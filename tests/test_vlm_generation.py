@@ -240,7 +240,7 @@ def test_gradient_times_input_pixel_maps_are_the_plain_gradient():
 def test_full_strategy_keeps_the_cls_token_as_an_image_token():
     """"full": image token k is vision token k (CLS first). ``image_token_attr`` holds the CLS
     column; ``image_attr`` is the patch grid's map only (CLS has no pixel location)."""
-    from captum_transformers.adapters.vision_language import to_pixels
+    from captum_transformers.adapters.vision_language.base import to_pixels
 
     llava, px = build_llava(strategy="full"), pixels(1)
     prompt = [1, 5] + [IMAGE] * (IMAGE_TOKENS + 1) + [7, 9]

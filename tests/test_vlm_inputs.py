@@ -9,7 +9,7 @@ from vlm_generation_checks import METHODS, PROMPT, TARGET, TOKENIZER, TOL, prefi
 from vlm_models import IMAGE, IMAGE_SIZE, build_llava, llava_config, llava_processor, pixels, transformers
 
 from captum_transformers import AttnLRP, GenericAttention, InputError, UnsupportedModelError
-from captum_transformers.adapters.llava import LlavaAdapter
+from captum_transformers.adapters.vision_language.llava import LlavaAdapter
 from captum_transformers.generation import GenerationAttribution
 from captum_transformers.methods.captum_baselines import CaptumIntegratedGradients
 

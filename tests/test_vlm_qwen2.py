@@ -19,10 +19,10 @@ from vlm_generation_checks import worst_difference
 from captum_transformers import (AttentionFlow, AttentionGradCAM, AttentionRollout, AttnLRP, ConservativeLRP,
                                  GenericAttention, InputError, PartialLRP, RawAttention, TransformerLRP,
                                  TransformerRelevance)
-from captum_transformers.adapters.qwen2_vl import Qwen2VLAdapter, grid_order, tower_places, window_order
-from captum_transformers.adapters.qwen2_vl_geometry import image_grids, patch_row_spans, patchify
+from captum_transformers.adapters.vision_language.qwen2_vl import Qwen2VLAdapter, grid_order, tower_places, window_order
+from captum_transformers.adapters.vision_language.qwen2_vl_geometry import image_grids, patch_row_spans, patchify
 from captum_transformers.adapters.registry import get_adapter
-from captum_transformers.adapters.vision_language import image_token_scores, to_pixels
+from captum_transformers.adapters.vision_language.base import image_token_scores, to_pixels
 from captum_transformers.capture.recorder import Recorder
 from captum_transformers.capture.trace import CaptureSpec
 from captum_transformers.generation import GenerationAttribution

@@ -41,8 +41,8 @@ from captum.attr import IntegratedGradients, Saliency
 
 from captum_transformers.evaluation import ClassSpecificity, PixelPerturbation, SegmentationScores
 from captum_transformers.methods.catalog import METHOD_NAMES, build_method
-from captum_transformers.tasks.digit_canvas import digit_canvases, normalize
-from captum_transformers.tasks.digit_model import digit_model_record, load_digit_model
+from captum_transformers.tasks.digits.canvas import digit_canvases, normalize
+from captum_transformers.tasks.digits.model import digit_model_record, load_digit_model
 from captum_transformers.visualization import CurvePlot, ExplanationGrid
 
 torch.manual_seed(0)

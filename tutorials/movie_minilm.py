@@ -19,7 +19,7 @@
 # `load_movie_snippets` pip-downloads it and caches two files.
 #
 # The fully fine-tuned model takes about 13 CPU minutes (`python -m
-# captum_transformers.tasks.movie_model`, 0.87 test accuracy). This tutorial fine-tunes for
+# captum_transformers.tasks.movies.model`, 0.87 test accuracy). This tutorial fine-tunes for
 # **96 steps of 8 sentences** instead (20-25 CPU seconds), which reaches about 0.80 on
 # held-out sentences; if the full model is in the cache (`movie_model_dir()`), it is used.
 #
@@ -39,9 +39,9 @@ import torch
 from captum.attr import LayerIntegratedGradients
 
 from captum_transformers import AttnLRP, ConservativeLRP, GenericAttention, TransformerRelevance
-from captum_transformers.tasks.movie_model import (REPORT_FILE, FineTuneConfig, evaluate, fine_tune,
+from captum_transformers.tasks.movies.model import (REPORT_FILE, FineTuneConfig, evaluate, fine_tune,
                                                    load_movie_model, load_pretrained_minilm, movie_model_dir)
-from captum_transformers.tasks.movie_snippets import encode, load_movie_snippets
+from captum_transformers.tasks.movies.snippets import encode, load_movie_snippets
 from captum_transformers.visualization import TokenHeatmap
 
 OUT = os.environ.get("QUICKSTART_OUT") or tempfile.mkdtemp(prefix="movie_minilm_")

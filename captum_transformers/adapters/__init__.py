@@ -6,21 +6,21 @@ that family is explained.
 """
 from .registry import register_adapter
 from .base import Adapter
-from .detr import DetrAdapter
-from .graphormer import MODEL_KEYS as _GRAPHORMER_KEYS, GraphormerAdapter
-from .huggingface import HuggingFaceAdapter
-from .inline_attention import InlineAttentionAdapter
-from .gemma3_vl import Gemma3Adapter
-from .llava import LlavaAdapter
-from .qwen2_vl import Qwen2VLAdapter
-from .swin import SwinAdapter, Swinv2Adapter
+from .huggingface.detr import DetrAdapter
+from .graph.graphormer import MODEL_KEYS as _GRAPHORMER_KEYS, GraphormerAdapter
+from .huggingface.adapter import HuggingFaceAdapter
+from .huggingface.inline_attention import InlineAttentionAdapter
+from .vision_language.gemma3 import Gemma3Adapter
+from .vision_language.llava import LlavaAdapter
+from .vision_language.qwen2_vl import Qwen2VLAdapter
+from .huggingface.swin import SwinAdapter, Swinv2Adapter
 from ..capture.recorder import Recorder
-from .timm import TimmAdapter
-from .timm_swin import TimmSwinAdapter
+from .timm.vit import TimmAdapter
+from .timm.swin import TimmSwinAdapter
 from .torch_mha import TorchMHAAdapter
-from .pyg_attention import PyGAttentionAdapter
-from .pyg_gps import PyGGPSAdapter
-from .graph_refusal import GPS, PYG_ATTENTION
+from .graph.pyg_attention import PyGAttentionAdapter
+from .graph.pyg_gps import PyGGPSAdapter
+from .graph.refusal import GPS, PYG_ATTENTION
 
 __all__ = ["Adapter", "Recorder", "HuggingFaceAdapter", "TimmAdapter", "TorchMHAAdapter", "InlineAttentionAdapter",
            "DetrAdapter", "PyGAttentionAdapter", "PyGGPSAdapter", "GraphormerAdapter", "SwinAdapter",

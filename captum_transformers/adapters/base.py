@@ -1,7 +1,7 @@
 """The adapter contract, and the capture loop every adapter shares.
 
 An adapter knows one family of models: where attention is computed (:meth:`blocks`), how
-to observe it reversibly (:meth:`capture`, built only from :mod:`captum_transformers.capture.patching`),
+to observe it reversibly (:meth:`capture`, built only from :mod:`captum_transformers.model_state.patching`),
 how to read logits from the model's output, and how tokens map back to the input
 (:meth:`layout`). :meth:`trace` runs one forward and at most one backward per batch.
 """
@@ -15,25 +15,25 @@ from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Seq
 import torch
 from torch import nn
 
-from ..capture import patching
-from ..capture import stochastic_layers
-from ..capture.compiled import uncompiled
-from ..capture.exclusive import exclusive, holding_the_model
+from ..model_state import patching
+from ..compat import stochastic_layers
+from ..compat.compiled import uncompiled
+from ..model_state.exclusive import exclusive, holding_the_model
 from ..errors import CaptureError, InputError
 from ..propagation.backward_switch import switchable_backward
-from ..propagation.rules import refuse_rounding_sensitive
+from ..propagation.rules.rule_set import refuse_rounding_sensitive
 from ..capture.targets import output_scores, select_targets
 from ..capture.trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
 from ..capture.recorder import Recorder
-from .foreign_patches import check_library_classes
+from ..compat.foreign_patches import check_library_classes
 from .model_parts import _enclosing_layer, find_patch_size
 from .input_checks import model_dtype, ordinary_tensors, refuse_unexplainable_batch, relevance_carrying
 from .query_rows import QueryRows, ReadRows, chosen_rows, refuse_examples_without_tokens
 from .relevance_reading import RelevanceResult, input_times_gradient, read_layer_input, seeded, token_sums
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..propagation.rules import RuleSet
-    from .kept_logits import KeptLogitPositions
+    from ..propagation.rules.rule_set import RuleSet
+    from .huggingface.kept_logits import KeptLogitPositions
 
 
 class Adapter(abc.ABC):

@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 
 from torch import nn
 
-from ..capture import module_walk
+from ..model_state import module_walk
 from ..capture.trace import Block
 
 

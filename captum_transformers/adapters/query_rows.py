@@ -27,7 +27,7 @@ from typing import Iterable, Iterator, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..capture import patching
+from ..model_state import patching
 from ..errors import InputError
 
 QueryRows = Union[None, int, str]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Union
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from .graph_refusal import graph_model_reason
+from .graph.refusal import graph_model_reason
 from .unsupported import is_user_adapter, refuse_unsupported
 
 if TYPE_CHECKING:  # pragma: no cover

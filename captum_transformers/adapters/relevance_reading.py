@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..capture import patching
+from ..model_state import patching
 from ..capture.trace import StreamLayouts, TokenLayout
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..propagation.rules import RuleSet
+    from ..propagation.rules.rule_set import RuleSet
 
 
 def seeded(scores: torch.Tensor, rules: Optional["RuleSet"]) -> torch.Tensor:

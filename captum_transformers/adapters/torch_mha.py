@@ -2,13 +2,13 @@
 
 Mechanism. Inside :meth:`TorchMHAAdapter.capture`:
 
-1. :func:`~captum_transformers.capture.patching.mha_fastpath_disabled` keeps PyTorch's fused
+1. :func:`~captum_transformers.model_state.patching.mha_fastpath_disabled` keeps PyTorch's fused
    paths off in the explaining thread, per instance: ``TransformerEncoder`` (its nested-tensor
    conversion included) and ``TransformerEncoderLayer`` through flags only their fast paths
    read, ``MultiheadAttention`` through a torch-function mode around its forward. Every call
    goes through ``MultiheadAttention.forward`` and ``F.multi_head_attention_forward``; other
    threads, and the process-wide ``torch.backends.mha`` flag, are untouched.
-2. :func:`~captum_transformers.capture.patching.instance_forward` wraps each attention instance's
+2. :func:`~captum_transformers.model_state.patching.instance_forward` wraps each attention instance's
    ``forward``: the query is tapped through :meth:`Recorder.connect` (so gradients reach the
    attention even when every parameter is frozen), the original forward runs with
    ``need_weights=True, average_attn_weights=False``, and the per-head weights are
@@ -39,12 +39,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..capture import patching
+from ..model_state import patching
 from ..errors import CaptureError
-from ..propagation.operation_rules import active_rules, needs_operation_rules, operation_rules
-from ..propagation.attention_core import softmax_attention
-from ..propagation.recomputed_softmax import softmax_of_recomputed_scores
-from ..propagation.rules import RuleSet, norm_rules
+from ..propagation.rules.operations import active_rules, needs_operation_rules, operation_rules
+from ..propagation.attention.core import softmax_attention
+from ..propagation.attention.recomputed_softmax import softmax_of_recomputed_scores
+from ..propagation.rules.rule_set import RuleSet, norm_rules
 from ..capture.trace import Block
 from .base import Adapter
 from .query_rows import QueryRows, checked_query_rows, chosen_rows

@@ -10,7 +10,7 @@ example, ``q`` tokens per window). Two things make them explainable by the metho
 * :class:`WindowedAdapterMixin` collects the :class:`~captum_transformers.capture.windows.WindowGeometry`
   of each call while the model runs (the subclass observes its layers) and returns a
   :class:`~captum_transformers.capture.windows.WindowedLayout`, from which
-  :mod:`captum_transformers.methods.row_chains` carries the explained rows through the layers.
+  :mod:`captum_transformers.capture.row_chains` carries the explained rows through the layers.
 """
 from __future__ import annotations
 

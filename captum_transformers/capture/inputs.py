@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from . import patching
+from ..model_state import patching
 
 #: The keys a mapping input may hold the explained tensor under, in the order looked for.
 EXPLAINED_KEYS = ("input_ids", "pixel_values", "inputs_embeds", "input_nodes")  # input_nodes: Graphormer

@@ -62,10 +62,10 @@ class CaptureSpec:
     # When True, backward_reduce is also given ``call_index=`` (the call's position in the
     # forward pass), for reductions that pair each map with data from an earlier pass.
     pass_call_index: bool = False
-    # A :class:`~captum_transformers.methods.streaming_rows.RowStream` that folds each reduced map
+    # A :class:`~captum_transformers.capture.row_stream.RowStream` that folds each reduced map
     # into the explained rows and drops it (one-sequence layouts); None: the maps are kept.
     row_stream: Optional[Any] = field(default=None, compare=False)
-    # A :class:`~captum_transformers.methods.replayed_rows.ReplayedRows`: forward-only methods whose
+    # A :class:`~captum_transformers.capture.replayed_rows.ReplayedRows`: forward-only methods whose
     # kernel keeps what recomputes each map (not the map) and replays it after the forward pass.
     replay: Optional[Any] = field(default=None, compare=False)
 

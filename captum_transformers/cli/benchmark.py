@@ -11,13 +11,13 @@ import os
 import torch
 
 from ..errors import InputError
-from ..evaluation.pixel_perturbation import PIXEL_PROTOCOLS
+from ..evaluation.images.pixel_perturbation import PIXEL_PROTOCOLS
 from ..methods.catalog import KNOWN_METHOD_NAMES
 from .output_folder import claimed_output_folder
 
 
 def add_parser(subparsers) -> None:
-    from ..tasks.recall_benchmark import CAPTUM_LLM_METHODS
+    from ..tasks.recall.benchmark import CAPTUM_LLM_METHODS
     from ..tasks.runner import TASKS
 
     parser = subparsers.add_parser("benchmark", help="faithfulness metrics of methods on a benchmark task",

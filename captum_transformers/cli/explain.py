@@ -23,7 +23,7 @@ from ..errors import InputError
 from ..methods.catalog import KNOWN_METHOD_NAMES, build_method, resolve_method_names
 from . import figures
 from .device import ACCEPTED, checked_device, on_device
-from .model_loading import LoadedModel, load_model, read_image
+from ..model_loading import LoadedModel, load_model, read_image
 from .output_folder import claimed_output_folder
 from .scores_file import write_scores
 
@@ -94,7 +94,7 @@ def _raw_inputs(loaded: LoadedModel, args) -> tuple:
         raise InputError(f"nothing to explain: give --image FILE or --text STRING for {loaded.name}.")
     if args.samples < 1:
         raise InputError(f"--samples {args.samples}: expected at least 1.")
-    from ..tasks.digit_canvas import digit_canvases, normalize
+    from ..tasks.digits.canvas import digit_canvases, normalize
 
     canvases = digit_canvases(split="test", variant="one", n=args.samples, seed=0)
     return (normalize(canvases.images),), {}, list(canvases.images), canvases.labels
@@ -122,7 +122,7 @@ def run(args) -> int:
             raise InputError(f"--motifs runs the built-in graph model on the CPU; drop --device {args.device}.")
         if args.save_scores:
             raise InputError("--save-scores writes image and token scores; graph node scores are not written yet. "
-                             "Drop --save-scores, or use captum_transformers.graph.TransformerExplainer in Python.")
+                             "Drop --save-scores, or use captum_transformers.integrations.pyg.TransformerExplainer in Python.")
         methods = resolve_method_names(args.method or list(GRAPH_METHODS))
         with claimed_output_folder(args.out, "explanations.png", "explain") as out:
             print(f"wrote {explain_motifs(args.motifs, methods, args.target, out)}")

@@ -144,7 +144,7 @@ def _refuse_methods_the_dtype_cannot_run(model, methods: List[str]) -> None:
     from ..adapters.input_checks import model_dtype
     from ..errors import CaptumTransformersError
     from ..methods.catalog import build_method
-    from ..propagation.rules import refuse_rounding_sensitive
+    from ..propagation.rules.rule_set import refuse_rounding_sensitive
 
     refused = []
     for name in methods:
@@ -262,7 +262,7 @@ def _shown(tokenizer, ids: List[int]) -> str:
 def load_generative_model(spec: Optional[str]):
     """``(model, tokenizer, name, default new tokens)``: the built-in recall Llama, or ``--model``."""
     if spec is None:
-        from ..tasks.recall_model import MAX_NEW_TOKENS, load_recall_model
+        from ..tasks.recall.model import MAX_NEW_TOKENS, load_recall_model
 
         model, tokenizer = load_recall_model()
         return model.eval(), tokenizer, BUILTIN_NAME, MAX_NEW_TOKENS
@@ -277,7 +277,7 @@ def load_generative_model(spec: Optional[str]):
 
 def _huggingface_lm(source: str, local: bool):
     """A causal (or encoder-decoder) LM and its tokenizer, with the classifier loader's one-line errors."""
-    from .model_loading import _first_line, _transformers_log_held, _weights_problem, hub_config
+    from ..model_loading import _first_line, _transformers_log_held, _weights_problem, hub_config
 
     transformers, config, options = hub_config(source, local, "a language model folder written by "
                                                "model.save_pretrained(folder) and tokenizer.save_pretrained(folder)")

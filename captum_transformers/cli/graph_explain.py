@@ -13,7 +13,7 @@ from typing import Dict, Sequence
 
 import torch
 
-from ..adapters.graph_nodes import GraphBatch
+from ..adapters.graph.nodes import GraphBatch
 from ..errors import InputError
 from ..methods.catalog import SIGNED_METHODS, build_method
 from ..visualization.output import agg_figure
@@ -62,9 +62,9 @@ def graph_grid(data, scores: Dict[str, torch.Tensor], titles: Sequence[str], pat
 
 def explain_motifs(count: int, methods: Sequence[str], target, out: Path) -> Path:
     """Explain ``count`` test graphs of the motifs task; returns the PNG path."""
-    from ..tasks.graph_motifs import CLASSES, motif_graphs
-    from ..tasks.motif_model import load_motif_model
-    from ..tasks.train_motifs import TEST_SEED
+    from ..tasks.motifs.graphs import CLASSES, motif_graphs
+    from ..tasks.motifs.model import load_motif_model
+    from ..tasks.motifs.train import TEST_SEED
 
     if count < 1:
         raise InputError(f"--motifs {count}: expected at least 1 graph.")

@@ -30,35 +30,35 @@ GenerationFaithfulness per generated token: score drop for its top-k prompt toke
 =====================  =============================================================
 """
 from .accumulator import Accumulator, exact_sum, limbs_value
-from .aopc import ERASER_FRACTIONS, AOPCResult, Comprehensiveness, Sufficiency
+from .tokens.aopc import ERASER_FRACTIONS, AOPCResult, Comprehensiveness, Sufficiency
 from .average_precision import average_precision
-from .class_specificity import ClassSpecificity
+from .images.class_specificity import ClassSpecificity
 from .completeness import CompletenessError, CompletenessResult
-from .deletion_insertion import RISE_FRACTIONS, RiseDeletion, RiseInsertion
+from .images.deletion_insertion import RISE_FRACTIONS, RiseDeletion, RiseInsertion
 from .curves import trapezoid
 from .distributed import all_reduce_metrics, shard_indices
-from .generation_faithfulness import (GENERATION_KS, GenerationFaithfulness, GenerationFaithfulnessResult, TokenScores,
+from .generation.faithfulness import (GENERATION_KS, GenerationFaithfulness, GenerationFaithfulnessResult, TokenScores,
                                       generation_token_scores)
-from .image_occlusion import OCCLUSIONS
-from .modality_removal import MODALITY_FRACTIONS, ModalityTokenRemoval
-from .pixel_perturbation import (CVPR21_PIXEL_FRACTIONS, FINE_PIXEL_FRACTIONS, PIXEL_FRACTIONS, PIXEL_PROTOCOLS,
+from .images.occlusion import OCCLUSIONS
+from .tokens.modality_removal import MODALITY_FRACTIONS, ModalityTokenRemoval
+from .images.pixel_perturbation import (CVPR21_PIXEL_FRACTIONS, FINE_PIXEL_FRACTIONS, PIXEL_FRACTIONS, PIXEL_PROTOCOLS,
                                  PixelPerturbation)
 from .plots import plot_curves
 from .monotonicity import Monotonicity
-from .pixel_flipping import PixelFlipping, RegionPerturbation
+from .images.pixel_flipping import PixelFlipping, RegionPerturbation
 from .quantus_bridge import quantus_explain_func
-from .rationale_f1 import RationaleF1
+from .tokens.rationale_f1 import RationaleF1
 from .relevance_gain import GAIN_FRACTIONS, GAIN_SCORES, GainAreas, RelevanceGainResult, symmetric_relevance_gain
-from .relevance_gain_graphs import GraphRelevanceGain
-from .relevance_gain_images import ImageRelevanceGain
-from .relevance_gain_tokens import TokenRelevanceGain
-from .road import ROAD, ROAD_PERCENTAGES, noisy_linear_imputation
+from .graphs.relevance_gain import GraphRelevanceGain
+from .images.relevance_gain import ImageRelevanceGain
+from .tokens.relevance_gain import TokenRelevanceGain
+from .images.road import ROAD, ROAD_PERCENTAGES, noisy_linear_imputation
 from .results import (CurveResult, RationaleF1Result, ResultRecord, SegmentationResult, SpecificityResult, read_csv,
                       read_json, result_from_dict, write_csv, write_json)
-from .saliency_maps import minmax_normalize
-from .segmentation import SegmentationScores
-from .token_compaction import compact_tokens
-from .token_flipping import TOKEN_FRACTIONS, TokenActivation, TokenPruning
+from .images.saliency_maps import minmax_normalize
+from .images.segmentation import SegmentationScores
+from .tokens.token_compaction import compact_tokens
+from .tokens.token_flipping import TOKEN_FRACTIONS, TokenActivation, TokenPruning
 
 __all__ = [
     "Accumulator", "exact_sum", "limbs_value", "average_precision", "ClassSpecificity", "trapezoid", "all_reduce_metrics",

@@ -26,10 +26,10 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from .batched_forward import Forward
-from .pixel_flipping import (Baseline, _PerturbationCurve, _require_positive_int, baseline_values, cumulative_logits,
+from .images.pixel_flipping import (Baseline, _PerturbationCurve, _require_positive_int, baseline_values, cumulative_logits,
                              target_scores)
 from .results import ScalarResult
-from .token_flipping import stable_order
+from .tokens.token_flipping import stable_order
 
 
 class Monotonicity(_PerturbationCurve):

@@ -45,7 +45,7 @@ import torch
 from ..errors import InputError
 from .accumulator import Accumulator, exact_sum
 from .results import ResultRecord
-from .token_flipping import flip_counts, ranks
+from .tokens.token_flipping import flip_counts, ranks
 from .validation import require_choice, require_fractions, require_labels
 
 GAIN_FRACTIONS: Tuple[float, ...] = tuple(i / 20 for i in range(21))

@@ -46,8 +46,8 @@ def builtin_generation_workspace(prompts: Sequence[str] = (), device=None) -> Ge
     """The shipped recall Llama (``tasks.recall_model``) with ``prompts`` and a few test prompts
     of its task as samples; missing weights are an ``InputError`` naming the training command."""
     from ..cli.device import on_device
-    from ..tasks.recall_model import MAX_NEW_TOKENS, load_recall_model
-    from ..tasks.recall_task import recall_examples
+    from ..tasks.recall.model import MAX_NEW_TOKENS, load_recall_model
+    from ..tasks.recall.task import recall_examples
 
     model, tokenizer = load_recall_model()
     model, _, _ = on_device(device, model, ())

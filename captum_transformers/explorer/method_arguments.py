@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 from ..errors import InputError
 from ..methods.catalog import METHOD_FACTORIES, METHOD_NAMES, SIGNED_METHODS
-from ..propagation.rules import RuleSet
+from ..propagation.rules.rule_set import RuleSet
 
 _NOT_OFFERED = frozenset({"self", "model", "adapter"})
 #: Numbers from the page are bounded (a request may not ask for, say, 10**9 integration steps);

@@ -19,8 +19,8 @@ def builtin_workspace(samples: int = 48, seed: int = 0, variant: str = "one", de
     or "two": both digits are true labels)."""
     if samples < 1:
         raise InputError(f"--samples {samples}: expected at least 1.")
-    from ..cli.model_loading import load_model
-    from ..tasks.digit_canvas import digit_canvases, normalize
+    from ..model_loading import load_model
+    from ..tasks.digits.canvas import digit_canvases, normalize
 
     loaded = load_model(None)
     canvases = digit_canvases(split="test", variant=variant, n=samples, seed=seed)
@@ -34,8 +34,8 @@ def movie_workspace(samples: int = 48, cache_dir: Optional[str] = None, device=N
     """The fine-tuned MiniLM on ``samples`` movie-snippet test sentences (from the cache of
     ``captum-transformers benchmark --task movies``; a missing model is an error naming the
     training command, never a silent training run)."""
-    from ..tasks.movie_model import load_movie_model
-    from ..tasks.movie_snippets import encode, load_movie_snippets
+    from ..tasks.movies.model import load_movie_model
+    from ..tasks.movies.snippets import encode, load_movie_snippets
 
     data = load_movie_snippets(split="test", limit=samples, cache_dir=cache_dir)
     model, tokenizer = load_movie_model(cache_dir, train_if_missing=False)
@@ -76,7 +76,7 @@ def loaded_workspace(model: Optional[str], arch: Optional[str] = None, random_in
         return task_workspace(task, samples, cache_dir, device)
     if model is None and not images and not texts:
         return builtin_workspace(samples, device=device)
-    from ..cli.model_loading import load_model, read_image
+    from ..model_loading import load_model, read_image
 
     loaded = load_model(model, arch, random_init)
     if loaded.modality == "image" and texts:

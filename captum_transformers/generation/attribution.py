@@ -41,7 +41,7 @@ import torch
 from captum.attr import Attribution
 from captum.log import log_usage
 
-from ..capture import offload
+from ..model_state import offload
 from ..errors import InputError
 from ..methods.base import TraceAttribution, finished
 from ..methods.lrp import RuleGradientXInput

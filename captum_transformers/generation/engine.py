@@ -1,6 +1,6 @@
 """One forward pass, then one backward pass per explained generation step.
 
-A method's classifier path runs its :class:`~captum_transformers.methods.pass_plan.PassPlan`
+A method's classifier path runs its :class:`~captum_transformers.engine.pass_plan.PassPlan`
 once per batch. Here the plan's forward pass runs once over prompt + generated tokens (the
 language-model head computed only at the explained positions: at a 32k vocabulary it costs
 more than the layers), and for each explained step (or span of steps) the plan's backward
@@ -28,16 +28,16 @@ from torch import nn
 
 from ..adapters.base import Adapter
 from ..adapters.input_checks import model_dtype, ordinary_tensors, refuse_unexplainable_batch, relevance_carrying
-from ..adapters.kept_logits import KeptLogitPositions, _forward_signature
+from ..adapters.huggingface.kept_logits import KeptLogitPositions, _forward_signature
 from ..adapters.relevance_reading import input_times_gradient, read_layer_input, seeded, token_sums
-from ..capture import patching
-from ..capture.exclusive import exclusive
+from ..model_state import patching
+from ..model_state.exclusive import exclusive
 from ..capture.recorder import Recorder
 from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec, StreamLayouts
 from ..errors import CaptureError
-from ..methods.pass_plan import PassPlan
+from ..engine.pass_plan import PassPlan
 from ..propagation.backward_switch import switchable_backward
-from ..propagation.rules import RuleSet, refuse_rounding_sensitive
+from ..propagation.rules.rule_set import RuleSet, refuse_rounding_sensitive
 from .steps import ExplainedSteps, group_scores
 
 #: Called with (group index, the group's trace) for trace methods, or (group index, token

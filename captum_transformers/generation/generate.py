@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..capture import offload
+from ..model_state import offload
 from ..errors import InputError
 from .batch import padding_id
 

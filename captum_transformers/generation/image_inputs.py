@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..adapters.vision_language import ImageTokens, VisionLanguageAdapter, to_pixels
+from ..adapters.vision_language.base import ImageTokens, VisionLanguageAdapter, to_pixels
 from ..errors import InputError
 from .vision_steps import image_key
 

@@ -19,7 +19,7 @@ image's ``token_map`` ``E`` onto the tower's output tokens, then:
 
 A per-stream ``start_layer`` (``{"image": 1}``) counts the tower's calls and the decoder's
 separately. Scores over the tower's tokens are mapped onto the patch grid (the CLS token dropped) and
-upsampled bilinearly to the image's pixels (:func:`~captum_transformers.adapters.vision_language.to_pixels`).
+upsampled bilinearly to the image's pixels (:func:`~captum_transformers.adapters.vision_language.base.to_pixels`).
 
 Example::
 
@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Mapping, Sequence
 
 import torch
 
-from ..adapters.vision_language import IMAGE_STREAM, TEXT_STREAM, ImageTokens, image_token_scores
+from ..adapters.vision_language.base import IMAGE_STREAM, TEXT_STREAM, ImageTokens, image_token_scores
 from ..capture.trace import AttentionRecord, AttentionTrace, StreamLayouts, TokenLayout
 from ..errors import CaptureError, InputError
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import functional
+from .. import functional
 from ..capture.trace import AttentionTrace, CaptureSpec
 from ..errors import InputError
 from .base import TraceAttribution
-from .max_flow import layered_capacity, max_flow
+from .math.max_flow import layered_capacity, max_flow
 
 #: Largest graph solved, in nodes ``(layers + 1) * tokens`` per example. Measured CPU time
 #: (one thread) per explained row, random row-stochastic maps: 51 nodes (2 layers, 17 tokens)
@@ -32,7 +32,7 @@ class AttentionFlow(TraceAttribution):
     normalise them; several explained rows are mixed with their weights. Padding is left out
     of the graph (it scores 0). Class-agnostic; one forward pass, no backward.
 
-    Exact: Dinic's maximum-flow algorithm (:mod:`~captum_transformers.methods.max_flow`) in
+    Exact: Dinic's maximum-flow algorithm (:mod:`~captum_transformers.methods.math.max_flow`) in
     float64, one flow per (explained row, token), on the CPU. That is costly, so graphs above
     ``max_graph_nodes`` nodes (``(layers + 1) * tokens``, default 1024; 3.7 s of CPU per
     explained row at 1014 nodes, 1.2 s per DigitCanvas image) are refused; :class:`AttentionRollout` is the fast approximation the

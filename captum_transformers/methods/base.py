@@ -22,12 +22,12 @@ from ..adapters.input_checks import model_dtype, ordinary_tensors, refuse_infere
 from ..errors import CaptureError, InputError
 from ..adapters.query_rows import refuse_masked_explained_rows
 from ..adapters.registry import get_adapter
-from .relevancy_maps import explained_rows
+from .math.relevancy_maps import explained_rows
 from ..capture.inputs import passed_by_name, split_mapping
 from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec, InputSpan, TokenLayout
-from . import functional
-from .pass_plan import PassPlan, resolved_target
-from .row_chains import record_without_padding, row_layout
+from .. import functional
+from ..engine.pass_plan import PassPlan, resolved_target
+from ..capture.row_chains import record_without_padding, row_layout
 from .stochastic_opt_in import StochasticOptIn, _opt_in_flag
 
 #: What :meth:`TraceAttribution.reduce` returns: token scores (B, N) of a one-stream model, or per stream.
@@ -198,7 +198,7 @@ class TraceAttribution(StochasticOptIn, Attribution):
     """Base of the attention methods: Captum's ``Attribution`` over an adapter trace.
 
     Subclasses implement :meth:`capture_spec` and :meth:`reduce`. A method whose one-sequence
-    case is written over :mod:`~captum_transformers.methods.row_chains` (any layout: dense,
+    case is written over :mod:`~captum_transformers.capture.row_chains` (any layout: dense,
     windowed) sets ``uses_row_chains = True``; others read whole maps and are refused on
     layouts that hold none (Swin's windows).
 
@@ -208,7 +208,7 @@ class TraceAttribution(StochasticOptIn, Attribution):
     (:func:`attribution_dtype`); the model's forward is its own, in its own dtype. A map with a
     non-finite value (a half-precision backward pass that overflowed) is refused, never returned,
     and so are bfloat16 models under the identity softmax or norm rules (TransformerRelevance,
-    PartialLRP, TransformerLRP; :func:`~captum_transformers.propagation.rules.refuse_rounding_sensitive`).
+    PartialLRP, TransformerLRP; :func:`~captum_transformers.propagation.rules.rule_set.refuse_rounding_sensitive`).
 
     Training mode, one rule for every method (:class:`StochasticOptIn`): a model whose forward is
     random or batch-dependent (active dropout, drop path, batch norm in training mode) is refused

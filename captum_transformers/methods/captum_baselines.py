@@ -50,15 +50,15 @@ import torch
 from captum.attr import Attribution, IntegratedGradients, Saliency
 from torch import nn
 
-from ..adapters.foreign_patches import check_library_classes
-from ..adapters.graph_refusal import MESSAGE_PASSING, class_keys
-from ..capture import patching
-from ..capture.compiled import uncompiled
-from ..capture.exclusive import exclusive
+from ..compat.foreign_patches import check_library_classes
+from ..adapters.graph.refusal import MESSAGE_PASSING, class_keys
+from ..model_state import patching
+from ..compat.compiled import uncompiled
+from ..model_state.exclusive import exclusive
 from ..capture.targets import output_scores
 from ..errors import InputError
 from ..adapters.input_checks import ordinary_tensors, refuse_inference_mode, refuse_non_finite
-from ..capture.stochastic_layers import watched
+from ..compat.stochastic_layers import watched
 from .base import attribution_dtype, finished
 from .stochastic_opt_in import StochasticOptIn
 

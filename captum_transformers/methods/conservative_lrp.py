@@ -8,7 +8,7 @@ from torch import nn
 
 from ..adapters.base import Adapter
 from ..errors import InputError
-from ..propagation.rules import RuleSet
+from ..propagation.rules.rule_set import RuleSet
 from .lrp import RuleGradientXInput
 
 VARIANTS = {"AH": RuleSet.AH, "AH+LN": RuleSet.AH_LN, "GI": RuleSet.GRADIENT}

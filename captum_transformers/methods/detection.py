@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from ..capture.stochastic_layers import watched
+from ..compat.stochastic_layers import watched
 from ..errors import InputError
 
 TensorOrTuple = Union[torch.Tensor, Tuple[torch.Tensor, ...]]

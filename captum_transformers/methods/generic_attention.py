@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from . import functional, relevancy_maps
-from .row_chains import relevance_chain, row_layout
-from .streaming_rows import RowStream
+from .. import functional
+from .math import relevancy_maps
+from ..capture.row_chains import relevance_chain, row_layout
+from ..capture.row_stream import RowStream
 from ..capture.trace import TOKENS, AttentionTrace, CaptureSpec
 from .base import StartLayer, TraceAttribution
 
@@ -23,7 +24,7 @@ class GenericAttention(TraceAttribution):
     backward pass per batch; heads are fused as each gradient arrives.
 
     Models with several token streams get every rule of the paper (Sec. 3, Eq. 1-11, see
-    :mod:`captum_transformers.methods.relevancy_maps`): one map per pair of streams, self-attention
+    :mod:`captum_transformers.methods.math.relevancy_maps`): one map per pair of streams, self-attention
     updating ``R^{qt}`` (Eq. 6-7), co-attention updating ``R^{qk}`` and ``R^{qq}`` with the row
     normalisation of Eq. 8-9 (Eq. 10-11), and encoder-decoder models keeping no ``R^{ed}``. A
     stream's scores are the explained rows of ``R^{qt}`` for each explained stream ``q``

@@ -7,13 +7,13 @@ from typing import Literal
 
 import torch
 
-from . import functional
+from .. import functional
 from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec
 from ..errors import CaptureError, InputError
 from .base import TraceAttribution
-from .pass_plan import PassPlan
-from .row_chains import last_map_row, row_layout
-from .streaming_rows import RowStream
+from ..engine.pass_plan import PassPlan
+from ..capture.row_chains import last_map_row, row_layout
+from ..capture.row_stream import RowStream
 
 HeadWeights = Literal["row", "all"]
 HEAD_WEIGHTS = ("row", "all")

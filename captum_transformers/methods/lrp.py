@@ -11,7 +11,7 @@ from torch import nn
 from ..adapters.base import Adapter
 from ..errors import CaptureError, InputError
 from ..adapters.registry import get_adapter
-from ..propagation.rules import RuleSet
+from ..propagation.rules.rule_set import RuleSet
 from ..capture.inputs import passed_by_name
 from .base import TensorOrTuple, _format_additional, _prepared_inputs, attribution_dtype, finished, span_to_input
 from .stochastic_opt_in import StochasticOptIn

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from . import functional
-from .replayed_rows import replay_for
-from .row_chains import last_map_row, row_layout
+from .. import functional
+from ..capture.replayed_rows import replay_for
+from ..capture.row_chains import last_map_row, row_layout
 from ..capture.trace import AttentionTrace, CaptureSpec
 from .base import TraceAttribution
 

@@ -5,9 +5,10 @@ from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
-from . import functional, relevancy_maps
-from .replayed_rows import replay_for
-from .row_chains import rollout_chain, row_layout
+from .. import functional
+from .math import relevancy_maps
+from ..capture.replayed_rows import replay_for
+from ..capture.row_chains import rollout_chain, row_layout
 from ..capture.trace import TOKENS, AttentionTrace, CaptureSpec
 from .base import StartLayer, TraceAttribution
 

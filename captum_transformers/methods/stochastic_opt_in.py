@@ -4,7 +4,7 @@ adds the keyword to a subclass's ``__init__``.
 One rule for the attention methods (:class:`~captum_transformers.methods.base.TraceAttribution`),
 the LRP shell and the Captum baselines: a model whose training-mode forward is random or
 batch-dependent is refused unless the method was built with ``allow_stochastic=True``
-(:mod:`~captum_transformers.capture.stochastic_layers`). Held apart from the Captum shell of
+(:mod:`~captum_transformers.compat.stochastic_layers`). Held apart from the Captum shell of
 ``base.py``, which inherits it.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import functools
 import inspect
 from typing import Any
 
-from ..capture.stochastic_layers import OPT_IN, allowing
+from ..compat.stochastic_layers import OPT_IN, allowing
 from ..errors import InputError
 
 
@@ -46,7 +46,7 @@ class StochasticOptIn:
 
     A model in training mode whose forward is random or batch-dependent (active dropout, drop
     path, batch norm on batch statistics) is refused by every method
-    (:mod:`~captum_transformers.capture.stochastic_layers`): each call would explain another
+    (:mod:`~captum_transformers.compat.stochastic_layers`): each call would explain another
     forward. ``Method(model, ..., allow_stochastic=True)`` explains it on purpose, one random
     draw per call (layers that would update running statistics stay refused). Training mode
     without such layers (gradient checkpointing, dropouts with ``p = 0``) needs no opt-in.

@@ -5,14 +5,14 @@ from typing import Dict, Mapping
 
 import torch
 
-from . import relevancy_maps
+from .math import relevancy_maps
 from ..errors import InputError
-from ..propagation.rules import RuleSet
+from ..propagation.rules.rule_set import RuleSet
 from ..capture.trace import TOKENS, AttentionTrace, CaptureSpec
 from .base import StartLayer, TraceAttribution
-from .pass_plan import PassPlan
-from .row_chains import last_map_row, relevance_chain, rollout_chain, row_layout
-from .streaming_rows import RowStream
+from ..engine.pass_plan import PassPlan
+from ..capture.row_chains import last_map_row, relevance_chain, rollout_chain, row_layout
+from ..capture.row_stream import RowStream
 
 
 def _relevance(probs: torch.Tensor, lrp_grad: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ Like the 4.x code (itself fairseq's), hidden states are sequence-first ``(T, B, 
 ``T = 1 + N_max``, the attention probabilities are ``(B * H, T, T)`` from
 ``bmm(q, k^T) + bias``, masked at padding keys, softmax, then the ``attention_dropout_module``
 child, then ``bmm(probs, v)``: the dropout child's input is every attention map, which is
-where :mod:`captum_transformers.adapters.graphormer` observes it. Two 4.x behaviours kept for
+where :mod:`captum_transformers.adapters.graph.graphormer` observes it. Two 4.x behaviours kept for
 checkpoint compatibility: ``attn_bias`` is added twice (it only holds 0 or ``-inf``), and a
 pre-LN encoder's ``final_layer_norm`` exists but is not applied.
 

@@ -40,13 +40,13 @@ import torch
 
 from ..errors import InputError
 from ..evaluation.accumulator import Accumulator
-from ..evaluation.aopc import Comprehensiveness, Sufficiency
+from ..evaluation.tokens.aopc import Comprehensiveness, Sufficiency
 from ..evaluation.completeness import CompletenessError
-from ..evaluation.deletion_insertion import RiseDeletion, RiseInsertion
-from ..evaluation.relevance_gain_graphs import GraphRelevanceGain
-from ..evaluation.relevance_gain_images import ImageRelevanceGain
-from ..evaluation.relevance_gain_tokens import TokenRelevanceGain
-from ..evaluation.road import ROAD
+from ..evaluation.images.deletion_insertion import RiseDeletion, RiseInsertion
+from ..evaluation.graphs.relevance_gain import GraphRelevanceGain
+from ..evaluation.images.relevance_gain import ImageRelevanceGain
+from ..evaluation.tokens.relevance_gain import TokenRelevanceGain
+from ..evaluation.images.road import ROAD
 
 METRIC_SETS: Tuple[str, ...] = ("classic", "recent", "all", "road")
 """``classic``: each task's original metrics; ``recent``: this module's without ROAD; ``all``: both
@@ -244,7 +244,7 @@ class RecentGraphMetrics(RecentMetrics):
     def update_batch(self, explainers, data, explain: str, device, arguments) -> None:
         """Explain one batch of single-motif graphs with every method and feed SRG (the classic
         metrics explain the same graphs in ``update_motif_metrics``; explanations are deterministic)."""
-        from .motif_evaluation import _node_scores
+        from .motifs.evaluation import _node_scores
 
         if explain == "label":
             target = data.labels

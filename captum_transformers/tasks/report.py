@@ -8,7 +8,7 @@ from typing import Dict, List, Tuple
 from ..evaluation import plot_curves, write_csv, write_json
 from ..evaluation.results import CurveResult
 from .extended_metrics import recent_columns
-from .recall_benchmark import recall_columns
+from .recall.benchmark import recall_columns
 from .runner import BenchmarkReport
 
 # Columns per task: (header, metric name, field, format). Arrows say which way is better.

@@ -52,7 +52,7 @@ from ..errors import InputError
 from ..evaluation import (ClassSpecificity, PixelPerturbation, RationaleF1, SegmentationScores, TokenActivation,
                           TokenPruning, all_reduce_metrics, shard_indices)
 from ..evaluation.accumulator import Accumulator
-from ..evaluation.pixel_perturbation import PIXEL_PROTOCOLS
+from ..evaluation.images.pixel_perturbation import PIXEL_PROTOCOLS
 from ..evaluation.results import ResultRecord
 from ..methods.catalog import METHOD_NAMES, PACKAGE_METHOD_NAMES, build_method, resolve_method_names
 from .extended_metrics import (RecentGraphMetrics, RecentImageMetrics, RecentTokenMetrics, merged, metric_parts,
@@ -120,15 +120,15 @@ def _image_scores(attribution) -> torch.Tensor:
 def _digit_classifier(swin: bool):
     """The built-in DigitCanvas ViT, or the DigitCanvas Swin."""
     if swin:
-        from .digit_swin import load_digit_swin
+        from .digits.swin import load_digit_swin
         return load_digit_swin()
-    from .digit_model import load_digit_model
+    from .digits.model import load_digit_model
     return load_digit_model()
 
 
 def _run_digits(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps, swin=False,
                 parts=(True, False), road=False):
-    from .digit_canvas import digit_canvases, normalize
+    from .digits.canvas import digit_canvases, normalize
 
     classic, recent_set = parts  # (classic metrics, recent metrics): tasks.extended_metrics.metric_parts
     data = digit_canvases(split="test", variant="one", n=limit, seed=0)
@@ -161,7 +161,7 @@ def _run_digits(method_names, limit, batch_size, progress, device, explain, cach
 
 def _run_digits_two(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps, swin=False,
                     parts=(True, False)):
-    from .digit_canvas import digit_canvases, normalize
+    from .digits.canvas import digit_canvases, normalize
 
     data = digit_canvases(split="test", variant="two", n=limit, seed=0)
     model = _digit_classifier(swin).to(device)
@@ -180,8 +180,8 @@ def _run_digits_two(method_names, limit, batch_size, progress, device, explain, 
 
 def _run_movies(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps,
                 parts=(True, False)):
-    from .movie_model import load_movie_model
-    from .movie_snippets import encode, load_movie_snippets
+    from .movies.model import load_movie_model
+    from .movies.snippets import encode, load_movie_snippets
 
     data = load_movie_snippets(split="test", limit=limit, cache_dir=cache_dir)
     model, tokenizer = load_movie_model(cache_dir)
@@ -220,19 +220,19 @@ def _run_movies(method_names, limit, batch_size, progress, device, explain, cach
 
 def _run_motifs(method_names, limit, batch_size, progress, device, explain, cache_dir, pixel_steps,
                 parts=(True, False), graphormer: bool = False):
-    from .graph_motifs import motif_graphs
-    from .motif_evaluation import motif_metrics, pyg_arguments, update_motif_metrics
-    from .train_motifs import TEST_GRAPHS, TEST_SEED
+    from .motifs.graphs import motif_graphs
+    from .motifs.evaluation import motif_metrics, pyg_arguments, update_motif_metrics
+    from .motifs.train import TEST_GRAPHS, TEST_SEED
 
     n = limit or TEST_GRAPHS
     data, pairs = motif_graphs(n, seed=TEST_SEED), motif_graphs(n, seed=TEST_SEED + 1, two_motifs=True)
     if graphormer:
-        from .graphormer_motifs import graphormer_arguments, graphormer_forward, load_motif_graphormer
+        from .motifs.graphormer import graphormer_arguments, graphormer_forward, load_motif_graphormer
 
         explained = load_motif_graphormer().to(device)
         model, arguments = graphormer_forward(explained), graphormer_arguments  # metrics: the flat-batch form
     else:
-        from .motif_model import load_motif_model
+        from .motifs.model import load_motif_model
 
         explained = model = load_motif_model().to(device)
         arguments = pyg_arguments
@@ -313,7 +313,7 @@ def run_benchmark(task: str, methods: Optional[Sequence[str]] = None, limit: Opt
     """
     parts = metric_parts(metrics, task)
     if task == "recall":  # per-prompt bootstrap intervals, not accumulators: its own runner
-        from .recall_benchmark import run_recall_benchmark
+        from .recall.benchmark import run_recall_benchmark
 
         if pixel_steps != "fine":
             raise InputError(f"pixel_steps={pixel_steps!r} applies to the digits task only; drop the option.")

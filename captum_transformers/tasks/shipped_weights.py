@@ -8,7 +8,7 @@ recreates it.
 Example::
 
     >>> model = load_shipped_weights(build_digit_model(), weights_path(), "The DigitCanvas weights",
-    ...                              "python -m captum_transformers.tasks.train_digits")
+    ...                              "python -m captum_transformers.tasks.digits.train")
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ Example::
     >>> args, command = parse_training_command("train_recall", "Train.", "recall_llama.pt", "recall_llama.json",
     ...                                        steps=3000, seed=0, threads=1, argv=["--steps", "5"])
     >>> command
-    'python -m captum_transformers.tasks.train_recall --steps 5 --seed 0 --threads 1'
+    'python -m captum_transformers.tasks.recall.train --steps 5 --seed 0 --threads 1'
 """
 from __future__ import annotations
 

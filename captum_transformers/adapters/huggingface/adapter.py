@@ -1,0 +1,432 @@
+"""HuggingFace transformers models, through the attention-function registry.
+
+Inside :meth:`HuggingFaceAdapter.capture` (and :meth:`~HuggingFaceAdapter.propagation`) the
+model's configs point at the explicit kernel of :mod:`.hf_kernel`, so eager, sdpa and flash
+models all become the same explicit computation while captured. This module knows the
+models: their attention blocks and token streams (one sequence; CLIP's two towers;
+encoder and decoder), the explained rows, the input spans, targets and output fields.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ...model_state import patching
+from ...compat import checkpointing
+from ...model_state import module_walk
+from ...errors import CaptureError, InputError
+from ...propagation.rules.operations import operation_rules
+from ...propagation.rules.rule_set import RuleSet, norm_rules
+from ...capture.trace import CONTEXT, Block, InputSpan, StreamLayouts, Streams, TokenLayout
+from ..base import Adapter
+from .kernel import ATTENTION_KEY, SDPA_KEY, active_recorder, active_rules, block_kind
+from .kernel_keys import capture_key, propagation_key
+from .kept_logits import kept_logit_positions
+from .position_padding import _learned_position_table, warn_left_padding_without_positions
+from ..query_rows import QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen_rows
+from ...capture.recorder import Recorder
+
+# Per-architecture quirks are rows of data. prefix: tokens before the patch grid;
+# rows: classifier token positions; "eos": CLIP text pools at the end-of-text token.
+_MODEL_TYPE_QUIRKS: Dict[str, Dict[str, Any]] = {
+    "vit": {"prefix": 1},
+    "deit": {"prefix": 2},
+    "clip_vision_model": {"prefix": 1},
+    "clip_text_model": {"rows": "eos"},
+}
+# Heads that read more than one token: their rows are averaged.
+_CLASS_ROWS: Dict[str, Tuple[int, ...]] = {
+    "DeiTForImageClassificationWithTeacher": (0, 1),
+}
+# Streams by module path, for models with more than one token sequence. The first
+# component of a block's dotted path found in _STREAM_COMPONENTS names its query stream
+# ("text_model.encoder.layers.0.self_attn" -> "text"; "model.decoder.layers.0.encoder_attn"
+# -> "decoder"); a cross-attention block's keys come from _CROSS_KEY_STREAMS[query stream].
+# A model whose blocks all query one stream keeps the single "tokens" stream.
+_STREAM_COMPONENTS: Dict[str, str] = {
+    "text_model": "text",     # CLIP-style dual encoders
+    "vision_model": "image",
+    "encoder": "encoder",     # encoder-decoders: BART, mBART, Marian, Pegasus, T5, EncoderDecoderModel
+    "decoder": "decoder",
+}
+_CROSS_KEY_STREAMS: Dict[str, str] = {"decoder": "encoder"}
+_OUTPUT_FIELDS = ("logits", "logits_per_image", "image_embeds", "text_embeds", "pooler_output")
+# Output fields that hold scores a target indexes; the other fields hold features.
+_SCORE_FIELDS = ("logits", "logits_per_image")
+
+
+def _pretrained(model: nn.Module) -> nn.Module:
+    from transformers import PreTrainedModel
+
+    for module in module_walk.modules(model):
+        if isinstance(module, PreTrainedModel):
+            return module
+    raise CaptureError(f"{type(model).__name__} contains no transformers PreTrainedModel.")
+
+
+def _sub_config(model: nn.Module, name: str) -> Any:
+    """``config.<name>`` of a composite model (CLIP's text_config), else the config itself."""
+    config = _pretrained(model).config
+    sub = getattr(config, name, None)
+    return config if sub is None else sub
+
+
+@contextlib.contextmanager
+def _gradient_checkpointing_off(model: nn.Module) -> Iterator[None]:
+    """Layers with gradient checkpointing run plainly while captured: a checkpointed layer re-runs
+    its forward in the backward pass, outside the capture, with another attention kernel
+    (torch raises CheckpointError). Each module's own flag is restored on exit. Under
+    :func:`~captum_transformers.compat.checkpointing.keep_gradient_checkpointing` the layers stay
+    checkpointed, recomputed under the explanation's rules instead."""
+    with contextlib.ExitStack() as stack:
+        for module in module_walk.modules(model):
+            # The instance's flag, else its class's (transformers' layers declare it there): no
+            # failing nn.Module.__getattr__ lookup on every other module.
+            if vars(module).get("gradient_checkpointing", getattr(type(module), "gradient_checkpointing", False)) is True:
+                if checkpointing.kept() and callable(vars(module).get("_gradient_checkpointing_func")):
+                    # Kept on (opt-in): the recomputation runs under the explanation's rules.
+                    stack.enter_context(patching.instance_function(module, "_gradient_checkpointing_func",
+                                                                   checkpointing.explained_checkpoint(module, model)))
+                    continue
+                stack.enter_context(patching.flag(module, "gradient_checkpointing", False))  # this thread only
+        yield
+
+
+def _takes_decoder_inputs(model: nn.Module) -> bool:
+    """True for a seq2seq model called directly (its forward names ``decoder_input_ids``);
+    DETR (also ``is_encoder_decoder``) and user wrappers are called positionally."""
+    try:
+        parameters = inspect.signature(type(model).forward).parameters  # the instance forward may be wrapped
+    except (TypeError, ValueError):
+        return False
+    return "decoder_input_ids" in parameters and "decoder_inputs_embeds" in parameters
+
+
+def _is_attention_module(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return "Attention" in name and not any("Attention" in type(c).__name__ for c in module.children())
+
+
+class HuggingFaceAdapter(Adapter):
+    """Adapter for transformers >= 5 models that dispatch through ``AttentionInterface``.
+
+    Tested: BERT, DistilBERT, RoBERTa, ViT, DeiT (plain and distilled), CLIP vision and
+    text towers, GPT-2 and Llama-style decoders (causal masks, grouped-query attention),
+    with padding masks; CLIP's dual encoder; BART, T5 and ViT-to-GPT-2 encoder-decoders. Models with
+    inline attention (LXMERT, VisualBERT) are not intercepted here and raise
+    :class:`CaptureError`.
+
+    Models with several token streams (named from module paths, :attr:`stream_components`):
+
+    * CLIP dual encoder (``CLIPModel``), streams ``"text"`` and ``"image"``. Inputs
+      ``(input_ids, pixel_values)``, the text mask by keyword. The explained score of example
+      ``i`` is ``logits_per_image[i, target[i]]``: image ``i`` against text ``target[i]``.
+      ``target=None`` means each image's own text (the diagonal, not the arg-max), and a
+      target must be a permutation of the texts: text ``j``'s map is its share of the one
+      similarity that reads it, returned in row ``j`` of the ``input_ids`` attribution.
+      A method's ``start_layer`` counts layers per tower.
+    * Encoder-decoders (BART, mBART, Marian, Pegasus, T5), streams ``"encoder"`` and
+      ``"decoder"``. Inputs ``(input_ids, decoder_input_ids)``: the second input is passed
+      to the model by keyword (``decoder_inputs_embeds`` when it is floating point); masks
+      go in ``forward_kwargs`` (``attention_mask``, ``decoder_attention_mask``) or the
+      encoder mask in ``additional_forward_args``. The explained score is the next-token
+      logit at the last real decoder position, so ``target`` is the id of the generated
+      token to explain; to explain an earlier generated token, truncate
+      ``decoder_input_ids`` to the tokens before it. The attributions are (source
+      relevance, decoder-prefix relevance). A ViT encoder's pixel input
+      (``VisionEncoderDecoderModel``) is mapped through its patch grid.
+
+    The explained rows follow the model's head where the model says it: the CLS token of
+    ``*ForSequenceClassification`` / ``*ForImageClassification``, DeiT's CLS and distillation
+    tokens, CLIP text's end-of-text token, a causal model's last real token. A head the adapter
+    cannot see, e.g. a user's ``nn.Module`` that mean-pools ``BertModel``'s hidden states (the
+    usual sentence-encoder use of MiniLM), still gets the CLS row by default: nothing in the
+    forward pass tells which rows the user's code reads. Say it with ``query_rows``. Methods
+    that take the gradient at the last attention output (Grad-CAM, GenericAttention,
+    TransformerRelevance, PartialLRP) see which rows the score reads and refuse a default
+    that leaves some out; forward-only methods cannot (see ``docs/explained-tokens.md``).
+
+    Args:
+        query_rows: which token(s) explain the output of a one-sequence model. ``None``
+            (default): as described above; ``"mean"``: all real tokens, equally weighted
+            (mean pooling); ``"last"``: the last real token; an int: that position (negative
+            counts from the end).
+
+    A bare encoder (``BertModel``, a CLIP tower with projection) returns features, not class
+    scores: with ``target=None`` it raises :class:`InputError` instead of explaining the
+    arg-max feature. Wrap it with the head whose score you explain, or pass a target.
+
+    Example::
+
+        >>> GenericAttention(bart).attribute((source_ids, prefix_ids), target=next_id,
+        ...                                  forward_kwargs={"attention_mask": source_mask})
+        >>> pooled = MeanPoolingClassifier(BertModel(config))           # the user's head
+        >>> GenericAttention(pooled, adapter=HuggingFaceAdapter(query_rows="mean")).attribute(ids, target=1)
+    """
+
+    name = "huggingface"
+    families = ("transformers models using AttentionInterface (BERT, DistilBERT, RoBERTa, ViT, DeiT, CLIP towers "
+                "and dual encoder, GPT-2, Llama-style, BART, T5)")
+    # Overridable per subclass: path component -> query stream; query stream -> key stream
+    # of its cross-attention; stream set -> the method building its layouts.
+    stream_components: Mapping[str, str] = _STREAM_COMPONENTS
+    cross_key_streams: Mapping[str, str] = _CROSS_KEY_STREAMS
+    layout_builders: Mapping[frozenset, str] = {
+        frozenset({"text", "image"}): "dual_encoder_layouts",
+        frozenset({"encoder", "decoder"}): "encoder_decoder_layouts",
+    }
+
+    def __init__(self, query_rows: QueryRows = None) -> None:
+        self.query_rows_choice = checked_query_rows(query_rows)
+
+    def blocks(self, model: nn.Module) -> List[Block]:
+        # Asked several times per explanation: found once per walk of the modules.
+        return list(module_walk.per_walk(model, ("blocks", type(self)), lambda: self._find_blocks(model)))
+
+    def _find_blocks(self, model: nn.Module) -> List[Block]:
+        found = [(name, m, block_kind(m, name)) for name, m in module_walk.named_modules(model) if _is_attention_module(m)]
+        streams = [self.block_streams(name, kind) for name, _, kind in found]
+        if len({s[0] for s in streams if s is not None}) < 2:
+            streams = [None] * len(found)  # one sequence: the default "tokens" stream
+        return [Block(name, m, kind, s) for (name, m, kind), s in zip(found, streams)]
+
+    def block_streams(self, name: str, kind: str) -> Optional[Streams]:
+        """(query stream, key stream) of the block at dotted path ``name``: the first path
+        component in :attr:`stream_components` names the query stream; None if none does."""
+        for part in name.split("."):
+            stream = self.stream_components.get(part)
+            if stream is not None:
+                return (stream, stream) if kind == "self" else (stream, self.cross_key_streams.get(stream, CONTEXT))
+        return None
+
+    def query_streams(self, model: nn.Module) -> frozenset:
+        """The query streams of ``model``'s blocks (empty for one-sequence models)."""
+        return frozenset(b.streams[0] for b in self.blocks(model) if b.streams is not None)
+
+    @contextlib.contextmanager
+    def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
+        blocks = {id(b.module): b for b in self.blocks(model)}
+        key = capture_key(recorder, blocks.values(), model)
+        with active_recorder(recorder, blocks), patching.hf_attention_implementation(model, key), \
+                _gradient_checkpointing_off(model):
+            yield
+
+    @contextlib.contextmanager
+    def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
+        key = propagation_key(model, rules)
+        with active_rules(rules), patching.hf_attention_implementation(model, key), \
+                _gradient_checkpointing_off(model), norm_rules(model, rules), operation_rules(model, rules):
+            yield
+
+    def _quirks(self, model: nn.Module) -> Dict[str, Any]:
+        return _MODEL_TYPE_QUIRKS.get(getattr(_pretrained(model).config, "model_type", ""), {})
+
+    def num_prefix_tokens(self, model: nn.Module) -> Optional[int]:
+        return self._quirks(model).get("prefix")
+
+    def patch_size(self, model: nn.Module):
+        config = _pretrained(model).config
+        size = getattr(config, "patch_size", None)
+        if isinstance(size, int):
+            return (size, size)
+        return super().patch_size(model)
+
+    def query_rows(self, model, inputs, recorder, num_tokens, num_prefix, token_mask):
+        batch = recorder.sites[0].batch_size
+        device = inputs[0].device
+        if self.query_rows_choice is not None:
+            return chosen_rows(self.query_rows_choice, num_tokens, token_mask, batch, device)
+        for module in module_walk.modules(model):
+            rows = _CLASS_ROWS.get(type(module).__name__)
+            if rows is not None:
+                return torch.tensor(rows, device=device).expand(batch, -1)
+        if self._quirks(model).get("rows") == "eos":
+            return self._eos_rows(model, inputs[0])
+        return super().query_rows(model, inputs, recorder, num_tokens, num_prefix, token_mask)
+
+    @staticmethod
+    def _eos_rows(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.is_floating_point() or input_ids.dim() != 2:
+            raise InputError(
+                f"The CLIP text tower pools at the end-of-text token, found from input_ids; got an input of shape "
+                f"{tuple(input_ids.shape)} and dtype {input_ids.dtype}. Pass input_ids as the first input."
+            )
+        eos = _sub_config(model, "text_config").eos_token_id
+        ids = input_ids.to(torch.int)
+        position = ids.argmax(dim=-1) if eos == 2 else (ids == eos).int().argmax(dim=-1)
+        return position.to(torch.long).unsqueeze(1)
+
+    # -- several streams ------------------------------------------------------------------
+    def stream_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder) -> StreamLayouts:
+        """One ``"tokens"`` stream for one-sequence models; otherwise the layouts built by the
+        method :attr:`layout_builders` names for the model's set of query streams."""
+        names = frozenset(site.streams[0] for site in recorder.sites)
+        if len(names) < 2:
+            return super().stream_layouts(model, inputs, recorder)
+        if self.query_rows_choice is not None:
+            raise InputError(
+                f"query_rows={self.query_rows_choice!r} chooses the explained rows of one token sequence, but "
+                f"{type(model).__name__} has the streams {sorted(names)}, whose explained rows the adapter sets "
+                "(CLIP: end-of-text and CLS tokens; encoder-decoders: the last real decoder token). Use "
+                "HuggingFaceAdapter() without query_rows, or explain one tower of the model."
+            )
+        builder = self.layout_builders.get(names)
+        if builder is None:
+            raise CaptureError(
+                f"{type(model).__name__} has attention over the streams {sorted(names)}, for which the {self.name} "
+                f"adapter knows no layout (known: {[sorted(k) for k in self.layout_builders]}). Subclass "
+                "HuggingFaceAdapter and add a layout builder, or explain one tower of the model."
+            )
+        return getattr(self, builder)(model, inputs, recorder)
+
+    def dual_encoder_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...],
+                             recorder: Recorder) -> StreamLayouts:
+        """CLIP: the text tower read at each text's end-of-text token, the image tower at its
+        CLS token (row 0) in front of the patch grid. ``input_ids`` map onto the text
+        stream, ``pixel_values`` onto the image's patch grid."""
+        ids = next((t for t in inputs if not t.is_floating_point() and t.dim() == 2), None)
+        if ids is None:
+            raise InputError(
+                f"A dual text-image encoder is explained from inputs (input_ids, pixel_values); got inputs of shapes "
+                f"{[tuple(t.shape) for t in inputs]} and dtypes {[str(t.dtype) for t in inputs]}. Pass input_ids (and "
+                "pixel_values) as inputs and the text attention mask in forward_kwargs."
+            )
+        num_text = recorder.stream_length("text")
+        num_image = recorder.stream_length("image")
+        batch = recorder.sites[0].batch_size
+        text = TokenLayout(num_text, self._eos_rows(model, ids), recorder.stream_mask("text"))
+        pixels = next((t for t in inputs if t.is_floating_point() and t.dim() == 4), None)
+        vision = _sub_config(model, "vision_config")
+        patch = getattr(vision, "patch_size", None)
+        patch = (patch, patch) if isinstance(patch, int) else self.patch_size(model)
+        size = tuple(pixels.shape[-2:]) if pixels is not None else (vision.image_size, vision.image_size)
+        grid = (size[0] // patch[0], size[1] // patch[1])
+        prefix = num_image - grid[0] * grid[1]
+        if prefix != 1:
+            raise CaptureError(
+                f"The image tower attends over {num_image} tokens but an image of {size[0]}x{size[1]} with patch size "
+                f"{patch} gives a {grid[0]}x{grid[1]} grid plus one CLS token. Check the image size."
+            )
+        image = TokenLayout(num_image, torch.zeros(batch, 1, dtype=torch.long, device=ids.device), None, prefix, grid)
+        spans = tuple(InputSpan("text") if t is ids else InputSpan("image", prefix, None, grid) if t is pixels
+                      else None for t in inputs)
+        return StreamLayouts({"text": text, "image": image}, ("text", "image"), spans)
+
+    def encoder_decoder_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...],
+                                recorder: Recorder) -> StreamLayouts:
+        """Encoder-decoders: the decoder read at its last real token (the next-token position),
+        as a causal decoder; the encoder is reached through cross-attention (its row 0 is a
+        placeholder, never read). Input 0 maps onto the encoder, input 1 onto the decoder."""
+        batch = recorder.sites[0].batch_size
+        device = inputs[0].device
+        encoder_mask = recorder.stream_mask("encoder")
+        decoder_mask = recorder.stream_mask("decoder")
+        num_decoder = recorder.stream_length("decoder")
+        num_encoder = recorder.stream_length("encoder")
+        grid, prefix = self._image_grid(model, inputs[0], num_encoder)
+        layouts = {
+            "encoder": TokenLayout(num_encoder, torch.zeros(batch, 1, dtype=torch.long, device=device), encoder_mask,
+                                   prefix, grid),
+            "decoder": TokenLayout(num_decoder, chosen_rows("last", num_decoder, decoder_mask, batch, device), decoder_mask),
+        }
+        spans = (InputSpan("encoder", prefix, None, grid), InputSpan("decoder"))[: len(inputs)]
+        spans += (None,) * (len(inputs) - len(spans))
+        return StreamLayouts(layouts, ("decoder",), spans)
+
+    def _image_grid(self, model: nn.Module, pixels: torch.Tensor, num_tokens: int):
+        """(grid, prefix tokens) of an image input to an encoder (VisionEncoderDecoder's ViT);
+        (None, 0) for token inputs."""
+        if pixels.dim() != 4 or not pixels.is_floating_point():
+            return None, 0
+        patch = self.patch_size(model)
+        grid = None if patch is None else (pixels.shape[-2] // patch[0], pixels.shape[-1] // patch[1])
+        if grid is None or not 0 <= num_tokens - grid[0] * grid[1] <= 2:
+            raise CaptureError(
+                f"The encoder attends over {num_tokens} tokens, which do not form the patch grid of an image of shape "
+                f"{tuple(pixels.shape)} (patch size {patch}) with at most two prefix tokens. Image inputs of "
+                "encoder-decoders are mapped for ViT-style encoders only; explain the token sequences instead."
+            )
+        return grid, num_tokens - grid[0] * grid[1]
+
+    def kept_logits(self, model, inputs, additional_forward_args, forward_kwargs):
+        """A causal LM's logits at the explained position only (``logits_to_keep``)."""
+        return kept_logit_positions(model, inputs, additional_forward_args, forward_kwargs, self.query_rows_choice)
+
+    def call_model(self, model, inputs, additional_forward_args, forward_kwargs):
+        """An encoder-decoder given inputs ``(input_ids, decoder_input_ids)`` gets the second
+        by keyword (positionally it would land on ``attention_mask``). A left-padded batch
+        without ``position_ids`` for a model with learned absolute positions is warned about
+        (:func:`warn_left_padding_without_positions`)."""
+        warn_left_padding_without_positions(
+            model, forward_kwargs,
+            module_walk.per_walk(model, ("learned_positions",), lambda: _learned_position_table(model)))
+        if len(inputs) != 2 or not _takes_decoder_inputs(model):
+            return super().call_model(model, inputs, additional_forward_args, forward_kwargs)
+        keyword = "decoder_inputs_embeds" if inputs[1].is_floating_point() else "decoder_input_ids"
+        given = [k for k in ("decoder_input_ids", "decoder_inputs_embeds") if k in (forward_kwargs or {})]
+        if given:
+            raise InputError(
+                f"The decoder sequence was given twice: as the second input and as forward_kwargs {given}. Pass "
+                "inputs=(input_ids, decoder_input_ids), or inputs=input_ids with decoder_input_ids in forward_kwargs "
+                "(then the decoder prefix gets no attribution)."
+            )
+        return model(inputs[0], *additional_forward_args, **{**(forward_kwargs or {}), keyword: inputs[1]})
+
+    def resolve_target(self, model, logits, target):
+        """CLIP's dual encoder (``logits_per_image``, images x texts): ``None`` explains each
+        image with its own text, and any target must pair the images with the texts one to
+        one (a permutation), so each text tower map explains exactly one similarity."""
+        batch = logits.shape[0]
+        paired = logits.dim() == 2 and logits.shape[1] == batch and {"text", "image"} <= self.query_streams(model)
+        if not paired:
+            return super().resolve_target(model, logits, target)
+        if target is None:
+            target = list(range(batch))
+        scores, index = super().resolve_target(model, logits, target)
+        chosen = index[:, 0].tolist()
+        if sorted(chosen) != list(range(batch)):
+            repeated = sorted({j for j in chosen if chosen.count(j) > 1})
+            raise InputError(
+                f"target={chosen} pairs the {batch} images with texts {chosen}, which is not a permutation of "
+                f"range({batch}): texts {repeated} are chosen by several images and "
+                f"{sorted(set(range(batch)) - set(chosen))} by none, so the text tower's map of a text would mix "
+                f"several similarities. Pass target=list(range({batch})) (or None) to explain each image with its own "
+                "text, or any permutation; explain other pairs in separate calls."
+            )
+        return scores, index
+
+    def check_output(self, model, output, target):
+        """A ModelOutput with no score field (a bare encoder: ``pooler_output``, ``image_embeds``,
+        ``last_hidden_state``) holds features: refused with ``target=None``, whose arg-max
+        would explain whichever feature happens to be largest."""
+        if target is not None or isinstance(output, (torch.Tensor, tuple, list)):
+            return
+        if not hasattr(output, "items") or any(isinstance(getattr(output, field, None), torch.Tensor)
+                                               for field in _SCORE_FIELDS):
+            return
+        fields = [name for name, value in output.items() if isinstance(value, torch.Tensor)]
+        raise InputError(
+            f"{type(model).__name__} returned {type(output).__name__} with the fields {fields}: hidden features, not "
+            "class scores, and no target was given, so there is no score to explain (the arg-max of a feature vector "
+            "is not a prediction). Wrap the encoder in an nn.Module with the head whose score you explain (e.g. "
+            "mean pooling + linear) and explain that; or pass target=<feature index> to explain one feature. "
+            + QUERY_ROWS_HINT
+        )
+
+    def logits(self, model, output, layout, causal):
+        if not isinstance(output, (torch.Tensor, tuple, list)):
+            for field in _OUTPUT_FIELDS:
+                value = output.get(field) if isinstance(output, Mapping) else getattr(output, field, None)
+                if isinstance(value, torch.Tensor):
+                    output = value
+                    break
+            else:
+                raise InputError(
+                    f"{type(output).__name__} has none of the fields {_OUTPUT_FIELDS}; wrap the model so that its "
+                    "forward returns the score tensor to explain. " + QUERY_ROWS_HINT
+                )
+        return super().logits(model, output, layout, causal)

@@ -1,0 +1,2 @@
+"""Metrics of generation explanations: per generated token, its evidence removed from the prompt.
+"""

@@ -1,0 +1,2 @@
+"""Metrics that perturb the nodes of graphs: activation / pruning curves and relevance gain.
+"""

@@ -1,0 +1,2 @@
+"""The package's methods inside inseq: registered attribution methods and inseq's JSON export.
+"""

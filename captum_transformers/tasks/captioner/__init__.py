@@ -1,0 +1,2 @@
+"""The built-in digit captioner (a tiny LLaVA) and its training.
+"""

@@ -1,0 +1,2 @@
+"""Movie snippets: Rotten Tomatoes sentences as a sentiment task, and the fine-tuned MiniLM.
+"""

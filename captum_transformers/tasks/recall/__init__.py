@@ -1,0 +1,2 @@
+"""Associative recall: the generation task, the built-in recall Llama, its training and benchmark.
+"""
