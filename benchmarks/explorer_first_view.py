@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     from playwright.sync_api import sync_playwright
 
     from captum_transformers.explorer.server import start
-    from captum_transformers.explorer.sources import builtin_workspace
+    from captum_transformers.explorer.pages.classifier.sources import builtin_workspace
 
     print(f"torch threads: {torch.get_num_threads()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
           f"load average: {os.getloadavg()[0]:.2f}")

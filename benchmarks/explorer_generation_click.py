@@ -45,8 +45,8 @@ CLICK = """async (step) => {
 def builtin_workspace():
     """The generation workspace of the built-in model, and whether its weights are the shipped ones."""
     from captum_transformers.errors import InputError
-    from captum_transformers.explorer.generation_sources import builtin_generation_workspace
-    from captum_transformers.explorer.generation_workspace import GenerationWorkspace
+    from captum_transformers.explorer.pages.generation.sources import builtin_generation_workspace
+    from captum_transformers.explorer.pages.generation.workspace import GenerationWorkspace
     from captum_transformers.tasks.recall.model import build_recall_model, recall_tokenizer
     from captum_transformers.tasks.recall.task import recall_examples
 

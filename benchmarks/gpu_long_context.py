@@ -9,7 +9,7 @@ its arg-max token), one table row per operation:
 * the package's ``AttnLRP``, ``ConservativeLRP`` (AH+LN) and ``GenericAttention`` token maps of
   that score;
 * with ``--cpu-chunks``, on an accelerator, ``GenericAttention`` again with the CPU's chunk size (the streamed rows are
-  recomputed in chunks of about 4 MiB on a CPU, ``chunk_products.ACCELERATOR_CHUNK_SCALE`` times
+  recomputed in chunks of about 4 MiB on a CPU, ``capture.row_chunks.ACCELERATOR_CHUNK_SCALE`` times
   that on an accelerator);
 * ``GenerationAttribution(AttnLRP)`` on the last 32 tokens taken as the output, teacher-forced
   (``target=`` the ids: one forward over prompt + output and one backward pass per output token);
@@ -123,7 +123,7 @@ def make_ops(model: torch.nn.Module, tokens: int, with_lxt: bool,
              cpu_chunks: bool = False) -> Dict[str, Callable[[], object]]:
     from captum_transformers import AttnLRP, ConservativeLRP, GenericAttention
     from captum_transformers.generation import GenerationAttribution
-    from captum_transformers.propagation.attention import chunk_products
+    from captum_transformers.capture import row_chunks
 
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(1)
@@ -150,12 +150,12 @@ def make_ops(model: torch.nn.Module, tokens: int, with_lxt: bool,
     }
     if cpu_chunks and device.type != "cpu":  # the accelerator's chunk size against the CPU's (chunk_budget)
         def cpu_sized_chunks():
-            scale = chunk_products.ACCELERATOR_CHUNK_SCALE
-            chunk_products.ACCELERATOR_CHUNK_SCALE = 1
+            scale = row_chunks.ACCELERATOR_CHUNK_SCALE
+            row_chunks.ACCELERATOR_CHUNK_SCALE = 1
             try:
                 return generic.attribute(ids, target=target, return_tokens=True)
             finally:
-                chunk_products.ACCELERATOR_CHUNK_SCALE = scale
+                row_chunks.ACCELERATOR_CHUNK_SCALE = scale
         ops["GenericAttention, CPU-sized chunks"] = cpu_sized_chunks
     if with_lxt:
         from lrp_cost import _lxt_maps, lxt_patched

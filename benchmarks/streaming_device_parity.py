@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from long_context import build_model  # noqa: E402
 
 import captum_transformers as ct  # noqa: E402
-import captum_transformers.propagation.attention.core as attention_core  # noqa: E402
+import captum_transformers.capture.row_chunks as row_chunks  # noqa: E402
 import captum_transformers.propagation.attention.constant_map as constant_map_attention  # noqa: E402
 
 METHODS = {
@@ -90,7 +90,7 @@ def _one_block(method, ids: torch.Tensor, here: dict) -> torch.Tensor:
 
 
 def rows(device: str, tokens: int) -> List[Tuple[str, str, str, str, float, float, str]]:
-    attention_core._ROW_CHUNK_BYTES = CHUNK_BYTES
+    row_chunks.ROW_CHUNK_BYTES = CHUNK_BYTES
     constant_map_attention._BLOCK_ELEMENTS = CHUNK_BYTES // 4
     found = []
     for impl in ("eager", "sdpa"):

@@ -28,7 +28,7 @@ import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from urllib.parse import urlparse
 
 import torch
@@ -200,7 +200,7 @@ def hub_config(source: str, local: bool, expected: str, not_also: str = "") -> t
     except (OSError, ValueError) as error:  # transformers 5: a folder with no config.json is a ValueError
         if local:
             found = "has no config.json" if not (Path(source) / "config.json").exists() else \
-                f"has a config.json that transformers cannot read ({_first_line(error)})"
+                f"has a config.json that transformers cannot read ({first_line(error)})"
             raise InputError(f"--model {source!r} is a directory that {found}; expected {expected}.") from None
         where = f"the hub cannot be reached ({unreachable})" if unreachable else \
             "the HuggingFace hub could not provide it (unreachable, or no such model)"
@@ -255,15 +255,15 @@ def _from_pretrained(auto_class, source: str, **options) -> nn.Module:
     weights that do not fit the config, or a config with no classification head of that kind
     are an ``InputError`` (one line: transformers' load report is held back and shown only
     when the load succeeds)."""
-    with _transformers_log_held() as held:
+    with transformers_log_held() as held:
         try:
             model, loading = auto_class.from_pretrained(source, output_loading_info=True, **options)
         except (OSError, ValueError) as error:
-            raise InputError(f"--model {source!r}: {auto_class.__name__} could not load it ({_first_line(error)}); "
+            raise InputError(f"--model {source!r}: {auto_class.__name__} could not load it ({first_line(error)}); "
                              "expected a classification model saved with save_pretrained (config.json and "
                              "model.safetensors).") from None
         except Exception as error:  # safetensors' SafetensorError, torch's RuntimeError on sizes, ...
-            raise InputError(_weights_problem(source, error, held)) from None
+            raise InputError(weights_problem(source, error, held)) from None
         missing = list(loading.get("missing_keys") or ())
         if missing:
             # A base checkpoint loaded into a classification head: the head is random, and so would
@@ -276,7 +276,7 @@ def _from_pretrained(auto_class, source: str, **options) -> nn.Module:
     return model.eval()
 
 
-class _HeldRecords(logging.Handler):
+class HeldRecords(logging.Handler):
     """Log records kept while a model loads, passed on only if ``passed_on`` is set."""
 
     def __init__(self) -> None:
@@ -289,14 +289,14 @@ class _HeldRecords(logging.Handler):
 
 
 @contextlib.contextmanager
-def _transformers_log_held() -> Iterator[_HeldRecords]:
+def transformers_log_held() -> Iterator[HeldRecords]:
     """transformers' log records held back, and its progress bars off (a failed load then
     prints only our one line). Warnings are recorded whatever the verbosity (the load report
     names the first mismatched weight); on release, only those the verbosity shows are passed on."""
     from transformers.utils import logging as transformers_logging
 
     logger = logging.getLogger("transformers")
-    held, saved, level = _HeldRecords(), list(logger.handlers), logger.level
+    held, saved, level = HeldRecords(), list(logger.handlers), logger.level
     bars = transformers_logging.is_progress_bar_enabled()
     shown = logger.getEffectiveLevel()
     logger.handlers = [held]
@@ -320,24 +320,24 @@ _MISMATCH = re.compile(r"([\w.{}, ]+?)\s*\|\s*MISMATCH\s*\|.*?ckpt:\s*torch\.Siz
                        r"model:\s*torch\.Size\(\[([^\]]*)\]\)")
 
 
-def _weights_problem(source: str, error: Exception, held: _HeldRecords) -> str:
+def weights_problem(source: str, error: Exception, held: HeldRecords) -> str:
     """One line saying why the weights of ``source`` could not be loaded, and what to do."""
     text = " ".join(_ANSI.sub("", record.getMessage()) for record in held.records) + " " + str(error)
     found = _MISMATCH.search(text)
     if found or "size mismatch" in text or "mismatched" in text:
         detail = (f" (first: {found.group(1).strip()} is ({found.group(2)}) in the weights, ({found.group(3)}) by "
-                  "config.json)") if found else f" ({_first_line(error)})"
+                  "config.json)") if found else f" ({first_line(error)})"
         return (f"--model {source!r}: the weights do not fit config.json, their sizes differ{detail}; config.json "
                 "and the weights must come from the same model.save_pretrained(folder).")
     if type(error).__name__ == "SafetensorError" or "deserializ" in str(error):
-        return (f"--model {source!r}: its weights file cannot be read ({_first_line(error)}); it is empty, truncated "
+        return (f"--model {source!r}: its weights file cannot be read ({first_line(error)}); it is empty, truncated "
                 "or not a safetensors file. Save the model again with model.save_pretrained(folder), or download "
                 "it again.")
-    return (f"--model {source!r}: the weights could not be loaded ({type(error).__name__}: {_first_line(error)}); "
+    return (f"--model {source!r}: the weights could not be loaded ({type(error).__name__}: {first_line(error)}); "
             "expected a classification model saved with save_pretrained (config.json and model.safetensors).")
 
 
-def _first_line(error: Exception, limit: int = 160) -> str:
+def first_line(error: Exception, limit: int = 160) -> str:
     """An exception as one short line (transformers' messages span several)."""
     text = " ".join(str(error).split()) or type(error).__name__
     return text if len(text) <= limit else text[:limit - 3] + "..."
@@ -381,3 +381,14 @@ def read_image(path: str):
         raise InputError(f"--image {path!r} is not a readable image ({type(error).__name__}); expected a PNG, JPEG "
                          "or any format Pillow opens.") from None
 
+
+def on_device(device, model, inputs: Tuple, forward_kwargs: Optional[Dict[str, Any]] = None):
+    """``(model, inputs, forward_kwargs)`` on ``device`` (the ``--device`` of ``explain`` and ``explore``,
+    checked by :func:`captum_transformers.cli.device.checked_device`) (``None`` or the CPU: as they are).
+    Only for a model the command loaded itself: moving it changes nobody else's."""
+    forward_kwargs = dict(forward_kwargs or {})
+    if device is None or str(device) == "cpu":
+        return model, tuple(inputs), forward_kwargs
+    model.to(device)
+    return (model, tuple(t.to(device) for t in inputs),
+            {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in forward_kwargs.items()})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from captum_transformers.explorer.workspace import Workspace
+from captum_transformers.explorer.pages.classifier.workspace import Workspace
 from captum_transformers.methods.catalog import METHOD_FACTORIES
 from tiny_models import EncoderClassifier, timm_vit_case
 

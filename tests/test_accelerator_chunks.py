@@ -1,7 +1,7 @@
 """What an accelerator runs differently from a CPU in the chunked attention passes, checked on the CPU.
 
 On an accelerator (``device.type != "cpu"``) the chunks of recomputed rows are
-``chunk_products.ACCELERATOR_CHUNK_SCALE`` times larger and GenericAttention's head fusion is one
+``capture.row_chunks.ACCELERATOR_CHUNK_SCALE`` times larger and GenericAttention's head fusion is one
 product instead of a loop over heads (one H100, a 1B Llama at 4k tokens: CPU-sized chunks took 16
 times longer, launch-bound). The AH rule's backward (``constant_map_attention``) reads how many keys
 each block of rows sees in one pass over the mask instead of a host synchronisation per block.
@@ -14,16 +14,17 @@ import torch
 
 import captum_transformers as ct
 from captum_transformers import functional
-from captum_transformers.propagation.attention import chunk_products, constant_map as cma
+from captum_transformers.capture import row_chunks
+from captum_transformers.propagation.attention import constant_map as cma
 
 F64 = torch.float64
 
 
 def test_accelerators_get_larger_chunks():
-    assert chunk_products.chunk_budget(1000, torch.device("cpu")) == 1000
-    scale = chunk_products.ACCELERATOR_CHUNK_SCALE
+    assert row_chunks.chunk_budget(1000, torch.device("cpu")) == 1000
+    scale = row_chunks.ACCELERATOR_CHUNK_SCALE
     assert scale > 1
-    assert chunk_products.chunk_budget(1000, torch.device("meta")) == 1000 * scale
+    assert row_chunks.chunk_budget(1000, torch.device("meta")) == 1000 * scale
 
 
 def _slow_keys_seen(block, keys):

@@ -278,7 +278,7 @@ def test_exact_restore_normal_exit_and_exception(case):
             with pytest.raises(RuntimeError, match="boom"):
                 method(model).attribute(x, target=1, return_tokens=True, forward_kwargs=kwargs)
     assert_same(before, snapshot(model))
-    assert hf_adapter._RULES.get() is None and hf_adapter._ACTIVE.get() is None
+    assert hf_adapter._RULES.get() is None and hf_adapter.ACTIVE.get() is None
     assert torch._C._len_torch_function_stack() == 0  # no OperationRules mode left behind
     for method, reference in zip(methods, references):
         assert torch.equal(method(model).attribute(x, target=1, return_tokens=True, forward_kwargs=kwargs), reference)

@@ -321,7 +321,7 @@ def test_exact_restore_normal_exit_and_exception(case):
                 ConservativeLRP(model, variant).attribute(x, target=TARGET, return_tokens=True, forward_kwargs=kwargs)
     assert_same(before, snapshot(model))
     assert torch.backends.mha.get_fastpath_enabled() == fastpath
-    assert hf_adapter._RULES.get() is None and hf_adapter._ACTIVE.get() is None
+    assert hf_adapter._RULES.get() is None and hf_adapter.ACTIVE.get() is None
     assert all("forward" not in vars(site.module) for site in find_norms(model))
     again = ConservativeLRP(model).attribute(x, target=TARGET, return_tokens=True, forward_kwargs=kwargs)
     assert torch.equal(again, reference)

@@ -5,7 +5,8 @@ import pytest
 
 from captum_transformers.errors import InputError
 from captum_transformers.evaluation import (CurveResult, RationaleF1Result, SegmentationResult, SpecificityResult,
-                                            plot_curves, read_csv, read_json, write_csv, write_json)
+                                            read_csv, read_json, write_csv, write_json)
+from captum_transformers.visualization import plot_curves
 
 CURVE = CurveResult("auac", (0.0, 0.5, 1.0), (0.25, 0.5, 0.75), 0.5, 10, y_label="p(true class)")
 ROWS = [

@@ -14,7 +14,8 @@ pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 
 from captum_transformers.evaluation.results import CurveResult, write_json  # noqa: E402
-from captum_transformers.explorer.app import benchmark_curves, create_app  # noqa: E402
+from captum_transformers.explorer.app import create_app
+from captum_transformers.explorer.pages.classifier.benchmark import benchmark_curves  # noqa: E402
 from captum_transformers.explorer.security import CONTENT_SECURITY_POLICY  # noqa: E402
 from explorer_workspaces import PAYLOAD, CountingBuilder, image_workspace, text_workspace  # noqa: E402
 
@@ -74,7 +75,7 @@ def test_security_headers_on_every_answer(counted):
 
 
 def test_page_has_no_inline_script_or_style():
-    from captum_transformers.explorer.app import static_dir
+    from captum_transformers.explorer.http import static_dir
 
     page = static_dir().joinpath("index.html").read_text()
     assert "<script>" not in page and "<style" not in page and "style=" not in page
@@ -254,7 +255,7 @@ def test_png_encoder_round_trips_and_colours_are_signed():
 
     import numpy as np
 
-    from captum_transformers.explorer.export import diverging, png_bytes
+    from captum_transformers.explorer.pages.classifier.export import diverging, png_bytes
 
     rgb = torch.randint(0, 256, (5, 7, 3), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
     decoded = torch.from_numpy(np.array(Image.open(io.BytesIO(png_bytes(rgb))).convert("RGB")))

@@ -23,7 +23,7 @@ if CHROMIUM is None:
                 "tests need one", allow_module_level=True)
 
 from captum_transformers.explorer.server import start  # noqa: E402
-from captum_transformers.explorer.sources import builtin_workspace  # noqa: E402
+from captum_transformers.explorer.pages.classifier.sources import builtin_workspace  # noqa: E402
 from explorer_workspaces import PAYLOAD, CountingBuilder, text_workspace  # noqa: E402
 
 

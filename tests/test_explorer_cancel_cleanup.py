@@ -1,7 +1,7 @@
 """A job cancelled at ANY torch call leaves the model and the worker thread as they were.
 
 The explorer cancels a running explanation by raising ``Cancelled`` from a torch-function
-mode at the next torch call (``workspace._StopCheck``). The explanation unwinds through the
+mode at the next torch call (``explaining.stoppable``). The explanation unwinds through the
 package's context managers (frozen parameters made to require grad, grad mode, the
 ``exclusive`` holders, the mode itself); their cleanup runs torch calls too, so a stop check
 that kept raising on every call left frozen parameters requiring grad, ``patching._FORCED_GRAD``
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from captum_transformers.model_state import exclusive, patching
-from captum_transformers.explorer.workspace import Cancelled
+from captum_transformers.explorer.explaining import Cancelled
 from captum_transformers.methods.catalog import METHOD_FACTORIES
 from explorer_workspaces import image_workspace
 

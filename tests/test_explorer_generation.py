@@ -20,7 +20,7 @@ pytest.importorskip("uvicorn")
 from starlette.testclient import TestClient  # noqa: E402
 
 from captum_transformers.explorer.app import create_app  # noqa: E402
-from captum_transformers.explorer.generation_workspace import GenerationWorkspace  # noqa: E402
+from captum_transformers.explorer.pages.generation.workspace import GenerationWorkspace  # noqa: E402
 from captum_transformers.explorer.method_arguments import WORK_BUDGET  # noqa: E402
 from captum_transformers.explorer.server import start  # noqa: E402
 from captum_transformers.tasks.recall.model import build_recall_model, recall_tokenizer  # noqa: E402
@@ -129,7 +129,7 @@ def test_the_session_token_and_the_host_are_required(client):
 
 def test_cli_opens_the_generation_page_for_a_causal_lm_folder_and_refuses_mixes(tmp_path, capsys):
     from captum_transformers.cli import main
-    from captum_transformers.explorer.generation_sources import causal_lm_folder, loaded_generation_workspace
+    from captum_transformers.explorer.pages.generation.sources import causal_lm_folder, loaded_generation_workspace
 
     recall_workspace().model.save_pretrained(tmp_path)
     recall_tokenizer().save_pretrained(tmp_path)
@@ -253,7 +253,7 @@ def test_a_refused_prompt_shows_the_bound_on_the_page(browser, server):
 
 
 def test_page_has_no_inline_script_or_style_and_writes_no_html():
-    from captum_transformers.explorer.app import static_dir
+    from captum_transformers.explorer.http import static_dir
 
     page = static_dir().joinpath("generation.html").read_text()
     assert "<script>" not in page and "<style" not in page and "style=" not in page
@@ -268,7 +268,7 @@ def test_page_has_no_inline_script_or_style_and_writes_no_html():
 def test_an_encoder_decoder_is_refused_by_the_generation_page():
     import transformers
     from captum_transformers.errors import InputError
-    from captum_transformers.explorer.generation_workspace import GenerationWorkspace
+    from captum_transformers.explorer.pages.generation.workspace import GenerationWorkspace
     from captum_transformers.tasks.recall.model import recall_tokenizer
 
     bart = transformers.BartForConditionalGeneration(transformers.BartConfig(

@@ -91,7 +91,7 @@ def test_cli_explore_refuses_remote_host_before_loading(capsys):
 
 
 def test_two_digit_task_counts_either_digit_as_correct():
-    from captum_transformers.explorer.sources import loaded_workspace
+    from captum_transformers.explorer.pages.classifier.sources import loaded_workspace
 
     workspace = loaded_workspace(None, task="digits-two", samples=6)
     predictions = workspace.predictions()
@@ -109,7 +109,7 @@ def test_a_huggingface_text_directory_opens_with_its_tokens(tmp_path):
 
     import torch
 
-    from captum_transformers.explorer.sources import loaded_workspace
+    from captum_transformers.explorer.pages.classifier.sources import loaded_workspace
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(Path(gt.__file__).parent / "model")
     config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
@@ -141,7 +141,7 @@ def test_a_huggingface_image_directory_opens_with_image_files(tmp_path):
     Image = pytest.importorskip("PIL.Image")
     import torch
 
-    from captum_transformers.explorer.sources import loaded_workspace
+    from captum_transformers.explorer.pages.classifier.sources import loaded_workspace
 
     config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                     image_size=32, patch_size=8, num_labels=3, id2label={0: "cat", 1: "dog", 2: "owl"},

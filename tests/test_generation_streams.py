@@ -14,6 +14,7 @@ import torch
 from generation_models import IdTokenizer, build
 
 import captum_transformers.generation.engine as engine
+import captum_transformers.capture.row_chunks as chunking
 import captum_transformers.propagation.attention.core as core
 from captum_transformers import AttentionGradCAM, GenericAttention, TransformerRelevance
 from captum_transformers.generation import GenerationAttribution
@@ -52,7 +53,7 @@ def test_streamed_steps_equal_the_dense_steps(name, impl, monkeypatch):
     model = build("llama", impl)
     method = METHODS[name](model)
     dense = _explain(method, streamed=False, monkeypatch=monkeypatch)
-    monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)
+    monkeypatch.setattr(chunking, "ROW_CHUNK_BYTES", 1)
     streams = _seen_streams(monkeypatch)
     streamed = GenerationAttribution(method, IdTokenizer()).attribute(PROMPTS, target=TARGETS)
     assert streams and all(stream is not None and stream.streamed for stream in streams), \
@@ -66,7 +67,7 @@ def test_streamed_steps_equal_the_dense_steps(name, impl, monkeypatch):
 
 def test_no_whole_map_is_made_across_the_steps(monkeypatch):
     model = build("llama", "sdpa")
-    monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)
+    monkeypatch.setattr(chunking, "ROW_CHUNK_BYTES", 1)
     shapes, softmax = [], torch.softmax
 
     def watched(tensor, *args, **kwargs):

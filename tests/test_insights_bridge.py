@@ -156,7 +156,7 @@ def test_text_feature_token_count_must_match_the_positions(shown):
 
 
 def test_workspace_refuses_tokens_that_do_not_match_the_positions():
-    from captum_transformers.explorer.workspace import Workspace
+    from captum_transformers.explorer.pages.classifier.workspace import Workspace
 
     ids, mask = torch.tensor([[1, 5, 7, 0]]), torch.tensor([[1, 1, 1, 0]])
     with pytest.raises(InputError, match="shows 4 tokens but its input has 3 unmasked positions"):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import captum_transformers as ct
+import captum_transformers.capture.row_chunks as chunking
 import captum_transformers.propagation.attention.core as core
 from captum_transformers.adapters.huggingface import kernel_rows as hf_rows
 from captum_transformers.propagation.attention import chunk_products
@@ -44,10 +45,10 @@ def _additive_causal(num_queries, num_keys, dtype=torch.float32, batch=1):
 @pytest.mark.parametrize("padded", [False, True])
 def test_streamed_rows_on_a_causal_model_equal_the_dense_path(monkeypatch, impl, padded):
     model, inputs, kwargs = _llama(impl, padded)
-    monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)  # chunks of one query row
+    monkeypatch.setattr(chunking, "ROW_CHUNK_BYTES", 1)  # chunks of one query row
     fused, reads, widths = [], [], []
     sdpa, reads_causal, row_chunks = (torch.nn.functional.scaled_dot_product_attention, hf_rows._reads_causal,
-                                      core._row_chunks)
+                                      core.row_chunks)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                         lambda *a, **k: fused.append(k.get("is_causal")) or sdpa(*a, **k))
     monkeypatch.setattr(hf_rows, "_reads_causal", lambda *a, **k: reads.append(1) or reads_causal(*a, **k))
@@ -57,7 +58,7 @@ def test_streamed_rows_on_a_causal_model_equal_the_dense_path(monkeypatch, impl,
             widths.append((chunk[0].stop, chunk[5]))
             yield chunk
 
-    monkeypatch.setattr(core, "_row_chunks", seen)
+    monkeypatch.setattr(core, "row_chunks", seen)
     method = ct.GenericAttention(model)
     streamed = method.attribute(inputs, target=1, forward_kwargs=kwargs, return_tokens=True)
     assert method._row_stream.streamed, method._row_stream.reason

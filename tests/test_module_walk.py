@@ -87,12 +87,12 @@ def test_blocks_and_configs_follow_a_module_replaced_between_explanations():
     adapter = HuggingFaceAdapter()
     with exclusive(model):
         before = adapter.blocks(model)
-        assert patching._reachable_configs(model) == [model.config]
+        assert patching.reachable_configs(model) == [model.config]
     model.encoder.layer[0].attention.self = donor.encoder.layer[0].attention.self
     with exclusive(model):
         after = adapter.blocks(model)
         # BERT's attention modules keep their model's config: the swapped-in one brings its own.
-        assert {id(c) for c in patching._reachable_configs(model)} == {id(model.config), id(donor.config)}
+        assert {id(c) for c in patching.reachable_configs(model)} == {id(model.config), id(donor.config)}
     assert [b.module for b in after] == [donor.encoder.layer[0].attention.self]
     assert [b.module for b in before] != [b.module for b in after]
 
@@ -113,7 +113,7 @@ def test_configs_are_found_behind_a_wrapper_with_a_config_property():
             return self.inner.config
 
     wrapper = Wrapper()
-    assert patching._reachable_configs(wrapper) == [wrapper.inner.config]
+    assert patching.reachable_configs(wrapper) == [wrapper.inner.config]
 
 
 def test_is_leaf_reads_the_children_as_children_does():

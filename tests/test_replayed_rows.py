@@ -24,6 +24,7 @@ import torch
 import captum_transformers as ct
 import captum_transformers.functional as functional
 import captum_transformers.capture.replayed_rows as replayed_rows
+import captum_transformers.capture.row_chunks as chunking
 import captum_transformers.propagation.attention.core as core
 from restore import assert_same, raising_after, snapshot
 
@@ -53,7 +54,7 @@ METHODS = {
 @pytest.fixture
 def one_row_chunks(monkeypatch):
     """Chunks of one query row, and a count of the replayed calls' chunks."""
-    monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)
+    monkeypatch.setattr(chunking, "ROW_CHUNK_BYTES", 1)
     chunks = []
     original = replayed_rows.call_chunks
 
@@ -199,7 +200,7 @@ def test_no_map_is_made_in_the_forward_pass(impl, monkeypatch):
     """Softmax inputs and fused maps have one query row per chunk; on sdpa no (N, N) causal mask is
     built or kept (eager: the model's own additive mask, made once and shared by the layers)."""
     model, inputs, kwargs = _hf("llama_gqa", impl, batch=1)
-    monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)
+    monkeypatch.setattr(chunking, "ROW_CHUNK_BYTES", 1)
     tokens, softmaxed, fused, ones = inputs.shape[1], [], [], []
     softmax, fuse, ones_like = torch.softmax, functional.fuse_heads, torch.ones
 

@@ -18,6 +18,7 @@ import torch
 
 import captum_transformers as ct
 from captum_transformers.functional import gradient_weighted_heads
+import captum_transformers.capture.row_chunks as chunking
 import captum_transformers.propagation.attention.core as core
 import captum_transformers.propagation.attention.row_chunked_rules as chunked_rules
 
@@ -41,7 +42,7 @@ def _dense(method, inputs, kwargs):
 def test_paired_stream_equals_the_dense_pair_in_every_entry(impl, start_layer, monkeypatch):
     """Relative to each entry (most are ~1e-5 next to the explained token's ~1): a chunk paired
     with the wrong rows, or a missed halving, moves them by far more than rounding."""
-    monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)
+    monkeypatch.setattr(chunking, "ROW_CHUNK_BYTES", 1)
     rules_passes = []
     original = chunked_rules.rules_backward_in_row_chunks
 
@@ -63,7 +64,7 @@ def test_paired_stream_equals_the_dense_pair_in_every_entry(impl, start_layer, m
 @pytest.mark.parametrize("method_name", ["TransformerRelevance", "AttentionGradCAM"])
 def test_no_whole_map_is_made_in_any_pass(method_name, monkeypatch):
     model, inputs, kwargs = _llama("sdpa")
-    monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)
+    monkeypatch.setattr(chunking, "ROW_CHUNK_BYTES", 1)
     shapes = []
     softmax = torch.softmax
 
@@ -78,7 +79,7 @@ def test_no_whole_map_is_made_in_any_pass(method_name, monkeypatch):
 
 
 def test_grad_cam_streams_text_and_equals_dense_rows(monkeypatch):
-    monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)
+    monkeypatch.setattr(chunking, "ROW_CHUNK_BYTES", 1)
     from hf_models import CASES
     case = CASES["bert"]
     inputs, kwargs = case.inputs(batch=2, seq=7, dtype=F64)
@@ -162,7 +163,7 @@ def test_grad_cam_keeps_every_key_where_a_mask_not_the_module_makes_it_causal(mo
     model = case.model("eager", dtype=F64)
     ids, kwargs = case.inputs(batch=1, seq=9)
     ids[0, -1], ids[0, 4] = 5, 98  # the explained EOS in the middle: real tokens after it
-    monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)
+    monkeypatch.setattr(chunking, "ROW_CHUNK_BYTES", 1)
     method = ct.AttentionGradCAM(model)
     streamed = method.attribute(ids, target=1, forward_kwargs=kwargs, return_tokens=True)
     assert method._row_stream.streamed
@@ -176,7 +177,7 @@ def test_a_layer_the_score_does_not_read_is_folded_without_a_whole_zero_map(meth
     """The explained logit read after the first layer: the second layer gets a zero gradient,
     reduced a chunk of rows at a time (no (B, H, N, N) zeros) and equal to the dense path."""
     model, inputs, kwargs = _llama("sdpa")
-    monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)
+    monkeypatch.setattr(chunking, "ROW_CHUNK_BYTES", 1)
     monkeypatch.setattr("captum_transformers.capture.recorder._ZERO_CHUNK_BYTES", 1)
     second = model.model.layers[1]
     handle = second.register_forward_hook(lambda module, args, output: (args[0] * 1.0,) + tuple(output[1:])

@@ -19,6 +19,7 @@ import torch
 
 import captum_transformers as ct
 from captum_transformers.functional import gradient_weighted_heads
+import captum_transformers.capture.row_chunks as chunking
 import captum_transformers.propagation.attention.core as core
 from captum_transformers.capture.trace import TokenLayout
 from captum_transformers.capture.row_stream import RowStream
@@ -66,7 +67,7 @@ IMAGES = {"vit eager", "timm vit", "hf swin"}
 @pytest.fixture
 def one_row_chunks(monkeypatch):
     """Chunks of one query row, and a count of the chunked backward passes."""
-    monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)
+    monkeypatch.setattr(chunking, "ROW_CHUNK_BYTES", 1)
     calls = []
     chunked = core._plain_backward_in_row_chunks
 
@@ -141,16 +142,16 @@ def test_an_incomplete_stream_is_refused():
 
 def test_causal_chunks_stop_at_their_last_key_and_no_map_is_made(monkeypatch):
     model, inputs, kwargs = _hf("llama_gqa", "sdpa")
-    monkeypatch.setattr(core, "_ROW_CHUNK_BYTES", 1)
+    monkeypatch.setattr(chunking, "ROW_CHUNK_BYTES", 1)
     widths, shapes = [], []
-    rows = core._row_chunks
+    rows = core.row_chunks
 
     def seen(*args):
         for chunk in rows(*args):
             widths.append((chunk[0].stop, chunk[5]))
             yield chunk
 
-    monkeypatch.setattr(core, "_row_chunks", seen)
+    monkeypatch.setattr(core, "row_chunks", seen)
     softmax = torch.softmax
 
     def watched(tensor, *args, **kwargs):

@@ -8,7 +8,7 @@ pytest.importorskip("timm")
 from captum_transformers import GenericAttention, get_adapter  # noqa: E402
 from captum_transformers.tasks.digits import swin as digit_swin
 from captum_transformers.tasks.digits.canvas import digit_canvases, normalize  # noqa: E402
-from captum_transformers.tasks.digits.model import _asset  # noqa: E402
+from captum_transformers.tasks.shipped_weights import asset  # noqa: E402
 from captum_transformers.tasks.runner import run_benchmark  # noqa: E402
 from captum_transformers.tasks.digits.train import top1_accuracy, train  # noqa: E402
 
@@ -16,9 +16,9 @@ from captum_transformers.tasks.digits.train import top1_accuracy, train  # noqa:
 def test_shipped_weights_are_small_recorded_and_accurate():
     import json
 
-    weights = _asset(digit_swin.WEIGHTS_FILE)
+    weights = asset(digit_swin.WEIGHTS_FILE)
     assert weights.is_file() and len(weights.read_bytes()) < 1_000_000
-    record = json.loads(_asset(digit_swin.RECORD_FILE).read_text())
+    record = json.loads(asset(digit_swin.RECORD_FILE).read_text())
     assert "--model swin" in record["command"]
     model = digit_swin.load_digit_swin()
     assert get_adapter(model).name == "timm_swin"

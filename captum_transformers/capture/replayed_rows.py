@@ -40,7 +40,7 @@ import torch
 from .trace import AttentionTrace, Block, one_self_attending_sequence
 from .windows import WindowedLayout
 from ..errors import CaptureError
-from ..propagation.attention.core import _rows_of, _rows_per_chunk, _softmax_in_place
+from .row_chunks import rows_of, rows_per_chunk, softmax_in_place
 from .. import functional
 from .row_chains import DenseRows, last_map_row, row_layout
 
@@ -65,13 +65,13 @@ def call_chunks(call: ReplayedCall, skip: Optional[Callable[[slice], bool]] = No
     those probabilities are exactly 0 and are not made. ``skip(rows)``: chunks not computed."""
     query, key = call.query, call.key
     num_queries, num_keys = query.shape[-2], key.shape[-2]
-    step = _rows_per_chunk(query, key)
+    step = rows_per_chunk(query, key)
     keys_needed = getattr(call.scores_fn, "keys_needed", None)
     for start in range(0, num_queries, step):
         rows = slice(start, min(start + step, num_queries))
         if skip is not None and skip(rows):
             continue
-        extras = [_rows_of(e, rows, num_queries) for e in call.extras]
+        extras = [rows_of(e, rows, num_queries) for e in call.extras]
         keys = min(num_keys, rows.stop) if call.causal else num_keys if keys_needed is None else keys_needed(*extras)
         if keys < num_keys:
             extras = [e[..., :keys] if e.dim() and e.shape[-1] == num_keys else e for e in extras]
@@ -80,7 +80,7 @@ def call_chunks(call: ReplayedCall, skip: Optional[Callable[[slice], bool]] = No
             positions = torch.arange(keys, device=scores.device)
             blocked = positions[None, :] > torch.arange(rows.start, rows.stop, device=scores.device)[:, None]
             scores = scores.masked_fill_(blocked, torch.finfo(scores.dtype).min)
-        yield rows, _softmax_in_place(scores, call.softmax_dtype).to(query.dtype)
+        yield rows, softmax_in_place(scores, call.softmax_dtype).to(query.dtype)
 
 
 def chunked_output(call: ReplayedCall, value: torch.Tensor) -> torch.Tensor:
@@ -225,10 +225,9 @@ def replay_for(method, discard_ratio=0.0, last_only: bool = False) -> Optional[R
     dense path), declined up front where its layout or options need whole maps."""
     if not method.streaming_rows:
         return None
-    from ..adapters.windowed import WindowedAdapterMixin  # methods -> adapters, at the call
     stream = ReplayedRows(last_only)
     if bool((torch.as_tensor(discard_ratio) != 0).any()):
         stream.decline(f"discard_ratio={discard_ratio} ranks each whole map's entries (a global quantile)")
-    if isinstance(method.adapter, WindowedAdapterMixin):
+    if not getattr(method.adapter, "single_token_grid", True):  # a windowed adapter (WindowedAdapterMixin)
         stream.decline("a windowed layout (Swin)")
     return stream

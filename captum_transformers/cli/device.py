@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from typing import Any, Dict, Optional, Tuple
-
 from ..errors import InputError
 
 ACCEPTED = "cpu, cuda, cuda:N or mps"
@@ -41,14 +39,3 @@ def checked_device(spec: str) -> torch.device:
             raise InputError(f"--device {spec} but Apple's Metal (MPS) backend is not available here; use --device "
                              "cpu.")
     return device
-
-
-def on_device(device, model, inputs: Tuple, forward_kwargs: Optional[Dict[str, Any]] = None):
-    """``(model, inputs, forward_kwargs)`` on ``device`` (``None`` or the CPU: as they are).
-    Only for a model the command loaded itself: moving it changes nobody else's."""
-    forward_kwargs = dict(forward_kwargs or {})
-    if device is None or str(device) == "cpu":
-        return model, tuple(inputs), forward_kwargs
-    model.to(device)
-    return (model, tuple(t.to(device) for t in inputs),
-            {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in forward_kwargs.items()})

@@ -22,7 +22,8 @@ from ..capture.targets import output_scores
 from ..errors import InputError
 from ..methods.catalog import KNOWN_METHOD_NAMES, build_method, resolve_method_names
 from . import figures
-from .device import ACCEPTED, checked_device, on_device
+from ..model_loading import on_device
+from .device import ACCEPTED, checked_device
 from ..model_loading import LoadedModel, load_model, read_image
 from .output_folder import claimed_output_folder
 from .scores_file import write_scores

@@ -11,7 +11,7 @@ before any model is loaded: a mistake is one line and exit status 2.
 ``--prompt TEXT`` (repeatable) or ``--generation`` opens the generation page instead: a
 causal LM (the built-in recall Llama, or ``--model`` a causal-LM folder; a ``--model`` folder
 whose config names a causal LM opens it too) generates greedily from a prompt and each
-generated token is explained (``explorer/generation_app.py``).
+generated token is explained (``explorer/pages/generation/app.py``).
 """
 from __future__ import annotations
 
@@ -51,16 +51,16 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from ..explorer.loading import LoadingWorkspace
     from ..explorer.server import check_host, check_port, require_explorer_extra, start
-    from ..explorer.sources import loaded_workspace
+    from ..explorer.pages.classifier.sources import loaded_workspace
 
     require_explorer_extra()
     check_port(args.port)  # these before any model is loaded
     check_host(args.host, args.allow_remote)
     device = checked_device(args.device)
-    from ..explorer.app import benchmark_curves
+    from ..explorer.pages.classifier.benchmark import benchmark_curves
 
     if _generation_page(args):
-        from ..explorer.generation_sources import LoadingGenerationWorkspace, loaded_generation_workspace
+        from ..explorer.pages.generation.sources import LoadingGenerationWorkspace, loaded_generation_workspace
 
         page = LoadingGenerationWorkspace(lambda: loaded_generation_workspace(args.model, args.prompt, device))
         start(page, host=args.host, port=args.port, blocking=True, allow_remote=args.allow_remote,
@@ -81,7 +81,7 @@ def _generation_page(args) -> bool:
     """Whether the arguments ask for the generation page; a mix with the classifier's inputs is
     refused (one line, exit status 2) before any model is loaded."""
     from ..errors import InputError
-    from ..explorer.generation_sources import causal_lm_folder
+    from ..explorer.pages.generation.sources import causal_lm_folder
 
     asked = bool(args.prompt) or args.generation
     causal = causal_lm_folder(args.model) and not args.image and not args.text

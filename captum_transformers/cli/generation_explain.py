@@ -277,20 +277,20 @@ def load_generative_model(spec: Optional[str]):
 
 def _huggingface_lm(source: str, local: bool):
     """A causal (or encoder-decoder) LM and its tokenizer, with the classifier loader's one-line errors."""
-    from ..model_loading import _first_line, _transformers_log_held, _weights_problem, hub_config
+    from ..model_loading import first_line, hub_config, transformers_log_held, weights_problem
 
     transformers, config, options = hub_config(source, local, "a language model folder written by "
                                                "model.save_pretrained(folder) and tokenizer.save_pretrained(folder)")
     auto = transformers.AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else \
         transformers.AutoModelForCausalLM
-    with _transformers_log_held() as held:
+    with transformers_log_held() as held:
         try:
             model, loading = auto.from_pretrained(source, output_loading_info=True, **options)
         except (OSError, ValueError) as error:
-            raise InputError(f"--model {source!r}: {auto.__name__} could not load it ({_first_line(error)}); expected "
+            raise InputError(f"--model {source!r}: {auto.__name__} could not load it ({first_line(error)}); expected "
                              "a language model with a generation head saved with save_pretrained.") from None
         except Exception as error:  # safetensors' SafetensorError, torch's RuntimeError on sizes, ...
-            raise InputError(_weights_problem(source, error, held).replace("a classification model",
+            raise InputError(weights_problem(source, error, held).replace("a classification model",
                                                                            "a language model")) from None
         missing = sorted(loading.get("missing_keys") or ())
         if missing:

@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..model_state import offload, patching
-from ..model_state.contextual import _IMPLEMENTATIONS
+from ..model_state.contextual import IMPLEMENTATIONS
 from ..capture.recorder import Recorder
 
 _PREFIX = "captum_transformers"
@@ -139,8 +139,8 @@ def _context_fn(layer: nn.Module, model: nn.Module) -> Callable:
         depth = torch._C._len_torch_function_stack()
         modes = [m for m in (torch._C._get_function_stack_at(i) for i in range(depth)) if _is_package_mode(m)]
         forwards = [(m, vars(m)["forward"]) for m in layer.modules() if "forward" in vars(m)]
-        configs = patching._reachable_configs(model)
-        key = _IMPLEMENTATIONS.get().get(id(configs[0])) if configs else None
+        configs = patching.reachable_configs(model)
+        key = IMPLEMENTATIONS.get().get(id(configs[0])) if configs else None
         return contextlib.nullcontext(), _Reenterable(lambda: _as_in_forward(variables, modes, forwards, model, key))
     return contexts
 

@@ -43,7 +43,6 @@ from .images.occlusion import OCCLUSIONS
 from .tokens.modality_removal import MODALITY_FRACTIONS, ModalityTokenRemoval
 from .images.pixel_perturbation import (CVPR21_PIXEL_FRACTIONS, FINE_PIXEL_FRACTIONS, PIXEL_FRACTIONS, PIXEL_PROTOCOLS,
                                  PixelPerturbation)
-from .plots import plot_curves
 from .monotonicity import Monotonicity
 from .images.pixel_flipping import PixelFlipping, RegionPerturbation
 from .quantus_bridge import quantus_explain_func
@@ -64,7 +63,7 @@ __all__ = [
     "Accumulator", "exact_sum", "limbs_value", "average_precision", "ClassSpecificity", "trapezoid", "all_reduce_metrics",
     "shard_indices", "MODALITY_FRACTIONS", "ModalityTokenRemoval", "CVPR21_PIXEL_FRACTIONS", "FINE_PIXEL_FRACTIONS",
     "PIXEL_FRACTIONS", "PIXEL_PROTOCOLS", "PixelPerturbation",
-    "plot_curves", "RationaleF1", "CurveResult", "RationaleF1Result", "ResultRecord", "SegmentationResult",
+    "RationaleF1", "CurveResult", "RationaleF1Result", "ResultRecord", "SegmentationResult",
     "SpecificityResult", "read_csv", "read_json", "result_from_dict", "write_csv", "write_json", "minmax_normalize",
     "SegmentationScores", "compact_tokens", "TOKEN_FRACTIONS", "TokenActivation", "TokenPruning",
     "ERASER_FRACTIONS", "AOPCResult", "Comprehensiveness", "Sufficiency", "CompletenessError", "CompletenessResult",

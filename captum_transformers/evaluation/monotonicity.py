@@ -26,13 +26,13 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from .batched_forward import Forward
-from .images.pixel_flipping import (Baseline, _PerturbationCurve, _require_positive_int, baseline_values, cumulative_logits,
-                             target_scores)
+from .images.pixel_flipping import Baseline, PerturbationCurve, baseline_values, cumulative_logits, target_scores
 from .results import ScalarResult
 from .tokens.token_flipping import stable_order
+from .validation import require_positive_int
 
 
-class Monotonicity(_PerturbationCurve):
+class Monotonicity(PerturbationCurve):
     """Share of explanations whose score curve never decreases as pixels are restored by rising relevance.
 
     ``per_example`` returns one bool per image (Quantus' per-sample output), ``curves`` the
@@ -58,7 +58,7 @@ class Monotonicity(_PerturbationCurve):
                  max_batch_size: Optional[int] = None, uniform_range: Tuple[float, float] = (0.0, 1.0),
                  generator: Optional[torch.Generator] = None) -> None:
         super().__init__(forward, baseline, softmax, absolute, normalize, max_batch_size, uniform_range, generator)
-        self.features_in_step = _require_positive_int("features_in_step", features_in_step)
+        self.features_in_step = require_positive_int("features_in_step", features_in_step)
         self._add_state("monotonic")
         self._add_state("count")
 

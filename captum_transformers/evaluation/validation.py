@@ -86,3 +86,10 @@ def require_fractions(fractions, low: float = 0.0, high: float = 1.0) -> tuple:
 def require_choice(name: str, value, choices: Sequence) -> None:
     if value not in choices:
         raise InputError(f"{name}={value!r} is not one of {tuple(choices)}. Pick one of those.")
+
+
+def require_positive_int(name: str, value) -> int:
+    """Return ``value`` if it is an int of at least 1 (a bool is refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"{name}={value!r} must be a positive int.")
+    return value

@@ -1,25 +1,9 @@
-"""The explorer's web application: the static page and its JSON API (Starlette).
+"""The explorer as one ASGI app: the page that serves the given workspace, picked from ``PAGES``.
 
-Routes (every ``/api/`` route needs the session token, see ``security``)::
-
-    GET  /                    the page (static/index.html)
-    GET  /static/...          its script and style sheet
-    GET  /api/session         model, classes, method catalog with argument fields, the gallery
-                              (503 {"loading": true, "seconds"} while the model loads)
-    POST /api/explain         {"methods": [{"name", "arguments"}], "targets": {"<example>": class}}
-                              -> a job (done at once when every map is cached)
-    GET  /api/jobs/{id}       progress and maps of a job
-    POST /api/jobs/{id}/cancel  stop a job at its next torch operation (state "cancelled")
-    POST /api/curve           {"method", "arguments", "example", "target"} -> deletion/insertion curve
-    GET  /api/benchmark       the aggregate curves of the results.json given at start (or none)
-    POST /api/export          like /api/explain, answered with a self-contained HTML file as a string
-
-A request's work (examples x ``n_steps``, summed over its methods) is bounded by
-``method_arguments.WORK_BUDGET`` (400 naming it). Jobs run in a worker thread, so a long one
-holds up no request: a curve or export that needs a map not cached while a job runs is
-answered 409 at once (naming the job to cancel) instead of waiting for the model. At most
-``method_arguments.MAX_UNFINISHED_JOBS`` jobs of a model may be queued or running: one more
-is answered 429 (naming them, to cancel one or wait), so the queued work stays bounded.
+``PAGES`` lists each page with the workspace types it serves, most specific first (a
+``LoadingGenerationWorkspace`` is also a ``LoadingWorkspace``); a workspace no page names (a
+list of classifier workspaces, one per model) goes to the last page, the classifier's. The
+pages' routes are in ``pages/classifier/app.py`` and ``pages/generation/app.py``.
 
 Example::
 
@@ -28,387 +12,65 @@ Example::
 """
 from __future__ import annotations
 
-import base64
-import importlib.resources
-import json
-import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-import torch
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.routing import Mount, Route
-from starlette.staticfiles import StaticFiles
-
-from ..errors import CaptumTransformersError, InputError
-from ..methods.catalog import METHOD_NAMES
-from .curves import deletion_insertion
-from .jobs import Jobs, TooManyJobs
-from .method_arguments import check_work, checked_arguments, method_catalog
-from .security import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS, SecurityMiddleware
-
-MAX_METHODS_PER_REQUEST = len(METHOD_NAMES)
-#: What the page shows first: these methods (those offered; else the first offered) on the
-#: first examples of the batch, each for its predicted class.
-DEFAULT_METHODS = ("rollout", "generic-attention")
-DEFAULT_EXAMPLES = 6
+from .loading import LoadingWorkspace
+from .pages.classifier.workspace import Workspace
+from .pages.generation.sources import LoadingGenerationWorkspace
+from .pages.generation.workspace import GenerationWorkspace
+from .security import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS
 
 
-def default_view(workspace, offered: Sequence[str]) -> Dict[str, Any]:
-    """``{"methods": [...], "examples": [...]}``: the grid the page opens with."""
-    methods = [name for name in DEFAULT_METHODS if name in offered] or list(offered[:1])
-    return {"methods": methods, "examples": list(range(min(DEFAULT_EXAMPLES, len(workspace))))}
+def _classifier_app(workspace, token, allowed_hosts, benchmark, max_body_bytes, methods, warm):
+    from .pages.classifier.app import create_classifier_app
+
+    return create_classifier_app(workspace, token, allowed_hosts, benchmark, max_body_bytes, methods, warm)
 
 
-def static_dir():
-    """The folder of the page shipped inside the package."""
-    return importlib.resources.files("captum_transformers").joinpath("explorer", "static")
+def _generation_app(workspace, token, allowed_hosts, benchmark, max_body_bytes, methods, warm):
+    from .pages.generation.app import create_generation_app
+
+    # the generation page shows no benchmark curves and has no default view to warm
+    return create_generation_app(workspace, token, allowed_hosts, max_body_bytes, methods)
 
 
-def display_payload(workspace, index: int) -> Dict[str, Any]:
-    """What the page draws for one example: an RGB image as base64 bytes (H, W, 3), or tokens."""
-    display = workspace.displays[index]
-    if workspace.modality == "text":
-        return {"tokens": [str(token) for token in display]}
-    image = torch.as_tensor(display).detach().float().cpu()
-    if image.dim() == 2:
-        image = image.unsqueeze(0)
-    if image.shape[0] == 1:
-        image = image.expand(3, *image.shape[1:])
-    if image.dim() != 3 or image.shape[0] != 3:
-        raise InputError(f"example {index}: expected an image of shape (3, H, W) or (1, H, W) in [0, 1], received "
-                         f"{tuple(image.shape)}.")
-    pixels = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous()
-    return {"rgb": base64.b64encode(pixels.numpy().tobytes()).decode("ascii"), "height": int(pixels.shape[0]),
-            "width": int(pixels.shape[1])}
+@dataclass(frozen=True)
+class Page:
+    """One page: its ``name``, the workspace types it serves, and ``create(workspace, token,
+    allowed_hosts, benchmark, max_body_bytes, methods, warm)`` building its ASGI app (Starlette
+    is imported only then)."""
+
+    name: str
+    serves: Tuple[type, ...]
+    create: Callable[..., Any]
 
 
-def session_payload(workspace, benchmark: Optional[Dict[str, Any]] = None,
-                    methods: Sequence[str] = METHOD_NAMES) -> Dict[str, Any]:
-    examples = []
-    for prediction in workspace.predictions():
-        entry = {"index": prediction.index, "predicted": prediction.predicted,
-                 "probability": prediction.probability, "margin": prediction.margin,
-                 "labels": list(prediction.labels), "correct": prediction.correct}
-        entry.update(display_payload(workspace, prediction.index))
-        examples.append(entry)
-    return {"model": workspace.name, "modality": workspace.modality, "classes": workspace.class_names,
-            "methods": method_catalog(methods), "examples": examples, "has_benchmark": benchmark is not None,
-            "defaults": default_view(workspace, methods)}
+#: Which page serves which workspace, most specific first; the last page takes any other.
+PAGES: Tuple[Page, ...] = (
+    Page("generation", (GenerationWorkspace, LoadingGenerationWorkspace), _generation_app),
+    Page("classifier", (Workspace, LoadingWorkspace, list, tuple), _classifier_app),
+)
 
 
-def _parse_targets(workspace, raw: Any) -> Dict[int, int]:
-    if not isinstance(raw, dict) or not raw:
-        raise InputError('"targets" must be a non-empty object {"<example index>": class index}.')
-    if len(raw) > len(workspace):
-        raise InputError(f"{len(raw)} targets for a batch of {len(workspace)} examples.")
-    targets = {}
-    for key, value in raw.items():
-        if not _is_index(key):
-            raise InputError(f"example keys must be indices written as strings of the digits 0-9, received "
-                             f"{_shown(key)}; write them as in {{\"0\": 3}}.")
-        targets[int(key)] = value
-    return workspace.check_targets(targets)
-
-
-class ModelBusy(Exception):
-    """A request needs the model while a job runs on it: answered 409 at once, not held."""
-
-
-def _refuse_if_busy(workspace, jobs, requests, targets) -> None:
-    """Raise ``ModelBusy`` when ``requests`` need maps not cached while a job runs: computing
-    them would wait for that job (one explanation of a model at a time)."""
-    running = jobs.busy()
-    if running is None:
-        return
-    if all(len(workspace.cached(method, arguments, targets)) == len(targets) for method, arguments in requests):
-        return  # everything is cached: answered without the model
-    raise ModelBusy(f"the model is busy with {running['id']} ({running['running'] or 'starting'}, "
-                    f"{running['done']}/{running['total']} methods done); this request needs maps not computed yet. "
-                    f"Cancel that job (the page's Cancel button, or POST api/jobs/{running['id']}/cancel) or ask "
-                    "again when it ends.")
-
-
-def _is_index(text: Any) -> bool:
-    """Whether ``text`` is a non-negative integer written in the ASCII digits 0-9 (``str.isdigit``
-    also takes "²", which ``int`` refuses, and ``str.isdecimal`` other scripts' digits)."""
-    return isinstance(text, str) and 0 < len(text) <= 9 and text.isascii() and text.isdecimal()
-
-
-def _shown(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for error messages about received values."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _parse_methods(raw: Any, offered: Sequence[str] = METHOD_NAMES) -> List[Tuple[str, Dict[str, Any]]]:
-    if not isinstance(raw, list) or not raw or len(raw) > MAX_METHODS_PER_REQUEST:
-        raise InputError(f'"methods" must be a list of 1 to {MAX_METHODS_PER_REQUEST} objects {{"name", "arguments"}}.')
-    parsed = []
-    for entry in raw:
-        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-            raise InputError(f'each method must be an object with a "name", received {_shown(entry)}.')
-        if entry["name"] not in offered:
-            raise InputError(f"method {entry['name']!r} is not offered for this model; offered: {', '.join(offered)}.")
-        arguments = entry.get("arguments") or {}
-        if not isinstance(arguments, dict):
-            raise InputError(f'"arguments" of {entry["name"]} must be an object, received {_shown(arguments)}.')
-        parsed.append((entry["name"], checked_arguments(entry["name"], arguments)))
-    return parsed
-
-
-#: How deeply a request body may nest (the API's bodies nest 3 levels: body, methods, arguments).
-MAX_JSON_DEPTH = 16
-
-
-def _depth(value: Any) -> int:
-    """How deeply ``value`` nests lists and objects (counted without recursion)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        value, level = stack.pop()
-        if isinstance(value, (list, dict)):
-            deepest = max(deepest, level)
-            stack.extend((child, level + 1) for child in (value.values() if isinstance(value, dict) else value))
-    return deepest
-
-
-async def _json_body(request: Request) -> Dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except RecursionError:  # the parser recursed past Python's limit: nesting far too deep
-        raise InputError(f"the request body nests lists or objects more than {MAX_JSON_DEPTH} levels deep; send "
-                         'an object such as {"methods": [...], "targets": {...}}.') from None
-    except (ValueError, UnicodeDecodeError):
-        raise InputError("the request body is not valid JSON.") from None
-    if not isinstance(body, dict):
-        raise InputError(f"the request body must be a JSON object, received a {type(body).__name__}.")
-    depth = _depth(body)
-    if depth > MAX_JSON_DEPTH:
-        raise InputError(f"the request body nests {depth} levels deep; expected at most {MAX_JSON_DEPTH} (the API's "
-                         'bodies nest 3: {"methods": [{"name", "arguments": {...}}], "targets": {...}}).')
-    return body
-
-
-async def _input_error(request: Request, error: Exception) -> Response:
-    return JSONResponse({"error": str(error)}, status_code=400)
-
-
-async def _model_busy(request: Request, error: Exception) -> Response:
-    return JSONResponse({"error": str(error), "busy": True}, status_code=409)
-
-
-async def _too_many_jobs(request: Request, error: Exception) -> Response:
-    return JSONResponse({"error": str(error), "too_many_jobs": True}, status_code=429)
-
-
-async def _still_loading(request: Request, error: Exception) -> Response:
-    return JSONResponse({"loading": True, "seconds": error.seconds, "error": str(error)}, status_code=503)
-
-
-async def no_icon(request: Request) -> Response:
-    """Browsers ask for a favicon; the page has none."""
-    return Response(status_code=204)
-
-
-def error_handlers() -> dict:
-    """The JSON answers of every page's errors: 400 for a refused request, 409 while another job holds
-    the model, 429 over the job limit, 503 while the model loads."""
-    from .loading import StillLoading
-
-    return {CaptumTransformersError: _input_error, StillLoading: _still_loading, ModelBusy: _model_busy,
-            TooManyJobs: _too_many_jobs}
+def page_for(workspace) -> Page:
+    """The page of ``PAGES`` that serves ``workspace`` (the last one when none names its type)."""
+    return next((page for page in PAGES if isinstance(workspace, page.serves)), PAGES[-1])
 
 
 def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Optional[Dict[str, Any]] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, methods: Optional[Sequence[str]] = None,
                warm: bool = True):
-    """The explorer of ``workspace`` as an ASGI app (wrapped in ``SecurityMiddleware``).
+    """The explorer of ``workspace`` as an ASGI app wrapped in ``SecurityMiddleware``: the page
+    ``page_for(workspace)`` serves it.
 
-    ``workspace``: a ``Workspace``, a ``LoadingWorkspace`` still building one (the API then
-    answers 503 ``{"loading": true, "seconds": ...}`` until it is ready), or a list of
-    Workspaces, one per model, chosen by ``?model=<index>`` on API calls; ``benchmark``:
-    aggregate curves (``benchmark_curves(path)``) shown beside the per-example ones;
-    ``methods``: the catalog names offered (default: those that can explain the model);
-    ``warm``: compute the page's default view in the background as soon as the workspace is
-    ready, so that the first page finds it cached.
+    ``workspace``: a classifier ``Workspace``, a ``LoadingWorkspace`` still building one (the
+    API then answers 503 ``{"loading": true, "seconds": ...}`` until it is ready), or a list of
+    Workspaces, one per model, chosen by ``?model=<index>`` on API calls; or a
+    ``GenerationWorkspace`` (or ``LoadingGenerationWorkspace``) for the generation page.
+    ``benchmark``: aggregate curves (``benchmark_curves(path)``) shown beside the per-example
+    ones (classifier page); ``methods``: the catalog names offered (default: those that can
+    explain the model); ``warm``: compute the classifier page's default view in the background
+    as soon as the workspace is ready, so that the first page finds it cached.
     """
-    from .generation_app import create_generation_app, is_generation
-    from .loading import LoadingWorkspace, StillLoading
-    from .workspace import available_methods
-
-    if is_generation(workspace):  # a causal LM: the generation page (generation_app.py)
-        return create_generation_app(workspace, token, allowed_hosts, max_body_bytes, methods)
-    source = workspace if isinstance(workspace, LoadingWorkspace) else None
-    # several workspaces (one per model, as Captum Insights' list of models): the page picks one
-    # with ?model=<index> on every API call; each has its own cache, jobs and session
-    workspaces = list(workspace) if isinstance(workspace, (list, tuple)) else [workspace]
-    if not workspaces or (len(workspaces) > 1 and any(isinstance(w, LoadingWorkspace) for w in workspaces)):
-        raise InputError("create_app takes one Workspace (or LoadingWorkspace), or a non-empty list of Workspaces.")
-    ready: List[Dict[str, Any]] = [{} for _ in workspaces]
-    lock = threading.Lock()
-
-    def context(model: int = 0):
-        """``(workspace, jobs, offered methods, session payload)`` of model ``model`` once it exists."""
-        try:
-            current = source.get() if source is not None else workspaces[model]
-        except (StillLoading, CaptumTransformersError):
-            raise
-        except Exception as error:  # an unexpected failure while loading: say what it was
-            raise InputError(f"the model could not be loaded ({type(error).__name__}: {error}).") from None
-        entry = ready[model]
-        with lock:
-            if not entry:
-                offered = list(methods) if methods is not None else available_methods(current.model)
-                session = session_payload(current, benchmark, offered)
-                session.update(model_index=model, models=[getattr(w, "name", "model") for w in workspaces])
-                if source is not None:
-                    session["models"] = [current.name]
-                entry.update(workspace=current, jobs=Jobs(current), methods=offered, session=session)
-                if model == 0:
-                    app.state.jobs, app.state.workspace = entry["jobs"], current
-                if warm:
-                    view = session["defaults"]
-                    predicted = {p.index: p.predicted for p in current.predictions()}
-                    entry["jobs"].submit([(name, {}) for name in view["methods"]],
-                                         {index: predicted[index] for index in view["examples"]}, background=True)
-        return entry["workspace"], entry["jobs"], entry["methods"], entry["session"]
-
-    def model_of(request: Request) -> int:
-        raw = request.query_params.get("model", "0")
-        if not _is_index(raw) or int(raw) >= len(workspaces):
-            raise InputError(f"?model={_shown(raw)}: expected an index 0 to {len(workspaces) - 1} written in the "
-                             "digits 0-9 (the position of the model in the page's list).")
-        return int(raw)
-
-    async def page(request: Request) -> Response:
-        return FileResponse(str(static_dir().joinpath("index.html")), media_type="text/html")
-
-    async def get_session(request: Request) -> Response:
-        return JSONResponse(context(model_of(request))[3])
-
-    async def explain(request: Request) -> Response:
-        workspace, jobs, methods, _ = context(model_of(request))
-        body = await _json_body(request)
-        requests = _parse_methods(body.get("methods"), methods)
-        targets = _parse_targets(workspace, body.get("targets"))
-        check_work(requests, len(targets))
-        return JSONResponse(jobs.submit(requests, targets))
-
-    async def job(request: Request) -> Response:
-        state = context(model_of(request))[1].read(request.path_params["job_id"])
-        if state is None:
-            return JSONResponse({"error": "no such job (finished jobs are kept for a while only)."}, status_code=404)
-        return JSONResponse(state)
-
-    async def cancel_job(request: Request) -> Response:
-        job_id = request.path_params["job_id"]
-        state = context(model_of(request))[1].cancel(job_id)
-        if state is None:
-            return JSONResponse({"error": f"no job {_shown(job_id)} on this model (finished jobs are kept for a while "
-                                          "only; ids look like job-7)."}, status_code=404)
-        return JSONResponse(state)
-
-    def _curve_sync(body, model: int) -> Dict[str, Any]:
-        workspace, jobs, methods, _ = context(model)
-        requested = {"name": body.get("method"), "arguments": body.get("arguments")}
-        (method, arguments), = _parse_methods([requested], methods)
-        targets = _parse_targets(workspace, {str(body.get("example")): body.get("target")})
-        check_work([(method, arguments)], 1)
-        _refuse_if_busy(workspace, jobs, [(method, arguments)], targets)
-        (index, target), = targets.items()
-        found = workspace.explain(method, arguments, targets)[index]
-        scores = torch.tensor(found["values"]).reshape(found["shape"])
-        return {"method": method, "example": index, **deletion_insertion(workspace, index, scores, target)}
-
-    async def curve(request: Request) -> Response:
-        from starlette.concurrency import run_in_threadpool
-
-        body = await _json_body(request)
-        return JSONResponse(await run_in_threadpool(_curve_sync, body, model_of(request)))
-
-    async def get_benchmark(request: Request) -> Response:
-        return JSONResponse(benchmark or {"metrics": {}})
-
-    def _export_sync(body, model: int) -> Dict[str, Any]:
-        from .export import explorer_html
-
-        workspace, jobs, methods, _ = context(model)
-        requests = _parse_methods(body.get("methods"), methods)
-        targets = _parse_targets(workspace, body.get("targets"))
-        check_work(requests, len(targets))
-        _refuse_if_busy(workspace, jobs, requests, targets)
-        maps = {method: workspace.explain(method, arguments, targets) for method, arguments in requests}
-        return {"filename": "captum_transformers_explorer.html", "html": explorer_html(workspace, maps, targets)}
-
-    async def export(request: Request) -> Response:
-        from starlette.concurrency import run_in_threadpool
-
-        body = await _json_body(request)
-        return JSONResponse(await run_in_threadpool(_export_sync, body, model_of(request)))
-
-    routes = [
-        Route("/", page),
-        Route("/favicon.ico", no_icon),
-        Route("/api/session", get_session),
-        Route("/api/explain", explain, methods=["POST"]),
-        Route("/api/jobs/{job_id}", job),
-        Route("/api/jobs/{job_id}/cancel", cancel_job, methods=["POST"]),
-        Route("/api/curve", curve, methods=["POST"]),
-        Route("/api/benchmark", get_benchmark),
-        Route("/api/export", export, methods=["POST"]),
-        Mount("/static", app=StaticFiles(directory=str(static_dir())), name="static"),
-    ]
-    app = Starlette(routes=routes, exception_handlers=error_handlers())
-    if source is None:
-        for model in range(len(workspaces)):
-            context(model)  # ready workspaces: build the sessions now, so that their errors surface here
-    else:  # build it (and start the default view) as soon as the workspace is loaded
-        earlier = source.on_done
-
-        def loaded(error):
-            if earlier is not None:
-                earlier(error)
-            if error is None:
-                context()
-
-        source.on_done = loaded
-        if source.wait(0) and source.error is None:
-            context()
-    return SecurityMiddleware(app, token, allowed_hosts, max_body_bytes)
-
-
-def benchmark_curves(path) -> Dict[str, Any]:
-    """The curves of a benchmark's ``results.json`` by metric and method, for the page."""
-    from ..evaluation.results import CurveResult, read_json
-
-    expected = ('expected the results.json of `captum-transformers benchmark`: a JSON list of objects '
-                '{"method": "<name>", "kind": "<result kind>", ...}')
-    try:
-        with open(path) as handle:
-            payload = json.load(handle)
-    except (OSError, ValueError) as error:
-        raise InputError(f"--results {str(path)!r} is not a readable results.json of `captum-transformers benchmark` "
-                         f"({type(error).__name__}: {error}).") from None
-    if not isinstance(payload, list):
-        raise InputError(f"--results {str(path)!r} holds a JSON {type(payload).__name__}; {expected}.")
-    for number, entry in enumerate(payload):
-        if not isinstance(entry, dict) or not isinstance(entry.get("method"), str) \
-                or not isinstance(entry.get("kind"), str):
-            raise InputError(f"--results {str(path)!r}: entry {number} is {_shown(entry)}; {expected}.")
-    try:
-        rows = read_json(path)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise InputError(f"--results {str(path)!r} is not a readable results.json of `captum-transformers benchmark` "
-                         f"({type(error).__name__}: {error}); {expected}.") from None
-    metrics: Dict[str, Dict[str, Any]] = {}
-    for method, result in rows:
-        if isinstance(result, CurveResult):
-            metrics.setdefault(result.name, {})[method] = {
-                "x": list(result.x), "y": list(result.y), "auc": result.auc, "count": result.count,
-                "higher_is_better": result.higher_is_better, "x_label": result.x_label, "y_label": result.y_label}
-    if not metrics:
-        raise InputError(f"--results {str(path)!r} holds no curve results; expected the results.json of an image "
-                         "or token benchmark.")
-    return {"source": str(path), "metrics": metrics}
+    return page_for(workspace).create(workspace, token, allowed_hosts, benchmark, max_body_bytes, methods, warm)

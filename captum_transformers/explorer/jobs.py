@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..errors import CaptumTransformersError
 from .method_arguments import MAX_UNFINISHED_JOBS, WORK_BUDGET
-from .workspace import Cancelled
+from .explaining import Cancelled
 
 #: Finished jobs kept (their maps can still be read); unfinished ones are kept until they end.
 KEPT_JOBS = 64

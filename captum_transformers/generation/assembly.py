@@ -34,12 +34,11 @@ def encoder_decoder_model(model: nn.Module) -> bool:
 
 
 def signed_method(method: Any) -> bool:
-    """Whether ``method``'s scores carry a direction (for or against the token): relevance
-    propagation and Gradient x Input do (the catalog's ``SIGNED_METHODS``), attention maps and
-    Saliency (an absolute gradient) do not."""
-    from ..methods.captum_baselines import CaptumIntegratedGradients
-    from ..methods.lrp import RuleGradientXInput
-    return isinstance(method, (RuleGradientXInput, CaptumIntegratedGradients))
+    """Whether ``method``'s scores carry a direction (for or against the token), as its class
+    says (``signed``, :mod:`~captum_transformers.methods.facts`): relevance propagation, Gradient
+    x Input and Integrated Gradients do, attention maps and Saliency (an absolute gradient) do
+    not; an attribution that says nothing counts as unsigned."""
+    return bool(getattr(type(method), "signed", False))
 
 
 def _tokens(tokenizer: Any, ids: Sequence[int]) -> List[str]:

@@ -43,8 +43,8 @@ from captum.log import log_usage
 
 from ..model_state import offload
 from ..errors import InputError
-from ..methods.base import TraceAttribution, finished
-from ..methods.lrp import RuleGradientXInput
+from ..methods.base import finished
+from ..methods.facts import GenerationSteps
 from .assembly import assemble_results, encoder_decoder_model
 from .batch import GenerationBatch, decoder_batch, encoder_decoder_batch, padding_id
 from .engine import relevance_steps, streamed_pass_plan, trace_steps
@@ -58,6 +58,13 @@ from .steps import SCORE_KINDS, ExplainedSteps
 from .vision_steps import relevance_image_scores, vision_language_scores
 
 Span = Union[slice, Sequence[int]]
+
+
+def generation_steps(method: Any) -> GenerationSteps:
+    """How ``method``'s class says it explains a generation step (``generation_steps``,
+    :mod:`~captum_transformers.methods.facts`); an attribution that says nothing (not one of the
+    package's) is called once per step on the prefix."""
+    return GenerationSteps(getattr(type(method), "generation_steps", GenerationSteps.PREFIX_CALLS))
 
 
 class GenerationAttribution(Attribution):
@@ -216,14 +223,15 @@ class GenerationAttribution(Attribution):
         """Scores per explained group and stream, {stream: (G, B, N)} (a vision-language model's
         images too: ``"image:i"`` (G, V), ``"pixels:i"`` (G, H, W)), and the step logits."""
         method, collected = self.method, []
-        if images and not isinstance(method, (TraceAttribution, RuleGradientXInput)):
+        kind = generation_steps(method)
+        if images and kind is GenerationSteps.PREFIX_CALLS:
             raise InputError(f"{type(method).__name__} explains token ids one prefix call at a time and takes no "
                              "images; explain a vision-language model with the package's methods (AttnLRP, "
                              "ConservativeLRP, GenericAttention, ...).")
         keywords = tuple(adapter.image_input_names) if images else ()
 
         def keep(group: int, value: Any) -> None:
-            if isinstance(method, TraceAttribution):
+            if kind is GenerationSteps.TRACE:
                 scores = vision_language_scores(method, value, images, adapter.feeding_calls(self.model)) \
                     if images else method.stream_scores(value)
             elif images:
@@ -233,7 +241,7 @@ class GenerationAttribution(Attribution):
                 scores = value
             collected.append({name: finished(tensor.detach(), self.model) for name, tensor in scores.items()})
 
-        if isinstance(method, TraceAttribution):
+        if kind is GenerationSteps.TRACE:
             if getattr(method, "head_weights", None) == "all":  # AttentionGradCAM(head_weights="all")
                 raise InputError("AttentionGradCAM(head_weights='all') weights each head by its gradient averaged over "
                                  "every query row of the sequence, so a step's map depends on the rows after it; use "
@@ -242,14 +250,14 @@ class GenerationAttribution(Attribution):
             with method.stochastic_rule():
                 logits = trace_steps(method.adapter, self.model, batch.inputs, (), batch.forward_kwargs, steps, plan,
                                      keep)
-        elif isinstance(method, RuleGradientXInput):
+        elif kind is GenerationSteps.RELEVANCE:
             if method.relevance_at == "inputs":
                 raise InputError("Generation explains token ids: build the method with relevance_at='tokens' or "
                                  "'auto', not 'inputs'.")
             with method.stochastic_rule():
                 logits = relevance_steps(method.adapter, self.model, batch.inputs, (), batch.forward_kwargs, steps,
                                          method.rules, keep, keywords)
-        else:  # Captum's own methods: one call per step on the prefix (each computes what it computes)
+        else:  # Captum's own methods, any other: one call per step on the prefix (each computes what it computes)
             logits = prefix_scores(method, batch, steps, keep)
         stacked = {name: torch.stack([c[name] for c in collected]) for name in collected[0]}
         return stacked, logits

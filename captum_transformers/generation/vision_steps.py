@@ -40,11 +40,9 @@ from ..errors import CaptureError, InputError
 
 
 def carries_into_tower(method: Any) -> bool:
-    """Whether ``method`` chains every layer, so its rows go on through the vision tower."""
-    from ..methods.generic_attention import GenericAttention
-    from ..methods.rollout import AttentionRollout
-    from ..methods.transformer_relevance import TransformerRelevance
-    return isinstance(method, (GenericAttention, TransformerRelevance, AttentionRollout))
+    """Whether ``method`` chains every layer (its class's ``chains_every_layer``), so its rows go
+    on through the vision tower."""
+    return bool(getattr(type(method), "chains_every_layer", False))
 
 
 def image_key(index: int) -> str:

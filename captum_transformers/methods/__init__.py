@@ -2,7 +2,6 @@
 from .base import TraceAttribution
 from .conservative_lrp import ConservativeLRP
 from .lrp import AttnLRP, RuleGradientXInput, TransformerLRP
-from ..integrations.captum_llm_layers import LayerAttnLRP, LayerConservativeLRP
 from .transformer_relevance import PartialLRP, TransformerRelevance
 from .generic_attention import GenericAttention
 from .grad_cam import AttentionGradCAM

@@ -44,6 +44,9 @@ class AttentionFlow(TraceAttribution):
         ...                                      return_tokens=True)      # (B, S), rows sum to 1
     """
 
+    class_specific = False  # no gradient: target does not change the map
+    run_by_default = False  # exact maximum flows cost seconds per example: run only when named
+
     def __init__(self, model, adapter=None, max_graph_nodes: int = MAX_GRAPH_NODES) -> None:
         if isinstance(max_graph_nodes, bool) or not isinstance(max_graph_nodes, int) or max_graph_nodes < 2:
             raise InputError(f"max_graph_nodes must be an integer >= 2, got {max_graph_nodes!r}.")

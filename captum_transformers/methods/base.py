@@ -28,7 +28,8 @@ from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec, InputS
 from .. import functional
 from ..engine.pass_plan import PassPlan, resolved_target
 from ..capture.row_chains import record_without_padding, row_layout
-from .stochastic_opt_in import StochasticOptIn, _opt_in_flag
+from .facts import GenerationSteps
+from .stochastic_opt_in import StochasticOptIn, opt_in_flag
 
 #: What :meth:`TraceAttribution.reduce` returns: token scores (B, N) of a one-stream model, or per stream.
 StreamScores = Union[torch.Tensor, Dict[str, torch.Tensor]]
@@ -64,7 +65,7 @@ def _format_inputs(inputs: Any) -> Tuple[Tuple[torch.Tensor, ...], bool]:
     return formatted, is_tuple
 
 
-def _prepared_inputs(inputs: Any, additional_forward_args: Any, forward_kwargs: Optional[dict], adapter: Any = None):
+def prepared_inputs(inputs: Any, additional_forward_args: Any, forward_kwargs: Optional[dict], adapter: Any = None):
     """The shared preamble of ``attribute`` / ``trace``: ``(formatted, is_tuple,
     additional_forward_args, forward_kwargs, name)``, a mapping input split (its explained
     tensor passed by ``name``), the batch checked, keyword tensors checked against it. A graph
@@ -97,7 +98,8 @@ def _check_forward_kwargs(forward_kwargs: Optional[dict], batch: int) -> None:
             )
 
 
-def _format_additional(additional_forward_args: Any) -> Tuple[Any, ...]:
+def format_additional(additional_forward_args: Any) -> Tuple[Any, ...]:
+    """``additional_forward_args`` as a tuple, Captum's way: ``None`` is ``()``, one value is a 1-tuple."""
     if additional_forward_args is None:
         return ()
     return additional_forward_args if isinstance(additional_forward_args, tuple) else (additional_forward_args,)
@@ -219,6 +221,18 @@ class TraceAttribution(StochasticOptIn, Attribution):
 
     #: True: :meth:`reduce` works on every row layout (:func:`~.row_chains.row_layout`).
     uses_row_chains: bool = False
+
+    # The method's facts (methods/facts.py): attention maps are non-negative and, unless a
+    # subclass says otherwise, weighted by the target's gradient (class-specific).
+    signed: bool = False
+    class_specific: bool = True
+    run_by_default: bool = True
+    needs_adapter: bool = True
+    generation_steps: GenerationSteps = GenerationSteps.TRACE
+    #: True: :meth:`reduce` chains every attention layer (not one map), so a vision-language
+    #: step's image row goes on through the vision tower's own layers (generation/vision_steps.py).
+    chains_every_layer: bool = False
+
     @property
     def streaming_rows(self) -> bool:
         """True while :meth:`attribute` runs in this thread: a method may then fold its maps into the
@@ -242,7 +256,7 @@ class TraceAttribution(StochasticOptIn, Attribution):
         super().__init__(model)
         self.model = model
         self.adapter = get_adapter(model, adapter)
-        self.allow_stochastic = _opt_in_flag(allow_stochastic)
+        self.allow_stochastic = opt_in_flag(allow_stochastic)
 
     @abc.abstractmethod
     def capture_spec(self) -> CaptureSpec:
@@ -255,10 +269,10 @@ class TraceAttribution(StochasticOptIn, Attribution):
     def trace(self, inputs: TensorOrTuple, target: Any = None, additional_forward_args: Any = None,
               forward_kwargs: Optional[dict] = None) -> AttentionTrace:
         """Run the capture alone and return the raw :class:`AttentionTrace`."""
-        formatted, _, additional_forward_args, forward_kwargs, name = _prepared_inputs(
+        formatted, _, additional_forward_args, forward_kwargs, name = prepared_inputs(
             inputs, additional_forward_args, forward_kwargs, self.adapter)
         with passed_by_name(self.model, name), self.stochastic_rule():
-            return self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
+            return self._trace(formatted, target, format_additional(additional_forward_args), forward_kwargs)
 
     def pass_plan(self, inputs: Tuple[torch.Tensor, ...], additional: Tuple[Any, ...],
                   forward_kwargs: Optional[dict]) -> PassPlan:
@@ -298,13 +312,13 @@ class TraceAttribution(StochasticOptIn, Attribution):
             Attributions with the structure and shapes of ``inputs`` (of the explained tensor
             for a mapping), or (B, N) token scores.
         """
-        formatted, is_tuple, additional_forward_args, forward_kwargs, name = _prepared_inputs(
+        formatted, is_tuple, additional_forward_args, forward_kwargs, name = prepared_inputs(
             inputs, additional_forward_args, forward_kwargs, self.adapter)
         with passed_by_name(self.model, name), self.stochastic_rule():
             call = self._per_thread()
             call.streaming_rows = True
             try:
-                trace = self._trace(formatted, target, _format_additional(additional_forward_args), forward_kwargs)
+                trace = self._trace(formatted, target, format_additional(additional_forward_args), forward_kwargs)
                 per_stream = self.stream_scores(trace)
             except BaseException:  # a failed call's rows or replayed calls are never read: freed now
                 call.row_stream = None

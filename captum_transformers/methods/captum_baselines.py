@@ -60,6 +60,7 @@ from ..errors import InputError
 from ..adapters.input_checks import ordinary_tensors, refuse_inference_mode, refuse_non_finite
 from ..compat.stochastic_layers import watched
 from .base import attribution_dtype, finished
+from .facts import GenerationSteps
 from .stochastic_opt_in import StochasticOptIn
 
 TensorOrTuple = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
@@ -115,6 +116,13 @@ class _EmbeddingsForward:
 
 class _CaptumGradientBaseline(StochasticOptIn, Attribution):
     """Shared call shape: inputs, target, extra arguments, then Captum on inputs or embeddings."""
+
+    # The method's facts (methods/facts.py): gradients of the target score, read without an
+    # adapter, one Captum call per generation step on its prefix; signed is each method's own.
+    class_specific: bool = True
+    run_by_default: bool = True
+    needs_adapter: bool = False
+    generation_steps: GenerationSteps = GenerationSteps.PREFIX_CALLS
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
@@ -193,6 +201,8 @@ class CaptumIntegratedGradients(_CaptumGradientBaseline):
         >>> maps = CaptumIntegratedGradients(vit).attribute(pixel_values, target=labels)
     """
 
+    signed: bool = True  # (x - x') times an integrated gradient: either sign
+
     def __init__(self, model: nn.Module, n_steps: int = IG_STEPS, internal_batch_size: int = IG_INTERNAL_BATCH,
                  baseline_token_id: Optional[int] = None) -> None:
         super().__init__(model)
@@ -234,6 +244,8 @@ class CaptumSaliency(_CaptumGradientBaseline):
         >>> scores = CaptumSaliency(bert).attribute(input_ids, target=labels,
         ...                                         forward_kwargs={"attention_mask": mask})
     """
+
+    signed: bool = False  # an absolute gradient: relevance with no direction
 
     def _input_attribution(self, forward, inputs, target, additional):
         # Inputs that require gradients, so that Captum does not warn on every call.

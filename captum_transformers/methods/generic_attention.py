@@ -48,6 +48,7 @@ class GenericAttention(TraceAttribution):
     """
 
     uses_row_chains = True
+    chains_every_layer = True
 
     def __init__(self, model, adapter=None, start_layer: StartLayer = 0) -> None:
         super().__init__(model, adapter)

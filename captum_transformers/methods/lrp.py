@@ -13,7 +13,8 @@ from ..errors import CaptureError, InputError
 from ..adapters.registry import get_adapter
 from ..propagation.rules.rule_set import RuleSet
 from ..capture.inputs import passed_by_name
-from .base import TensorOrTuple, _format_additional, _prepared_inputs, attribution_dtype, finished, span_to_input
+from .base import TensorOrTuple, attribution_dtype, finished, format_additional, prepared_inputs, span_to_input
+from .facts import GenerationSteps
 from .stochastic_opt_in import StochasticOptIn
 
 
@@ -36,6 +37,13 @@ class RuleGradientXInput(StochasticOptIn, GradientAttribution):
         >>> lrp = RuleGradientXInput(model, RuleSet.ATTN_LRP)
         >>> relevance = lrp.attribute(pixel_values, target=labels)
     """
+
+    # The method's facts (methods/facts.py): relevance is signed (for / against the target).
+    signed: bool = True
+    class_specific: bool = True
+    run_by_default: bool = True
+    needs_adapter: bool = True
+    generation_steps: GenerationSteps = GenerationSteps.RELEVANCE
 
     def __init__(self, model: nn.Module, rules: RuleSet, adapter: Union[Adapter, str, None] = None,
                  relevance_at: Literal["auto", "tokens", "inputs"] = "auto") -> None:
@@ -63,7 +71,7 @@ class RuleGradientXInput(StochasticOptIn, GradientAttribution):
         per-example ``sum(relevance) - relevance of the output``. ``inputs`` may be a mapping
         (a tokenizer's ``BatchEncoding``), as for :meth:`TraceAttribution.attribute`.
         """
-        formatted, is_tuple, additional_forward_args, forward_kwargs, name = _prepared_inputs(
+        formatted, is_tuple, additional_forward_args, forward_kwargs, name = prepared_inputs(
             inputs, additional_forward_args, forward_kwargs, self.adapter)
         at = self.relevance_at
         if at == "auto":
@@ -75,7 +83,7 @@ class RuleGradientXInput(StochasticOptIn, GradientAttribution):
             raise InputError("return_tokens=True reads token relevance; it cannot be combined with "
                              "relevance_at='inputs'. Use relevance_at='tokens' or 'auto'.")
         with passed_by_name(self.model, name), self.stochastic_rule():
-            result = self.adapter.relevance(self.model, formatted, _format_additional(additional_forward_args),
+            result = self.adapter.relevance(self.model, formatted, format_additional(additional_forward_args),
                                             target, self.rules, at, forward_kwargs)
         if result.tokens is not None:
             per_stream = result.stream_tokens

@@ -34,6 +34,7 @@ class RawAttention(TraceAttribution):
     """
 
     uses_row_chains = True
+    class_specific = False  # no gradient: target does not change the map
 
     def __init__(self, model, adapter=None, head_fusion: functional.HeadFusion = "mean") -> None:
         super().__init__(model, adapter)

@@ -45,6 +45,8 @@ class AttentionRollout(TraceAttribution):
     """
 
     uses_row_chains = True
+    class_specific = False  # no gradient: target does not change the map
+    chains_every_layer = True
 
     def __init__(self, model, adapter=None, head_fusion: functional.HeadFusion = "mean",
                  discard_ratio: Union[float, Sequence[float], torch.Tensor] = 0.0, start_layer: StartLayer = 0) -> None:

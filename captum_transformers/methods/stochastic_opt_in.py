@@ -24,7 +24,7 @@ def _taking_opt_in(init: Any) -> Any:
     @functools.wraps(init)
     def __init__(self, *args: Any, allow_stochastic: bool = False, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        self.allow_stochastic = _opt_in_flag(allow_stochastic)
+        self.allow_stochastic = opt_in_flag(allow_stochastic)
 
     signature = inspect.signature(init)
     parameters = list(signature.parameters.values())
@@ -35,7 +35,8 @@ def _taking_opt_in(init: Any) -> Any:
     return __init__
 
 
-def _opt_in_flag(value: Any) -> bool:
+def opt_in_flag(value: Any) -> bool:
+    """``value`` of an ``allow_stochastic`` keyword, checked: True or False, anything else refused."""
     if not isinstance(value, bool):
         raise InputError(f"{OPT_IN} must be True or False, got {value!r}.")
     return value

@@ -54,6 +54,7 @@ class TransformerRelevance(TraceAttribution):
     """
 
     uses_row_chains = True
+    chains_every_layer = True
 
     def __init__(self, model, adapter=None, start_layer: StartLayer = 0, rules: RuleSet = RuleSet.CHEFER,
                  row_normalize: bool = False) -> None:

@@ -1,9 +1,9 @@
 """How a change to a model is seen only in the context (thread) that entered it.
 
-Every helper of :mod:`.patching` gates its change by a token: :func:`_entered` adds the token
+Every helper of :mod:`.patching` gates its change by a token: :func:`entered` adds the token
 to this context's set while the helper is entered, and the replaced forward, hook or flag
-asks :func:`_is_entered` which behaviour to show. This module holds that gate and the
-stand-ins placed on a model that answer from it: :class:`_ContextualValue` (a flag that is one
+asks :func:`is_entered` which behaviour to show. This module holds that gate and the
+stand-ins placed on a model that answer from it: :class:`ContextualValue` (a flag that is one
 value in the entering context and the original elsewhere) and the contextual HF config class
 (an ``_attn_implementation`` read from this context's choice first). None of it touches a
 model; :mod:`.patching`, the only code that mutates one, puts these stand-ins in place.
@@ -21,7 +21,8 @@ _ENTERED: contextvars.ContextVar[FrozenSet[object]] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def _entered(token: object) -> Iterator[None]:
+def entered(token: object) -> Iterator[None]:
+    """Add ``token`` to this context's entered set for the duration of the ``with`` block."""
     reset = _ENTERED.set(_ENTERED.get() | {token})
     try:
         yield
@@ -29,11 +30,12 @@ def _entered(token: object) -> Iterator[None]:
         _ENTERED.reset(reset)
 
 
-def _is_entered(token: object) -> bool:
+def is_entered(token: object) -> bool:
+    """Whether the current context is inside an :func:`entered` block of ``token``."""
     return token in _ENTERED.get()
 
 
-class _ContextualValue:
+class ContextualValue:
     """A flag that is ``value`` where its context is entered and ``original`` elsewhere.
 
     Stands in for an instance flag read as ``if module.flag:`` or compared (timm's
@@ -46,7 +48,7 @@ class _ContextualValue:
         self.token, self.value, self.original = token, value, original
 
     def current(self) -> Any:
-        return self.value if _is_entered(self.token) else self.original
+        return self.value if is_entered(self.token) else self.original
 
     def __bool__(self) -> bool:
         return bool(self.current())
@@ -70,20 +72,22 @@ class _ContextualValue:
         return f"{self.current()!r} (captum_transformers: {self.value!r} while explaining, else {self.original!r})"
 
 
-# Per context: id(config) -> the attention implementation it reports there.
-_IMPLEMENTATIONS: contextvars.ContextVar[Dict[int, str]] = contextvars.ContextVar(
+# Per context: id(config) -> the attention implementation it reports there. Set by
+# :func:`.patching.hf_attention_implementation`; read by the contextual config class and by the
+# code that needs the key a config points at in this context.
+IMPLEMENTATIONS: contextvars.ContextVar[Dict[int, str]] = contextvars.ContextVar(
     "captum_transformers_attn_implementations", default={})
 _CONTEXTUAL_CONFIG_CLASSES: Dict[type, type] = {}
 
 
-def _contextual_config_class(cls: type) -> type:
+def contextual_config_class(cls: type) -> type:
     """``cls`` with an ``_attn_implementation`` that reads this context's choice first."""
     found = _CONTEXTUAL_CONFIG_CLASSES.get(cls)
     if found is None:
         inherited = cls._attn_implementation
 
         def read(config):
-            chosen = _IMPLEMENTATIONS.get().get(id(config))
+            chosen = IMPLEMENTATIONS.get().get(id(config))
             return inherited.fget(config) if chosen is None else chosen
 
         def reduce_ex(config, protocol):

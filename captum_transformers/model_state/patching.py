@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import InputError
 from . import isolation, module_walk, offload
-from .contextual import _IMPLEMENTATIONS, _ContextualValue, _contextual_config_class, _entered, _is_entered
+from .contextual import IMPLEMENTATIONS, ContextualValue, contextual_config_class, entered, is_entered
 
 _MISSING = object()
 
@@ -71,11 +71,11 @@ def instance_forward(module: nn.Module, make_forward: Callable[[Callable], Calla
     # wraps: the replacement's markers and signature (through __wrapped__) stay visible.
     @functools.wraps(replacement)
     def forward(*args: Any, **kwargs: Any):
-        if _is_entered(token):
+        if is_entered(token):
             return replacement(*args, **kwargs)
         return original(*args, **kwargs)
 
-    with attributes(module, forward=forward), _entered(token):
+    with attributes(module, forward=forward), entered(token):
         yield
 
 
@@ -87,9 +87,9 @@ def instance_function(obj: Any, name: str, make: Callable[[Callable], Callable])
     replacement, token = make(original), object()
 
     def call(*args: Any, **kwargs: Any):
-        return (replacement if _is_entered(token) else original)(*args, **kwargs)
+        return (replacement if is_entered(token) else original)(*args, **kwargs)
 
-    with attributes(obj, **{name: call}), _entered(token):
+    with attributes(obj, **{name: call}), entered(token):
         yield
 
 
@@ -100,7 +100,7 @@ def forward_hook(module: nn.Module, hook: Callable, *, pre: bool = False, with_k
     token = object()
 
     def gated(*args: Any):
-        return hook(*args) if _is_entered(token) else None
+        return hook(*args) if is_entered(token) else None
 
     gated.__dict__[_PACKAGE_HOOK] = True  # not the user's: user_hooks_isolated leaves it inside
     if pre:
@@ -108,7 +108,7 @@ def forward_hook(module: nn.Module, hook: Callable, *, pre: bool = False, with_k
     else:
         handle = module.register_forward_hook(gated, with_kwargs=with_kwargs)
     try:
-        with _entered(token):
+        with entered(token):
             yield
     finally:
         handle.remove()
@@ -157,7 +157,7 @@ def user_hooks_isolated(modules: Iterable[nn.Module], owners: FrozenSet[int]) ->
                     wrapper = _isolating(hook, token, owners)
                     hooks[key] = wrapper
                     replaced.append((hooks, key, hook, wrapper))
-        with _entered(token):
+        with entered(token):
             yield
     finally:
         for hooks, key, hook, wrapper in reversed(replaced):
@@ -168,7 +168,7 @@ def user_hooks_isolated(modules: Iterable[nn.Module], owners: FrozenSet[int]) ->
 def _isolating(hook: Callable, token: object, owners: FrozenSet[int]) -> Callable:
     @functools.wraps(hook)
     def run(*args: Any, **kwargs: Any):
-        if not _is_entered(token):
+        if not is_entered(token):
             return hook(*args, **kwargs)
         return isolation.isolated_call(owners, hook, *args, **kwargs)
     return run
@@ -197,12 +197,12 @@ def message_passing_hook(module: nn.Module, kind: str, hook: Callable) -> Iterat
     token = object()
 
     def gated(*args: Any):
-        return hook(*args) if _is_entered(token) else None
+        return hook(*args) if is_entered(token) else None
 
     gated.__dict__[_PACKAGE_HOOK] = True
     handle = register(gated)
     try:
-        with _entered(token):
+        with entered(token):
             yield
     finally:
         handle.remove()
@@ -218,7 +218,7 @@ def flag(obj: Any, name: str, value: Any) -> Iterator[None]:
         ...     vit(images)   # explicit attention path here, timm's choice in other threads
     """
     token = object()
-    with attributes(obj, **{name: _ContextualValue(token, value, getattr(obj, name))}), _entered(token):
+    with attributes(obj, **{name: ContextualValue(token, value, getattr(obj, name))}), entered(token):
         yield
 
 
@@ -242,7 +242,7 @@ def _floating_parameters(model: nn.Module) -> List[nn.Parameter]:
     return found
 
 
-def _reachable_configs(model: nn.Module) -> List[Any]:
+def reachable_configs(model: nn.Module) -> List[Any]:
     """Every HF config object used by ``model``'s PreTrainedModels, sub-configs included."""
     return list(module_walk.per_walk(model, "hf_configs", lambda: _find_configs(model)))
 
@@ -281,19 +281,19 @@ def hf_attention_implementation(model: nn.Module, key: str) -> Iterator[None]:
     changes. Configs shared by several models (or threads) are swapped once and restored by
     the last context that leaves.
     """
-    configs = _reachable_configs(model)
+    configs = reachable_configs(model)
     with _CONFIG_GUARD:
         for config in configs:
             entry = _SWAPPED_CONFIGS.get(id(config))
             if entry is None:
                 entry = _SWAPPED_CONFIGS[id(config)] = [type(config), 0]
-                config.__class__ = _contextual_config_class(type(config))
+                config.__class__ = contextual_config_class(type(config))
             entry[1] += 1
-    reset = _IMPLEMENTATIONS.set({**_IMPLEMENTATIONS.get(), **{id(config): key for config in configs}})
+    reset = IMPLEMENTATIONS.set({**IMPLEMENTATIONS.get(), **{id(config): key for config in configs}})
     try:
         yield
     finally:
-        _IMPLEMENTATIONS.reset(reset)
+        IMPLEMENTATIONS.reset(reset)
         with _CONFIG_GUARD:
             for config in configs:
                 entry = _SWAPPED_CONFIGS[id(config)]
@@ -366,11 +366,11 @@ def eager_call(module: nn.Module) -> Iterator[None]:
     token = object()
 
     def call(*args: Any, **kwargs: Any):
-        if _is_entered(token):
+        if is_entered(token):
             return module._call_impl(*args, **kwargs)
         return compiled(*args, **kwargs)
 
-    with attributes(module, _compiled_call_impl=call), _entered(token):
+    with attributes(module, _compiled_call_impl=call), entered(token):
         yield
 
 # Parameters made to require grad by live parameters_require_grad contexts, by id:

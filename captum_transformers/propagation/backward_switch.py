@@ -39,7 +39,9 @@ class BackwardSwitch:
             self.plain = previous
 
 
-_SWITCH: contextvars.ContextVar[Optional[BackwardSwitch]] = contextvars.ContextVar(
+# The switch of the innermost switchable_backward in this context (None outside one): rule
+# Functions keep it at forward; a recomputation in the backward sets the forward's switch again.
+SWITCH: contextvars.ContextVar[Optional[BackwardSwitch]] = contextvars.ContextVar(
     "captum_transformers_backward_switch", default=None)
 
 
@@ -56,16 +58,16 @@ def switchable_backward() -> Iterator[BackwardSwitch]:
         ...     plain_grad, = torch.autograd.grad(y.sum(), x)                       # dy/dx
     """
     switch = BackwardSwitch()
-    token = _SWITCH.set(switch)
+    token = SWITCH.set(switch)
     try:
         yield switch
     finally:
-        _SWITCH.reset(token)
+        SWITCH.reset(token)
 
 
 def current_switch() -> Optional[BackwardSwitch]:
     """The switch rule Functions built now will read (None outside :func:`switchable_backward`)."""
-    return _SWITCH.get()
+    return SWITCH.get()
 
 
 def plain_requested(ctx) -> bool:

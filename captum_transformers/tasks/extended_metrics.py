@@ -244,7 +244,7 @@ class RecentGraphMetrics(RecentMetrics):
     def update_batch(self, explainers, data, explain: str, device, arguments) -> None:
         """Explain one batch of single-motif graphs with every method and feed SRG (the classic
         metrics explain the same graphs in ``update_motif_metrics``; explanations are deterministic)."""
-        from .motifs.evaluation import _node_scores
+        from .motifs.evaluation import node_scores
 
         if explain == "label":
             target = data.labels
@@ -253,7 +253,7 @@ class RecentGraphMetrics(RecentMetrics):
                 logits = self.model(data.x.to(device), data.edge_index.to(device), data.batch.to(device))
             target = logits.argmax(-1).cpu()
         for name, explainer in explainers.items():
-            scores = _node_scores(explainer, data, target.to(device), device, arguments)
+            scores = node_scores(explainer, data, target.to(device), device, arguments)
             self.by_method[name][0].update(data.x, data.edge_index, data.batch, scores, target)
 
 __all__ = ["METRIC_SETS", "RECENT_TASKS", "ROAD_TASKS", "COMPLETENESS_SCORES", "RECENT_COLUMNS", "ROAD_COLUMNS",

@@ -5,11 +5,12 @@ import json
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from ..evaluation import plot_curves, write_csv, write_json
+from ..evaluation import write_csv, write_json
 from ..evaluation.results import CurveResult
+from ..visualization.curves import plot_curves
 from .extended_metrics import recent_columns
 from .recall.benchmark import recall_columns
-from .runner import BenchmarkReport
+from .benchmark_runs import BenchmarkReport
 
 # Columns per task: (header, metric name, field, format). Arrows say which way is better.
 _COLUMNS: Dict[str, List[Tuple[str, str, str, str]]] = {

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -53,8 +52,8 @@ from ..evaluation import (ClassSpecificity, PixelPerturbation, RationaleF1, Segm
                           TokenPruning, all_reduce_metrics, shard_indices)
 from ..evaluation.accumulator import Accumulator
 from ..evaluation.images.pixel_perturbation import PIXEL_PROTOCOLS
-from ..evaluation.results import ResultRecord
 from ..methods.catalog import METHOD_NAMES, PACKAGE_METHOD_NAMES, build_method, resolve_method_names
+from .benchmark_runs import BenchmarkReport, progress_bar, rank_and_world_size
 from .extended_metrics import (RecentGraphMetrics, RecentImageMetrics, RecentTokenMetrics, merged, metric_parts,
                                road_wanted)
 
@@ -64,50 +63,13 @@ _PIXEL_TASKS = ("digits", "digits-swin")
 _TWO_DIGIT_TASKS = ("digits-two", "digits-two-swin")
 
 
-@dataclass(frozen=True)
-class BenchmarkReport:
-    """Every (method, metric result) row of one run, and how the run was made."""
-
-    task: str
-    methods: Tuple[str, ...]
-    rows: Tuple[Tuple[str, ResultRecord], ...]
-    examples: int
-    world_size: int
-    seconds: float
-    explained: str
-    pixel_steps: Optional[str] = None  # the digits task's perturbation protocol; None for other tasks
-    metrics: str = "classic"  # the metric set (tasks.extended_metrics.METRIC_SETS)
-
-    def result(self, method: str, metric: str) -> ResultRecord:
-        for row_method, result in self.rows:
-            if row_method == method and result.name == metric:
-                return result
-        raise KeyError((method, metric))
-
-
-def _progress(iterable, total: int, description: str, enabled: bool):
-    if not enabled:
-        return iterable
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return iterable
-    return tqdm(iterable, total=total, desc=description, leave=False)
-
-
-def _distributed() -> Tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
 def _my_batches(n: int, batch_size: int, task: str, progress: bool) -> List[slice]:
     """This process's batches as slices: the dataset is cut into batches, the batches sharded
     over the processes (so each example sits in the same batch as in a single process)."""
-    rank, world_size = _distributed()
+    rank, world_size = rank_and_world_size()
     starts = range(0, n, batch_size)
     mine = [slice(starts[i], min(starts[i] + batch_size, n)) for i in shard_indices(len(starts), rank, world_size)]
-    return _progress(mine, len(mine), task, progress)
+    return progress_bar(mine, len(mine), task, progress)
 
 
 def _image_scores(attribution) -> torch.Tensor:
@@ -339,7 +301,7 @@ def run_benchmark(task: str, methods: Optional[Sequence[str]] = None, limit: Opt
                                     pixel_steps, parts=parts, **({"road": True} if road_wanted(metrics) else {}))
     all_reduce_metrics([metric for name in names for metric in accumulators[name]])
     rows = tuple((name, metric.compute()) for name in names for metric in accumulators[name])
-    _, world_size = _distributed()
+    _, world_size = rank_and_world_size()
     return BenchmarkReport(task, tuple(names), rows, examples, world_size, time.perf_counter() - start,
                            explain if task not in _TWO_DIGIT_TASKS else default_explain,
                            pixel_steps if task in _PIXEL_TASKS else None, metrics)

@@ -16,8 +16,8 @@ are drawn at full colour. NaN and infinite values are refused: no colour would b
 Signed or sequential is decided per METHOD, never by the scale or the data (``signed_per_key``):
 a limit shared between LRP and rollout leaves rollout sequential, and an LRP map that happens
 to hold no negative value stays signed. Pictures take ``signed=`` as a bool or a
-``{method_name: bool}`` dict; with neither, catalog method names are answered by
-``SIGNED_METHODS`` and only other names get a guess from the data.
+``{method_name: bool}`` dict; with neither, a catalog method name is answered by its catalog
+entry (the ``signed`` its method class declares) and only other names get a guess from the data.
 
 >>> scale = ColorScale.fit([torch.tensor([-2.0, 0.0, 1.0])])
 >>> scale.signed, scale.limit
@@ -34,6 +34,7 @@ from typing import Dict, Iterable, Mapping, Optional, Union
 import torch
 
 from ..errors import InputError
+from ..methods.catalog import METHOD_CATALOG
 
 WHITE = (255.0, 255.0, 255.0)
 RED = (178.0, 24.0, 43.0)     # the ends of ColorBrewer's RdBu scale
@@ -181,12 +182,11 @@ SignedOption = Union[None, bool, Mapping[str, bool]]
 
 
 def catalog_signedness(name) -> Optional[bool]:
-    """Whether the catalog method called ``name`` returns signed maps (``SIGNED_METHODS``);
-    None for a name the catalog does not know (a display name, a user's own method)."""
-    from ..methods.catalog import KNOWN_METHOD_NAMES, SIGNED_METHODS  # here: the catalog imports every method
-
-    name = str(name)
-    return (name in SIGNED_METHODS) if name in KNOWN_METHOD_NAMES else None
+    """Whether the catalog method called ``name`` returns signed maps, as its catalog entry says
+    (the ``signed`` its method class declares); None for a name the catalog does not know (a
+    display name, a user's own method)."""
+    entry = METHOD_CATALOG.get(str(name))
+    return None if entry is None else entry.signed
 
 
 def signed_per_key(maps: Mapping, signed: SignedOption) -> Dict[str, bool]:
@@ -196,7 +196,7 @@ def signed_per_key(maps: Mapping, signed: SignedOption) -> Dict[str, bool]:
     sentence may hold no negative value and is still signed (red = for the class, its sum
     beside the logit), a rollout map drawn on a limit shared with LRP is still unsigned. So,
     per key: ``signed`` when a bool; ``signed[key]`` when a dict names the key; else the
-    catalog's answer when the key is a catalog method name (``SIGNED_METHODS``); else, for a
+    catalog's answer when the key is a catalog method name (:func:`catalog_signedness`); else, for a
     name nobody said anything about, a GUESS from the data (signed when a value is negative),
     which is wrong for a signed method's all-positive map: say ``signed=`` to be sure.
     A map drawn unsigned that holds a negative value is refused (its negatives would be
@@ -225,8 +225,8 @@ def signed_per_key(maps: Mapping, signed: SignedOption) -> Dict[str, bool]:
             out[key], reason = given[str(key)], f"signed[{str(key)!r}] is False"
         else:
             known = catalog_signedness(key)
-            reason = (f"{str(key)!r} is an unsigned method of the catalog (not in "
-                      "captum_transformers.methods.catalog.SIGNED_METHODS)")
+            reason = (f"{str(key)!r} is an unsigned method of the catalog (its method class declares "
+                      "signed = False)")
             out[key] = _any_negative(group) if known is None else known
         if not out[key] and _any_negative(group):
             low = min(float(m.min()) for m in group if m.numel())

@@ -4,7 +4,7 @@
 shows itself in notebooks (the picture and a table of areas, with which way is better);
 ``curve_plots("results.json")`` gives one ``CurvePlot`` per curve metric of a benchmark run
 (``captum-transformers benchmark`` writes that file). ``plot_curves`` writes one figure to
-a file (the function ``evaluation.plot_curves`` re-exports).
+a file.
 
 >>> plots = curve_plots("captum_transformers_benchmark/results.json")     # doctest: +SKIP
 >>> plots["perturbation_positive"].save("positive.svg")                     # doctest: +SKIP

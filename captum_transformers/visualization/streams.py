@@ -28,7 +28,7 @@ from ..errors import InputError
 from .colors import ColorScale, as_float_tensor
 from .images import ImageOverlay, display_image, draw_box, enlarge, image_overlay, zoom_factor
 from .output import Picture, escape
-from .tokens import TokenHeatmap, _attention_mask
+from .tokens import TokenHeatmap, boolean_attention_mask
 
 
 class StreamView(Picture):
@@ -96,7 +96,7 @@ def _titles(titles: Optional[Sequence[str]], count: int) -> List[str]:
 def _text_row(tokens, text_scores, row: int, special_tokens, attention_mask, merge_word_pieces,
               signed: Optional[bool] = None) -> TokenHeatmap:
     """The token heatmap of example ``row`` (its own padding mask)."""
-    mask = _attention_mask(attention_mask)  # a tensor, or the tokenizer's output / a dict holding it
+    mask = boolean_attention_mask(attention_mask)  # a tensor, or the tokenizer's output / a dict holding it
     mask = None if mask is None else mask[row:row + 1]
     return TokenHeatmap([list(tokens[row])], {"text": text_scores[row:row + 1]}, special_tokens=special_tokens,
                         attention_mask=mask, merge_word_pieces=merge_word_pieces, title="text", signed=signed)

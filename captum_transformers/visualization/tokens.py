@@ -113,7 +113,7 @@ class TokenHeatmap(Picture):
         titles = [str(t) for t in titles] if titles is not None else [""] * len(examples)
         if len(titles) != len(examples):
             raise InputError(f"got {len(titles)} titles for {len(examples)} examples; expected one per example.")
-        mask = _attention_mask(attention_mask)
+        mask = boolean_attention_mask(attention_mask)
         logit_values = None if logits is None else as_float_tensor(logits, "logits").reshape(-1)
         if logit_values is not None and len(logit_values) != len(examples):
             raise InputError(f"logits has {len(logit_values)} values for {len(examples)} examples; expected one "
@@ -267,7 +267,7 @@ class TokenHeatmap(Picture):
         return figure
 
 
-def _attention_mask(attention_mask) -> Optional[torch.Tensor]:
+def boolean_attention_mask(attention_mask) -> Optional[torch.Tensor]:
     """The (B, S) mask as booleans, from a tensor, array or list, or from the ``attention_mask``
     entry of a tokenizer's ``BatchEncoding`` or of a ``{"attention_mask": ...}`` dict."""
     if attention_mask is None:

@@ -26,7 +26,7 @@ from ..base import Adapter
 from .kernel import ATTENTION_KEY, SDPA_KEY, active_recorder, active_rules, block_kind
 from .kernel_keys import capture_key, propagation_key
 from .kept_logits import kept_logit_positions
-from .position_padding import _learned_position_table, warn_left_padding_without_positions
+from .position_padding import learned_position_table, warn_left_padding_without_positions
 from ..query_rows import QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen_rows
 from ...capture.recorder import Recorder
 
@@ -59,7 +59,9 @@ _OUTPUT_FIELDS = ("logits", "logits_per_image", "image_embeds", "text_embeds", "
 _SCORE_FIELDS = ("logits", "logits_per_image")
 
 
-def _pretrained(model: nn.Module) -> nn.Module:
+def pretrained_model(model: nn.Module) -> nn.Module:
+    """The first transformers ``PreTrainedModel`` in ``model`` (``model`` itself, or a module of a
+    user wrapper); a ``CaptureError`` when it holds none."""
     from transformers import PreTrainedModel
 
     for module in module_walk.modules(model):
@@ -70,13 +72,13 @@ def _pretrained(model: nn.Module) -> nn.Module:
 
 def _sub_config(model: nn.Module, name: str) -> Any:
     """``config.<name>`` of a composite model (CLIP's text_config), else the config itself."""
-    config = _pretrained(model).config
+    config = pretrained_model(model).config
     sub = getattr(config, name, None)
     return config if sub is None else sub
 
 
 @contextlib.contextmanager
-def _gradient_checkpointing_off(model: nn.Module) -> Iterator[None]:
+def gradient_checkpointing_off(model: nn.Module) -> Iterator[None]:
     """Layers with gradient checkpointing run plainly while captured: a checkpointed layer re-runs
     its forward in the backward pass, outside the capture, with another attention kernel
     (torch raises CheckpointError). Each module's own flag is restored on exit. Under
@@ -106,7 +108,9 @@ def _takes_decoder_inputs(model: nn.Module) -> bool:
     return "decoder_input_ids" in parameters and "decoder_inputs_embeds" in parameters
 
 
-def _is_attention_module(module: nn.Module) -> bool:
+def is_attention_module(module: nn.Module) -> bool:
+    """Whether ``module`` is an innermost attention module: its class name holds "Attention" and no
+    child's does (BERT's ``BertSelfAttention``, not the ``BertAttention`` around it)."""
     name = type(module).__name__
     return "Attention" in name and not any("Attention" in type(c).__name__ for c in module.children())
 
@@ -188,7 +192,7 @@ class HuggingFaceAdapter(Adapter):
         return list(module_walk.per_walk(model, ("blocks", type(self)), lambda: self._find_blocks(model)))
 
     def _find_blocks(self, model: nn.Module) -> List[Block]:
-        found = [(name, m, block_kind(m, name)) for name, m in module_walk.named_modules(model) if _is_attention_module(m)]
+        found = [(name, m, block_kind(m, name)) for name, m in module_walk.named_modules(model) if is_attention_module(m)]
         streams = [self.block_streams(name, kind) for name, _, kind in found]
         if len({s[0] for s in streams if s is not None}) < 2:
             streams = [None] * len(found)  # one sequence: the default "tokens" stream
@@ -212,24 +216,24 @@ class HuggingFaceAdapter(Adapter):
         blocks = {id(b.module): b for b in self.blocks(model)}
         key = capture_key(recorder, blocks.values(), model)
         with active_recorder(recorder, blocks), patching.hf_attention_implementation(model, key), \
-                _gradient_checkpointing_off(model):
+                gradient_checkpointing_off(model):
             yield
 
     @contextlib.contextmanager
     def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
         key = propagation_key(model, rules)
         with active_rules(rules), patching.hf_attention_implementation(model, key), \
-                _gradient_checkpointing_off(model), norm_rules(model, rules), operation_rules(model, rules):
+                gradient_checkpointing_off(model), norm_rules(model, rules), operation_rules(model, rules):
             yield
 
     def _quirks(self, model: nn.Module) -> Dict[str, Any]:
-        return _MODEL_TYPE_QUIRKS.get(getattr(_pretrained(model).config, "model_type", ""), {})
+        return _MODEL_TYPE_QUIRKS.get(getattr(pretrained_model(model).config, "model_type", ""), {})
 
     def num_prefix_tokens(self, model: nn.Module) -> Optional[int]:
         return self._quirks(model).get("prefix")
 
     def patch_size(self, model: nn.Module):
-        config = _pretrained(model).config
+        config = pretrained_model(model).config
         size = getattr(config, "patch_size", None)
         if isinstance(size, int):
             return (size, size)
@@ -363,7 +367,7 @@ class HuggingFaceAdapter(Adapter):
         (:func:`warn_left_padding_without_positions`)."""
         warn_left_padding_without_positions(
             model, forward_kwargs,
-            module_walk.per_walk(model, ("learned_positions",), lambda: _learned_position_table(model)))
+            module_walk.per_walk(model, ("learned_positions",), lambda: learned_position_table(model)))
         if len(inputs) != 2 or not _takes_decoder_inputs(model):
             return super().call_model(model, inputs, additional_forward_args, forward_kwargs)
         keyword = "decoder_inputs_embeds" if inputs[1].is_floating_point() else "decoder_input_ids"

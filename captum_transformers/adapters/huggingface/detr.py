@@ -29,7 +29,7 @@ from ...errors import CaptureError, InputError
 from ...capture.targets import select_targets
 from ...capture.trace import Block, InputSpan, StreamLayouts, TokenLayout
 from .kernel import block_kind
-from .adapter import HuggingFaceAdapter, _is_attention_module
+from .adapter import HuggingFaceAdapter, is_attention_module
 from ...capture.recorder import Recorder
 
 ENCODER = "encoder"
@@ -96,7 +96,7 @@ class DetrAdapter(HuggingFaceAdapter):
             if stream_side is None:
                 continue
             for name, module in side.named_modules(prefix=side_name):
-                if not _is_attention_module(module):
+                if not is_attention_module(module):
                     continue
                 kind = block_kind(module)
                 blocks.append(Block(name, module, kind, _STREAMS[(stream_side, kind)]))

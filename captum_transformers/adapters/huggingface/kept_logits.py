@@ -67,13 +67,17 @@ class KeptLogitPositions:
 
 
 @functools.lru_cache(maxsize=256)
-def _forward_signature(model_class: type) -> Optional[inspect.Signature]:
+def forward_signature(model_class: type) -> Optional[inspect.Signature]:
     """The class's forward signature (an instance's forward may be wrapped for the explanation,
     as ``*args, **kwargs``); None when it cannot be read. Cached: reading it costs 0.1 ms."""
     try:
         return inspect.signature(model_class.forward)
     except (TypeError, ValueError):
         return None
+
+
+# The former private name, kept until generation.engine imports forward_signature.
+_forward_signature = forward_signature
 
 
 def kept_logit_positions(model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
@@ -85,7 +89,7 @@ def kept_logit_positions(model: nn.Module, inputs: Tuple[torch.Tensor, ...], add
     """
     if len(inputs) != 1 or query_rows == "mean" or inputs[0].dim() < 2:
         return None
-    signature = _forward_signature(type(model))
+    signature = forward_signature(type(model))
     if signature is None or "logits_to_keep" not in signature.parameters:
         return None
     try:

@@ -27,7 +27,7 @@ from ...errors import CaptureError
 from ...capture.row_stream import UnreadWeights
 from .replayed_kernel import explicit_sdpa_mask, replay_of, replayed_attention, sdpa_mask_for
 from ...propagation.attention.core import softmax_attention
-from ...propagation.backward_switch import _SWITCH
+from ...propagation.backward_switch import SWITCH
 from ...propagation.attention.chunk_products import repeat_heads
 from ...propagation.attention.fused import fused_operands, scaled_gradient
 from ...propagation.rules.operations import paused_rule_mode
@@ -37,6 +37,7 @@ from ...propagation.attention.recomputed_softmax import softmax_of_recomputed_sc
 from ...propagation.rules.rule_set import RuleSet, gate
 from ...capture.trace import Block
 from ...capture.recorder import Recorder, SiteObserver
+from .weights_readers import weights_reader
 from .kernel_rows import fused_output, grouped_scores, keys_needed_of, masked_from, plain_gradient_of
 
 ATTENTION_KEY = "captum_transformers"
@@ -44,7 +45,9 @@ ATTENTION_KEY = "captum_transformers"
 # the rules allow it (captum_sdpa_attention).
 SDPA_KEY = "captum_transformers_sdpa"
 
-_ACTIVE: contextvars.ContextVar[Optional[Tuple[Recorder, Dict[int, Block]]]] = contextvars.ContextVar(
+# The recorder the kernel reports to in this context and its blocks keyed by module id (set by
+# active_recorder; None outside one). An adapter may clear it around calls no recorder sees.
+ACTIVE: contextvars.ContextVar[Optional[Tuple[Recorder, Dict[int, Block]]]] = contextvars.ContextVar(
     "captum_transformers_hf_recorder", default=None
 )
 _RULES: contextvars.ContextVar[Optional[RuleSet]] = contextvars.ContextVar("captum_transformers_hf_rules", default=None)
@@ -100,7 +103,7 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
             "captum_transformers kernel does not implement, so the captured attention would differ from the model's. "
             "This model is not supported by the HuggingFace adapter."
         )
-    active = _ACTIVE.get()
+    active = ACTIVE.get()
     if active is not None:
         query = active[0].connect(query)
     rules = _RULES.get()
@@ -110,7 +113,7 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     # what the model's eager attention costs (autograd keeps A, nothing is recomputed). The AH
     # gate takes the branch below, which costs the same (A kept for the product with V).
     if not (active is not None and active[0].wants_maps) and rules is not None and rules.attention_gate == "gradient" \
-            and kwargs.get("softcap") is None and _SWITCH.get() is None and (dropout == 0.0 or not module.training):
+            and kwargs.get("softcap") is None and SWITCH.get() is None and (dropout == 0.0 or not module.training):
         # Over such operands no operation of the kernel gets a rule from the mode.
         with paused_rule_mode():
             operands = fused_operands(rules, query, key, value,
@@ -226,30 +229,10 @@ def _streamed(active, module: nn.Module, kwargs: Dict[str, Any]) -> bool:
     spec = None if active is None else active[0].spec
     if spec is None or spec.row_stream is None or spec.forward_reduce is not None or spec.row_stream.streamed is False:
         return False
-    reader = _weights_reader(module, kwargs)
+    reader = weights_reader(module, kwargs)
     if reader:
         spec.row_stream.decline(reader)
     return not reader
-
-
-def _weights_reader(module: nn.Module, kwargs: Dict[str, Any]) -> str:
-    """What may read the weights ``module`` returns ('' if nothing): transformers' output recording
-    (``output_attentions=True`` in the call or config), the keyword itself, or a user's forward hook."""
-    try:  # before transformers 5, output_attentions reaches the modules as the keyword
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:
-        _active_collector = None
-    collected = (_active_collector and _active_collector.get()) or {}
-    recorded = sorted(key for key in collected if "attention" in key)
-    if recorded:
-        return f"transformers records the attention weights ({', '.join(recorded)}: output_attentions=True)"
-    if kwargs.get("output_attentions"):
-        return "the attention weights are requested (output_attentions=True)"
-    hooks = [*module._forward_hooks.values(), *nn.modules.module._global_forward_hooks.values()]
-    # The package's hooks and transformers' recording hook (its collector checked above) read none.
-    foreign = [hook for hook in hooks if not getattr(getattr(hook, "func", hook), "__module__", "").startswith(
-        "captum_transformers") and getattr(hook, "__name__", "") != "output_capturing_hook"]
-    return f"a forward hook on {type(module).__name__} may read its attention weights ({foreign})" if foreign else ""
 
 
 def _record(active, module: nn.Module, probs: torch.Tensor, attention_mask: Optional[torch.Tensor],
@@ -277,9 +260,9 @@ def captum_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     softmax identity rule, training-mode dropout, soft-capping) :func:`captum_attention` runs with
     the mask SDPA was given, the causal one made explicit.
     """
-    active = _ACTIVE.get()
+    active = ACTIVE.get()
     rules = _RULES.get()
-    if (active is None or not active[0].wants_maps) and _SWITCH.get() is None \
+    if (active is None or not active[0].wants_maps) and SWITCH.get() is None \
             and (dropout == 0.0 or not module.training) \
             and all(kwargs.get(name) is None for name in ("softcap", *_UNSUPPORTED_KERNEL_ARGS)):
         position_bias = kwargs.get("position_bias")
@@ -407,11 +390,11 @@ def active_recorder(recorder: Recorder, blocks: Dict[int, Block]) -> Iterator[No
     """Inside: every kernel call reports to ``recorder`` (``blocks`` keyed by module id)."""
     _register_kernel()
     _check_registry()
-    token = _ACTIVE.set((recorder, blocks))
+    token = ACTIVE.set((recorder, blocks))
     try:
         yield
     finally:
-        _ACTIVE.reset(token)
+        ACTIVE.reset(token)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from typing import Iterable, Optional
 from torch import nn
 
 from ...model_state import patching
+from ...model_state.contextual import IMPLEMENTATIONS
 from ...capture.recorder import Recorder
 from ...capture.trace import Block, one_self_attending_sequence
 from ...propagation.attention.fused import fusable
@@ -54,13 +55,13 @@ def _rows_of_one_sequence(recorder: Recorder, blocks) -> bool:
 def runs_sdpa(model: nn.Module) -> bool:
     """Whether every HF config of ``model`` stores the "sdpa" implementation (read past any
     context that points it at the package's kernels)."""
-    configs = patching._reachable_configs(model)  # the configs the kernel key is switched on
+    configs = patching.reachable_configs(model)  # the configs the kernel key is switched on
     return bool(configs) and all(getattr(c, "_attn_implementation_internal", None) == "sdpa" for c in configs)
 
 
 def attention_implementation_now(model: nn.Module) -> Optional[str]:
     """The key :func:`~captum_transformers.model_state.patching.hf_attention_implementation` points
     ``model``'s HF configs at in this context (None outside one, or where they disagree)."""
-    current = patching._IMPLEMENTATIONS.get()
-    keys = {current.get(id(config)) for config in patching._reachable_configs(model)}
+    current = IMPLEMENTATIONS.get()
+    keys = {current.get(id(config)) for config in patching.reachable_configs(model)}
     return keys.pop() if len(keys) == 1 else None

@@ -2,7 +2,7 @@
 
 A model that looks its positions up in a learned table (GPT-2's ``wpe``, BERT's
 ``position_embeddings``) numbers a left-padded row's tokens from the padding, so its maps
-differ from the same text explained alone. :func:`_learned_position_table` finds such a table
+differ from the same text explained alone. :func:`learned_position_table` finds such a table
 (read-only: a walk of the modules); :func:`warn_left_padding_without_positions` warns when a
 batch is left-padded and no ``position_ids`` were passed. Held apart from
 :mod:`.huggingface` (which calls it from ``call_model``) as one concern of the inputs, not
@@ -25,7 +25,7 @@ from ...model_state import module_walk
 _LEARNED_POSITION_NAMES = ("wpe", "position_embeddings")
 
 
-def _learned_position_table(model: nn.Module) -> Optional[str]:
+def learned_position_table(model: nn.Module) -> Optional[str]:
     """The dotted path of a plain ``nn.Embedding`` of absolute positions, or None."""
     for name, module in module_walk.named_modules(model):
         if type(module) is nn.Embedding and name.rsplit(".", 1)[-1] in _LEARNED_POSITION_NAMES \

@@ -23,6 +23,7 @@ from torch import nn
 
 from ...capture.replayed_rows import ReplayedCall, ReplayedRows, chunked_output
 from .kernel_rows import causal_mask
+from .weights_readers import weights_reader
 
 #: The keyword :func:`sdpa_mask_for` passes on to the kernel for a causal sequence given no mask.
 CAUSAL_ROWS = "captum_causal_rows"
@@ -32,7 +33,7 @@ def replay_of(active, module: nn.Module, kwargs: Dict[str, Any], rules, dropout:
     """The active spec's replay where this call is replayed, else None: no rules (forward-only),
     no training-mode dropout between the map and the product, and the replay accepted (decided at
     the first call, before any map is dropped: one token sequence, nothing that may read the
-    weights of any block, see ``hf_kernel._weights_reader``)."""
+    weights of any block, see :func:`.weights_readers.weights_reader`)."""
     replay = None if active is None else getattr(active[0].spec, "replay", None)
     if replay is None or replay.replayed is False or rules is not None or torch.is_grad_enabled() \
             or (dropout and module.training):
@@ -41,9 +42,8 @@ def replay_of(active, module: nn.Module, kwargs: Dict[str, Any], rules, dropout:
         # A subclass's own forward reduction: the replay recomputes head fusions only.
         replay.decline("the spec's forward_reduce is not a head fusion (functional.head_fusion_of)")
     if replay.replayed is None:
-        from .kernel import _weights_reader  # the kernel module imports this one
         blocks = list(active[1].values())
-        readers = [_weights_reader(b.module, kwargs) for b in blocks] + [_weights_reader(module, kwargs)]
+        readers = [weights_reader(b.module, kwargs) for b in blocks] + [weights_reader(module, kwargs)]
         replay.accepts(blocks, next((reader for reader in readers if reader), ""))
     return replay if replay.replayed else None
 

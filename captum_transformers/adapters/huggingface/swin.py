@@ -32,7 +32,7 @@ from ...capture.windows import WindowGeometry
 from ...errors import CaptureError
 from ...propagation.rules.operations import operation_rules
 from ...propagation.rules.rule_set import RuleSet, gate, norm_rules
-from .adapter import HuggingFaceAdapter, _gradient_checkpointing_off
+from .adapter import HuggingFaceAdapter, gradient_checkpointing_off
 from ..windowed import WindowedAdapterMixin, note_geometry, start_geometries
 
 
@@ -99,7 +99,7 @@ class Swinv2Adapter(SwinAdapter):
     @contextlib.contextmanager
     def attention_capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_gradient_checkpointing_off(model))
+            stack.enter_context(gradient_checkpointing_off(model))
             for block in self.blocks(model):
                 def tap(module, args, kwargs):
                     # The anchor tap: gradients reach this call's map even in a frozen model.
@@ -117,7 +117,7 @@ class Swinv2Adapter(SwinAdapter):
     @contextlib.contextmanager
     def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_gradient_checkpointing_off(model))
+            stack.enter_context(gradient_checkpointing_off(model))
             if rules.attention_gate != "gradient":
                 for block in self.blocks(model):  # A V sees A as a constant (same values)
                     stack.enter_context(patching.forward_hook(

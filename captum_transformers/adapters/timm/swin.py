@@ -29,7 +29,7 @@ from ...capture.windows import WindowGeometry
 from ...errors import CaptureError
 from ...propagation.rules.operations import operation_rules
 from ...propagation.rules.rule_set import RuleSet, gate, norm_rules
-from .vit import TimmAdapter, _is_attention
+from .vit import TimmAdapter, is_attention
 from ..windowed import WindowedAdapterMixin, note_geometry, start_geometries
 
 
@@ -69,7 +69,7 @@ class TimmSwinAdapter(WindowedAdapterMixin, TimmAdapter):
         names = {id(m): name for name, m in model.named_modules()}
         blocks = []
         for layer in _swin_blocks(_swin_backbone(model)):
-            if not (_is_attention(layer.attn) or isinstance(getattr(layer.attn, "attn_drop", None), nn.Dropout)):
+            if not (is_attention(layer.attn) or isinstance(getattr(layer.attn, "attn_drop", None), nn.Dropout)):
                 raise CaptureError(f"{type(layer.attn).__name__} in {names[id(layer)]!r} is not a timm window "
                                    "attention with a `fused_attn` flag and `attn_drop`; pass a custom adapter.")
             blocks.append(Block(names[id(layer.attn)], layer.attn, "self"))

@@ -44,7 +44,7 @@ _MEAN_POOLS = ("avg", "max", "avgmax")
 _ATTENTION_POOLS = ("map", "prr")
 
 
-def _is_attention(module: nn.Module) -> bool:
+def is_attention(module: nn.Module) -> bool:
     """timm attention with a switchable explicit path: ``fused_attn`` flag + ``attn_drop`` module."""
     return hasattr(module, "fused_attn") and isinstance(getattr(module, "attn_drop", None), nn.Module)
 
@@ -94,7 +94,7 @@ class TimmAdapter(Adapter):
         names = {id(m): name for name, m in model.named_modules()}
         blocks: List[Block] = []
         for index, layer in enumerate(original_module(backbone.blocks).children()):
-            found = [m for m in layer.modules() if _is_attention(m)]
+            found = [m for m in layer.modules() if is_attention(m)]
             if len(found) != 1:
                 # Parallel attention branches (ParallelThingsBlock) are summed, not chained;
                 # the methods here would wrongly treat them as consecutive layers.

@@ -33,9 +33,9 @@ from .base import IMAGE_STREAM, TEXT_STREAM, ImageTokens, VisionLanguageAdapter,
 
 
 def _config(model: nn.Module) -> Any:
-    from ..huggingface.adapter import _pretrained
+    from ..huggingface.adapter import pretrained_model
 
-    return _pretrained(model).config
+    return pretrained_model(model).config
 
 
 #: Towers whose token layout is known: whether a CLS token precedes the patch grid.

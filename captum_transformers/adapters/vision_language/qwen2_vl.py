@@ -115,16 +115,16 @@ def _one_call_per_block(original):
     when maps are recorded, else its own per-image calls, reported to no recorder."""
 
     def forward(hidden_states, cu_seqlens, *args, **kwargs):
-        active = hf_kernel._ACTIVE.get()  # the recorder the kernel reports to (hf_kernel.active_recorder)
+        active = hf_kernel.ACTIVE.get()  # the recorder the kernel reports to (hf_kernel.active_recorder)
         if active is not None and active[0].wants_maps:
             whole = cu_seqlens.new_tensor([0, hidden_states.shape[0]])
             bias = block_bias(cu_seqlens, hidden_states.shape[0], hidden_states)
             return original(hidden_states, whole, *args, position_bias=bias, **kwargs)
-        token = hf_kernel._ACTIVE.set(None)
+        token = hf_kernel.ACTIVE.set(None)
         try:
             return original(hidden_states, cu_seqlens, *args, **kwargs)
         finally:
-            hf_kernel._ACTIVE.reset(token)
+            hf_kernel.ACTIVE.reset(token)
 
     return forward
 

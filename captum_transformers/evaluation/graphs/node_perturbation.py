@@ -37,7 +37,7 @@ from ..validation import require_finite, require_fractions, require_labels_in_ra
 GraphForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _dense(values: torch.Tensor, batch: torch.Tensor, num_graphs: int, fill: float) -> torch.Tensor:
+def dense_per_graph(values: torch.Tensor, batch: torch.Tensor, num_graphs: int, fill: float) -> torch.Tensor:
     """Per-node values (N,) as (G, N_max) rows, ``fill`` at padding; and the node positions."""
     counts = torch.bincount(batch, minlength=num_graphs)
     starts = counts.cumsum(0) - counts
@@ -49,7 +49,10 @@ def _dense(values: torch.Tensor, batch: torch.Tensor, num_graphs: int, fill: flo
     return out, position
 
 
-def _check(x, edge_index, batch, scores, labels=None):
+def check_graph_batch(x, edge_index, batch, scores, labels=None):
+    """The number of graphs G of a node-level batch, after checking its shapes: x (N, F),
+    edge_index (2, E), batch (N,) numbering the graphs 0..G-1 without gaps, finite node scores
+    (N,) and, if given, labels (G,). Raises ``InputError`` saying what to fix."""
     if x.dim() != 2 or edge_index.dim() != 2 or edge_index.shape[0] != 2 or batch.shape != (x.shape[0],):
         raise InputError(f"expected x (N, F), edge_index (2, E) and batch (N,); got {tuple(x.shape)}, "
                          f"{tuple(edge_index.shape)} and {tuple(batch.shape)}.")
@@ -98,7 +101,7 @@ class _NodeCurve(Accumulator):
         self._add_state("count")
 
     def _kept(self, scores, batch, num_graphs, descending: bool, reveal: bool):
-        key, position = _dense(scores.detach().to(torch.float64).cpu(), batch.cpu(), num_graphs,
+        key, position = dense_per_graph(scores.detach().to(torch.float64).cpu(), batch.cpu(), num_graphs,
                                -math.inf if descending else math.inf)
         real = torch.isfinite(key)
         order = ranks(key, descending=descending)  # (G, N_max)
@@ -116,7 +119,7 @@ class NodeActivation(_NodeCurve):
 
     def update(self, x, edge_index, batch, scores, labels) -> None:
         """Add a batch of graphs: x (N, F), edge_index (2, E), batch (N,), node scores (N,), labels (G,)."""
-        num_graphs = _check(x, edge_index, batch, scores, labels)
+        num_graphs = check_graph_batch(x, edge_index, batch, scores, labels)
         kept = self._kept(scores, batch, num_graphs, descending=True, reveal=True)
         logits = masked_logits(self.forward, x, edge_index, batch, kept, labels=labels)
         probability = torch.softmax(logits, -1).gather(
@@ -139,7 +142,7 @@ class NodePruning(_NodeCurve):
 
     def update(self, x, edge_index, batch, scores, labels=None) -> None:
         """Add a batch of graphs: x (N, F), edge_index (2, E), batch (N,), node scores (N,)."""
-        num_graphs = _check(x, edge_index, batch, scores)
+        num_graphs = check_graph_batch(x, edge_index, batch, scores)
         kept = self._kept(scores.abs(), batch, num_graphs, descending=False, reveal=False)
         logits = masked_logits(self.forward, x, edge_index, batch, kept)
         squared_error = ((logits - logits[:1]) ** 2).sum(-1)

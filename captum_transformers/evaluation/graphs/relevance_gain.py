@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from .node_perturbation import GraphForward, _check, _dense, masked_logits
+from .node_perturbation import GraphForward, check_graph_batch, dense_per_graph, masked_logits
 from ..relevance_gain import GAIN_FRACTIONS, RelevanceGain, removal_masks
 from ..validation import require_choice
 
@@ -44,9 +44,9 @@ class GraphRelevanceGain(RelevanceGain):
     def update(self, x: torch.Tensor, edge_index: torch.Tensor, batch: torch.Tensor, scores: torch.Tensor,
                labels: torch.Tensor) -> None:
         """Add a batch of graphs: x (N, F), edge_index (2, E), batch (N,), node scores (N,), labels (G,)."""
-        num_graphs = _check(x, edge_index, batch, scores, labels)
+        num_graphs = check_graph_batch(x, edge_index, batch, scores, labels)
         cpu_batch = batch.cpu()
-        key, position = _dense(scores.detach().to(torch.float64).cpu(), cpu_batch, num_graphs, -math.inf)
+        key, position = dense_per_graph(scores.detach().to(torch.float64).cpu(), cpu_batch, num_graphs, -math.inf)
         removed = removal_masks(key, torch.isfinite(key), self.fractions)  # (2T, G, N_max)
         kept = ~removed[:, cpu_batch, position].to(x.device)  # (2T, N)
         logits = masked_logits(self.forward, x, edge_index, batch, kept, keep_edges=self.removal == "zero",

@@ -30,7 +30,7 @@ from ..curves import mean_curve
 from ..results import CurveResult
 from .saliency_maps import pixel_maps_per_image
 from ..tokens.token_flipping import stable_order
-from ..validation import require_choice, require_labels, require_tensor
+from ..validation import require_choice, require_labels, require_positive_int, require_tensor
 
 Baseline = Union[str, float]
 BASELINES = ("black", "white", "mean", "uniform")
@@ -121,7 +121,7 @@ def cumulative_logits(forward: Forward, images: torch.Tensor, steps: Sequence[to
     return logits_per_step(forward, build, len(plan), batch, max_batch_size, labels=labels)
 
 
-class _PerturbationCurve(Accumulator):
+class PerturbationCurve(Accumulator):
     """Shared options and checks of the perturbation curves (pixels replaced by a baseline)."""
 
     def __init__(self, forward: Forward, baseline: Baseline, softmax: bool, absolute: bool,
@@ -161,7 +161,7 @@ class _PerturbationCurve(Accumulator):
         raise NotImplementedError
 
 
-class PixelFlipping(_PerturbationCurve):
+class PixelFlipping(PerturbationCurve):
     """Score of the explained class as the most relevant pixels are replaced, ``features_in_step`` at a time.
 
     Pixels are ranked by the map (descending; ``absolute=True`` ranks ``|map|``) and replaced
@@ -190,7 +190,7 @@ class PixelFlipping(_PerturbationCurve):
                  generator: Optional[torch.Generator] = None) -> None:
         super().__init__(forward, baseline, softmax, absolute, normalize, max_batch_size, uniform_range, generator)
         self.image_size = _require_size(image_size)
-        self.features_in_step = _require_positive_int("features_in_step", features_in_step)
+        self.features_in_step = require_positive_int("features_in_step", features_in_step)
         self.steps = math.ceil(self.image_size[0] * self.image_size[1] / self.features_in_step)
         self._add_state("curve", (self.steps,), exact=True)
         self._add_state("count")
@@ -214,7 +214,7 @@ class PixelFlipping(_PerturbationCurve):
                           y_label="probability" if self.softmax else "logit")
 
 
-class RegionPerturbation(_PerturbationCurve):
+class RegionPerturbation(PerturbationCurve):
     """Drop of the explained class's score as patches are replaced, in order of their summed relevance.
 
     The image is cut into non-overlapping ``patch_size`` squares (row-major). When H or W is no
@@ -244,9 +244,9 @@ class RegionPerturbation(_PerturbationCurve):
                  generator: Optional[torch.Generator] = None) -> None:
         super().__init__(forward, baseline, softmax, absolute, normalize, max_batch_size, uniform_range, generator)
         require_choice("order", order, ("morf", "lerf", "random"))
-        self.patch_size = _require_positive_int("patch_size", patch_size)
+        self.patch_size = require_positive_int("patch_size", patch_size)
         self.order = order
-        self.regions_evaluation = _require_positive_int("regions_evaluation", regions_evaluation)
+        self.regions_evaluation = require_positive_int("regions_evaluation", regions_evaluation)
         self._add_state("curve", (self.regions_evaluation,), exact=True)
         self._add_state("count")
 
@@ -291,12 +291,6 @@ class RegionPerturbation(_PerturbationCurve):
 def _padding(length: int, patch: int) -> Tuple[int, int]:
     missing = (-length) % patch
     return missing // 2, missing - missing // 2
-
-
-def _require_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InputError(f"{name}={value!r} must be a positive int.")
-    return value
 
 
 def _require_size(image_size) -> Tuple[int, int]:

@@ -2,10 +2,12 @@
 
 inseq (0.7) finds its methods by subclass: every ``FeatureAttribution`` subclass with a
 ``method_name`` is in its registry. :func:`register_inseq_methods` defines one subclass per
-method of the package (``"ct_attn_lrp"``, ``"ct_generic_attention"``, ...; see
-:data:`INSEQ_METHOD_NAMES`); nothing is patched, in inseq or in the model. inseq then calls
-``attribute_step`` once per generated token with the prefix it has read, and each step is
-explained by :class:`GenerationAttribution` as one step (``span=[last]``: one backward pass):
+method class of the package's catalog that reads the model through an adapter (Captum's own
+Integrated Gradients and Saliency are inseq's own methods too), named after the class
+(``"ct_attn_lrp"``, ``"ct_generic_attention"``, ...; see :data:`INSEQ_METHOD_NAMES`); nothing
+is patched, in inseq or in the model. inseq then calls ``attribute_step`` once per generated
+token with the prefix it has read, and each step is explained by
+:class:`GenerationAttribution` as one step (``span=[last]``: one backward pass):
 
 * decoder-only: the prefix is the prompt, the step's row over it is inseq's target
   attribution ``(batch, prefix)``;
@@ -37,6 +39,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ...errors import InputError
+from ...generation.attribution import GenerationAttribution
+from ...methods.catalog import METHOD_CATALOG
 
 try:
     from inseq.attr.feat import FeatureAttribution
@@ -45,8 +49,9 @@ except ImportError as error:  # the package never needs inseq; this module is on
     raise ImportError("captum_transformers.integrations.inseq.method needs inseq (pip install inseq); "
                       f"importing it failed: {error}") from error
 
-METHOD_CLASSES = ("AttnLRP", "ConservativeLRP", "GenericAttention", "TransformerRelevance", "AttentionGradCAM",
-                  "PartialLRP", "TransformerLRP", "RawAttention", "AttentionRollout", "AttentionFlow")
+# The catalog's package method classes by class name, once each (three catalog names are ConservativeLRP).
+METHOD_CLASSES: Dict[str, type] = {entry.method.__name__: entry.method for entry in METHOD_CATALOG.values()
+                                   if entry.needs_adapter}
 INSEQ_METHOD_NAMES: Dict[str, str] = {
     name: "ct_" + re.sub(r"(?<=[a-z])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower() for name in METHOD_CLASSES}
 _REGISTERED: Dict[str, type] = {}
@@ -67,15 +72,12 @@ class KeptDtypeStepOutput(CoarseFeatureAttributionStepOutput):
 class PackageMethodSteps:
     """What the registered methods do (a mixin, so it is no inseq method itself); each class
     made by :func:`register_inseq_methods` is ``(PackageMethodSteps, FeatureAttribution)`` with
-    ``package_method`` naming the package's class."""
+    ``package_method`` naming the package's class (a key of :data:`METHOD_CLASSES`)."""
 
     package_method: Optional[str] = None
 
     def __init__(self, attribution_model: Any, **kwargs: Any) -> None:
         super().__init__(attribution_model)
-        import captum_transformers
-        from ...generation.attribution import GenerationAttribution
-
         if self.package_method is None:
             raise InputError("PackageMethodSteps is a mixin; load one of "
                              f"{sorted(INSEQ_METHOD_NAMES.values())}.")
@@ -83,7 +85,7 @@ class PackageMethodSteps:
         # which it requires for attribute_target=True.
         self.attribute_batch_ids = True
         self.is_encoder_decoder = bool(attribution_model.is_encoder_decoder)
-        method = getattr(captum_transformers, self.package_method)(attribution_model.model, **kwargs)
+        method = METHOD_CLASSES[self.package_method](attribution_model.model, **kwargs)
         self.explainer = GenerationAttribution(method, attribution_model.tokenizer)
 
     def attribute_step(self, attribute_fn_main_args: Dict[str, Any],

@@ -113,7 +113,7 @@ class AttributionVisualizer:
         return raw, label
 
     def _build_workspaces(self) -> List:
-        from ...explorer.workspace import Workspace
+        from ...explorer.pages.classifier.workspace import Workspace
 
         feature = self.features[0]
         raw, labels = self._read_batches()
@@ -150,7 +150,7 @@ class AttributionVisualizer:
 
     def methods(self, model: int = 0) -> List[str]:
         """The catalog names offered for ``models[model]`` (see the module docstring)."""
-        from ...explorer.workspace import available_methods
+        from ...explorer.explaining import available_methods
 
         return available_methods(self.models[model])
 
@@ -181,7 +181,7 @@ class AttributionVisualizer:
     def html(self, count: int = 8, methods: Optional[List[str]] = None) -> str:
         """A self-contained HTML view of the first ``count`` examples with ``methods`` (default:
         two of the offered ones), each explained for its predicted class; one view per model."""
-        from ...explorer.export import explorer_html
+        from ...explorer.pages.classifier.export import explorer_html
 
         views = []
         for index, workspace in enumerate(self.workspaces()):

@@ -7,7 +7,8 @@ Llama), so :class:`ChunkBuffers` keeps one buffer per tensor for a whole call. :
 sums ``g_V`` and ``g_K`` in place. Under grouped-query attention (:func:`kv_groups`) the G heads that
 read the same key and value head run as one product with their rows stacked (:func:`grouped`): each
 key is read once per group, and the products are G times taller (about 25 % less time for the five
-products at 4k tokens, 8 heads in 2 groups). :func:`chunk_budget` sizes chunks per device.
+products at 4k tokens, 8 heads in 2 groups). :func:`map_gradient` is the gradient at a chunk's map.
+(The chunks' sizes: :mod:`captum_transformers.capture.row_chunks`.)
 
 Example::
 
@@ -19,17 +20,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-
-
-# On an accelerator, chunks this many times larger than on a CPU. A chunk's kernels there take
-# microseconds, so CPU-sized chunks leave it waiting on Python's kernel launches (one H100, a 1B
-# Llama at 4k tokens: GenericAttention 22.4 s with CPU-sized chunks, 1.37 s with 16 times larger).
-ACCELERATOR_CHUNK_SCALE = 32
-
-
-def chunk_budget(cpu_budget: int, device: torch.device) -> int:
-    """The size of a chunk (in bytes or elements, as ``cpu_budget``) for tensors on ``device``."""
-    return cpu_budget if device.type == "cpu" else cpu_budget * ACCELERATOR_CHUNK_SCALE
 
 
 def kv_groups(scores_fn, plain_gradient, query, key, value, g_output) -> int:
@@ -119,3 +109,22 @@ def add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: floa
     out.view(merged, *out.shape[2:]).baddbmm_(a.reshape(merged, *a.shape[2:]), b.reshape(merged, *b.shape[2:]),
                                               alpha=alpha)
     return out
+
+
+def halves_map_gradient(ctx) -> bool:
+    """Whether the uniform product rule halves the gradient at the map (``g_A = g_O V^T / 2``):
+    the forward ran under operation rules whose matmul rule is "uniform" and both operands of
+    ``A V`` carry relevance (``ctx`` of the attention Function)."""
+    return ctx.mode is not None and ctx.mode.rules.matmul == "uniform" and ctx.both_operands
+
+
+def map_gradient(value, g_output, g_probs_outside, halved: bool) -> torch.Tensor:
+    """The gradient at ``A`` of ``O = A V`` (halved under the uniform rule, exactly as the
+    product's rule Function computes it), plus whatever reached ``A`` from outside the
+    product (a model that also uses its attention weights)."""
+    g_probs = torch.matmul(g_output, value.transpose(-1, -2))
+    if halved:
+        g_probs.mul_(0.5)
+    if g_probs_outside is not None:
+        g_probs.add_(g_probs_outside)
+    return g_probs

@@ -18,7 +18,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .chunk_products import chunk_budget
+from ...capture.row_chunks import chunk_budget
 
 # Elements of one block of recomputed scores on a CPU (4 MiB in float32; larger on an accelerator).
 _BLOCK_ELEMENTS = 1 << 20

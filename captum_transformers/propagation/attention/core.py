@@ -10,8 +10,9 @@ of size (B, H, Q, K) outlives its layer's backward.
 Where the observer streams the map into explained rows (``takes_rows``,
 :mod:`~captum_transformers.capture.row_stream`) and the scores function is marked
 ``row_sliceable``, forward and backward run a few query rows at a time
-(:func:`_row_chunks`, stopping each chunk at its last open key under a causal mask): no
-(B, H, Q, K) tensor is made at all, only (B, H, c, K) chunks of about ``_ROW_CHUNK_BYTES``.
+(:func:`~captum_transformers.capture.row_chunks.row_chunks`, stopping each chunk at its last open
+key under a causal mask): no (B, H, Q, K) tensor is made at all, only (B, H, c, K) chunks of about
+``capture.row_chunks.ROW_CHUNK_BYTES``.
 
 Two backward passes through one graph (TransformerRelevance: the relevance, then the plain
 gradient, see :mod:`backward_switch`) need the relevance pass's gradient at ``A`` when the
@@ -25,12 +26,14 @@ from typing import Callable, Optional, Protocol, Tuple
 
 import torch
 
-from ..backward_switch import _SWITCH
-from .chunk_products import (ChunkBuffers, add_product, chunk_budget, group_gradient, group_zeros, grouped,
-                             kv_groups, model_heads, repeat_heads)
+from ..backward_switch import SWITCH
+from ...capture.row_chunks import row_chunks, rows_of, softmax_in_place
+from .chunk_products import (ChunkBuffers, add_product, group_gradient, group_zeros, grouped, halves_map_gradient,
+                             kv_groups, map_gradient, model_heads, repeat_heads)
 from .head_products import heads_matmul
-from ..rules.operations import _ACTIVE_RULES
+from ..rules.operations import ACTIVE_RULES
 from .recomputed_softmax import owns_buffer, recompute_under_rules, scores_gradient
+from . import row_chunked_rules
 
 
 class MapObserver(Protocol):
@@ -60,7 +63,7 @@ def _attend(scores_fn, query, key, value, extras, softmax_dtype) -> Tuple[torch.
         return _attend_in_chunks(scores_fn, query, key, value, extras, softmax_dtype, chunk)
     scores = scores_fn(query, key, *extras)
     if not torch.is_grad_enabled() and scores._base is None and all(scores is not t for t in (query, key, *extras)):
-        probs = _softmax_in_place(scores, softmax_dtype)
+        probs = softmax_in_place(scores, softmax_dtype)
     else:
         probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype)
     probs = probs.to(query.dtype)
@@ -159,9 +162,8 @@ class _SoftmaxAttention(torch.autograd.Function):
         plain_gradient = _plain_gradient_of_scores(ctx, plain, extras)
         chunked = _takes_rows(ctx)
         if chunked == "defer" and not any(t.requires_grad for t in extras):
-            # Imported here: that module builds on this one's chunk helpers.
-            from .row_chunked_rules import rules_backward_in_row_chunks
-            return rules_backward_in_row_chunks(ctx, g_output, g_probs_outside, query, key, value, extras)
+            return row_chunked_rules.rules_backward_in_row_chunks(ctx, g_output, g_probs_outside, query, key, value,
+                                                                  extras)
         if plain_gradient is not None and chunked in ("now", "pair", "unread"):
             return _plain_backward_in_row_chunks(ctx, plain_gradient, g_output, g_probs_outside, query, key, value,
                                                  extras)
@@ -169,7 +171,7 @@ class _SoftmaxAttention(torch.autograd.Function):
             # The scores and the map again, without a graph, the softmax in the scores' buffer.
             with torch.no_grad():
                 scores = ctx.scores_fn(query, key, *extras)
-            soft = _softmax_in_place(scores, ctx.softmax_dtype)
+            soft = softmax_in_place(scores, ctx.softmax_dtype)
             leaves = ()
         else:
             leaves = [t.detach().requires_grad_(t.requires_grad) for t in (query, key, *extras)]
@@ -182,11 +184,11 @@ class _SoftmaxAttention(torch.autograd.Function):
         if report == "pair":  # the first pass's gradient at A, reduced before this pass's is made
             first_output, first_outside = ctx.first_pass
             ctx.first_pass = None
-            first = _map_gradient(value, first_output, first_outside, halved=_uniform(ctx))
+            first = map_gradient(value, first_output, first_outside, halved=halves_map_gradient(ctx))
             ctx.observer.first(probs, first)
             del first, first_output, first_outside
-        halved = not plain and _uniform(ctx)
-        g_probs = _map_gradient(value, g_output, g_probs_outside, halved)
+        halved = not plain and halves_map_gradient(ctx)
+        g_probs = map_gradient(value, g_output, g_probs_outside, halved)
         g_value = torch.matmul(probs.transpose(-1, -2), g_output)
         if halved:
             g_value.mul_(0.5)
@@ -214,17 +216,6 @@ class _SoftmaxAttention(torch.autograd.Function):
         return (None, None, None, None, None, None, g_query, g_key, g_value, *g_extras)
 
 
-# Each chunk of query rows recomputes a (B, H, c, K) map of about this size (and its gradient,
-# scores and softmax Jacobian next to it): what a streamed backward pass adds to the model's own.
-# On a CPU (an accelerator's are larger: chunk_products.chunk_budget).
-_ROW_CHUNK_BYTES = 4 * 2**20
-
-
-def _rows_per_chunk(query: torch.Tensor, key: torch.Tensor) -> int:
-    per_row = query.shape[0] * query.shape[1] * key.shape[-2] * max(query.element_size(), 4)
-    return max(1, chunk_budget(_ROW_CHUNK_BYTES, query.device) // per_row)
-
-
 def _attend_rows(scores_fn, query, key, value, extras, softmax_dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(A V, stand-in)``: :func:`_attend`'s output a few query rows at a time (the softmax is
     row-wise, so each chunk's rows are those of the whole map), with a zero-stride stand-in of the
@@ -236,9 +227,9 @@ def _attend_rows(scores_fn, query, key, value, extras, softmax_dtype) -> Tuple[t
     output = None if fused is None else fused(query, key, value, *extras)
     if output is not None:
         return output, query.new_zeros(()).expand((*output.shape[:2], num_queries, key.shape[-2]))
-    for rows, q_rows, keys, values, extras_rows, _ in _row_chunks(scores_fn, query, key, value, extras):
+    for rows, q_rows, keys, values, extras_rows, _ in row_chunks(scores_fn, query, key, value, extras):
         scores = scores_fn(q_rows, keys, *extras_rows)
-        probs = _softmax_in_place(scores, softmax_dtype).to(query.dtype)
+        probs = softmax_in_place(scores, softmax_dtype).to(query.dtype)
         part = torch.matmul(probs, values)
         if output is None:
             batch, heads, _, dim = part.shape
@@ -246,25 +237,6 @@ def _attend_rows(scores_fn, query, key, value, extras, softmax_dtype) -> Tuple[t
         output[..., rows, :] = part
     shape = (*output.shape[:2], num_queries, key.shape[-2])
     return output, query.new_zeros(()).expand(shape)
-
-
-def _row_chunks(scores_fn, query, key, value, extras, cut: bool = True):
-    """``(rows, Q_c, K_c, V_c, extras_c, keys)`` for each chunk of query rows: the operands cut
-    to the rows and, where ``scores_fn.keys_needed(rows, *extras_c)`` says that every key from
-    ``keys`` on is masked in all of these rows (a causal mask), to the keys before it: the
-    masked keys' probabilities are exactly 0, so the map's other entries keep their values.
-    ``cut=False`` keeps every key: the gradient at a masked entry is not 0 (``g_O V^T``), and a
-    reduction that reads it there (Grad-CAM's head weights) needs it."""
-    num_queries, num_keys = query.shape[-2], key.shape[-2]
-    chunk = _rows_per_chunk(query, key)
-    keys_needed = getattr(scores_fn, "keys_needed", None) if cut else None
-    for start in range(0, num_queries, chunk):
-        rows = slice(start, min(start + chunk, num_queries))
-        extras_rows = [_rows_of(e, rows, num_queries) for e in extras]
-        keys = num_keys if keys_needed is None else keys_needed(*extras_rows)
-        if keys < num_keys:
-            extras_rows = [e[..., :keys] if e.dim() and e.shape[-1] == num_keys else e for e in extras_rows]
-        yield (rows, query[..., rows, :], key[..., :keys, :], value[..., :keys, :], extras_rows, keys)
 
 
 def _takes_rows(ctx) -> Optional[str]:
@@ -279,14 +251,6 @@ def _takes_rows(ctx) -> Optional[str]:
     if report is None:  # a map the stream does not read (Grad-CAM's earlier layers): chunked all the same
         return "unread" if getattr(ctx.observer, "streams_unread", False) else None
     return report if getattr(ctx.observer, "takes_rows", False) else None
-
-
-def _rows_of(tensor: torch.Tensor, rows: slice, num_queries: int) -> torch.Tensor:
-    """An operand broadcast against (B, H, Q, K) cut to the query rows ``rows`` (dimension -2,
-    where it has the queries; a size-1 or missing query axis is broadcast as it is)."""
-    if tensor.dim() >= 2 and tensor.shape[-2] == num_queries and num_queries > 1:
-        return tensor[..., rows, :]
-    return tensor
 
 
 def _plain_backward_in_row_chunks(ctx, plain_gradient, g_output, g_probs_outside, query, key, value, extras):
@@ -314,15 +278,15 @@ def _plain_backward_in_row_chunks(ctx, plain_gradient, g_output, g_probs_outside
     writes_into = getattr(ctx.scores_fn, "writes_into", False)
     accumulates = getattr(plain_gradient, "accumulates", False)
     cut = not (hand_over and getattr(ctx.observer, "reads_masked_keys", False))
-    for rows, q_rows, keys, values, extras_rows, stop in _row_chunks(ctx.scores_fn, query, key, value, extras, cut):
+    for rows, q_rows, keys, values, extras_rows, stop in row_chunks(ctx.scores_fn, query, key, value, extras, cut):
         g_rows = g_output[..., rows, :]
         shape = (*torch.broadcast_shapes(q_rows.shape[:-2], keys.shape[:-2]), q_rows.shape[-2], stop)
         with torch.no_grad():
             scores = ctx.scores_fn(q_rows, keys, *extras_rows, out=buffers.take(0, shape, query)) if writes_into \
                 else ctx.scores_fn(q_rows, keys, *extras_rows)
-        soft = _softmax_in_place(scores, ctx.softmax_dtype)
+        soft = softmax_in_place(scores, ctx.softmax_dtype)
         probs = soft.to(query.dtype)
-        outside = None if g_probs_outside is None else _rows_of(g_probs_outside, rows, num_queries)[..., :stop]
+        outside = None if g_probs_outside is None else rows_of(g_probs_outside, rows, num_queries)[..., :stop]
         g_shape = (*torch.broadcast_shapes(g_rows.shape[:-2], values.shape[:-2]), g_rows.shape[-2], stop)
         g_probs = buffers.take(1, g_shape, g_rows)
         torch.matmul(grouped(g_rows, groups), values[:, ::groups].transpose(-1, -2), out=grouped(g_probs, groups))
@@ -359,8 +323,8 @@ def _first_pass_rows(ctx, values: torch.Tensor, rows: slice, stop: int, num_quer
     if ctx.first_pass is None:
         return None
     first_output, first_outside = ctx.first_pass
-    outside = None if first_outside is None else _rows_of(first_outside, rows, num_queries)[..., :stop]
-    return _map_gradient(values, first_output[..., rows, :], outside, halved=_uniform(ctx))
+    outside = None if first_outside is None else rows_of(first_outside, rows, num_queries)[..., :stop]
+    return map_gradient(values, first_output[..., rows, :], outside, halved=halves_map_gradient(ctx))
 
 
 def _plain_gradient_of_scores(ctx, plain: bool, extras) -> Optional[Callable]:
@@ -372,28 +336,6 @@ def _plain_gradient_of_scores(ctx, plain: bool, extras) -> Optional[Callable]:
     if not plain or any(t.requires_grad for t in extras):
         return None
     return getattr(ctx.scores_fn, "plain_gradient", None)
-
-
-def _softmax_in_place(scores: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
-    if scores.dtype == (dtype or scores.dtype):
-        return torch.softmax(scores, dim=-1, out=scores)
-    return torch.softmax(scores, dim=-1, dtype=dtype)
-
-
-def _uniform(ctx) -> bool:
-    return ctx.mode is not None and ctx.mode.rules.matmul == "uniform" and ctx.both_operands
-
-
-def _map_gradient(value, g_output, g_probs_outside, halved: bool) -> torch.Tensor:
-    """The gradient at ``A`` of ``O = A V`` (halved under the uniform rule, exactly as the
-    product's rule Function computes it), plus whatever reached ``A`` from outside the
-    product (a model that also uses its attention weights)."""
-    g_probs = torch.matmul(g_output, value.transpose(-1, -2))
-    if halved:
-        g_probs.mul_(0.5)
-    if g_probs_outside is not None:
-        g_probs.add_(g_probs_outside)
-    return g_probs
 
 
 def _observer_for_this_pass(ctx) -> Optional[str]:
@@ -444,5 +386,5 @@ def softmax_attention(scores_fn: Callable[..., torch.Tensor], query: torch.Tenso
         return _attend(scores_fn, query, repeat_heads(key, kv_groups), repeat_heads(value, kv_groups), extras,
                        softmax_dtype)
     keep_map = keep_map or not getattr(scores_fn, "row_sliceable", False)
-    return _SoftmaxAttention.apply(scores_fn, softmax_dtype, _ACTIVE_RULES.get(), _SWITCH.get(), observer, keep_map,
+    return _SoftmaxAttention.apply(scores_fn, softmax_dtype, ACTIVE_RULES.get(), SWITCH.get(), observer, keep_map,
                                    kv_groups, *tensors)

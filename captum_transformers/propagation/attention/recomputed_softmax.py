@@ -10,9 +10,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..backward_switch import _SWITCH
+from ..backward_switch import SWITCH
 from ..rules.normalized_add import keeps_its_sum
-from ..rules.operations import _ACTIVE_RULES, OperationRules, identity_ratio
+from ..rules.operations import ACTIVE_RULES, OperationRules, identity_ratio
 
 
 def scores_gradient(probs: torch.Tensor, scores: torch.Tensor, grad: torch.Tensor, dim: int,
@@ -52,12 +52,12 @@ def recompute_under_rules(scores_fn: Callable[..., torch.Tensor], leaves, mode: 
     with torch.enable_grad():
         if mode is None:
             return scores_fn(*leaves)
-        token = _SWITCH.set(switch)
+        token = SWITCH.set(switch)
         try:
             with OperationRules(mode.rules, mode.batch_size, mode.groups):
                 return scores_fn(*leaves)
         finally:
-            _SWITCH.reset(token)
+            SWITCH.reset(token)
 
 
 class _SoftmaxOfRecomputedScores(torch.autograd.Function):
@@ -102,7 +102,7 @@ def softmax_of_recomputed_scores(scores_fn: Callable[..., torch.Tensor], *tensor
 
         >>> probs = softmax_of_recomputed_scores(lambda q, k: q @ k.mT * scale, q, k, dim=-1)
     """
-    mode = _ACTIVE_RULES.get()
+    mode = ACTIVE_RULES.get()
     if mode is None or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
         return torch.softmax(scores_fn(*tensors), dim=dim, dtype=dtype)
-    return _SoftmaxOfRecomputedScores.apply(scores_fn, dim, dtype, mode, _SWITCH.get(), *tensors)
+    return _SoftmaxOfRecomputedScores.apply(scores_fn, dim, dtype, mode, SWITCH.get(), *tensors)

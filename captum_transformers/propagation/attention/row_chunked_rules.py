@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from .core import _map_gradient, _row_chunks, _rows_of, _uniform
+from ...capture.row_chunks import row_chunks, rows_of
+from .chunk_products import halves_map_gradient, map_gradient
 from .recomputed_softmax import owns_buffer, recompute_under_rules, scores_gradient
 
 
@@ -35,20 +36,20 @@ def rules_backward_in_row_chunks(ctx, g_output, g_probs_outside, query, key, val
     if g_output is None:
         g_output = torch.zeros((*query.shape[:-1], value.shape[-1]), dtype=value.dtype, device=value.device)
     num_queries = query.shape[-2]
-    halved = _uniform(ctx)
+    halved = halves_map_gradient(ctx)
     identity = ctx.mode.rules.softmax == "identity"
     g_query = torch.zeros_like(query) if query.requires_grad else None
     g_key = torch.zeros_like(key) if key.requires_grad else None
     g_value = torch.zeros_like(value)
-    for rows, q_rows, keys, values, extras_rows, stop in _row_chunks(ctx.scores_fn, query, key, value, extras):
+    for rows, q_rows, keys, values, extras_rows, stop in row_chunks(ctx.scores_fn, query, key, value, extras):
         leaves = [q_rows.detach().requires_grad_(query.requires_grad), keys.detach().requires_grad_(key.requires_grad),
                   *[e.detach() for e in extras_rows]]
         scores = recompute_under_rules(ctx.scores_fn, leaves, ctx.mode, ctx.switch)
         soft = torch.softmax(scores.detach(), dim=-1, dtype=ctx.softmax_dtype)
         probs = soft.to(query.dtype)
         g_rows = g_output[..., rows, :]
-        outside = None if g_probs_outside is None else _rows_of(g_probs_outside, rows, num_queries)[..., :stop]
-        g_probs = _map_gradient(values, g_rows, outside, halved)
+        outside = None if g_probs_outside is None else rows_of(g_probs_outside, rows, num_queries)[..., :stop]
+        g_probs = map_gradient(values, g_rows, outside, halved)
         part = torch.matmul(probs.transpose(-1, -2), g_rows)
         g_value[..., :stop, :].add_(part.mul_(0.5) if halved else part)
         g_scores = scores_gradient(soft, scores.detach(), g_probs.to(soft.dtype), -1, identity=identity,

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ...model_state import module_walk
-from ..backward_switch import _SWITCH
+from ..backward_switch import SWITCH
 from ..backward_switch import plain_requested as _plain
 
 
@@ -41,7 +41,7 @@ class ConstantGateProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, value, func, args, kwargs):
-        ctx.switch = _SWITCH.get()
+        ctx.switch = SWITCH.get()
         ctx.value_shape = value.shape
         # The value is needed only by the plain gradient of the gate.
         ctx.save_for_backward(gate, value if ctx.switch is not None else None)

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..backward_switch import _SWITCH
+from ..backward_switch import SWITCH
 from ..backward_switch import plain_requested as _plain
 
 _TINY = 1e-9
@@ -44,7 +44,7 @@ def _layer_output_kept(ctx, x, weight, bias, func, args, kwargs) -> torch.Tensor
     of one more activation per linear layer held through the backward pass."""
     output = func(*args, **kwargs)
     ctx.save_for_backward(x, weight, bias)
-    ctx.switch = _SWITCH.get()
+    ctx.switch = SWITCH.get()
     # A bias computed from the input (``addmm(M, x, W)`` with an activation ``M``) carries relevance
     # the rules do not split: it gets the plain gradient, so no path through it is cut.
     ctx.bias_carries = bias is not None and bias.requires_grad and bias.grad_fn is not None
@@ -59,7 +59,7 @@ def _bias_gradient(ctx, grad: torch.Tensor):
     return grad.sum_to_size(bias.shape).to(bias.dtype)
 
 
-class _LinearAlphaBeta(torch.autograd.Function):
+class LinearAlphaBeta(torch.autograd.Function):
     """alpha=1, beta=0 on a linear layer. ``shared=True``: Eq. 5, one denominator
     ``z+ = W+ x+ + W- x-``; ``shared=False``: the authors' LRP baseline, Eq. 4 applied to the
     (x+, W+) and (x-, W-) pairs separately (not conservative: each pair gets all of R).
@@ -97,8 +97,8 @@ def linear_rule(rules, x: torch.Tensor, weight: torch.Tensor, bias, func: Callab
     bias or None), carrying ``rules.linear`` (alpha=1/beta=0, ``"gamma"`` or
     ``"generalized_gamma"``) in its backward; the forward is ``func``'s own."""
     if rules.linear in ("gamma", "generalized_gamma"):
-        return _LinearGamma.apply(x, weight, bias, rules.gamma, func, args, kwargs, rules.linear == "generalized_gamma")
-    return _LinearAlphaBeta.apply(x, weight, bias, rules.linear == "alpha1beta0", func, args, kwargs)
+        return LinearGamma.apply(x, weight, bias, rules.gamma, func, args, kwargs, rules.linear == "generalized_gamma")
+    return LinearAlphaBeta.apply(x, weight, bias, rules.linear == "alpha1beta0", func, args, kwargs)
 
 
 # Rows per chunk of a linear rule's backward: its temporaries (a few (rows, features)
@@ -154,7 +154,7 @@ def _row_chunks(rule: Callable, weights: tuple, x, bias, weight, layer_bias, gra
 
 
 def _alpha_beta_shared(x, weights, bias, output, grad, out=None) -> torch.Tensor:
-    """Eq. 5 of Chefer et al. in three matmuls (see :class:`_LinearAlphaBeta`);
+    """Eq. 5 of Chefer et al. in three matmuls (see :class:`LinearAlphaBeta`);
     ``weights = (W, |W|)``; the result is written into ``out`` when given."""
     weight, magnitude = weights
     relevance = output * grad
@@ -180,7 +180,7 @@ def _alpha_beta_separate(x, weights, bias, output, grad, out=None) -> torch.Tens
     return torch.where(x >= 0, s_pos @ w_pos, s_neg @ w_neg)
 
 
-class _LinearGamma(torch.autograd.Function):
+class LinearGamma(torch.autograd.Function):
     """LRP-gamma on ``y = W x + b`` (Montavon et al., "Layer-Wise Relevance Propagation: An
     Overview", 2019; the ``gamma`` layers of Ali et al.'s code, ``make_p_layer``):
 

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from ...errors import CaptureError
-from ..backward_switch import _SWITCH
+from ..backward_switch import SWITCH
 from ..backward_switch import plain_requested as _plain
 from .linear import safe_divide
 
@@ -53,7 +53,7 @@ class NormalizedAdd(torch.autograd.Function):
             ctx.sum_version = ctx.sum._version
         ctx.batch_dim = batch_dim
         ctx.groups = groups
-        ctx.switch = _SWITCH.get()
+        ctx.switch = SWITCH.get()
         return output
 
     @staticmethod

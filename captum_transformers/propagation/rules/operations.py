@@ -51,11 +51,11 @@ from ...model_state import patching
 from ...model_state import module_walk, offload
 from ...errors import CaptureError
 from .activation_discovery import is_activation
-from ..backward_switch import _SWITCH, plain_gradient_of
+from ..backward_switch import SWITCH, plain_gradient_of
 from ..backward_switch import plain_requested as _plain
 from .gated_product import ConstantGateProduct, GateTracker, gate_scopes
 from .identity_ratio import identity_ratio
-from .linear import _LinearAlphaBeta, _LinearGamma, linear_rule, safe_divide  # noqa: F401  (part of this API)
+from .linear import LinearAlphaBeta, LinearGamma, linear_rule, safe_divide  # noqa: F401  (part of this API)
 from .normalized_add import NormalizedAdd, keep_sums_overwritten_by, row_groups
 from .pixel import PixelBoundedConv, is_input_pixels
 
@@ -69,7 +69,7 @@ class _IdentityRule(torch.autograd.Function):
         # A closed-form ratio needs only x: keeping the output too would cost memory.
         ctx.save_for_backward(x, output if ratio_fn is None else None)
         ctx.ratio_fn = ratio_fn
-        ctx.switch = _SWITCH.get()
+        ctx.switch = SWITCH.get()
         if ctx.switch is not None:  # the plain gradient recomputes the operation from x
             ctx.func, ctx.args, ctx.kwargs = func, args, kwargs
         return output
@@ -98,7 +98,7 @@ class _UniformProduct(torch.autograd.Function):
     def forward(ctx, a, b, func, args, kwargs):
         ctx.func, ctx.args, ctx.kwargs = func, args, kwargs
         ctx.save_for_backward(a, b)
-        ctx.switch = _SWITCH.get()
+        ctx.switch = SWITCH.get()
         return func(*args, **kwargs)
 
     @staticmethod
@@ -215,11 +215,11 @@ class OperationRules(TorchFunctionMode):
     def __enter__(self):
         # Published to the attention kernels only when there are per-operation rules for them:
         # the gate rule alone leaves the kernels on their plain path.
-        self._tokens.append(_ACTIVE_RULES.set(self if needs_operation_rules(self.rules) else _ACTIVE_RULES.get()))
+        self._tokens.append(ACTIVE_RULES.set(self if needs_operation_rules(self.rules) else ACTIVE_RULES.get()))
         return super().__enter__()
 
     def __exit__(self, *exc_info):
-        _ACTIVE_RULES.reset(self._tokens.pop())
+        ACTIVE_RULES.reset(self._tokens.pop())
         return super().__exit__(*exc_info)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -292,7 +292,9 @@ class OperationRules(TorchFunctionMode):
         return None
 
 
-_ACTIVE_RULES: contextvars.ContextVar[Optional[OperationRules]] = contextvars.ContextVar(
+# The OperationRules published to the operations of the forward running now (None where none
+# asks for per-operation rules): read by the rule Functions and the attention kernels at forward.
+ACTIVE_RULES: contextvars.ContextVar[Optional[OperationRules]] = contextvars.ContextVar(
     "captum_transformers_operation_rules", default=None)
 # The mode of the forward running now, whether or not it publishes per-operation rules.
 _ACTIVE_MODE: contextvars.ContextVar[Optional[OperationRules]] = contextvars.ContextVar(
@@ -333,7 +335,7 @@ class paused_rule_mode:
 
 def active_rules():
     """The rule set of the :class:`OperationRules` mode active now (None outside one)."""
-    mode = _ACTIVE_RULES.get()
+    mode = ACTIVE_RULES.get()
     return None if mode is None else mode.rules
 
 
@@ -358,7 +360,7 @@ class IdentityRelevance(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, output, recompute=None):
         ctx.save_for_backward(x, output)
-        ctx.switch, ctx.recompute = _SWITCH.get(), recompute
+        ctx.switch, ctx.recompute = SWITCH.get(), recompute
         return output.view_as(output)
 
     @staticmethod

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import CaptureError
-from ..backward_switch import _SWITCH
+from ..backward_switch import SWITCH
 from ..backward_switch import plain_requested as _plain
 from .identity_ratio import identity_ratio
 from .linear import safe_divide
@@ -52,7 +52,7 @@ class PixelBoundedConv(torch.autograd.Function):
     def forward(ctx, x, weight, func, args, kwargs):
         output = func(*args, **kwargs)
         ctx.save_for_backward(x, weight, output)
-        ctx.switch = _SWITCH.get()
+        ctx.switch = SWITCH.get()
         ctx.conv = dict(stride=kwargs.get("stride", args[3] if len(args) > 3 else 1),
                         padding=kwargs.get("padding", args[4] if len(args) > 4 else 0),
                         dilation=kwargs.get("dilation", args[5] if len(args) > 5 else 1),

@@ -43,12 +43,9 @@ def build_digit_model():
     return VisionTransformer(**MODEL_CONFIG)
 
 
-_asset = asset  # the shipped file by name (kept for the Swin module and tests)
-
-
 def weights_path():
     """Where the shipped weights live inside the installed package (a Traversable)."""
-    return _asset(WEIGHTS_FILE)
+    return asset(WEIGHTS_FILE)
 
 
 def digit_model_record() -> Dict[str, Any]:

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from .model import _asset
-from ..shipped_weights import load_shipped_weights
+from ..shipped_weights import asset, load_shipped_weights
 
 WEIGHTS_FILE = "digit_swin.pt"
 RECORD_FILE = "digit_swin.json"
@@ -47,5 +46,5 @@ def load_digit_swin():
 
     Raises :class:`InputError` naming the expected path when the weights file is missing.
     """
-    return load_shipped_weights(build_digit_swin(), _asset(WEIGHTS_FILE), "The DigitCanvas Swin weights",
+    return load_shipped_weights(build_digit_swin(), asset(WEIGHTS_FILE), "The DigitCanvas Swin weights",
                                 "python -m captum_transformers.tasks.digits.train --model swin")

@@ -82,9 +82,9 @@ def pyg_arguments(data, device) -> Dict[str, Any]:
     return dict(inputs=data.x.to(device), additional_forward_args=(data.edge_index.to(device), data.batch.to(device)))
 
 
-def _node_scores(explainer, data, target, device, arguments: AttributeArguments) -> torch.Tensor:
-    # (B, N_max) node scores per graph (every adapter of a graph model returns them so), read
-    # back in the flat batch's node order.
+def node_scores(explainer, data, target, device, arguments: AttributeArguments) -> torch.Tensor:
+    """The explainer's float64 node scores (N,) of the graphs of ``data`` for ``target``, in the flat
+    batch's node order (every adapter of a graph model returns them (B, N_max) per graph)."""
     tokens = explainer.attribute(**arguments(data, device), target=target,
                                  return_tokens=True).detach().to(torch.float64).cpu()
     graphs = GraphBatch.of(data.batch, data.x.shape[0])
@@ -109,14 +109,14 @@ def update_motif_metrics(model, explainers, metrics, data, pairs, explain: str, 
     classes = torch.zeros(pairs.num_graphs, dtype=torch.long)
     for name, explainer in explainers.items():
         auroc, activation, pruning, *fidelities, specificity = metrics[name]
-        scores = _node_scores(explainer, data, target.to(device), device, arguments)
+        scores = node_scores(explainer, data, target.to(device), device, arguments)
         auroc.update(scores, data.node_truth, data.batch)
         activation.update(data.x, data.edge_index, data.batch, scores, data.labels)
         pruning.update(data.x, data.edge_index, data.batch, scores)
         for fidelity in fidelities:
             fidelity.update(data.x, data.edge_index, data.batch, scores, predicted)
-        for_house = pair_graphs.dense_nodes(_node_scores(explainer, pairs, classes.to(device), device,
+        for_house = pair_graphs.dense_nodes(node_scores(explainer, pairs, classes.to(device), device,
                                                          arguments))[..., None]
-        for_cycle = pair_graphs.dense_nodes(_node_scores(explainer, pairs, (classes + 1).to(device), device,
+        for_cycle = pair_graphs.dense_nodes(node_scores(explainer, pairs, (classes + 1).to(device), device,
                                                          arguments))[..., None]
         specificity.update(for_house, for_cycle, house, cycle)

@@ -64,7 +64,7 @@ from ...evaluation.results import ResultRecord, ScalarResult
 from ...methods.catalog import KNOWN_METHOD_NAMES, METHOD_NAMES, PACKAGE_METHOD_NAMES, build_method
 from ..bootstrap import bootstrap_interval
 from .task import VALUE_LENGTH, RecallExample, recall_examples
-from ..runner import BenchmarkReport
+from ..benchmark_runs import BenchmarkReport, progress_bar, rank_and_world_size
 
 LLM_INTEGRATED_GRADIENTS = "llm-integrated-gradients"
 LLM_FEATURE_ABLATION = "llm-feature-ablation"
@@ -290,7 +290,6 @@ def run_recall_benchmark(methods: Optional[Sequence[str]] = None, limit: Optiona
     """Explain the answers of the first ``limit`` (default 200) recall test prompts with every method
     and return the report (rows per method: see :func:`evidence_rows`, ``ms_per_token``)."""
     from .model import load_recall_model
-    from ..runner import _distributed, _progress
 
     if explain not in (None, "label"):
         raise InputError(f"explain={explain!r}: the recall task explains the true answer (teacher-forced, "
@@ -301,7 +300,7 @@ def run_recall_benchmark(methods: Optional[Sequence[str]] = None, limit: Optiona
         raise InputError(f"batch size {batch_size}: expected a positive integer.")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise InputError(f"top_k must be a positive int, received {top_k!r}.")
-    if _distributed()[1] > 1:
+    if rank_and_world_size()[1] > 1:
         raise InputError("the recall benchmark runs in one process (its intervals resample whole prompts); "
                          "run it without torchrun.")
     names = resolve_recall_methods(methods)
@@ -310,7 +309,7 @@ def run_recall_benchmark(methods: Optional[Sequence[str]] = None, limit: Optiona
     model, tokenizer = load_recall_model()
     model = model.to(device)
     start, rows = time.perf_counter(), []
-    for name in _progress(names, len(names), "recall", progress):
+    for name in progress_bar(names, len(names), "recall", progress):
         answers = explain_answers(name, model, tokenizer, examples, batch_size)
         scored = evidence_scores(answers.scores, answers.lengths, evidence)
         rows += [(name, result) for result in evidence_rows(scored, top_k)]

@@ -16,7 +16,6 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -25,80 +24,17 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from ..capture.targets import output_scores
-from ..errors import InputError
-from ..methods.catalog import METHOD_FACTORIES, resolve_method_names
-from .method_arguments import arguments_key, checked_arguments, constructor_arguments
+from ....capture.targets import output_scores
+from ....errors import InputError
+from ...explaining import Cancelled, catalog_builder, stoppable
+from ...method_arguments import arguments_key, checked_arguments, constructor_arguments
 
 #: Cached maps kept (least recently computed dropped first): bounds memory for long sessions.
 MAX_CACHED_MAPS = 4096
 #: Maps larger than this per side are average-pooled before they are sent (patch methods are
 #: piecewise constant per patch, so a 224 x 224 map loses nothing visible at 112 x 112).
 MAX_MAP_SIDE = 112
-
-
-class Cancelled(BaseException):
-    """An explanation stopped because its job was cancelled (``should_stop`` turned true).
-    A ``BaseException`` (as ``KeyboardInterrupt``): code that catches ``Exception`` around a
-    probe or a fallback must not swallow it and go on computing."""
-
-
-#: Torch calls that only set or read state, never compute: the stop check does not fire on
-#: them (see ``_StopCheck``). ``__get__`` / ``__set__`` are tensor attribute reads and writes
-#: (``.requires_grad``, ``.grad``, ``.data``).
-_STATE_SETTERS = frozenset({"requires_grad_", "_set_grad_enabled", "set_grad_enabled", "_set_fwd_grad_enabled",
-                            "__get__", "__set__", "__delete__", "register_hook"})
-
-
-def _name_of(func) -> str:
-    return getattr(func, "__name__", "") or ""
-
-
-class _StopCheck(TorchFunctionMode):
-    """Asks ``should_stop`` before each torch function this thread runs (torch-function modes
-    are per thread), raising ``Cancelled`` once it is true. It changes no model and no result:
-    every call goes on unchanged.
-
-    It raises ONCE: the explanation then unwinds through the package's context managers, and
-    their cleanup runs torch calls too (``Tensor.requires_grad_`` restoring a frozen
-    parameter, ``torch._C._set_grad_enabled`` leaving ``no_grad``); raising again there would
-    stop that cleanup half-way and leave the model and the thread changed. For the same
-    reason it never fires on a call that only sets state (``_STATE_SETTERS``): such a call
-    may be the first of a cleanup that has already begun, and the stop waits for the next
-    computing call instead."""
-
-    def __init__(self, should_stop: Callable[[], bool]) -> None:
-        super().__init__()
-        self.should_stop = should_stop
-        self.fired = False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not self.fired and _name_of(func) not in _STATE_SETTERS and self.should_stop():
-            self.fired = True
-            raise Cancelled()
-        return func(*args, **(kwargs or {}))
-
-
-def _catalog_builder(name: str, model: nn.Module, arguments: Mapping[str, Any]):
-    """The catalog's attribution ``name`` for ``model``, built with ``arguments``."""
-    resolve_method_names([name])  # an unknown name is an InputError listing the known ones
-    return METHOD_FACTORIES[name](model, **arguments)
-
-
-def available_methods(model: nn.Module) -> List[str]:
-    """The catalog names that can explain ``model``: every method when an adapter knows it,
-    else Captum's baselines only (a model with no attention, e.g. a CNN)."""
-    from ..adapters.registry import get_adapter
-    from ..errors import CaptumTransformersError
-    from ..methods.catalog import CAPTUM_BASELINES, METHOD_NAMES
-
-    try:
-        get_adapter(model)
-    except CaptumTransformersError:
-        return [name for name in METHOD_NAMES if name in CAPTUM_BASELINES]
-    return list(METHOD_NAMES)
 
 
 def _check_token_counts(ids: torch.Tensor, displays: Sequence, mask: Optional[torch.Tensor]) -> None:
@@ -150,7 +86,7 @@ class Workspace:
                  modality: str = "image", labels: Optional[torch.Tensor] = None,
                  class_names: Optional[Sequence[str]] = None, forward_kwargs: Optional[Dict[str, Any]] = None,
                  name: str = "model", special_tokens: frozenset = frozenset(),
-                 method_builder: Callable = _catalog_builder, score_func: Optional[Callable] = None,
+                 method_builder: Callable = catalog_builder, score_func: Optional[Callable] = None,
                  removed_token_id: Optional[int] = None) -> None:
         if modality not in ("image", "text"):
             raise InputError(f"modality must be 'image' or 'text', received {modality!r}.")
@@ -238,8 +174,8 @@ class Workspace:
         each example's real tokens, special tokens scored 0. A map with NaN or infinite values
         is refused; an all-zero map is flagged so the page says so instead of drawing a blank.
         ``should_stop``: checked before each torch operation of this thread that computes
-        (``_StopCheck``); once it returns true the explanation raises ``Cancelled`` (nothing of
-        it is cached), and the explanation's cleanup restores the model and the thread."""
+        (``explaining.stoppable``); once it returns true the explanation raises ``Cancelled``
+        (nothing of it is cached), and the explanation's cleanup restores the model and the thread."""
         checked = checked_arguments(method, arguments)
         key = arguments_key(checked)
         targets = self.check_targets(targets)
@@ -266,7 +202,7 @@ class Workspace:
                   else v for k, v in self.forward_kwargs.items()}
         target = torch.tensor(targets, dtype=torch.long, device=inputs[0].device)
         explainer = self.method_builder(method, self.model, constructor_arguments(method, checked))
-        stop_check = self._stoppable(should_stop)
+        stop_check = stoppable(should_stop)
         with stop_check:
             attribution = explainer.attribute(inputs[0] if len(inputs) == 1 else inputs, target=target,
                                               forward_kwargs=kwargs or None, return_tokens=self.modality == "text")
@@ -294,15 +230,6 @@ class Workspace:
             special = torch.tensor([token in self.special_tokens for token in tokens], dtype=torch.bool)
             out.append(scores[:len(tokens)].masked_fill(special, 0.0))
         return out
-
-    @staticmethod
-    def _stoppable(should_stop: Optional[Callable[[], bool]]):
-        """A context in which every torch operation of this thread first asks ``should_stop``
-        (``_StopCheck``): a cancelled job stops inside the forward pass it is in (Integrated
-        Gradients' internal batch, or a method's single pass) instead of after every step.
-        No hook is put on the model: the package treats hooks present when an explanation
-        starts as the user's and runs them outside it."""
-        return contextlib.nullcontext() if should_stop is None else _StopCheck(should_stop)
 
     def _payload(self, index: int, scores: torch.Tensor, target: int) -> Dict[str, Any]:
         if not torch.isfinite(scores).all():

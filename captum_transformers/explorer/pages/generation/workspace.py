@@ -37,12 +37,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..errors import InputError
-from ..generation import GenerationAttribution
-from ..generation.generate import generated_targets
-from ..generation.prompts import encode_prompt
-from .method_arguments import WORK_BUDGET, arguments_key, checked_arguments, constructor_arguments
-from .workspace import Cancelled, Workspace, _catalog_builder
+from ....errors import InputError
+from ....generation import GenerationAttribution
+from ....generation.generate import generated_targets
+from ....generation.prompts import encode_prompt
+from ...explaining import Cancelled, catalog_builder, stoppable
+from ...method_arguments import WORK_BUDGET, arguments_key, checked_arguments, constructor_arguments
 
 #: The most tokens one request may generate (the page's default is the model's own, if smaller).
 MAX_NEW_TOKENS = 16
@@ -99,9 +99,9 @@ class GenerationWorkspace:
     modality = "generation"
 
     def __init__(self, model: nn.Module, tokenizer: Any, name: str = "language model", samples: Sequence[str] = (),
-                 method_builder: Callable = _catalog_builder, max_new_tokens: int = MAX_NEW_TOKENS,
+                 method_builder: Callable = catalog_builder, max_new_tokens: int = MAX_NEW_TOKENS,
                  default_new_tokens: Optional[int] = None) -> None:
-        from ..generation.assembly import encoder_decoder_model
+        from ....generation.assembly import encoder_decoder_model
 
         if not callable(getattr(model, "generate", None)) or encoder_decoder_model(model):
             raise InputError(f"{type(model).__name__} is not a causal language model (no generate(), or a source and a "
@@ -189,7 +189,7 @@ class GenerationWorkspace:
 
     def _explain_one(self, method: str, checked: Mapping[str, Any], request: GenerationRequest,
                      should_stop: Optional[Callable[[], bool]]) -> Dict[str, Any]:
-        stop_check = Workspace._stoppable(should_stop)
+        stop_check = stoppable(should_stop)
         with stop_check:
             target = self.generated(request)
             explainer = self.method_builder(method, self.model, constructor_arguments(method, checked))
@@ -216,6 +216,6 @@ class GenerationWorkspace:
 
 def result_payload(result) -> Dict[str, Any]:
     """A ``GenerationResult`` as the page reads it: the serialization module's dict."""
-    from ..generation.serialization import result_to_dict
+    from ....generation.serialization import result_to_dict
 
     return result_to_dict(result)

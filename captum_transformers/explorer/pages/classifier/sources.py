@@ -1,5 +1,5 @@
 """Workspaces from what the command line names: the built-in model by default, a benchmark
-task (``--task``), or any model ``cli.model_loading`` loads with ``--image`` / ``--text`` inputs.
+task (``--task``), or any model ``model_loading`` loads with ``--image`` / ``--text`` inputs.
 
 Example::
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..errors import InputError
-from ..cli.device import on_device
+from ....model_loading import on_device
+from ....errors import InputError
 from .workspace import Workspace
 
 
@@ -19,8 +19,8 @@ def builtin_workspace(samples: int = 48, seed: int = 0, variant: str = "one", de
     or "two": both digits are true labels)."""
     if samples < 1:
         raise InputError(f"--samples {samples}: expected at least 1.")
-    from ..model_loading import load_model
-    from ..tasks.digits.canvas import digit_canvases, normalize
+    from ....model_loading import load_model
+    from ....tasks.digits.canvas import digit_canvases, normalize
 
     loaded = load_model(None)
     canvases = digit_canvases(split="test", variant=variant, n=samples, seed=seed)
@@ -34,8 +34,8 @@ def movie_workspace(samples: int = 48, cache_dir: Optional[str] = None, device=N
     """The fine-tuned MiniLM on ``samples`` movie-snippet test sentences (from the cache of
     ``captum-transformers benchmark --task movies``; a missing model is an error naming the
     training command, never a silent training run)."""
-    from ..tasks.movies.model import load_movie_model
-    from ..tasks.movies.snippets import encode, load_movie_snippets
+    from ....tasks.movies.model import load_movie_model
+    from ....tasks.movies.snippets import encode, load_movie_snippets
 
     data = load_movie_snippets(split="test", limit=samples, cache_dir=cache_dir)
     model, tokenizer = load_movie_model(cache_dir, train_if_missing=False)
@@ -57,7 +57,7 @@ def task_workspace(task: str, samples: int = 48, cache_dir: Optional[str] = None
         return builtin_workspace(samples, variant="two", device=device)
     if task == "movies":
         return movie_workspace(samples, cache_dir, device)
-    from ..tasks.runner import TASKS
+    from ....tasks.runner import TASKS
 
     raise InputError(f"--task {task!r}: expected one of {', '.join(TASKS)}.")
 
@@ -76,7 +76,7 @@ def loaded_workspace(model: Optional[str], arch: Optional[str] = None, random_in
         return task_workspace(task, samples, cache_dir, device)
     if model is None and not images and not texts:
         return builtin_workspace(samples, device=device)
-    from ..model_loading import load_model, read_image
+    from ....model_loading import load_model, read_image
 
     loaded = load_model(model, arch, random_init)
     if loaded.modality == "image" and texts:
@@ -93,7 +93,7 @@ def loaded_workspace(model: Optional[str], arch: Optional[str] = None, random_in
         import torch
 
         with torch.no_grad():
-            from ..capture.targets import output_scores
+            from ....capture.targets import output_scores
 
             out = output_scores(model(*inputs, **forward_kwargs))
         classes = [str(c) for c in range((out[0] if isinstance(out, (tuple, list)) else out).shape[-1])]

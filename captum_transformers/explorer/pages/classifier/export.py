@@ -21,7 +21,7 @@ from typing import Any, Dict, Mapping
 
 import torch
 
-from ..methods.catalog import SIGNED_METHODS
+from ....methods.catalog import SIGNED_METHODS
 
 OVERLAY_ALPHA = 0.6
 CELL_PIXELS = 128

@@ -31,19 +31,19 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, Optional, Sequence
 
-from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.routing import Mount, Route
-from starlette.staticfiles import StaticFiles
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-from ..errors import CaptumTransformersError, InputError
-from .app import ModelBusy, _json_body, _parse_methods, _shown, error_handlers, no_icon, static_dir
-from .generation_workspace import SCORES, GenerationWorkspace, check_generation_work
-from .jobs import Jobs
-from .loading import StillLoading
-from .method_arguments import WORK_BUDGET, method_catalog
-from .security import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS, SecurityMiddleware
+from ....errors import CaptumTransformersError, InputError
+from ...explaining import available_methods
+from ...http import ModelBusy, json_body, page_app, parse_methods, shown
+from ...jobs import Jobs
+from ...loading import StillLoading
+from ...method_arguments import WORK_BUDGET, method_catalog
+from ...security import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS, SecurityMiddleware
+from .sources import LoadingGenerationWorkspace
+from .workspace import SCORES, GenerationWorkspace, check_generation_work
 
 #: The method the page opens with (the first offered if it is not).
 DEFAULT_METHOD = "attn-lrp"
@@ -69,22 +69,12 @@ def job_payload(state: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     return {**state, "results": results}
 
 
-def is_generation(workspace) -> bool:
-    """Whether ``create_app`` should serve the generation page for ``workspace``."""
-    from .generation_sources import LoadingGenerationWorkspace
-
-    return isinstance(workspace, (GenerationWorkspace, LoadingGenerationWorkspace))
-
-
 def create_generation_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS,
                           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, methods: Optional[Sequence[str]] = None):
     """The generation page of ``workspace`` (a ``GenerationWorkspace``, or a
     ``LoadingGenerationWorkspace`` still building one) as an ASGI app wrapped in
     ``SecurityMiddleware``; ``methods``: the catalog names offered (default: those that can
     explain the model)."""
-    from .generation_sources import LoadingGenerationWorkspace
-    from .workspace import available_methods
-
     source = workspace if isinstance(workspace, LoadingGenerationWorkspace) else None
     if source is None and not isinstance(workspace, GenerationWorkspace):
         raise InputError(f"create_generation_app takes a GenerationWorkspace, received {type(workspace).__name__}.")
@@ -108,19 +98,16 @@ def create_generation_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS,
 
     def parsed(body: Dict[str, Any]):
         current, jobs, offered, _ = context()
-        requests = _parse_methods(body.get("methods"), offered)
+        requests = parse_methods(body.get("methods"), offered)
         request = current.check_request(body)
         check_generation_work(requests, request.max_new_tokens)
         return current, jobs, requests, {0: request}
-
-    async def page(request: Request) -> Response:
-        return FileResponse(str(static_dir().joinpath("generation.html")), media_type="text/html")
 
     async def get_session(request: Request) -> Response:
         return JSONResponse(context()[3])
 
     async def generate(request: Request) -> Response:
-        _, jobs, requests, targets = parsed(await _json_body(request))
+        _, jobs, requests, targets = parsed(await json_body(request))
         return JSONResponse(job_payload(jobs.submit(requests, targets)))
 
     async def job(request: Request) -> Response:
@@ -133,12 +120,12 @@ def create_generation_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS,
         job_id = request.path_params["job_id"]
         state = job_payload(context()[1].cancel(job_id))
         if state is None:
-            return JSONResponse({"error": f"no job {_shown(job_id)} (finished jobs are kept for a while only; ids "
+            return JSONResponse({"error": f"no job {shown(job_id)} (finished jobs are kept for a while only; ids "
                                           "look like job-7)."}, status_code=404)
         return JSONResponse(state)
 
     def _export_sync(body: Dict[str, Any]) -> Dict[str, Any]:
-        from .generation_export import generation_html
+        from .export import generation_html
 
         current, jobs, requests, targets = parsed(body)
         running = jobs.busy()
@@ -152,19 +139,15 @@ def create_generation_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS,
     async def export(request: Request) -> Response:
         from starlette.concurrency import run_in_threadpool
 
-        return JSONResponse(await run_in_threadpool(_export_sync, await _json_body(request)))
+        return JSONResponse(await run_in_threadpool(_export_sync, await json_body(request)))
 
-    routes = [
-        Route("/", page),
-        Route("/favicon.ico", no_icon),
+    app = page_app("generation.html", [
         Route("/api/session", get_session),
         Route("/api/generate", generate, methods=["POST"]),
         Route("/api/generate/export", export, methods=["POST"]),
         Route("/api/jobs/{job_id}", job),
         Route("/api/jobs/{job_id}/cancel", cancel_job, methods=["POST"]),
-        Mount("/static", app=StaticFiles(directory=str(static_dir())), name="static"),
-    ]
-    app = Starlette(routes=routes, exception_handlers=error_handlers())
+    ])
     if source is None:
         context()  # a ready workspace: build the session now, so that its errors surface here
     return SecurityMiddleware(app, token, allowed_hosts, max_body_bytes)

@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..errors import InputError
-from .generation_workspace import GenerationWorkspace
-from .loading import LoadingWorkspace
+from ....errors import InputError
+from ...loading import LoadingWorkspace
+from .workspace import GenerationWorkspace
 
 #: Sample prompts of the built-in model offered on the page (test split: unseen in training).
 BUILTIN_SAMPLES = 6
@@ -27,7 +27,7 @@ CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 class LoadingGenerationWorkspace(LoadingWorkspace):
     """A ``LoadingWorkspace`` building a ``GenerationWorkspace``: the explorer serves the
-    generation page for it (``app.create_app`` dispatches on the type)."""
+    generation page for it (``explorer.app.PAGES`` picks the page by the workspace's type)."""
 
 
 def causal_lm_folder(spec: Optional[str]) -> bool:
@@ -45,9 +45,9 @@ def causal_lm_folder(spec: Optional[str]) -> bool:
 def builtin_generation_workspace(prompts: Sequence[str] = (), device=None) -> GenerationWorkspace:
     """The shipped recall Llama (``tasks.recall_model``) with ``prompts`` and a few test prompts
     of its task as samples; missing weights are an ``InputError`` naming the training command."""
-    from ..cli.device import on_device
-    from ..tasks.recall.model import MAX_NEW_TOKENS, load_recall_model
-    from ..tasks.recall.task import recall_examples
+    from ....model_loading import on_device
+    from ....tasks.recall.model import MAX_NEW_TOKENS, load_recall_model
+    from ....tasks.recall.task import recall_examples
 
     model, tokenizer = load_recall_model()
     model, _, _ = on_device(device, model, ())
@@ -67,7 +67,7 @@ def loaded_generation_workspace(model: Optional[str], prompts: Sequence[str] = (
                          "save_pretrained, or no --model for the built-in recall Llama.")
     import transformers
 
-    from ..cli.device import on_device
+    from ....model_loading import on_device
 
     try:
         loaded = transformers.AutoModelForCausalLM.from_pretrained(model)

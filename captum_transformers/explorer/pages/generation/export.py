@@ -20,8 +20,8 @@ from typing import Any, Mapping
 
 def generation_html(model: str, results: Mapping[str, Mapping[str, Any]]) -> str:
     """``results`` (method name -> the page's payload of one request) as one HTML document."""
-    from ..generation.serialization import result_from_dict
-    from ..visualization import generation_report
+    from ....generation.serialization import result_from_dict
+    from ....visualization import generation_report
 
     first = next(iter(results.values()), {})
     prompt = first.get("request", {}).get("prompt", "")
