@@ -1,4 +1,4 @@
-"""Every method on the built-in motifs Graphormer (``tasks.graphormer_motifs``) over the
+"""Every method on the built-in motifs Graphormer (``tasks.motifs.graphormer``) over the
 motifs task's 200 test graphs: node AUROC against the motif's nodes, and Ali et al.'s AUAC
 (activation: reveal the most relevant nodes first; higher is better) and AU-MSE (pruning: mask
 the least relevant first; lower is better) over nodes, with the metrics of

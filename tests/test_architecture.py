@@ -48,17 +48,7 @@ MAX_MODULES_PER_FOLDER = 16
 # (importing file relative to the package folder, private name) pairs still waiting for their
 # owners. Empty it as they are fixed; the test fails on any pair not listed here and on any listed
 # pair that no longer occurs, so the list only ever shrinks.
-PRIVATE_IMPORTS_ALLOWED = frozenset({
-    ("adapters/base.py", "_enclosing_layer"),
-    ("adapters/graph/pyg_attention.py", "_GRAPHS"),
-    ("adapters/graph/pyg_attention.py", "_NODES"),
-    ("adapters/graph/pyg_attention.py", "_recording"),
-    ("adapters/graph/pyg_attention.py", "_tapped_input"),
-    ("adapters/graph/pyg_gps.py", "_recording"),
-    ("adapters/graph/pyg_gps.py", "_tapped_input"),
-    ("adapters/graph/pyg_gps.py", "_recording_forward"),
-    ("generation/engine.py", "_forward_signature"),
-})
+PRIVATE_IMPORTS_ALLOWED = frozenset()
 
 # (importing module, imported module) pairs of upward imports still waiting for a decision; the
 # test fails on any other upward import and on any listed pair that no longer occurs.

@@ -10,6 +10,7 @@ from restore import assert_same, raising_after, snapshot
 from captum_transformers import CaptureError, InputError, RuleSet, explain_detections, get_adapter
 from captum_transformers.adapters.huggingface.detr import DetrAdapter, feature_grid
 from captum_transformers.capture.trace import CaptureSpec, InputSpan
+from captum_transformers.engine.runner import run_trace
 
 ENC, DEC = "encoder", "decoder"
 CALL_STREAMS = [(ENC, ENC)] * 2 + [(DEC, DEC), (DEC, ENC)] * 2
@@ -26,7 +27,7 @@ def model():
 
 def trace(model, inputs, target=None, spec=KEEP, **forward_kwargs):
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    return get_adapter(model).trace(model, inputs, (), target, spec, forward_kwargs)
+    return run_trace(get_adapter(model), model, inputs, (), target, spec, forward_kwargs)
 
 
 def test_registry_picks_the_detr_adapter_before_the_generic_entry(model):

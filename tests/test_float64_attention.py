@@ -11,6 +11,7 @@ import torch
 
 from captum_transformers import get_adapter
 from captum_transformers.capture.trace import CaptureSpec
+from captum_transformers.engine.runner import run_trace
 from hf_models import CASES
 
 RAW = CaptureSpec(forward_reduce=lambda probs: probs)
@@ -21,7 +22,7 @@ SAME_DTYPE_EAGER = ["bert", "roberta", "distilbert", "gpt2"]
 
 def _captured(model, inputs, kwargs):
     adapter = get_adapter(model)
-    return adapter.trace(model, (inputs,), (), 0, RAW, kwargs)  # target 0: bare encoders need one
+    return run_trace(adapter, model, (inputs,), (), 0, RAW, kwargs)  # target 0: bare encoders need one
 
 
 @pytest.mark.parametrize("name", SAME_DTYPE_EAGER)

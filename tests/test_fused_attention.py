@@ -28,6 +28,7 @@ from captum_transformers.capture.trace import CaptureSpec  # noqa: E402
 from captum_transformers.propagation.attention.core import softmax_attention  # noqa: E402
 from captum_transformers.propagation.attention.fused import fusable, fused_operands  # noqa: E402
 from captum_transformers.propagation.rules.operations import OperationRules  # noqa: E402
+from captum_transformers.engine.runner import run_trace
 from hf_models import decoder_llm as _llm  # noqa: E402
 
 F64 = torch.float64
@@ -160,7 +161,7 @@ def test_no_fused_path_where_a_map_is_wanted_or_the_softmax_rule_needs_scores(co
     model = _llm("llama", "sdpa")
     ids, kwargs = _ids()
     GenericAttention(model).attribute(ids, target=5, forward_kwargs=kwargs)
-    get_adapter(model).trace(model, (ids,), (), 5, _gradient_spec(), kwargs, rules=RuleSet.ATTN_LRP)
+    run_trace(get_adapter(model), model, (ids,), (), 5, _gradient_spec(), kwargs, rules=RuleSet.ATTN_LRP)
     assert counted == {"sdpa": 0, "scaled": 0}
 
 
@@ -191,7 +192,7 @@ def test_trace_under_fusable_rules_on_sdpa_model_equals_eager(padded):
     traces = {}
     for impl in ("sdpa", "eager"):
         model = _llm("llama", impl, F64)
-        traces[impl] = get_adapter(model).trace(model, (ids,), (), 5, _gradient_spec(), kwargs, rules=RuleSet.ATTN_LRP)
+        traces[impl] = run_trace(get_adapter(model), model, (ids,), (), 5, _gradient_spec(), kwargs, rules=RuleSet.ATTN_LRP)
     for sdpa_record, eager_record in zip(traces["sdpa"].records, traces["eager"].records):
         torch.testing.assert_close(sdpa_record.forward_value, eager_record.forward_value, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(sdpa_record.backward_value, eager_record.backward_value, rtol=1e-12, atol=1e-12)

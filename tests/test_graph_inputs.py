@@ -16,6 +16,7 @@ from captum_transformers import ConservativeLRP, GenericAttention, RawAttention 
 from captum_transformers.adapters.graph.pyg_attention import PyGAttentionAdapter  # noqa: E402
 from captum_transformers.errors import InputError  # noqa: E402
 from captum_transformers.propagation.rules.rule_set import RuleSet  # noqa: E402
+from captum_transformers.engine.runner import run_relevance
 from pyg_models import CHANNELS, FEATURES, graph_classifier, graphs  # noqa: E402
 
 TOKEN_WORDS = ("token", "example", "attention mask", "batch size")
@@ -69,7 +70,7 @@ def test_nan_node_features_are_the_input_holding_nan():
                                                                target=[0, 1, 0]),
                     lambda: ConservativeLRP(model).attribute(x, additional_forward_args=(edge_index, batch),
                                                              target=[0, 1, 0]),
-                    lambda: PyGAttentionAdapter().relevance(model, (x,), (edge_index, batch), [0, 1, 0],
+                    lambda: run_relevance(PyGAttentionAdapter(), model, (x,), (edge_index, batch), [0, 1, 0],
                                                             RuleSet.AH_LN)):
         with pytest.raises(InputError, match=r"The input holds NaN: .* node\(s\) \[4\]") as error:
             explain()

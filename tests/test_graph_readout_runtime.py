@@ -18,6 +18,7 @@ from captum_transformers import AttentionRollout, ConservativeLRP, GenericAttent
 from captum_transformers.adapters.graph.pyg_attention import PyGAttentionAdapter  # noqa: E402
 from captum_transformers.capture.trace import CaptureSpec  # noqa: E402
 from captum_transformers.errors import CaptureError  # noqa: E402
+from captum_transformers.engine.runner import run_trace
 from pyg_models import GraphClassifier, graph_classifier, graphs  # noqa: E402
 
 SIZES = (3, 5, 4)
@@ -85,7 +86,7 @@ def _raw_truth(model, weights):
     """The last layer's head-mean map, rows weighted by ``weights`` (B, N_max)."""
     _, (x, edge_index, batch) = graphs(SIZES)
     adapter = PyGAttentionAdapter(readout="mean")
-    trace = adapter.trace(model, (x,), (edge_index, batch), None, CaptureSpec(forward_reduce=lambda probs: probs))
+    trace = run_trace(adapter, model, (x,), (edge_index, batch), None, CaptureSpec(forward_reduce=lambda probs: probs))
     last = trace.records[-1].forward_value.mean(1).to(torch.float64)
     return torch.einsum("bi,bij->bj", weights, last)
 

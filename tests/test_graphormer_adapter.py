@@ -12,6 +12,7 @@ from captum_transformers import CaptureSpec, ConservativeLRP, RuleSet, get_adapt
 from captum_transformers.errors import InputError  # noqa: E402
 from captum_transformers.methods.catalog import PACKAGE_METHOD_NAMES, build_method  # noqa: E402
 from captum_transformers.models import graphormer as package  # noqa: E402
+from captum_transformers.engine.runner import run_relevance, run_trace
 from graphormer_models import batch, graphs, model  # noqa: E402
 from restore import assert_same, raising_after, snapshot  # noqa: E402
 
@@ -42,7 +43,7 @@ def test_captured_maps_equal_a_hand_computed_softmax(pre_layernorm):
     finally:
         for handle in handles:
             handle.remove()
-    trace = get_adapter(net).trace(net, (nodes,), (), TARGETS, CaptureSpec(forward_reduce=lambda probs: probs),
+    trace = run_trace(get_adapter(net), net, (nodes,), (), TARGETS, CaptureSpec(forward_reduce=lambda probs: probs),
                                    forward_kwargs=rest)
     assert len(trace.records) == len(seen) == 2
     for record, (module, query, bias, padding) in zip(trace.records, seen):
@@ -123,7 +124,7 @@ def test_ah_ln_conserves_relevance_on_a_bias_free_graphormer(options):
     assert chosen.abs().min() > 1e-3
     # The graph token (a learned embedding, not a node) takes its share: with the nodes the
     # tokens sum to the logit. return_tokens gives the nodes alone; the adapter's result all tokens.
-    every_token = get_adapter(net).relevance(net, (nodes,), (), TARGETS, RuleSet.AH_LN, forward_kwargs=rest).tokens
+    every_token = run_relevance(get_adapter(net), net, (nodes,), (), TARGETS, RuleSet.AH_LN, forward_kwargs=rest).tokens
     assert relevance.shape == (len(SIZES), max(SIZES)) and every_token.shape == (len(SIZES), 1 + max(SIZES))
     assert torch.equal(relevance, every_token[:, 1:])
     torch.testing.assert_close(every_token.sum(-1), chosen, rtol=0, atol=1e-12)

@@ -14,6 +14,7 @@ from captum_transformers import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEV
                                  GenericAttention, InputError, get_adapter)
 from captum_transformers.adapters.huggingface.kernel import captum_attention
 from captum_transformers.capture.trace import CaptureSpec
+from captum_transformers.engine.runner import run_trace
 from hf_models import CASES
 from restore import assert_same, raising_after, snapshot
 
@@ -85,7 +86,7 @@ def clip_inputs(batch=3):
 
 
 def trace(model, inputs, kwargs, target, spec=FUSED):
-    return get_adapter(model).trace(model, inputs, (), target, spec, kwargs)
+    return run_trace(get_adapter(model), model, inputs, (), target, spec, kwargs)
 
 
 # -- streams ----------------------------------------------------------------------------
@@ -145,7 +146,7 @@ def test_one_sequence_models_keep_the_tokens_stream(build):
     inputs = torch.randn(2, 3, 32, 32) if "Vision" in type(model).__name__ else torch.randint(3, 90, (2, 7))
     # Bare encoders return features, whose arg-max (target=None) is refused: explain feature 0.
     bare = type(model).__name__ in ("BertModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection")
-    result = adapter.trace(model, (inputs,), (), 0 if bare else None, RAW)
+    result = run_trace(adapter, model, (inputs,), (), 0 if bare else None, RAW)
     assert result.streams.is_single and result.streams.explained == ("tokens",)
     assert {r.streams for r in result.records} == {("tokens", "tokens")}
 
@@ -228,9 +229,9 @@ def test_decoder_input_routes(name):
     model = SEQ2SEQ[name]()
     (source, prefix), kwargs = seq2seq_inputs()
     adapter = get_adapter(model)
-    as_inputs = adapter.trace(model, (source, prefix), (), 5, FUSED, kwargs)
-    by_keyword = adapter.trace(model, (source,), (), 5, FUSED, {**kwargs, "decoder_input_ids": prefix})
-    positional_mask = adapter.trace(model, (source, prefix), (kwargs["attention_mask"],), 5, FUSED,
+    as_inputs = run_trace(adapter, model, (source, prefix), (), 5, FUSED, kwargs)
+    by_keyword = run_trace(adapter, model, (source,), (), 5, FUSED, {**kwargs, "decoder_input_ids": prefix})
+    positional_mask = run_trace(adapter, model, (source, prefix), (kwargs["attention_mask"],), 5, FUSED,
                                     {"decoder_attention_mask": kwargs["decoder_attention_mask"]})
     assert len(as_inputs.streams.inputs) == 2 and len(by_keyword.streams.inputs) == 1
     for other in (by_keyword, positional_mask):
@@ -238,7 +239,7 @@ def test_decoder_input_routes(name):
         for a, b in zip(as_inputs.records, other.records):
             torch.testing.assert_close(a.backward_value, b.backward_value)
     with pytest.raises(InputError, match="given twice"):
-        adapter.trace(model, (source, prefix), (), 5, FUSED, {**kwargs, "decoder_input_ids": prefix})
+        run_trace(adapter, model, (source, prefix), (), 5, FUSED, {**kwargs, "decoder_input_ids": prefix})
 
 
 @pytest.mark.parametrize("name", sorted(SEQ2SEQ))

@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 from captum_transformers import (CaptureError, CaptureSpec, ConservativeLRP, GenericAttention, InputError,  # noqa: E402
                                  RuleSet, get_adapter)
 from captum_transformers.adapters.huggingface.inline_attention import InlineAttentionAdapter, _key_valid  # noqa: E402
+from captum_transformers.engine.runner import run_trace
 from inline_models import (B, CASES, I, KEEP, L_LAYERS, R_LAYERS, T, VIS, X_LAYERS,  # noqa: E402
                            lxmert, regions, text, visual_bert)
 from restore import assert_same, raising_after, snapshot  # noqa: E402
@@ -38,7 +39,7 @@ def lxmert_call_order():
 
 
 def trace(model, inputs, kwargs, spec=KEEP, target=0):
-    return get_adapter(model).trace(model, inputs, (), target, spec, kwargs)
+    return run_trace(get_adapter(model), model, inputs, (), target, spec, kwargs)
 
 
 # == 1. registry ===================================================================================

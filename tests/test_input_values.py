@@ -14,6 +14,7 @@ import torch
 import captum_transformers as ct
 from captum_transformers.errors import InputError
 from captum_transformers.methods.catalog import METHOD_FACTORIES
+from captum_transformers.engine.runner import run_trace
 from hf_models import CASES
 from tiny_models import timm_vit_case
 
@@ -102,4 +103,4 @@ def test_an_adapter_called_directly_refuses_nan_too():
     pixels[0, 0, 0, 0] = float("nan")
     method = ct.GenericAttention(model)
     with pytest.raises(InputError, match=r"Input 0 .* holds 1 NaN"):
-        method.adapter.trace(model, (pixels,), (), 1, method.capture_spec())
+        run_trace(method.adapter, model, (pixels,), (), 1, method.capture_spec())

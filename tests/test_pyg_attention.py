@@ -21,6 +21,7 @@ from captum_transformers.capture.trace import CaptureSpec  # noqa: E402
 from captum_transformers.errors import CaptureError, InputError  # noqa: E402
 from captum_transformers.methods.catalog import METHOD_FACTORIES, PACKAGE_METHOD_NAMES  # noqa: E402
 from captum_transformers.propagation.rules.rule_set import RuleSet  # noqa: E402
+from captum_transformers.engine.runner import run_trace
 from pyg_models import graph_classifier, graphs  # noqa: E402
 from restore import assert_same, raising_after, snapshot  # noqa: E402
 
@@ -87,7 +88,7 @@ def test_captured_maps_equal_a_hand_computed_softmax(kind):
     model = graph_classifier(kind)
     _, (x, edge_index, batch) = graphs()
     adapter = get_adapter(model)
-    trace = adapter.trace(model, (x,), (edge_index, batch), None, CaptureSpec(forward_reduce=lambda probs: probs))
+    trace = run_trace(adapter, model, (x,), (edge_index, batch), None, CaptureSpec(forward_reduce=lambda probs: probs))
     captured = trace.records[0].forward_value
     with torch.no_grad():
         expected = _hand_softmax_maps(model, x, edge_index, batch)
@@ -297,7 +298,7 @@ def test_node_level_models_explain_one_node_per_graph(kind):
             torch.testing.assert_close(tokens[g:g + 1, :len(gx)], alone, rtol=1e-4, atol=1e-6, msg=name)
             assert (tokens[g, len(gx):] == 0).all(), name
     # The explained row is the node: raw attention is the last layer's row of that node.
-    trace = get_adapter(model).trace(model, (x,), (edge_index, batch), pairs,
+    trace = run_trace(get_adapter(model), model, (x,), (edge_index, batch), pairs,
                                      CaptureSpec(forward_reduce=lambda probs: probs.mean(1)))
     raw = RawAttention(model).attribute(x, additional_forward_args=(edge_index, batch), target=pairs,
                                         return_tokens=True)

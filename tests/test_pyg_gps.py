@@ -15,6 +15,7 @@ from captum_transformers.adapters.graph.pyg_gps import PyGGPSAdapter  # noqa: E4
 from captum_transformers.capture.trace import CaptureSpec  # noqa: E402
 from captum_transformers.errors import CaptureError, InputError  # noqa: E402
 from captum_transformers.methods.catalog import METHOD_FACTORIES  # noqa: E402
+from captum_transformers.engine.runner import run_trace
 from pyg_models import CHANNELS, gps_classifier, graphs  # noqa: E402
 from restore import assert_same, raising_after, snapshot  # noqa: E402
 
@@ -36,7 +37,7 @@ def test_captured_maps_are_the_global_attention_over_each_graph():
     model = gps_classifier()
     _, (x, edge_index, batch) = graphs()
     adapter = PyGGPSAdapter(ignore_local_branch=True)
-    trace = adapter.trace(model, (x,), (edge_index, batch), None, CaptureSpec(forward_reduce=lambda probs: probs))
+    trace = run_trace(adapter, model, (x,), (edge_index, batch), None, CaptureSpec(forward_reduce=lambda probs: probs))
     with torch.no_grad():
         dense, mask = to_dense_batch(model.encode(x), batch)
         _, expected = model.layers[0].attn(dense, dense, dense, key_padding_mask=~mask, need_weights=True,

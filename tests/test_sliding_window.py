@@ -15,6 +15,7 @@ import torch
 from captum_transformers import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS, AttentionGradCAM,
                                  AttentionRollout, PartialLRP, RawAttention)
 from captum_transformers.capture.trace import CaptureSpec
+from captum_transformers.engine.runner import run_trace
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,7 +86,7 @@ def test_captured_maps_equal_eager_output_attentions(name):
     ids, kwargs = _inputs()
     expected = _eager_attentions(model, ids, kwargs)
     spec = CaptureSpec(forward_reduce=lambda probs: probs.clone())
-    records = RawAttention(model).adapter.trace(model, (ids,), (), TARGET, spec, kwargs).records
+    records = run_trace(RawAttention(model).adapter, model, (ids,), (), TARGET, spec, kwargs).records
     assert len(records) == len(expected) == 3
     for record, reference in zip(records, expected):
         # Padded query rows are undefined (every key masked); compare the real ones.

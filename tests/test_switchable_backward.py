@@ -22,6 +22,7 @@ from captum_transformers.adapters.huggingface import kernel as hf_kernel
 from captum_transformers.adapters import torch_mha
 from captum_transformers.propagation.backward_switch import switchable_backward
 from captum_transformers.capture.trace import CaptureSpec
+from captum_transformers.engine.runner import run_trace
 from lrp_models import CONSERVATION_CASES, TARGET  # noqa: E402
 
 SWITCHABLE = [pytest.param(rules, id=rules.name) for rules in
@@ -80,12 +81,12 @@ def _two_forward_relevance(explainer, inputs, target, kwargs):
     from captum_transformers.methods.transformer_relevance import _relevance
 
     adapter, model = explainer.adapter, explainer.model
-    first = adapter.trace(model, (inputs,), (), target,
+    first = run_trace(adapter, model, (inputs,), (), target,
                           CaptureSpec(backward_reduce=lambda p, g, v: _relevance(p, g)), kwargs, rules=explainer.rules)
     by_call = {r.call_index: r.backward_value for r in first.records}
     spec = CaptureSpec(backward_reduce=lambda p, g, v, call_index: functional.gradient_weighted_heads(
         by_call[call_index], g, v), pass_call_index=True)
-    return explainer.reduce(adapter.trace(model, (inputs,), (), target, spec, kwargs))
+    return explainer.reduce(run_trace(adapter, model, (inputs,), (), target, spec, kwargs))
 
 
 @pytest.mark.parametrize("case", ["hf_vit", "hf_bert_no_pooler", "timm_vit", "torch_mha_encoder"])

@@ -16,6 +16,7 @@ from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 import captum_transformers  # noqa: E402
 from captum_transformers import (ATTENTION_METHODS, CaptureError, CaptureSpec, GenericAttention,  # noqa: E402
                                  RawAttention, get_adapter)
+from captum_transformers.engine.runner import run_trace
 from restore import raising_after  # noqa: E402
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
@@ -56,7 +57,7 @@ def _make(case, batch=2):
 def _full_probs(model, x):
     """Every captured (B, H, N, N) map, through the adapter's own capture loop."""
     spec = CaptureSpec(forward_reduce=lambda probs: probs.clone())
-    trace = get_adapter(model).trace(model, (x,), (), None, spec)
+    trace = run_trace(get_adapter(model), model, (x,), (), None, spec)
     return [record.forward_value for record in trace.records], trace
 
 

@@ -18,6 +18,7 @@ from captum_transformers import (ATTENTION_METHODS, AttentionGradCAM, CaptureSpe
 from captum_transformers.capture.recorder import Recorder
 from captum_transformers.adapters.torch_mha import TorchMHAAdapter
 from captum_transformers.functional import gradient_weighted_heads
+from captum_transformers.engine.runner import run_trace
 from restore import assert_same, raising_after, snapshot
 
 METHODS = [pytest.param(m, id=m.__name__) for m in ATTENTION_METHODS]
@@ -203,7 +204,7 @@ def test_probabilities_match_explicit_recomputation(batch_first, padded):
     model = _model(batch_first=batch_first)
     ids = _ids(3)
     mask = _padding([6, 4, 2]) if padded else None
-    trace = TorchMHAAdapter().trace(model, (ids,), (mask,), 0, KEEP)
+    trace = run_trace(TorchMHAAdapter(), model, (ids,), (mask,), 0, KEEP)
     output, expected = reference(model, ids, mask)
     assert len(trace) == 2
     for record, probs in zip(trace.records, expected):
@@ -226,10 +227,10 @@ def test_generic_attention_gradient_matches_autograd(batch_first, frozen, padded
         expected = expected * (~mask)
     if frozen:
         model.requires_grad_(False)
-    trace = TorchMHAAdapter().trace(model, (ids,), (mask,), targets, RAW_GRAD)
+    trace = run_trace(TorchMHAAdapter(), model, (ids,), (mask,), targets, RAW_GRAD)
     for record, grad in zip(trace.records, grads):
         torch.testing.assert_close(record.backward_value, grad, atol=1e-6, rtol=1e-4)
-    fused = TorchMHAAdapter().trace(model, (ids,), (mask,), targets,
+    fused = run_trace(TorchMHAAdapter(), model, (ids,), (mask,), targets,
                                     CaptureSpec(backward_reduce=gradient_weighted_heads))
     for record, attention, grad in zip(fused.records, probs, grads):
         torch.testing.assert_close(record.backward_value, (grad * attention).clamp(min=0).mean(dim=1),
@@ -243,7 +244,7 @@ def test_generic_attention_gradient_matches_autograd(batch_first, frozen, padded
 def test_causal_model_uses_last_real_token_and_matches_reference():
     model = _model(CausalLM)
     ids, mask, targets = _ids(3), _padding([6, 4, 5]), _targets(3)
-    trace = TorchMHAAdapter().trace(model, (ids,), (mask,), targets, KEEP)
+    trace = run_trace(TorchMHAAdapter(), model, (ids,), (mask,), targets, KEEP)
     assert trace.layout.query_rows.squeeze(1).tolist() == [5, 3, 4]
     _, expected = reference(model, ids, mask, causal=True)
     for record, probs in zip(trace.records, expected):
@@ -259,7 +260,7 @@ def test_causal_model_uses_last_real_token_and_matches_reference():
 def test_is_causal_without_a_mask_gets_an_explicit_causal_mask():
     model = DirectMHA(is_causal=True).eval()
     ids = _ids(2, 5)
-    trace = TorchMHAAdapter().trace(model, (ids,), (), 0, KEEP)
+    trace = run_trace(TorchMHAAdapter(), model, (ids,), (), 0, KEEP)
     probs = trace.records[0].forward_value
     assert (probs.triu(1) == 0).all() and torch.allclose(probs.sum(-1), torch.ones(2, HEADS, 5))
     assert trace.layout.query_rows.squeeze(1).tolist() == [4, 4]
@@ -284,10 +285,10 @@ def test_causal_mask_without_hint_is_detected():
     model = LayerWithMask().eval()
     ids = _ids(2, 5)
     causal = nn.Transformer.generate_square_subsequent_mask(5)
-    trace = TorchMHAAdapter().trace(model, (ids,), (causal,), 0, KEEP)
+    trace = run_trace(TorchMHAAdapter(), model, (ids,), (causal,), 0, KEEP)
     assert trace.layout.query_rows.squeeze(1).tolist() == [4, 4]
     band = torch.zeros(5, 5).masked_fill(torch.ones(5, 5, dtype=torch.bool).tril(-2), float("-inf"))
-    trace = TorchMHAAdapter().trace(model, (ids,), (band,), 0, KEEP)
+    trace = run_trace(TorchMHAAdapter(), model, (ids,), (band,), 0, KEEP)
     assert trace.layout.query_rows.squeeze(1).tolist() == [0, 0], "not causal: the first token"
 
 
@@ -321,7 +322,7 @@ def test_wrapped_forward_returns_what_the_caller_asked_for(batch_first):
 def test_extra_keys_are_dropped_from_the_map(mha_kwargs):
     model = DirectMHA(**mha_kwargs).eval()
     ids = _ids(2, 5)
-    trace = TorchMHAAdapter().trace(model, (ids,), (), 0, RAW_GRAD)
+    trace = run_trace(TorchMHAAdapter(), model, (ids,), (), 0, RAW_GRAD)
     assert trace.records[0].backward_value.shape == (2, HEADS, 5, 5)
     for method in ATTENTION_METHODS:
         assert method(model).attribute(ids, target=0).shape == ids.shape
@@ -332,7 +333,7 @@ def test_query_rows_option():
     model = _model()
     ids, mask = _ids(3), _padding([6, 4, 3])
     def layout(option):
-        return TorchMHAAdapter(option).trace(model, (ids,), (mask,), 0, KEEP).layout
+        return run_trace(TorchMHAAdapter(option), model, (ids,), (mask,), 0, KEEP).layout
 
     def rows(option):
         return layout(option).query_rows

@@ -18,6 +18,7 @@ from vlm_models import (IMAGE, IMAGE_SIZE, IMAGE_TOKENS, build_llava, build_sigl
 
 from captum_transformers import AttnLRP, ConservativeLRP, GenericAttention, InputError, RawAttention
 from captum_transformers.generation import GenerationAttribution
+from captum_transformers.engine.runner import run_trace
 
 
 @pytest.mark.parametrize("name", list(METHODS))
@@ -197,7 +198,7 @@ def test_generic_attention_follows_the_iccv_rules_across_the_two_streams():
     llava, px = shared_llava(), pixels(1)
     method = GenericAttention(llava)
     result = GenerationAttribution(method, TOKENIZER).attribute(PROMPT, target=TARGET[:1], images=px)
-    trace = method.adapter.trace(llava, (torch.tensor([PROMPT]),), (), TARGET[0], method.capture_spec(),
+    trace = run_trace(method.adapter, llava, (torch.tensor([PROMPT]),), (), TARGET[0], method.capture_spec(),
                                  forward_kwargs={"pixel_values": px})
 
     def chain(stream, size, skip=0):
@@ -270,7 +271,7 @@ def test_siglip_tower_has_no_cls_token(strategy):
     result = explainer.attribute(prompt, target=TARGET[:2], images=px)
     assert result.image_token_attr.shape == (2, IMAGE_TOKENS) and result.image_attr.shape == (2, 16, 16)
     assert prefix_differences(explainer, result, prompt, TARGET[:2], px) < TOL
-    trace = method.adapter.trace(siglip, (torch.tensor([prompt]),), (), TARGET[0], method.capture_spec(),
+    trace = run_trace(method.adapter, siglip, (torch.tensor([prompt]),), (), TARGET[0], method.capture_spec(),
                                  forward_kwargs={"pixel_values": px})
 
     def chain(stream, size, calls):

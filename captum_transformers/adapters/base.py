@@ -1,9 +1,13 @@
-"""The adapter contract, and the capture loop every adapter shares.
+"""The adapter contract: what an explanation needs to know about one family of models.
 
 An adapter knows one family of models: where attention is computed (:meth:`blocks`), how
 to observe it reversibly (:meth:`capture`, built only from :mod:`captum_transformers.model_state.patching`),
 how to read logits from the model's output, and how tokens map back to the input
-(:meth:`layout`). :meth:`trace` runs one forward and at most one backward per batch.
+(:meth:`layout`). It runs the forward pass under its capture (:meth:`captured_forward`,
+:meth:`scored_forward`); the passes of an explanation (refusals, backward passes, reading
+relevance) are run by :mod:`captum_transformers.engine.runner`, which calls the small hooks
+here (:meth:`refuse_trace`, :meth:`trace_spec`, :meth:`trace_context`, :meth:`refuse_relevance`,
+:meth:`relevance_reading`, :meth:`finish_relevance`) where a family adds to them.
 """
 from __future__ import annotations
 
@@ -15,21 +19,17 @@ from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Seq
 import torch
 from torch import nn
 
-from ..model_state import patching
 from ..compat import stochastic_layers
 from ..compat.compiled import uncompiled
 from ..model_state.exclusive import exclusive, holding_the_model
 from ..errors import CaptureError, InputError
-from ..propagation.backward_switch import switchable_backward
-from ..propagation.rules.rule_set import refuse_rounding_sensitive
 from ..capture.targets import output_scores, select_targets
-from ..capture.trace import TOKENS, AttentionRecord, AttentionTrace, Block, CaptureSpec, StreamLayouts, TokenLayout
+from ..capture.trace import TOKENS, Block, CaptureSpec, StreamLayouts, TokenLayout
 from ..capture.recorder import Recorder
 from ..compat.foreign_patches import check_library_classes
-from .model_parts import _enclosing_layer, find_patch_size
-from .input_checks import model_dtype, ordinary_tensors, refuse_unexplainable_batch, relevance_carrying
-from .query_rows import QueryRows, ReadRows, chosen_rows, refuse_examples_without_tokens
-from .relevance_reading import RelevanceResult, input_times_gradient, read_layer_input, seeded, token_sums
+from .model_parts import enclosing_layer, find_patch_size
+from .query_rows import QueryRows, chosen_rows, refuse_examples_without_tokens
+from .relevance_reading import InputProducts, LayerInputs, RelevanceReading, RelevanceResult
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..propagation.rules.rule_set import RuleSet
@@ -80,7 +80,7 @@ class Adapter(abc.ABC):
         (``encoder.layer.0``, ``blocks.0``, ``layers.0``); the attention module itself if it
         is not inside one.
         """
-        return _enclosing_layer(model, self.blocks(model)[0])
+        return enclosing_layer(model, self.blocks(model)[0])
 
     def first_layers(self, model: nn.Module) -> Dict[Optional[str], nn.Module]:
         """The first layer of each token stream, whose input holds that stream's tokens.
@@ -95,7 +95,7 @@ class Adapter(abc.ABC):
                 first.setdefault(block.streams[0], block)
         if len(first) <= 1:
             return {None: self.first_layer(model)}
-        layers = {stream: _enclosing_layer(model, block) for stream, block in first.items()}
+        layers = {stream: enclosing_layer(model, block) for stream, block in first.items()}
         if len({id(layer) for layer in layers.values()}) != len(layers):
             raise CaptureError(
                 f"The streams {sorted(layers)} of {type(model).__name__} enter the same layer, so token relevance "
@@ -232,8 +232,8 @@ class Adapter(abc.ABC):
             output = output[torch.arange(output.shape[0], device=output.device), position.to(output.device)]
         return output
 
-    # -- the capture loop -----------------------------------------------------------
-    def _forward(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
+    # -- the forward pass -----------------------------------------------------------
+    def scored_forward(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
                  forward_kwargs: Optional[dict], target: Any, recorder: Recorder,
                  contexts: Sequence[ContextManager[None]] = ()):
         """Run the model once under the capture (and ``contexts``); return the layout, the
@@ -293,144 +293,40 @@ class Adapter(abc.ABC):
         model's ``decoder_input_ids``)."""
         return model(*inputs, *additional_forward_args, **(forward_kwargs or {}))
 
-    def trace(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
-              target: Any, spec: CaptureSpec, forward_kwargs: Optional[dict] = None,
-              rules: Optional["RuleSet"] = None, plain_spec: Optional[CaptureSpec] = None) -> AttentionTrace:
-        """One forward (and, if ``spec`` needs gradients, one backward) pass over a batch.
+    # -- hooks of the pass runner (captum_transformers.engine.runner) ------------------
+    def refuse_trace(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
+                     forward_kwargs: Optional[dict], rules: Optional["RuleSet"]) -> None:
+        """Refuse what this family cannot trace (attention maps under ``rules``), before the
+        runner's own refusals. Default: nothing."""
 
-        With ``rules`` the backward pass follows those propagation rules, so the backward
-        reduction sees LRP-modified gradients (relevance = probs * gradient).
+    def trace_spec(self, spec: Optional[CaptureSpec], inputs: Tuple[torch.Tensor, ...]) -> Optional[CaptureSpec]:
+        """The spec a trace of ``inputs`` records with (None stays None). Default: ``spec``;
+        windowed adapters make each reduction see one example's windows."""
+        return spec
 
-        With ``rules`` and ``plain_spec`` too, the same graph is differentiated a second time
-        with plain gradients (every rule Function switched to its operation's own gradient, the
-        explained logit as seed), reduced by ``plain_spec``: one forward, two backward passes.
-        ``spec`` reduces the first, ``plain_spec`` the second; the trace holds the second's
-        values. Only for rules whose forward graph is the plain one (no detached attention gate).
-        """
-        refuse_unexplainable_batch(inputs)
-        refuse_rounding_sensitive(rules, model_dtype(model))
-        additional_forward_args, forward_kwargs = ordinary_tensors(tuple(additional_forward_args)), \
-            ordinary_tensors(forward_kwargs)
-        if plain_spec is not None and (rules is None or rules.attention_gate != "gradient"):
-            raise InputError(
-                f"A plain-gradient second pass needs rules whose graph keeps the attention gate (got {rules!r}); "
-                "run two traces instead."
-            )
-        inputs = relevance_carrying(inputs)
-        recorder = Recorder(spec)
-        recorder.keep_probs = plain_spec is not None
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(exclusive(model))  # before any flag below changes
-            stack.enter_context(torch.enable_grad() if spec.needs_gradient else torch.no_grad())
-            if spec.needs_gradient:
-                stack.enter_context(patching.parameters_require_grad(model))  # the trainable model's graph
-            switch = stack.enter_context(switchable_backward()) if plain_spec is not None else None
-            contexts = [self.propagation(model, rules)] if rules is not None else []
-            # The rows the score reads are checked where a gradient is taken anyway.
-            read_rows = ReadRows() if spec.needs_gradient and self.query_rows_choice is None else None
-            if read_rows is not None:
-                contexts.append(read_rows.watch(b.module for b in self.blocks(model) if b.kind == "self"))
-            streams, logits, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
-                                                           target, recorder, contexts)
-            if spec.needs_gradient:
-                recorder.streams = streams  # a row stream (spec.row_stream) starts from the explained rows
-                if read_rows is not None:
-                    read_rows.listen()
-                self._backward(recorder, seeded(scores, rules), retain_graph=switch is not None)
-            if switch is not None:
-                recorder.next_pass(plain_spec)
-                with switch.plain_gradient():
-                    self._backward(recorder, scores)
-        if read_rows is not None and streams.is_single:
-            explained = streams.layouts[streams.explained[0]]
-            read_rows.refuse_unexplained(explained.num_tokens, explained.query_rows, explained.query_weights,
-                                         explained.token_mask, self.query_rows_hint())
-        layout = streams.layouts[streams.explained[0]]
-        records = AttentionRecord.of_sites(recorder.sites, layout.query_rows.device)
-        return AttentionTrace(records, layout, logits.detach(), index, streams)
+    def trace_context(self, model: nn.Module) -> ContextManager[None]:
+        """A context held around a whole trace (its refusals, forward and backward passes).
+        Default: none; the PyG adapters mark there that the explained rows matter."""
+        return contextlib.nullcontext()
 
-    def _backward(self, recorder: Recorder, scores: torch.Tensor, retain_graph: bool = False) -> None:
-        sites = recorder.sites if recorder.spec.backward_blocks == "all" else recorder.last_per_streams()
-        for site in sites:
-            if not site.requires_grad or not recorder.anchors:
-                raise CaptureError(
-                    f"The attention of block {site.block.name!r} does not require grad, so its gradient cannot be "
-                    "taken. Make the model's parameters or the inputs require grad, or use the adapter's capture."
-                )
-            recorder.hook(site)
-        if not scores.requires_grad:
-            raise CaptureError(
-                "The explained output does not depend on any observed attention (it does not require grad)."
-            )
-        torch.autograd.grad(scores.sum(), inputs=list(recorder.anchors.values()), allow_unused=True,
-                            retain_graph=retain_graph)
-        if not any(s.received_gradient for s in sites):
-            raise CaptureError(
-                "No gradient reached any observed attention map: the explained output does not depend on the "
-                "attention the adapter captured."
-            )
-        for site in sites:
-            if not site.received_gradient:
-                recorder.zero_gradient(site)  # not connected: the gradient is zero
+    def refuse_relevance(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...],
+                         additional_forward_args: Sequence[Any], forward_kwargs: Optional[dict],
+                         rules: "RuleSet") -> None:
+        """Refuse what this family cannot explain by relevance under ``rules``, before the
+        runner's own refusals. Default: nothing."""
 
-    # -- relevance: Gradient x Input under propagation rules ------------------------------
-    def relevance(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
-                  target: Any, rules: "RuleSet", at: str = "tokens",
-                  forward_kwargs: Optional[dict] = None) -> "RelevanceResult":
-        """One forward and one backward pass of Gradient x Input under ``rules``.
-
-        ``at="tokens"``: relevance of the hidden states entering the first layer of each
-        stream (:meth:`first_layers`), summed over the hidden size, (B, N) per stream.
-        ``at="inputs"``: ``x * dy/dx`` for every floating-point input.
-        """
-        with exclusive(model):  # held from the start: every question about the modules reads one walk
-            return self._relevance(model, inputs, additional_forward_args, target, rules, at, forward_kwargs)
-
-    def _relevance(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
-                   target: Any, rules: "RuleSet", at: str, forward_kwargs: Optional[dict]) -> "RelevanceResult":
-        refuse_unexplainable_batch(inputs)
-        refuse_rounding_sensitive(rules, model_dtype(model))
-        additional_forward_args, forward_kwargs = ordinary_tensors(tuple(additional_forward_args)), \
-            ordinary_tensors(forward_kwargs)
-        if at not in ("tokens", "inputs"):
-            raise InputError(f"relevance must be read at 'tokens' or 'inputs', got {at!r}.")
-        layers = self.first_layers(model) if at == "tokens" else {}
-        entering: Dict[Optional[str], List[torch.Tensor]] = {stream: [] for stream in layers}
-        with exclusive(model), torch.enable_grad(), patching.parameters_require_grad(model):  # the trainable graph
-            contexts = [self.propagation(model, rules)]
-            if at == "inputs":
-                if not any(t.is_floating_point() for t in inputs):
-                    raise InputError(
-                        "relevance at 'inputs' needs floating-point inputs (pixels or embeddings); got dtypes "
-                        f"{[str(t.dtype) for t in inputs]}. Use the token relevance (the default) for token ids."
-                    )
-            inputs = relevance_carrying(inputs)
-            if at == "tokens":
-                contexts.extend(read_layer_input(layer, entering[stream]) for stream, layer in layers.items())
-            streams, _, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
-                                                      target, Recorder(CaptureSpec()), contexts)
-            layout = streams.layouts[streams.explained[0]]
-            read = {streams.explained[0] if stream is None else stream: store[0]
-                    for stream, store in entering.items() if store}
-            leaves = list(read.values()) if at == "tokens" else [t for t in inputs if t.is_floating_point()]
-            if not leaves:
-                raise CaptureError("The first Transformer layer never ran, so no token relevance could be read.")
-            if not scores.requires_grad:
-                raise CaptureError("The explained output does not depend on the inputs (it does not require grad).")
-            explained = seeded(scores, rules)
-            grads = torch.autograd.grad(explained.sum(), leaves, allow_unused=True)
-        products = [input_times_gradient(leaf, g) for leaf, g in zip(leaves, grads)]
-        explained = explained.detach()
+    def relevance_reading(self, model: nn.Module, at: str, messages: Optional[list] = None) -> RelevanceReading:
+        """Where a relevance pass reads ``x * dy/dx``: ``at="tokens"``, the hidden states entering
+        the first layer of each stream (:meth:`first_layers`), summed over the hidden size;
+        ``at="inputs"``, every floating-point input. ``messages`` (per-edge message relevance)
+        is read by graph adapters only."""
+        if messages is not None:
+            raise CaptureError(f"The {self.name} adapter reports no per-edge messages.")
         if at == "tokens":
-            per_stream = {stream: token_sums(self.token_states, hidden,
-                                             streams.layouts[stream].token_mask if stream in streams.layouts else None,
-                                             scores.shape[0])
-                          for stream, hidden in zip(read, products)}
-            first = next(iter(per_stream.values()))
-            total = sum(r.sum(-1).to(first.device) for r in per_stream.values())  # streams may start apart
-            return RelevanceResult(first, None, layout, explained, index, total, per_stream, streams)
-        remaining = iter(products)
-        per_input = tuple(next(remaining) if t.is_floating_point() else torch.zeros(t.shape, device=t.device)
-                          for t in inputs)
-        total = sum(r.reshape(r.shape[0], -1).sum(-1) for r in per_input)
-        return RelevanceResult(None, per_input, layout, explained, index, total)
+            return LayerInputs(self.first_layers(model), self.token_states)
+        return InputProducts()
+
+    def finish_relevance(self, model: nn.Module, result: RelevanceResult) -> RelevanceResult:
+        """The result of a relevance pass as returned. Default: as is; the vision-language
+        adapters give the vision tower's stream a layout of its own."""
+        return result

@@ -4,7 +4,7 @@ layer (an element of a layer list) that encloses an attention block.
 Read-only lookups that :class:`~captum_transformers.adapters.base.Adapter`'s defaults
 (:meth:`~captum_transformers.adapters.base.Adapter.patch_size`,
 :meth:`~captum_transformers.adapters.base.Adapter.first_layer`) are built from, held apart
-from the adapter contract and its capture loop.
+from the adapter contract.
 """
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ def find_patch_size(model: nn.Module) -> Optional[Tuple[int, int]]:
     return None
 
 
-def _enclosing_layer(model: nn.Module, block: Block) -> nn.Module:
-    """The ancestor of ``block`` that is an element of a layer list (its path ends in a number)."""
+def enclosing_layer(model: nn.Module, block: Block) -> nn.Module:
+    """The ancestor of ``block`` that is an element of a layer list (its path ends in a number);
+    the block's own module if none is."""
     parts = block.name.split(".")
     for end in range(len(parts), 0, -1):
         if parts[end - 1].isdigit():

@@ -1,16 +1,25 @@
 """Reading relevance out of a rule-modified backward pass: the seed on the explained scores,
-the hidden states entering a layer made a leaf, and what ``Adapter.relevance`` returns."""
+the hidden states entering a layer tapped (:func:`read_layer_input`), where a relevance pass
+reads ``x * dy/dx`` (:class:`RelevanceReading`: at the first layers' inputs, at the inputs),
+and what it returns (:class:`RelevanceResult`).
+
+The pass itself (refusals, forward, backward) is run by
+:func:`captum_transformers.engine.runner.run_relevance`; an adapter says only where it is read
+(:meth:`Adapter.relevance_reading <captum_transformers.adapters.base.Adapter.relevance_reading>`).
+"""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..model_state import patching
 from ..capture.trace import StreamLayouts, TokenLayout
+from ..errors import CaptureError, InputError
+from .input_checks import relevance_carrying
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..propagation.rules.rule_set import RuleSet
@@ -29,9 +38,15 @@ def seeded(scores: torch.Tensor, rules: Optional["RuleSet"]) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def read_layer_input(layer: nn.Module, store: List[torch.Tensor]):
-    """Replace the hidden states entering ``layer`` (first call only) by a leaf that requires
-    grad, with the same values, so ``d score / d hidden`` can be read there.
+def read_layer_input(layer: nn.Module, store: List[torch.Tensor], in_graph: bool = False):
+    """Keep the hidden states entering ``layer`` (first call only) in ``store``, so
+    ``d score / d hidden`` can be read there.
+
+    By default they are replaced by a leaf that requires grad, with the same values. With
+    ``in_graph`` a tensor that already requires grad is kept as it is, in the graph: a
+    vision-language decoder's first layer reads image tokens whose relevance must go on into
+    the vision tower (a tensor that requires no grad still becomes a leaf: nothing before it
+    carries relevance).
 
     A wrapped forward, not a pre-hook: a registered hook is seen by every thread (PyTorch's
     TransformerEncoderLayer leaves its fast path when any module has one)."""
@@ -45,6 +60,9 @@ def read_layer_input(layer: nn.Module, store: List[torch.Tensor]):
             elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
                 source = kwargs["hidden_states"]
             else:
+                return original(*args, **kwargs)
+            if in_graph and source.requires_grad:
+                store.append(source)
                 return original(*args, **kwargs)
             leaf = source.detach().requires_grad_()
             store.append(leaf)
@@ -60,7 +78,7 @@ def read_layer_input(layer: nn.Module, store: List[torch.Tensor]):
 
 @dataclasses.dataclass(frozen=True)
 class RelevanceResult:
-    """What :meth:`Adapter.relevance` returns: token relevance (B, N) (of the first stream) or
+    """What a relevance pass returns: token relevance (B, N) (of the first stream) or
     per-input relevance, the layout, the relevance put on the output (B,) (the logit, or 1
     under a one-hot seed), the target index, the relevance sums (B,) over every stream, the
     token relevance of every stream read, and the streams."""
@@ -97,3 +115,100 @@ def token_sums(token_states, product: torch.Tensor, mask: Optional[torch.Tensor]
         tokens = tokens * mask.to(device=tokens.device, dtype=tokens.dtype)  # layer 0's device may differ
     return tokens
 
+
+class RelevanceReading:
+    """Where one relevance pass reads ``x * dy/dx``, and what it makes of the gradients.
+
+    The runner (:func:`captum_transformers.engine.runner.run_relevance`) calls, in order:
+    :meth:`carrying` on the inputs, enters :meth:`contexts` around the forward, takes the
+    gradient of the explained score at :meth:`leaves`, and hands the gradients to
+    :meth:`result`. Subclasses say where (the first layers' inputs, the inputs, a graph's
+    node features).
+    """
+
+    def carrying(self, inputs: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor, ...]:
+        """The inputs as the forward takes them: floating-point ones made relevance-carrying leaves."""
+        return relevance_carrying(inputs)
+
+    def contexts(self) -> List[ContextManager[None]]:
+        """Contexts entered around the forward (taps on the modules whose input is read)."""
+        return []
+
+    def leaves(self, streams: StreamLayouts, inputs: Tuple[torch.Tensor, ...]) -> List[torch.Tensor]:
+        """The tensors whose gradient the backward pass reads, once the forward has run."""
+        raise NotImplementedError
+
+    def result(self, streams: StreamLayouts, inputs: Tuple[torch.Tensor, ...],
+               grads: Sequence[Optional[torch.Tensor]], scores: torch.Tensor, index: torch.Tensor) -> RelevanceResult:
+        """The :class:`RelevanceResult` from the gradients at :meth:`leaves`; ``scores`` (B,): the
+        relevance put on the output (detached), ``index``: the target index."""
+        raise NotImplementedError
+
+
+class LayerInputs(RelevanceReading):
+    """Relevance of the hidden states entering the first layer of each stream (``layers``:
+    ``{stream or None: layer}``, None: the explained stream), summed over the hidden size,
+    (B, N) per stream. ``token_states``: the adapter's (grids flattened to tokens);
+    ``in_graph``: keep the tapped tensors in the graph (:func:`read_layer_input`)."""
+
+    def __init__(self, layers: Dict[Optional[str], nn.Module], token_states: Callable[[torch.Tensor], torch.Tensor],
+                 in_graph: bool = False) -> None:
+        self.layers = layers
+        self.token_states = token_states
+        self.in_graph = in_graph
+        self.entering: Dict[Optional[str], List[torch.Tensor]] = {stream: [] for stream in layers}
+        self.read_tensors: Dict[str, torch.Tensor] = {}
+
+    def contexts(self) -> List[ContextManager[None]]:
+        return [read_layer_input(layer, self.entering[stream], self.in_graph) for stream, layer in self.layers.items()]
+
+    def read(self, streams: StreamLayouts) -> Dict[str, torch.Tensor]:
+        """``{stream: the tensor entering its first layer}``, refused when no first layer ran."""
+        self.read_tensors = {streams.explained[0] if stream is None else stream: store[0]
+                             for stream, store in self.entering.items() if store}
+        if not self.read_tensors:
+            raise CaptureError("The first Transformer layer never ran, so no token relevance could be read.")
+        return self.read_tensors
+
+    def leaves(self, streams: StreamLayouts, inputs: Tuple[torch.Tensor, ...]) -> List[torch.Tensor]:
+        return list(self.read(streams).values())
+
+    def token_relevance(self, streams: StreamLayouts, grads: Sequence[Optional[torch.Tensor]],
+                        batch: Optional[int] = None) -> Dict[str, torch.Tensor]:
+        """``sum_d x * g`` per token (B, N) and stream read, in at least float32, padding zeroed;
+        ``batch``: transpose sequence-first tensors (:func:`token_sums`)."""
+        return {stream: token_sums(self.token_states, input_times_gradient(leaf, grad),
+                                   streams.layouts[stream].token_mask if stream in streams.layouts else None, batch)
+                for (stream, leaf), grad in zip(self.read_tensors.items(), grads)}
+
+    def result(self, streams: StreamLayouts, inputs: Tuple[torch.Tensor, ...],
+               grads: Sequence[Optional[torch.Tensor]], scores: torch.Tensor, index: torch.Tensor) -> RelevanceResult:
+        per_stream = self.token_relevance(streams, grads, scores.shape[0])
+        first = next(iter(per_stream.values()))
+        total = sum(r.sum(-1).to(first.device) for r in per_stream.values())  # streams may start apart
+        layout = streams.layouts[streams.explained[0]]
+        return RelevanceResult(first, None, layout, scores, index, total, per_stream, streams)
+
+
+class InputProducts(RelevanceReading):
+    """Relevance ``x * dy/dx`` of every floating-point input (others: zeros), shaped like it."""
+
+    def carrying(self, inputs: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor, ...]:
+        if not any(t.is_floating_point() for t in inputs):
+            raise InputError(
+                "relevance at 'inputs' needs floating-point inputs (pixels or embeddings); got dtypes "
+                f"{[str(t.dtype) for t in inputs]}. Use the token relevance (the default) for token ids."
+            )
+        return relevance_carrying(inputs)
+
+    def leaves(self, streams: StreamLayouts, inputs: Tuple[torch.Tensor, ...]) -> List[torch.Tensor]:
+        return [t for t in inputs if t.is_floating_point()]
+
+    def result(self, streams: StreamLayouts, inputs: Tuple[torch.Tensor, ...],
+               grads: Sequence[Optional[torch.Tensor]], scores: torch.Tensor, index: torch.Tensor) -> RelevanceResult:
+        products = [input_times_gradient(leaf, g) for leaf, g in zip(self.leaves(streams, inputs), grads)]
+        remaining = iter(products)
+        per_input = tuple(next(remaining) if t.is_floating_point() else torch.zeros(t.shape, device=t.device)
+                          for t in inputs)
+        total = sum(r.reshape(r.shape[0], -1).sum(-1) for r in per_input)
+        return RelevanceResult(None, per_input, streams.layouts[streams.explained[0]], scores, index, total)

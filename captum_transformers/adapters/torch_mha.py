@@ -149,7 +149,7 @@ class TorchMHAAdapter(Adapter):
             stack.enter_context(patching.mha_fastpath_disabled(model))
             for block in blocks:
                 stack.enter_context(patching.instance_forward(
-                    block.module, lambda original, block=block: _recording_forward(original, block, recorder)
+                    block.module, lambda original, block=block: recording_forward(original, block, recorder)
                 ))
             yield
 
@@ -168,7 +168,7 @@ class TorchMHAAdapter(Adapter):
                     for block in self.blocks(model):
                         stack.enter_context(patching.instance_forward(
                             block.module,
-                            lambda original, block=block: _recording_forward(original, block, None, rules)))
+                            lambda original, block=block: recording_forward(original, block, None, rules)))
                 stack.enter_context(norm_rules(model, rules))
                 stack.enter_context(operation_rules(model, rules))
                 yield
@@ -184,7 +184,7 @@ class TorchMHAAdapter(Adapter):
         return chosen_rows(self.query_rows_choice, num_tokens, token_mask, recorder.sites[0].batch_size, inputs[0].device)
 
 
-def _recording_forward(original: Callable, block: Block, recorder: Optional[Recorder],
+def recording_forward(original: Callable, block: Block, recorder: Optional[Recorder],
                        rules: Optional[RuleSet] = None) -> Callable:
     """A ``forward`` for one MultiheadAttention instance that reports to ``recorder`` (if
     given) and, under ``rules`` with a constant attention gate, treats the softmax output as a

@@ -102,16 +102,16 @@ class WindowedAdapterMixin:
                 "TransformerRelevance, which hold in float16."
             )
 
-    def relevance(self, model, inputs, additional_forward_args, target, rules, at="tokens", forward_kwargs=None):
+    def refuse_trace(self, model, inputs, additional_forward_args, forward_kwargs, rules) -> None:
         self.refuse_precision(model, rules)
-        return super().relevance(model, inputs, additional_forward_args, target, rules, at, forward_kwargs)
 
-    def trace(self, model, inputs, additional_forward_args, target, spec, forward_kwargs=None, rules=None,
-              plain_spec=None):
+    def refuse_relevance(self, model, inputs, additional_forward_args, forward_kwargs, rules) -> None:
         self.refuse_precision(model, rules)
+
+    def trace_spec(self, spec: Optional[CaptureSpec], inputs: Tuple[torch.Tensor, ...]) -> Optional[CaptureSpec]:
+        """Each reduction sees one example's windows stacked (:func:`per_example_windows`)."""
         batch = inputs[0].shape[0] if inputs and inputs[0].dim() else 0
-        return super().trace(model, inputs, additional_forward_args, target, per_example_windows(spec, batch),
-                             forward_kwargs, rules, per_example_windows(plain_spec, batch))
+        return per_example_windows(spec, batch)
 
     def stream_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder) -> StreamLayouts:
         geometries = tuple(_GEOMETRIES.get(recorder, ()))

@@ -28,7 +28,7 @@ Example::
 
     >>> stream = ReplayedRows()
     >>> spec = CaptureSpec(forward_reduce=lambda p: functional.fuse_heads(p), replay=stream)
-    >>> trace = adapter.trace(model, inputs, (), None, spec)
+    >>> trace = run_trace(adapter, model, inputs, (), None, spec)  # engine.runner
     >>> scores = stream.rollout(trace, 0, "mean") if stream.used() else rollout_chain(row_layout(trace), ...)
 """
 from __future__ import annotations

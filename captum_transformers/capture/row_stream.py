@@ -28,7 +28,7 @@ Example::
 
     >>> stream = RowStream(start_layer=0)
     >>> spec = CaptureSpec(backward_reduce=functional.gradient_weighted_heads, row_stream=stream)
-    >>> # ... adapter.trace(model, inputs, ..., spec) ...
+    >>> # ... run_trace(adapter, model, inputs, ..., spec) (engine.runner) ...
     >>> scores = stream.result() if stream.streamed else relevance_chain(row_layout(trace), values)
 """
 from __future__ import annotations

@@ -13,31 +13,33 @@ Because the model is causal, nothing after position ``P + t - 1`` reaches step `
 so each step's maps and relevance equal those of a separate call on the prefix (the tests
 check it to 1e-10 in float64).
 
+The passes are the pass runner's (:mod:`captum_transformers.engine.runner`: the same refusals,
+held state, backward passes and relevance reading as a classifier's batch); what is added here
+is the generation's: the logits kept at the explained positions, the causal check, and the loop
+over explained groups, each with its score and its layouts.
+
 Example::
 
     >>> trace_steps(adapter, model, (ids,), (), {"attention_mask": mask}, steps, plan, on_step)
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..adapters.base import Adapter
-from ..adapters.input_checks import model_dtype, ordinary_tensors, refuse_unexplainable_batch, relevance_carrying
-from ..adapters.huggingface.kept_logits import KeptLogitPositions, _forward_signature
-from ..adapters.relevance_reading import input_times_gradient, read_layer_input, seeded, token_sums
-from ..model_state import patching
-from ..model_state.exclusive import exclusive
+from ..adapters.huggingface.kept_logits import KeptLogitPositions, forward_signature
+from ..adapters.relevance_reading import LayerInputs, input_times_gradient
 from ..capture.recorder import Recorder
-from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec, StreamLayouts
+from ..capture.trace import CaptureSpec, StreamLayouts
 from ..errors import CaptureError
 from ..engine.pass_plan import PassPlan
-from ..propagation.backward_switch import switchable_backward
-from ..propagation.rules.rule_set import RuleSet, refuse_rounding_sensitive
+from ..engine.runner import backward_passes, captured_passes, explained_arguments, relevance_gradients, \
+    relevance_passes, traced
+from ..propagation.rules.rule_set import RuleSet
 from .steps import ExplainedSteps, group_scores
 
 #: Called with (group index, the group's trace) for trace methods, or (group index, token
@@ -56,7 +58,7 @@ class StepLogits:
 
 def kept_positions(model: nn.Module, positions: torch.Tensor) -> Any:
     """``logits_to_keep`` for the explained positions when the model takes it, else ``"all"``."""
-    signature = _forward_signature(type(model))
+    signature = forward_signature(type(model))
     if signature is None or "logits_to_keep" not in signature.parameters:
         return "all"
     listed = tuple(sorted({int(p) for p in positions.tolist()}))
@@ -139,24 +141,16 @@ def trace_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tensor, 
             "This method's rules detach the attention gate, so its plain gradient needs a forward pass of its own for "
             "every explained token; use rules whose attention gate is 'gradient' (the default) for generation."
         )
-    refuse_unexplainable_batch(inputs)
-    refuse_rounding_sensitive(plan.rules, model_dtype(model))
-    additional, forward_kwargs = ordinary_tensors(tuple(additional)), ordinary_tensors(forward_kwargs)
-    inputs = relevance_carrying(inputs)
     spec, plain_spec = plan.spec, plan.plain_spec
-    recorder = Recorder(spec)
-    recorder.keep_probs = True  # every step's backward pass goes through the same graph
     groups = steps.explained_groups
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(exclusive(model))
-        stack.enter_context(torch.enable_grad() if spec.needs_gradient else torch.no_grad())
-        if spec.needs_gradient:
-            stack.enter_context(patching.parameters_require_grad(model))
-        switch = stack.enter_context(switchable_backward()) if plain_spec is not None else None
-        contexts = [adapter.propagation(model, plan.rules)] if plan.rules is not None else []
+    # Every step's backward pass goes through the same graph: the maps are kept.
+    with captured_passes(adapter, model, inputs, additional, forward_kwargs, spec, plan.rules, plain_spec,
+                         keep_maps=True) as capture:
+        recorder = capture.recorder
         keep = kept_positions(model, steps.positions)
-        streams, output, kept = adapter.captured_forward(model, inputs, additional, forward_kwargs, recorder,
-                                                         contexts, keep_logits=keep)
+        streams, output, kept = adapter.captured_forward(model, capture.inputs, capture.additional,
+                                                         capture.forward_kwargs, recorder, capture.contexts,
+                                                         keep_logits=keep)
         _refuse_non_causal(recorder, streams)
         logits = _step_logits(adapter, model, output, kept, steps.positions, streams)
         for g, group in enumerate(groups):
@@ -168,20 +162,13 @@ def trace_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tensor, 
                 dataclasses.replace(spec, row_stream=stream),
                 None if plain_spec is None else dataclasses.replace(plain_spec, row_stream=stream))
             if spec.needs_gradient:
-                score = group_scores(logits, steps, group)
                 recorder.streams = step_streams  # the rows a stream starts from: this group's
-                recorder.begin_pass(step_spec, None, keep_probs=not last or plain_spec is not None,
-                                    pair_first=plain_spec is not None)
-                adapter._backward(recorder, seeded(score, plan.rules), retain_graph=not last or switch is not None)
-                if switch is not None:
-                    recorder.begin_pass(step_plain, step_spec, keep_probs=not last)
-                    with switch.plain_gradient():
-                        adapter._backward(recorder, score, retain_graph=not last)
+                backward_passes(capture, group_scores(logits, steps, group), plan.rules, step_spec, step_plain,
+                                keep_graph=not last)
             layout = step_streams.layouts[step_streams.explained[0]]
-            records = AttentionRecord.of_sites(recorder.sites, layout.query_rows.device)
             target = steps.targets[:, list(group)]
-            on_step(g, AttentionTrace(records, layout, logits[:, group[-1]].detach(), target, step_streams,
-                                      row_stream=stream))
+            on_step(g, traced(recorder, layout, logits[:, group[-1]].detach(), target, step_streams,
+                              row_stream=stream))
     return StepLogits(logits.detach(), streams)
 
 
@@ -197,72 +184,28 @@ def relevance_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tens
     floating-point ``forward_kwargs`` named in ``input_keywords`` (a VLM's pixel values) are
     explained too: ``"input:<name>"`` holds their ``x * dy/dx`` (same shape).
     """
-    refuse_unexplainable_batch(inputs)
-    refuse_rounding_sensitive(rules, model_dtype(model))
-    additional, forward_kwargs = ordinary_tensors(tuple(additional)), ordinary_tensors(forward_kwargs)
+    additional, forward_kwargs = explained_arguments(model, inputs, additional, forward_kwargs, rules)
     forward_kwargs = dict(forward_kwargs or {})
     extra = {name: forward_kwargs[name].detach().requires_grad_() for name in input_keywords
              if isinstance(forward_kwargs.get(name), torch.Tensor) and forward_kwargs[name].is_floating_point()}
     forward_kwargs.update(extra)
-    layers = adapter.first_layers(model)
-    entering: Dict[Optional[str], list] = {stream: [] for stream in layers}
+    # Image inputs explained too: the tapped tensors stay in the graph (a detached leaf would cut the image path).
+    reading = LayerInputs(adapter.first_layers(model), adapter.token_states, in_graph=bool(extra))
     groups = steps.explained_groups
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(exclusive(model))
-        stack.enter_context(torch.enable_grad())
-        stack.enter_context(patching.parameters_require_grad(model))
-        contexts = [adapter.propagation(model, rules)]
-        read = tapped_layer_input if extra else read_layer_input  # a detached leaf would cut the image path
-        contexts.extend(read(layer, entering[stream]) for stream, layer in layers.items())
+    with relevance_passes(adapter, model, inputs, rules, reading) as (inputs, contexts):
         keep = kept_positions(model, steps.positions)
         recorder = Recorder(CaptureSpec())
-        streams, output, kept = adapter.captured_forward(model, relevance_carrying(inputs), additional,
-                                                         forward_kwargs, recorder, contexts, keep_logits=keep)
+        streams, output, kept = adapter.captured_forward(model, inputs, additional, forward_kwargs, recorder,
+                                                         contexts, keep_logits=keep)
         _refuse_non_causal(recorder, streams)
         logits = _step_logits(adapter, model, output, kept, steps.positions, streams)
-        read = {streams.explained[0] if stream is None else stream: store[0]
-                for stream, store in entering.items() if store}
-        if not read:
-            raise CaptureError("The first Transformer layer never ran, so no token relevance could be read.")
+        read = reading.read(streams)
         for g, group in enumerate(groups):
-            score = group_scores(logits, steps, group)
-            if not score.requires_grad:
-                raise CaptureError("The explained score does not depend on the inputs (it does not require grad).")
-            grads = torch.autograd.grad(seeded(score, rules).sum(), list(read.values()) + list(extra.values()),
-                                        allow_unused=True, retain_graph=g < len(groups) - 1)
-            relevance = _token_relevance(adapter, streams, read, grads[:len(read)])
+            _, grads = relevance_gradients(group_scores(logits, steps, group), rules,
+                                           list(read.values()) + list(extra.values()),
+                                           retain_graph=g < len(groups) - 1, what="score")
+            relevance = reading.token_relevance(streams, grads[:len(read)])
             relevance.update({f"input:{name}": input_times_gradient(leaf, grad)
                               for (name, leaf), grad in zip(extra.items(), grads[len(read):])})
             on_step(g, relevance)
     return StepLogits(logits.detach(), streams)
-
-
-@contextlib.contextmanager
-def tapped_layer_input(layer: nn.Module, store: list):
-    """Keep the hidden states entering ``layer`` (first call) without detaching them: a
-    vision-language decoder's first layer reads image tokens whose relevance must go on into
-    the vision tower, so ``d score / d hidden`` is read at the tensor itself, in the graph."""
-
-    def make(original):
-        def forward(*args, **kwargs):
-            source = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
-            if not store and isinstance(source, torch.Tensor):
-                if not source.requires_grad:  # nothing before it carries relevance: a leaf, as read_layer_input
-                    leaf = source.detach().requires_grad_()
-                    args = tuple(leaf if a is source else a for a in args)
-                    kwargs = {k: (leaf if v is source else v) for k, v in kwargs.items()}
-                    source = leaf
-                store.append(source)
-            return original(*args, **kwargs)
-        return forward
-
-    with patching.instance_forward(layer, make):
-        yield
-
-
-def _token_relevance(adapter: Adapter, streams: StreamLayouts, read: Dict[str, torch.Tensor],
-                     grads: Sequence[Optional[torch.Tensor]]) -> Dict[str, torch.Tensor]:
-    """``sum_d x * g`` per token (B, N) and stream, in at least float32, padding zeroed."""
-    return {stream: token_sums(adapter.token_states, input_times_gradient(leaf, grad),
-                               streams.layouts[stream].token_mask if stream in streams.layouts else None)
-            for (stream, leaf), grad in zip(read.items(), grads)}

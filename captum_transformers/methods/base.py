@@ -27,6 +27,7 @@ from ..capture.inputs import passed_by_name, split_mapping
 from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec, InputSpan, TokenLayout
 from .. import functional
 from ..engine.pass_plan import PassPlan, resolved_target
+from ..engine.runner import run_trace
 from ..capture.row_chains import record_without_padding, row_layout
 from .facts import GenerationSteps
 from .stochastic_opt_in import StochasticOptIn, opt_in_flag
@@ -239,6 +240,12 @@ class TraceAttribution(StochasticOptIn, Attribution):
         explained rows during the backward pass (:mod:`~.streaming_rows`); :meth:`trace` keeps them."""
         return self._per_thread().streaming_rows
 
+    def streamed_result(self, trace: AttentionTrace) -> Optional[torch.Tensor]:
+        """The explained rows a row stream folded while ``trace`` was taken (a generation step's
+        stream, or the one :meth:`attribute` gave this thread's call), or None where no stream served it."""
+        stream = trace.row_stream or self._row_stream
+        return stream.result() if stream is not None and stream.served(trace) else None
+
     @property
     def _row_stream(self) -> Any:
         """This thread's running call's row stream (one instance may explain in several threads)."""
@@ -284,12 +291,12 @@ class TraceAttribution(StochasticOptIn, Attribution):
                forward_kwargs: Optional[dict]) -> AttentionTrace:
         """Run :meth:`pass_plan` on one batch."""
         plan = self.pass_plan(inputs, additional, forward_kwargs)
-        trace = self.adapter.trace(self.model, inputs, additional, target, plan.spec, forward_kwargs,
-                                   rules=plan.rules, plain_spec=plan.plain_spec)
+        trace = run_trace(self.adapter, self.model, inputs, additional, target, plan.spec, forward_kwargs,
+                          rules=plan.rules, plain_spec=plan.plain_spec)
         if plan.then is not None:  # freed before the second trace runs (peak = the larger one)
             target, trace = resolved_target(trace.target), None
-            trace = self.adapter.trace(self.model, inputs, additional, target, plan.then.spec, forward_kwargs,
-                                       rules=plan.then.rules, plain_spec=plan.then.plain_spec)
+            trace = run_trace(self.adapter, self.model, inputs, additional, target, plan.then.spec, forward_kwargs,
+                              rules=plan.then.rules, plain_spec=plan.then.plain_spec)
         return trace
 
     @log_usage()

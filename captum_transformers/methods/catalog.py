@@ -40,6 +40,11 @@ from .rollout import AttentionRollout
 from .transformer_relevance import PartialLRP, TransformerRelevance
 
 
+def _fact(name: str, doc: str) -> property:
+    """A read-only property of a catalog entry that answers with its method class's fact ``name``."""
+    return property(lambda entry: getattr(entry.method, name), doc=doc)
+
+
 @dataclasses.dataclass(frozen=True)
 class CatalogEntry:
     """One catalog name: the method class and the keyword options it is built with
@@ -59,30 +64,11 @@ class CatalogEntry:
         """``model, **keywords -> method``: the class itself, or the class with the options bound."""
         return partial(self.method, **self.options) if self.options else self.method
 
-    @property
-    def signed(self) -> bool:
-        """Whether the maps take both signs (for / against the explained class)."""
-        return self.method.signed
-
-    @property
-    def class_specific(self) -> bool:
-        """Whether the map depends on the explained class."""
-        return self.method.class_specific
-
-    @property
-    def run_by_default(self) -> bool:
-        """Whether ``"all"`` (or no choice) runs it."""
-        return self.method.run_by_default
-
-    @property
-    def needs_adapter(self) -> bool:
-        """Whether it reads the model through an adapter (False: Captum's own methods)."""
-        return self.method.needs_adapter
-
-    @property
-    def generation_steps(self) -> GenerationSteps:
-        """How a generation's steps are explained with it."""
-        return self.method.generation_steps
+    signed = _fact("signed", "Whether the maps take both signs (for / against the explained class).")
+    class_specific = _fact("class_specific", "Whether the map depends on the explained class.")
+    run_by_default = _fact("run_by_default", 'Whether ``"all"`` (or no choice) runs it.')
+    needs_adapter = _fact("needs_adapter", "Whether it reads the model through an adapter (False: Captum's own).")
+    generation_steps = _fact("generation_steps", "How it explains a generation's steps (a ``GenerationSteps``).")
 
 
 METHOD_CATALOG: Dict[str, CatalogEntry] = {

@@ -65,9 +65,8 @@ class GenericAttention(TraceAttribution):
 
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
-        stream = trace.row_stream or self._row_stream  # a generation step's, or attribute()'s
-        if stream is not None and stream.served(trace):
-            return stream.result()
+        if (streamed := self.streamed_result(trace)) is not None:
+            return streamed
         if self.is_one_sequence(trace):
             return relevance_chain(row_layout(trace), self.values_from(trace, self.start_layer, backward=True))
         records = self.records_from(trace, self.start_layer)

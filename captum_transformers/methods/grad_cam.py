@@ -135,9 +135,8 @@ class AttentionGradCAM(TraceAttribution):
         return _warn_if_blank(self._reduce(trace))
 
     def _reduce(self, trace: AttentionTrace):
-        stream = trace.row_stream or self._row_stream  # a generation step's, or attribute()'s
-        if stream is not None and stream.served(trace):
-            return stream.result()
+        if (streamed := self.streamed_result(trace)) is not None:
+            return streamed
         if self.head_weights == "row":
             records = tuple(self._row_weighted(trace, r) if r.backward_value is not None else r for r in trace.records)
             trace = dataclasses.replace(trace, records=records)

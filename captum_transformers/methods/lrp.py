@@ -11,6 +11,7 @@ from torch import nn
 from ..adapters.base import Adapter
 from ..errors import CaptureError, InputError
 from ..adapters.registry import get_adapter
+from ..engine.runner import run_relevance
 from ..propagation.rules.rule_set import RuleSet
 from ..capture.inputs import passed_by_name
 from .base import TensorOrTuple, attribution_dtype, finished, format_additional, prepared_inputs, span_to_input
@@ -83,8 +84,8 @@ class RuleGradientXInput(StochasticOptIn, GradientAttribution):
             raise InputError("return_tokens=True reads token relevance; it cannot be combined with "
                              "relevance_at='inputs'. Use relevance_at='tokens' or 'auto'.")
         with passed_by_name(self.model, name), self.stochastic_rule():
-            result = self.adapter.relevance(self.model, formatted, format_additional(additional_forward_args),
-                                            target, self.rules, at, forward_kwargs)
+            result = run_relevance(self.adapter, self.model, formatted, format_additional(additional_forward_args),
+                                   target, self.rules, at, forward_kwargs)
         if result.tokens is not None:
             per_stream = result.stream_tokens
             if return_tokens:

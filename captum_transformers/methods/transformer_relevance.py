@@ -101,9 +101,8 @@ class TransformerRelevance(TraceAttribution):
 
     def reduce(self, trace: AttentionTrace):
         self.layers_from(trace, self.start_layer)
-        stream = trace.row_stream or self._row_stream  # a generation step's, or attribute()'s
-        if stream is not None and stream.served(trace):
-            return stream.result()
+        if (streamed := self.streamed_result(trace)) is not None:
+            return streamed
         if self.is_one_sequence(trace):
             values = self.values_from(trace, self.start_layer, backward=True)
             if self.row_normalize:  # the authors' BERT generator: rownorm(I + Abar) at every layer

@@ -33,9 +33,9 @@ _COLUMNS: Dict[str, List[Tuple[str, str, str, str]]] = {
                ("class-specific share, two motifs (0.5 = agnostic)", "class_specificity", "specificity", "{:.3f}")],
 }
 _COLUMNS["digits-swin"], _COLUMNS["digits-two-swin"] = _COLUMNS["digits"], _COLUMNS["digits-two"]
-# The same graphs and metrics with the built-in Graphormer, without PyG's fidelity (tasks.motif_evaluation).
+# The same graphs and metrics with the built-in Graphormer, without PyG's fidelity (tasks.motifs.evaluation).
 _COLUMNS["motifs-graphormer"] = [column for column in _COLUMNS["motifs"] if not column[1].startswith("fidelity")]
-_COLUMNS["recall"] = recall_columns()  # means with bootstrap 95 % intervals (tasks.recall_benchmark)
+_COLUMNS["recall"] = recall_columns()  # means with bootstrap 95 % intervals (tasks.recall.benchmark)
 
 
 def table(report: BenchmarkReport) -> str:

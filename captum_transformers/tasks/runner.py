@@ -12,14 +12,14 @@ Tasks (``TASKS``):
   class-agnostic map).
 * ``motifs``: BA-2Motifs graphs (house vs 5-cycle, generated offline), built-in TransformerConv
   model; node AUROC against the motif, AUAC / AU-MSE over nodes, PyG fidelity of the top-5
-  nodes, and the class-specific share on graphs holding both motifs (``tasks.motif_evaluation``).
+  nodes, and the class-specific share on graphs holding both motifs (``tasks.motifs.evaluation``).
 * ``digits-swin``, ``digits-two-swin``: the same two tasks on the DigitCanvas Swin
-  (:mod:`.digit_swin`) instead of the ViT.
+  (:mod:`.digits.swin`) instead of the ViT.
 * ``motifs-graphormer``: the same graphs and metrics, the built-in Graphormer
-  (``tasks.graphormer_motifs``), every package method; no PyG fidelity (it masks node
+  (``tasks.motifs.graphormer``), every package method; no PyG fidelity (it masks node
   features only, which this model's predictions do not depend on: ``motif_metrics``).
 * ``recall``: the built-in recall Llama's answers; evidence-token hit rates, shares and cost
-  with bootstrap intervals (:mod:`.recall_benchmark`, which runs it).
+  with bootstrap intervals (:mod:`.recall.benchmark`, which runs it).
 * ``movies``: Rotten Tomatoes snippets, fine-tuned MiniLM. Token relevance explains the true
   class (Ali et al.'s AUAC measures p(true class)); AUAC, AU-MSE, and token F1 of the top
   words against silver VADER-lexicon rationales.

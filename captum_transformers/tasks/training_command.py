@@ -1,4 +1,4 @@
-"""The command line of the step-trained task models (``train_recall``, ``train_captioner``).
+"""The command line of the step-trained task models (``recall.train``, ``captioner.train``).
 
 ``python -m captum_transformers.tasks.<script> [--steps N] [--seed S] [--threads T] [--out PATH]``: the weights go
 to ``--out`` (by default the package's ``assets/<weights file>``), the JSON record beside them. The thread count is
@@ -6,7 +6,7 @@ set here, since the same seed and thread count give the same weights.
 
 Example::
 
-    >>> args, command = parse_training_command("train_recall", "Train.", "recall_llama.pt", "recall_llama.json",
+    >>> args, command = parse_training_command("recall.train", "Train.", "recall_llama.pt", "recall_llama.json",
     ...                                        steps=3000, seed=0, threads=1, argv=["--steps", "5"])
     >>> command
     'python -m captum_transformers.tasks.recall.train --steps 5 --seed 0 --threads 1'

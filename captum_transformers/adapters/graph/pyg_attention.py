@@ -49,24 +49,22 @@ import torch
 from torch import nn
 
 from ...model_state import patching
-from ...model_state.exclusive import exclusive
 from ...capture.recorder import Recorder
 from ...capture.targets import select_targets
-from ...capture.trace import TOKENS, Block, CaptureSpec, InputSpan, StreamLayouts, TokenLayout
+from ...capture.trace import TOKENS, Block, InputSpan, StreamLayouts, TokenLayout
 from ...errors import CaptureError, InputError
 from ...propagation.rules.operations import operation_rules
-from ...propagation.rules.rule_set import RuleSet, find_norms, norm_rules, refuse_rounding_sensitive
+from ...propagation.rules.rule_set import RuleSet, find_norms, norm_rules
 from ..base import Adapter
 from .refusal import MESSAGE_PASSING, class_keys
 from .inputs import refuse_empty_graphs, refuse_graph_target_count, refuse_unexplainable_graphs
 from .nodes import GraphBatch, batch_argument
 from .pooling import SurvivingNodes, following_pools
 from .readout import READOUTS, ReadoutProbe, node_targets, uniform_weights
-from ..input_checks import model_dtype, refuse_unexplainable_batch, relevance_carrying
-from .pyg_layer_hooks import _GRAPHS, _NODES, _recording, _tapped_input, current_graphs, layer_key, surviving_nodes
+from .pyg_layer_hooks import GRAPHS, NODES, current_graphs, layer_key, recording, surviving_nodes, tapped_input
 from .pyg_softmax_rule import identity_softmax, refuse_identity_softmax
 from .pyg_transformer_alpha import recomputed_alpha
-from ..relevance_reading import RelevanceResult, seeded
+from ..relevance_reading import RelevanceReading, RelevanceResult
 
 _GAT_LIKE = ("torch_geometric.nn.conv.gat_conv.GATConv", "torch_geometric.nn.conv.gatv2_conv.GATv2Conv")
 # PyG norms whose scale depends on the data (statistics over a graph); BatchNorm in eval mode
@@ -110,7 +108,7 @@ class PyGAttentionAdapter(Adapter):
     name = "pyg_attention"
     #: The LRP methods read relevance at the node features (per feature) unless tokens are asked for.
     relevance_at_inputs = True
-    #: The inputs are a batch of graphs, checked in _forward (graph_inputs): keyword tensors such
+    #: The inputs are a batch of graphs, checked in scored_forward (graph_inputs): keyword tensors such
     #: as edge_attr are per edge, not per example, so the methods' per-example checks do not apply.
     graph_inputs = True
     families = "models built from torch_geometric TransformerConv / GATConv / GATv2Conv (graph readouts)"
@@ -139,10 +137,10 @@ class PyGAttentionAdapter(Adapter):
             stack.enter_context(recomputed_alpha(self.blocks(model)))
             stack.enter_context(following_pools(model, surviving_nodes))
             for block in self.blocks(model):
-                stack.enter_context(patching.forward_hook(block.module, _tapped_input(block, recorder), pre=True,
+                stack.enter_context(patching.forward_hook(block.module, tapped_input(block, recorder), pre=True,
                                                           with_kwargs=True))
                 stack.enter_context(patching.message_passing_hook(block.module, "propagate",
-                                                                  _recording(block, recorder)))
+                                                                  recording(block, recorder)))
             yield
 
     def refuse_rules(self, model: nn.Module, blocks: List[Block], rules: RuleSet, graph_adds: bool = False) -> None:
@@ -196,7 +194,7 @@ class PyGAttentionAdapter(Adapter):
                 stack.enter_context(recomputed_alpha(self.blocks(model)))
                 for block in self.blocks(model):
                     stack.enter_context(patching.message_passing_hook(block.module, "propagate",
-                                                                      _recording(block, None)))
+                                                                      recording(block, None)))
             if rules.softmax == "identity":
                 stack.enter_context(identity_softmax(self.blocks(model)))
             stack.enter_context(norm_rules(model, rules))
@@ -205,9 +203,9 @@ class PyGAttentionAdapter(Adapter):
             yield
 
     # -- the forward: the graphs of the batch are known around it -------------------
-    def _forward(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
-                 forward_kwargs: Optional[dict], target: Any, recorder: Recorder,
-                 contexts: Sequence[Any] = ()):
+    def scored_forward(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...],
+                       additional_forward_args: Sequence[Any], forward_kwargs: Optional[dict], target: Any,
+                       recorder: Recorder, contexts: Sequence[Any] = ()):
         nodes = inputs[0]
         if nodes.dim() != 2 or not nodes.is_floating_point():
             raise InputError(f"The explained input of a PyG model is its node features x (N, F), floating point; got "
@@ -217,8 +215,8 @@ class PyGAttentionAdapter(Adapter):
         graphs = GraphBatch.of(batch, nodes.shape[0])
         refuse_empty_graphs(graphs)
         self.check_graphs(graphs)
-        token = _GRAPHS.set(graphs)
-        nodes_token = _NODES.set(SurvivingNodes(graphs.num_nodes))
+        token = GRAPHS.set(graphs)
+        nodes_token = NODES.set(SurvivingNodes(graphs.num_nodes))
         state = _OUTPUT.get()
         rows_matter = state[1] if state is not None else False
         output = _OUTPUT.set([False, rows_matter])
@@ -229,10 +227,10 @@ class PyGAttentionAdapter(Adapter):
         # recorded for the probe; the explained score is then read again with gradients.
         segments = probe is not None and not torch.is_grad_enabled()
         if probe is not None:
-            contexts = (*contexts, probe.watch((b.module for b in self.blocks(model)), lambda: _NODES.get().ids,
+            contexts = (*contexts, probe.watch((b.module for b in self.blocks(model)), lambda: NODES.get().ids,
                                                segments=segments))
         try:
-            streams, logits, scores, index = super()._forward(
+            streams, logits, scores, index = super().scored_forward(
                 model, inputs, additional_forward_args, forward_kwargs, target, recorder, contexts)
             if probe is not None and not _OUTPUT.get()[0]:
                 with torch.enable_grad():
@@ -241,8 +239,8 @@ class PyGAttentionAdapter(Adapter):
             return streams, logits, scores, index
         finally:
             _OUTPUT.reset(output)
-            _NODES.reset(nodes_token)
-            _GRAPHS.reset(token)
+            NODES.reset(nodes_token)
+            GRAPHS.reset(token)
 
     def check_graphs(self, graphs: GraphBatch) -> None:
         """Refuse a batch of graphs the model's layers cannot take (none for sparse layers)."""
@@ -252,7 +250,7 @@ class PyGAttentionAdapter(Adapter):
         mask = graphs.node_mask()
         rows = torch.arange(graphs.max_nodes, device=mask.device).expand(graphs.num_graphs, -1)
         # Every node, 1 / n (a given mean or add readout); replaced by the observed readout's
-        # weights after the forward when the readout is not given (_forward).
+        # weights after the forward when the readout is not given (scored_forward).
         layout = TokenLayout(graphs.max_nodes, rows, mask, query_weights=uniform_weights(graphs))
         spans = (InputSpan(TOKENS, nodes=(graphs.graph, graphs.position)),) + (None,) * (len(inputs) - 1)
         return StreamLayouts({TOKENS: layout}, (TOKENS,), spans)
@@ -264,10 +262,12 @@ class PyGAttentionAdapter(Adapter):
         return [name for name, module in model.named_modules()
                 if id(module) not in seen and MESSAGE_PASSING in class_keys(module)]
 
-    def trace(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
-              target: Any, spec: CaptureSpec, forward_kwargs: Optional[dict] = None, **kwargs: Any):
-        """:meth:`Adapter.trace` with the explained rows checked against the readout."""
-        if inputs:  # a batch of graphs refused in graph words before the token checks
+    # -- hooks of the pass runner ----------------------------------------------------
+    def refuse_trace(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
+                     forward_kwargs: Optional[dict], rules: Optional[RuleSet]) -> None:
+        """A batch of graphs refused in graph words, and message passing outside every attention
+        map (unless ``ignore_message_passing``), before the token checks."""
+        if inputs:
             refuse_unexplainable_graphs(inputs[0], additional_forward_args, forward_kwargs)
         unseen = self.unseen_message_passing(model)
         if unseen and not self.ignore_message_passing:
@@ -277,11 +277,34 @@ class PyGAttentionAdapter(Adapter):
                 f"AttnLRP), which propagates through every layer, or pass adapter={type(self).__name__}("
                 "ignore_message_passing=True) to explain the attention layers alone."
             )
+
+    @contextlib.contextmanager
+    def trace_context(self, model: nn.Module) -> Iterator[None]:
+        """A trace checks its explained rows against the readout (observed on the forward)."""
         token = _OUTPUT.set([False, True])
         try:
-            return super().trace(model, inputs, additional_forward_args, target, spec, forward_kwargs, **kwargs)
+            yield
         finally:
             _OUTPUT.reset(token)
+
+    def refuse_relevance(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...],
+                         additional_forward_args: Sequence[Any], forward_kwargs: Optional[dict],
+                         rules: RuleSet) -> None:
+        """A batch of graphs refused in graph words before the token checks."""
+        if inputs:
+            refuse_unexplainable_graphs(inputs[0], additional_forward_args, forward_kwargs)
+
+    def relevance_reading(self, model: nn.Module, at: str, messages: Optional[list] = None) -> RelevanceReading:
+        """Gradient x Input at the node features ``x``: per feature, shaped like x
+        (``at="inputs"``, what the LRP methods return by default for this adapter), or summed
+        over each node's features (``at="tokens"``, (B, N_max) per graph). Read at the node
+        features, not at the first layer's input as for token models: they are the graph's
+        input, as pixels are an image's, and the node scores stay the sums of the feature map.
+
+        ``messages``: a list that receives, per attention call, ``(block name, edge_index the
+        layer used (2, E'), relevance of each edge's message (E',))``, the message relevance
+        ``R_e = m_e . dy/dm_e`` under the same rules (see :mod:`captum_transformers.integrations.pyg.edges`)."""
+        return NodeFeatures(self.blocks(model), at, messages)
 
     def logits(self, model: nn.Module, output: Any, layout: TokenLayout, causal: bool) -> torch.Tensor:
         """One row per graph (a graph readout, checked when the explained rows matter), or one
@@ -319,45 +342,37 @@ class PyGAttentionAdapter(Adapter):
         return StreamLayouts({TOKENS: TokenLayout(layout.num_tokens, rows, layout.token_mask)}, streams.explained,
                              streams.inputs)
 
-    # -- relevance at the nodes -----------------------------------------------------
-    def relevance(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
-                  target: Any, rules: RuleSet, at: str = "tokens",
-                  forward_kwargs: Optional[dict] = None, messages: Optional[list] = None) -> RelevanceResult:
-        """Gradient x Input under ``rules`` at the node features ``x``: per feature, shaped like
-        x (``at="inputs"``, what the LRP methods return by default for this adapter), or summed
-        over each node's features (``at="tokens"``, (B, N_max) per graph). Read at the node
-        features, not at the first layer's input as for token models: they are the graph's
-        input, as pixels are an image's, and the node scores stay the sums of the feature map.
 
-        ``messages``: a list that receives, per attention call, ``(block name, edge_index the
-        layer used (2, E'), relevance of each edge's message (E',))``, the message relevance
-        ``R_e = m_e . dy/dm_e`` under the same rules (see :mod:`captum_transformers.integrations.pyg.edges`)."""
-        if inputs:  # a batch of graphs refused in graph words before the token checks
-            refuse_unexplainable_graphs(inputs[0], additional_forward_args, forward_kwargs)
-        refuse_unexplainable_batch(inputs)
-        refuse_rounding_sensitive(rules, model_dtype(model))
-        if at not in ("tokens", "inputs"):
-            raise InputError(f"relevance must be read at 'tokens' or 'inputs', got {at!r}.")
-        with exclusive(model), torch.enable_grad(), patching.parameters_require_grad(model):
-            inputs = relevance_carrying(inputs)
-            contexts = [self.propagation(model, rules)]
-            kept: List[list] = []
-            if messages is not None:
-                for block in self.blocks(model):
-                    contexts.append(patching.message_passing_hook(block.module, "message", _kept_message(block, kept)))
-                    contexts.append(patching.message_passing_hook(block.module, "propagate", _kept_edges(kept)))
-            streams, _, scores, index = self._forward(model, inputs, additional_forward_args, forward_kwargs,
-                                                      target, Recorder(CaptureSpec()), contexts)
-            graphs = _last_graphs(streams)
-            leaf = inputs[0]
-            if not scores.requires_grad:
-                raise CaptureError("The explained output does not depend on the inputs (it does not require grad).")
-            explained = seeded(scores, rules)
-            grad, *message_grads = torch.autograd.grad(explained.sum(), [leaf] + [out for _, out, _ in kept],
-                                                       allow_unused=True)
-        for (name, out, edges), g in zip(kept, message_grads):
+class NodeFeatures(RelevanceReading):
+    """Relevance at a graph batch's node features (:meth:`PyGAttentionAdapter.relevance_reading`):
+    ``x * dy/dx`` per feature (``at="inputs"``) or per node, (B, N_max) per graph
+    (``at="tokens"``); with ``messages``, each attention call's message relevance too."""
+
+    def __init__(self, blocks: List[Block], at: str, messages: Optional[list]) -> None:
+        self.blocks = blocks
+        self.at = at
+        self.messages = messages
+        self.kept: List[list] = []
+
+    def contexts(self) -> List[Any]:
+        contexts = []
+        if self.messages is not None:
+            for block in self.blocks:
+                contexts.append(patching.message_passing_hook(block.module, "message", _kept_message(block, self.kept)))
+                contexts.append(patching.message_passing_hook(block.module, "propagate", _kept_edges(self.kept)))
+        return contexts
+
+    def leaves(self, streams: StreamLayouts, inputs: Tuple[torch.Tensor, ...]) -> List[torch.Tensor]:
+        return [inputs[0]] + [out for _, out, _ in self.kept]
+
+    def result(self, streams: StreamLayouts, inputs: Tuple[torch.Tensor, ...], grads: Sequence[Optional[torch.Tensor]],
+               scores: torch.Tensor, index: torch.Tensor) -> RelevanceResult:
+        graphs = _last_graphs(streams)
+        leaf = inputs[0]
+        grad, *message_grads = grads
+        for (name, out, edges), g in zip(self.kept, message_grads):
             product = out.detach() * (torch.zeros_like(out) if g is None else g)
-            messages.append((name, edges, product.reshape(product.shape[0], -1).sum(-1)))
+            self.messages.append((name, edges, product.reshape(product.shape[0], -1).sum(-1)))
         dtype = torch.promote_types(leaf.dtype, torch.float32)
         grad = torch.zeros((), dtype=dtype, device=leaf.device) if grad is None else grad.to(dtype)
         product = leaf.detach().to(dtype) * grad
@@ -365,10 +380,10 @@ class PyGAttentionAdapter(Adapter):
         tokens = graphs.dense_nodes(per_node)
         total = tokens.sum(-1)
         layout = streams.layouts[TOKENS]
-        if at == "tokens":
-            return RelevanceResult(tokens, None, layout, explained.detach(), index, total, {TOKENS: tokens}, streams)
+        if self.at == "tokens":
+            return RelevanceResult(tokens, None, layout, scores, index, total, {TOKENS: tokens}, streams)
         per_input = (product,) + tuple(torch.zeros(t.shape, device=t.device) for t in inputs[1:])
-        return RelevanceResult(None, per_input, layout, explained.detach(), index, total)
+        return RelevanceResult(None, per_input, layout, scores, index, total)
 
 
 def _with_weights(streams: StreamLayouts, weights: torch.Tensor) -> StreamLayouts:
@@ -410,5 +425,5 @@ def _kept_edges(kept: List[list]):
 
 def _graph_of_each_node() -> Optional[torch.Tensor]:
     """(N,) the graph of each node of the batch being explained (None outside a forward)."""
-    graphs = _GRAPHS.get()
+    graphs = GRAPHS.get()
     return None if graphs is None else graphs.graph

@@ -23,8 +23,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from ...model_state import patching
@@ -35,10 +36,10 @@ from ...propagation.rules.rule_set import RuleSet
 from .nodes import GraphBatch
 from .pooling import following_pools
 from .pyg_attention import PyGAttentionAdapter
-from .pyg_layer_hooks import _recording, _tapped_input, layer_key, surviving_nodes
+from .pyg_layer_hooks import layer_key, recording, surviving_nodes, tapped_input
 from .pyg_softmax_rule import identity_softmax
 from .pyg_transformer_alpha import recomputed_alpha
-from ..torch_mha import TorchMHAAdapter, _recording_forward
+from ..torch_mha import TorchMHAAdapter, recording_forward
 
 GPS_KEY = "torch_geometric.nn.conv.gps_conv.GPSConv"
 
@@ -102,7 +103,10 @@ class PyGGPSAdapter(PyGAttentionAdapter):
         return [name or "the top level" for name, module in model.named_modules()
                 if _is_gps(module) and module.conv is not None]
 
-    def trace(self, model: nn.Module, *args: Any, **kwargs: Any):
+    def refuse_trace(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
+                     forward_kwargs: Optional[dict], rules: Optional[RuleSet]) -> None:
+        """GPS local branches, unseen by the attention-chain methods, are refused unless
+        ``ignore_local_branch``; then the refusals of every PyG attention model."""
         local = self._local_branches(model)
         if local and not self.ignore_local_branch:
             raise CaptureError(
@@ -111,7 +115,7 @@ class PyGGPSAdapter(PyGAttentionAdapter):
                 "out. Use an LRP method (ConservativeLRP, AttnLRP), which propagates through both branches, or pass "
                 "adapter=PyGGPSAdapter(ignore_local_branch=True) to explain the global attention alone."
             )
-        return super().trace(model, *args, **kwargs)
+        super().refuse_trace(model, inputs, additional_forward_args, forward_kwargs, rules)
 
     @contextlib.contextmanager
     def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
@@ -123,12 +127,12 @@ class PyGGPSAdapter(PyGAttentionAdapter):
                 if isinstance(block.module, nn.MultiheadAttention):
                     stack.enter_context(patching.forward_hook(block.module, _unpooled(block), pre=True))
                     stack.enter_context(patching.instance_forward(
-                        block.module, lambda original, block=block: _recording_forward(original, block, recorder)))
+                        block.module, lambda original, block=block: recording_forward(original, block, recorder)))
                 else:
-                    stack.enter_context(patching.forward_hook(block.module, _tapped_input(block, recorder), pre=True,
+                    stack.enter_context(patching.forward_hook(block.module, tapped_input(block, recorder), pre=True,
                                                               with_kwargs=True))
                     stack.enter_context(patching.message_passing_hook(block.module, "propagate",
-                                                                      _recording(block, recorder)))
+                                                                      recording(block, recorder)))
             yield
 
     @contextlib.contextmanager
@@ -146,7 +150,7 @@ class PyGGPSAdapter(PyGAttentionAdapter):
                 stack.enter_context(recomputed_alpha(sparse))
                 for block in sparse:
                     stack.enter_context(patching.message_passing_hook(block.module, "propagate",
-                                                                      _recording(block, None)))
+                                                                      recording(block, None)))
             yield
 
 

@@ -4,8 +4,8 @@ The supported layers (``TransformerConv``, ``GATConv``, ``GATv2Conv``: :func:`la
 where each keeps ``alpha``), the graphs of the batch being explained and the nodes surviving
 its pools (context variables the adapter's forward sets: :func:`current_graphs`,
 :func:`surviving_nodes`), and the two hooks each layer gets during a capture: the pre-hook
-tapping its node features (:func:`_tapped_input`) and the ``propagate`` hook recording
-``alpha`` as per-graph maps (:func:`_recording`). Shared by :mod:`.pyg_attention` and
+tapping its node features (:func:`tapped_input`) and the ``propagate`` hook recording
+``alpha`` as per-graph maps (:func:`recording`). Shared by :mod:`.pyg_attention` and
 :mod:`.pyg_gps`; the hooks are registered through :mod:`..capture.patching`, never here.
 """
 from __future__ import annotations
@@ -34,10 +34,10 @@ _LAYERS = {
 }
 
 # The graphs of the batch being explained, set around each forward in this context.
-_GRAPHS: contextvars.ContextVar[Optional[GraphBatch]] = contextvars.ContextVar("captum_transformers_pyg_graphs",
+GRAPHS: contextvars.ContextVar[Optional[GraphBatch]] = contextvars.ContextVar("captum_transformers_pyg_graphs",
                                                                                  default=None)
 # The original node of each node of the current node list (node-dropping pools), per forward.
-_NODES: contextvars.ContextVar[Optional[SurvivingNodes]] = contextvars.ContextVar("captum_transformers_pyg_nodes",
+NODES: contextvars.ContextVar[Optional[SurvivingNodes]] = contextvars.ContextVar("captum_transformers_pyg_nodes",
                                                                                     default=None)
 
 
@@ -52,17 +52,17 @@ def layer_key(module: nn.Module) -> Optional[str]:
 
 def surviving_nodes() -> Optional[SurvivingNodes]:
     """The pools followed in this context's forward (None outside one)."""
-    return _NODES.get()
+    return NODES.get()
 
 
 def current_graphs() -> GraphBatch:
-    graphs = _GRAPHS.get()
+    graphs = GRAPHS.get()
     if graphs is None:
         raise CaptureError("A PyG attention layer ran outside an explanation's forward pass.")
     return graphs
 
 
-def _tapped_input(block: Block, recorder: Recorder):
+def tapped_input(block: Block, recorder: Recorder):
     """A pre-hook connecting the layer's node features to the recorder's anchor, refusing
     bipartite inputs (attention dropout in training mode: the rule of ``capture.stochastic_layers``)."""
     module = block.module
@@ -82,7 +82,7 @@ def _tapped_input(block: Block, recorder: Recorder):
     return hook
 
 
-def _recording(block: Block, recorder: Optional[Recorder]):
+def recording(block: Block, recorder: Optional[Recorder]):
     """A propagate hook that reads ``alpha`` and the edges used: recorded as per-graph maps
     (``recorder``), or, without one, given a zero gradient (the AH gate)."""
     where, name = _LAYERS[layer_key(block.module)]

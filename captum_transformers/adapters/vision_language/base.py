@@ -57,6 +57,7 @@ from ...capture.trace import InputSpan, StreamLayouts, TokenLayout
 from ...errors import CaptureError, InputError
 from ..huggingface.adapter import HuggingFaceAdapter
 from ..query_rows import chosen_rows
+from ..relevance_reading import RelevanceResult
 
 #: The decoder's stream and the vision tower's.
 TEXT_STREAM, IMAGE_STREAM = "tokens", "image"
@@ -160,12 +161,10 @@ class VisionLanguageAdapter(HuggingFaceAdapter):
         return dict(image_inputs)
 
     # -- shared ---------------------------------------------------------------------
-    def relevance(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
-                  target: Any, rules: Any, at: str = "tokens", forward_kwargs: Any = None) -> Any:
-        """The base's relevance; the tower's stream, read at its first layer but unscored there
-        (zeros), gets a :class:`TowerLayout` so ``return_tokens=True`` refuses it (a tower whose
-        calls were not recorded, as Qwen2-VL's per-image calls, has no layout of its own)."""
-        result = super().relevance(model, inputs, additional_forward_args, target, rules, at, forward_kwargs)
+    def finish_relevance(self, model: nn.Module, result: RelevanceResult) -> RelevanceResult:
+        """The tower's stream, read at its first layer but unscored there (zeros), gets a
+        :class:`TowerLayout` so ``return_tokens=True`` refuses it (a tower whose calls were not
+        recorded, as Qwen2-VL's per-image calls, has no layout of its own)."""
         streams = result.streams
         if result.stream_tokens and IMAGE_STREAM in result.stream_tokens and streams is not None \
                 and not isinstance(streams.layouts.get(IMAGE_STREAM), TowerLayout):

@@ -40,9 +40,9 @@ from ..curves import mean_curve
 from .occlusion import Occlusion, check_occlusion, occlusion_fill
 from ..relevance_gain import GAIN_SCORES, class_scores
 from ..results import CurveResult
-from .saliency_maps import pixel_maps_per_image
+from .saliency_maps import image_batch
 from ..tokens.token_flipping import flip_counts, ranks
-from ..validation import require_choice, require_fractions, require_labels, require_tensor
+from ..validation import require_choice, require_fractions
 
 RISE_FRACTIONS: Tuple[float, ...] = tuple(i / 50 for i in range(51))
 """0.0, 0.02, ..., 1.0: the fractions of pixels deleted or inserted (51 steps, both ends included)."""
@@ -69,10 +69,8 @@ class _RiseCurve(Accumulator):
 
     def update(self, images: torch.Tensor, labels: torch.Tensor, maps: torch.Tensor) -> None:
         """Add a batch: images (B, C, H, W), labels (B,) (the explained classes), maps (B, H, W) / (B, 1|C, H, W)."""
-        images = require_tensor("images", images, ndim=(4,))
+        images, labels, maps = image_batch(images, labels, maps)
         batch, channels, height, width = images.shape
-        labels = require_labels(labels, batch)
-        maps = pixel_maps_per_image(maps, images)
         order = ranks(maps.reshape(batch, -1), descending=True).to(images.device)
         counts = flip_counts(self.fractions, torch.ones_like(order, dtype=torch.bool)).to(images.device)
         fill = occlusion_fill(images, self.fill)

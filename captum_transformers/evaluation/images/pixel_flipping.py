@@ -28,9 +28,9 @@ from ..accumulator import Accumulator, exact_sum
 from ..batched_forward import Forward, check_max_batch_size, logits_per_step
 from ..curves import mean_curve
 from ..results import CurveResult
-from .saliency_maps import pixel_maps_per_image
+from .saliency_maps import image_batch
 from ..tokens.token_flipping import stable_order
-from ..validation import require_choice, require_labels, require_positive_int, require_tensor
+from ..validation import require_choice, require_positive_int
 
 Baseline = Union[str, float]
 BASELINES = ("black", "white", "mean", "uniform")
@@ -141,10 +141,8 @@ class PerturbationCurve(Accumulator):
         self.generator = generator
 
     def _inputs(self, images, labels, maps):
-        images = require_tensor("images", images, ndim=(4,))
+        images, labels, maps = image_batch(images, labels, maps)
         batch, channels, height, width = images.shape
-        labels = require_labels(labels, batch)
-        maps = pixel_maps_per_image(maps, images)
         return images, labels, maps.abs() if self.absolute else maps
 
     def _fill(self) -> Fill:

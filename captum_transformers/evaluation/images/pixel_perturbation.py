@@ -11,8 +11,8 @@ from ..accumulator import Accumulator
 from ..batched_forward import Forward, check_max_batch_size, logits_per_step
 from ..curves import mean_curve
 from ..results import CurveResult
-from .saliency_maps import minmax_normalize, pixel_maps_per_image
-from ..validation import require_choice, require_fractions, require_labels, require_tensor
+from .saliency_maps import image_batch, minmax_normalize
+from ..validation import require_choice, require_fractions
 
 CVPR21_PIXEL_FRACTIONS: Tuple[float, ...] = tuple(i / 10 for i in range(10))
 """0.0, 0.1, ..., 0.9: the removed fractions of the authors' code (the clean image included)."""
@@ -96,10 +96,8 @@ class PixelPerturbation(Accumulator):
 
     def update(self, images: torch.Tensor, labels: torch.Tensor, maps: torch.Tensor) -> None:
         """Add a batch: images (B, C, H, W) in [0, 1], labels (B,), maps (B, H, W) / (B, 1|C, H, W)."""
-        images = require_tensor("images", images, ndim=(4,))
+        images, labels, maps = image_batch(images, labels, maps)
         batch, channels, height, width = images.shape
-        labels = require_labels(labels, batch)
-        maps = pixel_maps_per_image(maps, images)
         order = minmax_normalize(maps).reshape(batch, -1)
         if self.mode == "negative":
             order = -order

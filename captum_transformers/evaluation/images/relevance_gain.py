@@ -13,8 +13,7 @@ from ...errors import InputError
 from ..batched_forward import Forward, check_max_batch_size, logits_per_step
 from .occlusion import Occlusion, check_occlusion, occlusion_fill, patch_pixels, patch_relevance
 from ..relevance_gain import GAIN_FRACTIONS, RelevanceGain, removal_masks
-from .saliency_maps import pixel_maps_per_image
-from ..validation import require_labels, require_tensor
+from .saliency_maps import image_batch
 
 
 class ImageRelevanceGain(RelevanceGain):
@@ -64,10 +63,8 @@ class ImageRelevanceGain(RelevanceGain):
 
     def update(self, images: torch.Tensor, labels: torch.Tensor, maps: torch.Tensor) -> None:
         """Add a batch: images (B, C, H, W), labels (B,), maps (B, H, W) / (B, 1|C, H, W)."""
-        images = require_tensor("images", images, ndim=(4,))
+        images, labels, maps = image_batch(images, labels, maps)
         batch, channels, height, width = images.shape
-        labels = require_labels(labels, batch)
-        maps = pixel_maps_per_image(maps, images)
         relevance = patch_relevance(maps, self.patch_size)
         removed = removal_masks(relevance, torch.ones_like(relevance, dtype=torch.bool), self.fractions)
         removed = removed.to(images.device)

@@ -30,9 +30,9 @@ from ..accumulator import Accumulator
 from ..batched_forward import Forward, check_max_batch_size, logits_per_step
 from ..curves import mean_curve
 from ..results import CurveResult
-from .saliency_maps import pixel_maps_per_image
+from .saliency_maps import image_batch
 from ..tokens.token_flipping import stable_order
-from ..validation import require_choice, require_labels, require_tensor
+from ..validation import require_choice, require_tensor
 
 ROAD_PERCENTAGES = tuple(range(1, 100, 2))
 """1, 3, ..., 99: the percentages of pixels removed (Quantus' default)."""
@@ -154,10 +154,8 @@ class ROAD(Accumulator):
 
     def per_example(self, images: torch.Tensor, labels: torch.Tensor, maps: torch.Tensor) -> torch.Tensor:
         """Correct (True) or not per image and percentage, (B, P): Quantus' per-sample output."""
-        images = require_tensor("images", images, ndim=(4,))
+        images, labels, maps = image_batch(images, labels, maps)
         batch, channels, height, width = images.shape
-        labels = require_labels(labels, batch)
-        maps = pixel_maps_per_image(maps, images)
         key = (maps.abs() if self.absolute else maps).reshape(batch, -1)
         order = stable_order(key, descending=self.order == "morf")
         pixels = height * width

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from ...errors import InputError
-from ..validation import require_finite, require_tensor
+from ..validation import require_finite, require_labels, require_tensor
 
 
 def as_pixel_maps(maps: torch.Tensor, height: int, width: int, channels: Optional[int] = None,
@@ -67,3 +67,11 @@ def minmax_normalize(maps: torch.Tensor) -> torch.Tensor:
     span = flat.max(dim=1, keepdim=True).values - low
     safe_span = torch.where(span > 0, span, torch.ones_like(span))
     return ((flat - low) / safe_span).reshape(maps.shape)
+
+
+def image_batch(images: torch.Tensor, labels, maps: torch.Tensor):
+    """``(images, labels, maps)`` of an image metric's batch, checked: images (B, C, H, W), labels
+    (B,), and the maps as one (B, H, W) map per image (:func:`pixel_maps_per_image`)."""
+    images = require_tensor("images", images, ndim=(4,))
+    labels = require_labels(labels, images.shape[0])
+    return images, labels, pixel_maps_per_image(maps, images)

@@ -31,6 +31,7 @@ from torch import nn
 
 from ...adapters.graph.pyg_attention import PyGAttentionAdapter
 from ...adapters.registry import get_adapter
+from ...engine.runner import run_relevance
 from ...errors import CaptureError, InputError
 from ...propagation.rules.rule_set import RuleSet
 
@@ -89,8 +90,8 @@ def edge_relevance(model: nn.Module, x: torch.Tensor, edge_index: torch.Tensor, 
     if batch is not None:
         forward_kwargs = {**forward_kwargs, "batch": batch}
     messages: list = []
-    result = adapter.relevance(model, (x,), (edge_index,), target, rules, "inputs", forward_kwargs,
-                               messages=messages)
+    result = run_relevance(adapter, model, (x,), (edge_index,), target, rules, "inputs", forward_kwargs,
+                           messages=messages)
     if not messages:
         raise CaptureError("No graph attention layer sent messages in the forward pass.")
     mapped = [on_user_edges(used, relevance, edge_index, x.shape[0]) for _, used, relevance in messages]

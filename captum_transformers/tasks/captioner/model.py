@@ -9,14 +9,14 @@ when the two digit boxes sit side by side, top to bottom when they are stacked (
 draws both layouts; stacked boxes have no left-to-right order). Each digit's exact mask is
 known, so the image map a method gives for a generated digit can be scored against it
 (``benchmarks/caption_mask_share.py``). Train, val and test canvases draw on disjoint samples of
-sklearn's ``load_digits`` (:mod:`.digit_canvas`), not disjoint writers: ``load_digits`` carries
+sklearn's ``load_digits`` (:mod:`captum_transformers.tasks.digits.canvas`), not disjoint writers: ``load_digits`` carries
 no writer ids, so a test digit's writer may also have written training digits.
 
 The tokenizer is a ``transformers.PreTrainedTokenizerFast`` over a word vocabulary
 (``VOCABULARY``) built offline; it prepends ``<bos>`` and pads on the left. The weights ship as
 ``captum_transformers/assets/digit_captioner.pt`` (float16 state dict, loaded as float32)
 next to ``digit_captioner.json`` (accuracies, training time, seed, command of
-:mod:`.train_captioner`).
+:mod:`.train`).
 
 Example::
 

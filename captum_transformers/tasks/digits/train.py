@@ -4,7 +4,7 @@ Run::
 
     python -m captum_transformers.tasks.digits.train [--out PATH] [--epochs N] [--seed S] [--model vit|swin]
 
-(``--model swin``: the DigitCanvas Swin of :mod:`.digit_swin`, shipped as ``assets/digit_swin.pt``.)
+(``--model swin``: the DigitCanvas Swin of :mod:`.swin`, shipped as ``assets/digit_swin.pt``.)
 
 Recipe: every epoch draws *fresh* train canvases (half one-digit, half two-digit, new
 layouts, textures and colours from the train source digits only; this is the augmentation;

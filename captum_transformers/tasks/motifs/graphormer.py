@@ -1,11 +1,11 @@
-"""A small Graphormer trained on the motifs task (:mod:`.graph_motifs`: BA-2Motifs generated
+"""A small Graphormer trained on the motifs task (:mod:`.graphs`: BA-2Motifs generated
 offline, house vs five-cycle), on the same graphs and seeds as the built-in TransformerConv
-(:mod:`.train_motifs`), and its training command.
+(:mod:`.train`), and its training command.
 
-Node features: :mod:`.graph_motifs` gives each node a one-hot (capped) degree; Graphormer
+Node features: :mod:`.graphs` gives each node a one-hot (capped) degree; Graphormer
 embeds categories, so a node's feature is the index of its hot entry plus one, and 0 for an
 all-zero row (a node masked by the node metrics, which zero its features). The flat PyG
-batches of :mod:`.graph_motifs` become Graphormer inputs through :func:`graphormer_inputs`,
+batches of :mod:`.graphs` become Graphormer inputs through :func:`graphormer_inputs`,
 and :func:`graphormer_forward` gives the node metrics' ``forward(x, edge_index, batch)``.
 
 Retrain the shipped weights (about two minutes on one CPU thread)::
@@ -84,7 +84,7 @@ def graphormer_forward(model) -> Callable[[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def graphormer_arguments(data, device) -> Dict[str, Dict[str, torch.Tensor]]:
-    """The ``attribute`` arguments of one batch of the task's graphs (``tasks.motif_evaluation``):
+    """The ``attribute`` arguments of one batch of the task's graphs (``tasks.motifs.evaluation``):
     the collated inputs as a mapping, ``input_nodes`` explained, giving (B, N_max) node scores."""
     return dict(inputs=graphormer_inputs(data.x.to(device), data.edge_index.to(device), data.batch.to(device)))
 
@@ -96,7 +96,7 @@ def _accuracy(model, data) -> float:
 
 
 def train(epochs: int = 40, seed: int = 0, lr: float = 2e-3):
-    """Train from scratch on :mod:`.train_motifs`' graphs; returns the model (eval mode) and its record."""
+    """Train from scratch on :mod:`.train`' graphs; returns the model (eval mode) and its record."""
     from ...models import GraphormerConfig, GraphormerForGraphClassification
 
     started = time.time()

@@ -1,6 +1,6 @@
 r"""``benchmark --task recall``: do explanations of the recall Llama's answers point at the evidence?
 
-On the first ``limit`` test prompts of the associative recall task (:mod:`.recall_task`, e.g.
+On the first ``limit`` test prompts of the associative recall task (:mod:`.task`, e.g.
 ``c red fox ; q blue owl ; h green cat ; m pink bee ? h -> green cat``), each method explains
 the two answer words, teacher-forced (the true answer is the target, so every method explains
 the same tokens), over the prompt tokens (``<bos>`` included). Every answer word is a copy of one

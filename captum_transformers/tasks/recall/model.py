@@ -2,7 +2,7 @@
 
 ``LlamaForCausalLM`` (``MODEL_CONFIG``: two layers, grouped-query attention with 4 query heads
 sharing 2 key-value heads, rotary positions, RMSNorm, SwiGLU, an untied head) over the word
-vocabulary of :mod:`.recall_task`, trained by :mod:`.train_recall` to answer
+vocabulary of :mod:`.task`, trained by :mod:`.train` to answer
 ``<bos> k1 w w ; ... ? k`` with the two words bound to ``k``, then ``<eos>``.
 Every answer token is a copy of one prompt token (an induction step) and has known evidence in
 the prompt (``RecallExample.evidence``), so explanations of its generations can be scored.

@@ -87,7 +87,7 @@ class RecallExample:
     """One prompt, its answer and the evidence of each answer token.
 
     ``prompt`` is the text without ``<bos>`` (it ends with ``? key``); ``prompt_ids`` starts
-    with ``<bos>`` (what the tokenizer of :mod:`.recall_model` gives). ``answer`` is the queried
+    with ``<bos>`` (what the tokenizer of :mod:`.model` gives). ``answer`` is the queried
     value's words separated by spaces; ``answer_ids`` ends with ``<eos>``. ``evidence[i]``
     belongs to ``answer_ids[i]`` (no evidence for ``<eos>``). ``pairs`` are ``(key, value
     words)``; ``query`` is the asked key.

@@ -244,7 +244,7 @@ def save(result: Dict[str, Any], out: Path, command: str, steps: int, seed: int)
 
 
 def main(argv=None) -> int:
-    args, command = parse_training_command("train_recall", __doc__.split("\n\n")[0], WEIGHTS_FILE, RECORD_FILE,
+    args, command = parse_training_command("recall.train", __doc__.split("\n\n")[0], WEIGHTS_FILE, RECORD_FILE,
                                            DEFAULT_STEPS, DEFAULT_SEED, DEFAULT_THREADS, argv)
     result = train(args.steps, args.seed, log=lambda line: print(line, flush=True))
     path = save(result, args.out, command, args.steps, args.seed)

@@ -43,7 +43,7 @@ def causal_lm_folder(spec: Optional[str]) -> bool:
 
 
 def builtin_generation_workspace(prompts: Sequence[str] = (), device=None) -> GenerationWorkspace:
-    """The shipped recall Llama (``tasks.recall_model``) with ``prompts`` and a few test prompts
+    """The shipped recall Llama (``tasks.recall.model``) with ``prompts`` and a few test prompts
     of its task as samples; missing weights are an ``InputError`` naming the training command."""
     from ....model_loading import on_device
     from ....tasks.recall.model import MAX_NEW_TOKENS, load_recall_model
