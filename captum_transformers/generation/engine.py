@@ -112,6 +112,17 @@ def _refuse_non_causal(recorder: Recorder, streams: StreamLayouts) -> None:
         )
 
 
+def _steps_forward(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional: Sequence[Any],
+                   forward_kwargs: Any, recorder: Recorder, contexts: Sequence[Any],
+                   steps: ExplainedSteps) -> Tuple[StreamLayouts, torch.Tensor]:
+    """The one forward pass over prompt + generated tokens (the head only at the explained
+    positions where the model allows it), its causality checked: ``(streams, logits (B, T, V))``."""
+    streams, output, kept = adapter.captured_forward(model, inputs, additional, forward_kwargs, recorder, contexts,
+                                                     keep_logits=kept_positions(model, steps.positions))
+    _refuse_non_causal(recorder, streams)
+    return streams, _step_logits(adapter, model, output, kept, steps.positions, streams)
+
+
 def streamed_pass_plan(method: Any, inputs: Tuple[torch.Tensor, ...], forward_kwargs: Optional[dict]) -> PassPlan:
     """``method``'s pass plan with the row stream its ``attribute`` would use (each explained group
     then folds its maps into a fresh copy: :meth:`RowStream.fresh`, no per-layer map kept); a
@@ -147,12 +158,8 @@ def trace_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tensor, 
     with captured_passes(adapter, model, inputs, additional, forward_kwargs, spec, plan.rules, plain_spec,
                          keep_maps=True) as capture:
         recorder = capture.recorder
-        keep = kept_positions(model, steps.positions)
-        streams, output, kept = adapter.captured_forward(model, capture.inputs, capture.additional,
-                                                         capture.forward_kwargs, recorder, capture.contexts,
-                                                         keep_logits=keep)
-        _refuse_non_causal(recorder, streams)
-        logits = _step_logits(adapter, model, output, kept, steps.positions, streams)
+        streams, logits = _steps_forward(adapter, model, capture.inputs, capture.additional, capture.forward_kwargs,
+                                         recorder, capture.contexts, steps)
         for g, group in enumerate(groups):
             last = g == len(groups) - 1
             step_streams = _step_streams(streams, int(steps.positions[group[-1]]))
@@ -193,12 +200,8 @@ def relevance_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tens
     reading = LayerInputs(adapter.first_layers(model), adapter.token_states, in_graph=bool(extra))
     groups = steps.explained_groups
     with relevance_passes(adapter, model, inputs, rules, reading) as (inputs, contexts):
-        keep = kept_positions(model, steps.positions)
-        recorder = Recorder(CaptureSpec())
-        streams, output, kept = adapter.captured_forward(model, inputs, additional, forward_kwargs, recorder,
-                                                         contexts, keep_logits=keep)
-        _refuse_non_causal(recorder, streams)
-        logits = _step_logits(adapter, model, output, kept, steps.positions, streams)
+        streams, logits = _steps_forward(adapter, model, inputs, additional, forward_kwargs, Recorder(CaptureSpec()),
+                                         contexts, steps)
         read = reading.read(streams)
         for g, group in enumerate(groups):
             _, grads = relevance_gradients(group_scores(logits, steps, group), rules,

@@ -76,9 +76,6 @@ def forward_signature(model_class: type) -> Optional[inspect.Signature]:
         return None
 
 
-# The former private name, kept until generation.engine imports forward_signature.
-_forward_signature = forward_signature
-
 
 def kept_logit_positions(model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
                          forward_kwargs: Optional[dict], query_rows: QueryRows) -> Optional[KeptLogitPositions]:
