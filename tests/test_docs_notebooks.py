@@ -37,7 +37,7 @@ def test_every_tutorial_is_a_notebook_in_the_site():
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
 def test_notebook_holds_its_script_executed(script):
-    jupytext = pytest.importorskip("jupytext")
+    jupytext = pytest.importorskip("jupytext", reason="needs jupytext: pip install -e '.[dev]' (the README's set-up)")
     nbformat = pytest.importorskip("nbformat")
     notebook = nbformat.read(script.with_suffix(".ipynb"), as_version=4)
     assert _cells(notebook) == _cells(jupytext.read(script)), (

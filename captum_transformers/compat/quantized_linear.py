@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
+import weakref
 from typing import Iterator, List, Optional, Tuple
 
 import torch
@@ -42,6 +44,7 @@ from ..errors import CaptureError
 
 BNB_4BIT, BNB_8BIT, TORCHAO = "bitsandbytes-4bit", "bitsandbytes-8bit", "torchao"
 # A bitsandbytes operator each layer kind runs (its kernel must exist for the weight's device).
+_WARNED_REPACKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _BNB_OPERATORS = {BNB_4BIT: "bitsandbytes::dequantize_4bit", BNB_8BIT: "bitsandbytes::int8_linear_matmul"}
 
 
@@ -85,10 +88,32 @@ def plain_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
+def _is_cpu_repacked(module: nn.Module) -> bool:
+    return bool(getattr(getattr(module.weight, "quant_state", None), "packing_format_for_cpu", False))
+
+
+def _warn_repacked(model: nn.Module, names: List[str]) -> None:
+    """Say once per model that its 4-bit layers ran bitsandbytes' CPU inference kernel, which the
+    explanation cannot follow (no backward), so scores differ from that kernel's by its rounding."""
+    if model in _WARNED_REPACKED:
+        return
+    _WARNED_REPACKED.add(model)
+    warnings.warn(
+        f"{len(names)} bitsandbytes 4-bit layer(s) of this {type(model).__name__} ({', '.join(names[:3])}"
+        f"{', ...' if len(names) > 3 else ''}) were repacked for bitsandbytes' CPU inference kernel by an earlier "
+        "forward without gradients (a generate() or a prediction under torch.no_grad()). That kernel computes in "
+        "bfloat16 whatever the compute dtype and has no backward pass, so the explanation runs bitsandbytes' "
+        "differentiable 4-bit kernel on the same weights (block scales as the repacking rounded them): explained "
+        "scores differ from the logits that kernel gave by its rounding (about 1e-3 relative). For scores equal "
+        "to the model's own, run the predictions inside "
+        "captum_transformers.compat.quantized_linear.differentiable_kernels(model), or in a fresh model.",
+        stacklevel=4)
+
+
 def _bnb_4bit_state(module: nn.Module):
     """The packed codes and quant state of a ``Linear4bit`` in bitsandbytes' canonical layout,
     undoing the CPU inference repacking in place first (:func:`_unpack_cpu_layout`)."""
-    if getattr(module.weight.quant_state, "packing_format_for_cpu", False):
+    if _is_cpu_repacked(module):
         _unpack_cpu_layout(module)
     return module.weight.data, module.weight.quant_state
 
@@ -206,6 +231,9 @@ def differentiable_kernels(model: nn.Module) -> Iterator[None]:
     if not layers:
         yield
         return
+    repacked = [name for name, module, kind in layers if kind == BNB_4BIT and _is_cpu_repacked(module)]
+    if repacked:
+        _warn_repacked(model, repacked)
     with contextlib.ExitStack() as stack:
         for name, module, kind in layers:
             device = module.weight.device

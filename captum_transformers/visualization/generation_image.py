@@ -52,7 +52,10 @@ class GenerationImageView(Picture):
         outline: an optional boolean (H, W) mask drawn in green (e.g. the object the token names).
         percentile: the image scale's limit, a percentile of ``|map|`` (99: one hot pixel does not
             wash the rest out; 100: the maximum).
-        merge_words, skip, special_tokens: as for ``GenerationText``.
+        merge_words: as for ``GenerationText``.
+        skip: as for ``GenerationText``.
+        special_tokens: as for ``GenerationText``.
+        title: the picture's title (default: the explained token's).
     """
 
     def __init__(self, result, image, output_index: int = 0, *, image_index: int = 0, outline=None,

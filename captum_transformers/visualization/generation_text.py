@@ -64,7 +64,9 @@ class GenerationText(Picture):
         result: a ``GenerationResult``.
         output_index: which generated token to explain (negative counts from the end).
         merge_words: join word pieces into words (sum of their scores).
-        skip, special_tokens: tokens to grey, as for ``GenerationMatrix``.
+        title: the picture's title (default: the explained token).
+        skip: tokens to grey, as for ``GenerationMatrix``.
+        special_tokens: tokens to grey by kind, as for ``GenerationMatrix``.
 
     ``prompt_cells`` and ``output_cells`` list the shown ``TextCell``\\ s, ``scale`` the colour scale."""
 

@@ -72,14 +72,55 @@ def safetensor_b64(tensor: torch.Tensor) -> str:
 
 
 def tensor_from_safetensor_b64(text: str) -> torch.Tensor:
-    """The tensor :func:`safetensor_b64` wrote (its dtype kept; inseq's loader casts to float32)."""
-    raw = base64.b64decode(text)
+    """The tensor :func:`safetensor_b64` wrote (its dtype kept; inseq's loader casts to float32).
+
+    Malformed input (bad base64, a header length past the end, a header that is not JSON or
+    lacks the entry, an unknown dtype, offsets that are negative, reversed, past the data or of
+    a size other than the shape's) raises ``InputError`` naming what was found.
+    """
+    def refuse(problem: str) -> InputError:
+        return InputError(f"Not a safetensors tensor as safetensor_b64 (inseq) writes it: {problem}. Pass the text "
+                          "of a 'target_attributions' / 'source_attributions' entry of a saved inseq JSON.")
+
+    if not isinstance(text, (str, bytes)):
+        raise refuse(f"expected base64 text, got {type(text).__name__}")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (ValueError, TypeError) as error:
+        raise refuse(f"the text is not base64 ({error})") from None
+    if len(raw) < 8:
+        raise refuse(f"{len(raw)} bytes, fewer than the 8-byte header length")
     size = struct.unpack("<Q", raw[:8])[0]
-    entry = json.loads(raw[8:8 + size])[SAFETENSOR_NAME]
-    start, end = entry["data_offsets"]
+    if size > len(raw) - 8:
+        raise refuse(f"the header length {size} runs past the {len(raw) - 8} bytes after it")
+    try:
+        header = json.loads(raw[8:8 + size])
+    except (ValueError, UnicodeDecodeError) as error:
+        raise refuse(f"the header is not JSON ({error})") from None
+    entry = header.get(SAFETENSOR_NAME) if isinstance(header, dict) else None
+    if not isinstance(entry, dict):
+        names = sorted(header) if isinstance(header, dict) else type(header).__name__
+        raise refuse(f"the header holds no {SAFETENSOR_NAME!r} entry (found {names})")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in _TORCH_DTYPES:
+        raise refuse(f"dtype {dtype!r} is none of {sorted(_TORCH_DTYPES)}")
+    if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
+        raise refuse(f"shape {shape!r} is not a list of sizes >= 0")
+    data_size = len(raw) - 8 - size
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data_size):
+        raise refuse(f"data_offsets {offsets!r} are not [start, end] with 0 <= start <= end <= {data_size} "
+                     "(the data's size)")
+    start, end = offsets
+    numel = 1
+    for n in shape:
+        numel *= n
+    width = torch.empty(0, dtype=_TORCH_DTYPES[dtype]).element_size()
+    if end - start != numel * width:
+        raise refuse(f"{end - start} data bytes for shape {shape} of {dtype} ({numel * width} bytes)")
     data = bytearray(raw[8 + size + start:8 + size + end])
     flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    return flat.view(_TORCH_DTYPES[entry["dtype"]]).reshape(entry["shape"]).clone()
+    return flat.view(_TORCH_DTYPES[dtype]).reshape(shape).clone()
 
 
 def _instance(kind: Tuple[str, str], attributes: Dict[str, Any]) -> Dict[str, Any]:
