@@ -294,3 +294,47 @@ def test_the_layout_comes_from_the_result_not_from_token_spellings():
     result.encoder_decoder = True
     from captum_transformers.visualization.generation import checked_parts, read_mask
     assert read_mask(checked_parts(result)).tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+
+
+# -- the report as a page: wrapped at the window, one legend, blank panels said (issue 41) --
+def _many_methods(blank: str = "grad-cam"):
+    inputs = ["<s>"] + [f"w{i}" for i in range(24)]
+    outputs = [f"o{i}" for i in range(6)]
+    results = {}
+    for k, name in enumerate(["raw", "rollout", blank, "partial", "lrp", "attn-lrp", "gi", "ah", "ah-ln",
+                              "generic", "relevance"]):
+        result = make_result(inputs, outputs, signed=k % 2 == 0, seed=k)
+        if name == blank:
+            result = make_result(inputs, outputs, signed=False, token_attr=torch.zeros(6, 25),
+                                 target_attr=torch.zeros(6, 6))
+        results[name] = result
+    return results
+
+
+def test_a_report_states_the_legend_once_and_says_a_blank_panel_is_blank():
+    results = _many_methods()
+    for index in (None, 0):
+        page = generation_report(results, output_index=index).to_html()
+        assert page.count("Signed scores") == 1 and page.count("Unsigned scores") == 1  # not once per panel
+        assert page.count("Nothing coloured") == 1  # the blank method only, instead of a 0..1 bar
+        assert "flex-wrap:wrap" in page and "<table><tr><td" not in page
+    text = GenerationText(results["grad-cam"], 0)
+    assert text.blank and "Nothing coloured" in text.to_html() and "class='bar'" not in text._body_html()
+    assert not GenerationText(results["lrp"], 0).blank
+    matrix = GenerationMatrix(results["grad-cam"])
+    assert all(matrix.row_label(row).endswith("all 0") for row in range(6))
+    assert "Nothing coloured" in matrix.to_html()
+    half = make_result(["a", "b"], ["x", "y"], signed=False, token_attr=torch.tensor([[0.0, 0.0], [1.0, 2.0]]),
+                       target_attr=torch.zeros(2, 2))
+    labels = [GenerationMatrix(half).row_label(row) for row in range(2)]
+    assert labels[0].endswith("all 0") and not labels[1].endswith("all 0")
+    GenerationText(results["grad-cam"], 0).to_png()  # the drawing says it too, without a colour bar
+
+
+@pytest.mark.parametrize("index", [None, 2])
+def test_a_report_of_eleven_methods_fits_a_1280_pixel_window(browser, tmp_path, index):
+    path = generation_report(_many_methods(), output_index=index).save(tmp_path / "report.html")
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(path.as_uri())
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+    page.close()

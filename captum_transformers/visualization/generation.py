@@ -129,6 +129,12 @@ def merged_columns(tokens: List[str], values: torch.Tensor, flags: List[bool], r
     return words, merged, word_flags, read
 
 
+MATRIX_MEANING = ("Blank: output tokens the step had not read yet. First-token share: the share of |attribution| "
+                  "on the first token(s) (attention sinks).")
+BLANK_MEANING = ("the method scored every token this output read 0, so no colour and no scale are shown (Grad-CAM: "
+                 "no head's gradient-weighted attention is positive; the call's warning says why).")
+
+
 def legend_sentence(signed: bool, separator: str = " ") -> str:
     """What the colours mean (``separator="\\n"``: on two lines, for a drawing)."""
     return (f"Signed scores: {SIGNED_MEANING}." if signed else f"Unsigned scores: {UNSIGNED_MEANING}.") + \
@@ -217,6 +223,9 @@ class GenerationMatrix(Picture):
         """``token (p=0.83)``, with the foil of a contrast and the row's range under ``per-row``."""
         token = self.rows[row] + (f" vs {self.contrast[row]}" if self.contrast and row < len(self.contrast) else "")
         label = f"{token} (p={float(self.probabilities[row]):.2f})"
+        coloured = self.read[row] & ~self.greyed
+        if not bool((self.values[row][coloured] != 0).any()):
+            label += " all 0"  # a blank row is the method's answer, not a missing one
         if self.scale_mode == "per-row":
             scale = self.scales[row]
             label += f" ±{scale.limit:.2g}" if scale.signed else f" 0..{scale.limit:.2g}"
@@ -229,16 +238,21 @@ class GenerationMatrix(Picture):
         colours[:, self.greyed] = torch.tensor(SPECIAL_RGB, dtype=torch.uint8)
         return colours
 
-    def _legend(self) -> str:
-        if self.scale_mode == "per-row":
+    def _legend(self, compact: bool = False) -> str:
+        coloured = self.read & ~self.greyed[None, :]
+        if not bool((self.values[coloured] != 0).any()):
+            bar = f"<div class='legend blank'><b>Nothing coloured:</b> {escape(BLANK_MEANING)}</div>"
+        elif self.scale_mode == "per-row":
             bar = "<div class='legend'>Each row is scaled by its largest |score| (its range is in its label).</div>"
         else:
-            bar = legend_html(self.scales[0])
-        return (f"{bar}<div class='legend'>{escape(legend_sentence(self.signed))} Blank: output tokens the step had "
-                "not read yet. First-token share: the share of |attribution| on the first token(s) (attention "
-                "sinks).</div>")
+            bar = legend_html(self.scales[0], compact=compact)
+        if compact:
+            return bar
+        return f"{bar}<div class='legend'>{escape(legend_sentence(self.signed))} {escape(MATRIX_MEANING)}</div>"
 
-    def _body_html(self) -> str:
+    def _body_html(self, compact: bool = False) -> str:
+        """The matrix; ``compact``: without the sentences saying what colours mean (a report
+        states them once under its panels)."""
         colours = self.cell_rgb()
         separator = self.prompt_columns
         heads = "".join(
@@ -261,7 +275,7 @@ class GenerationMatrix(Picture):
                  "<th></th></tr>") if len(self.columns) > self.prompt_columns else ""
         return (f"{MATRIX_STYLE}<h3>{escape(self.title)}</h3><div style='overflow:auto'><table class='gm'>"
                 f"<thead>{spans}<tr><th>generated token (p)</th>{heads}<th class='ch'><span>first-token %</span>"
-                f"</th></tr></thead><tbody>{''.join(body)}</tbody></table></div>{self._legend()}")
+                f"</th></tr></thead><tbody>{''.join(body)}</tbody></table></div>{self._legend(compact)}")
 
     # -- the drawing (PNG / SVG) -------------------------------------------------------
     def layout(self) -> MatrixLayout:

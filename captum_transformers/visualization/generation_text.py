@@ -26,8 +26,8 @@ import torch
 
 from ..errors import InputError
 from .colors import ColorScale, css_rgb, text_colour
-from .generation import (GenerationMatrix, SpecialOption, checked_parts, fraction_rgb, is_encoder_decoder,
-                         legend_sentence, special_flags)
+from .generation import (BLANK_MEANING, MATRIX_MEANING, GenerationMatrix, SpecialOption, checked_parts,
+                         fraction_rgb, is_encoder_decoder, legend_sentence, special_flags)
 from .images import add_colorbar
 from .output import Picture, agg_figure, escape, legend_html, plain_text
 from .tokens import merge_word_pieces
@@ -99,6 +99,9 @@ class GenerationText(Picture):
         evidence = [cell.score for cell in self.prompt_cells + self.output_cells
                     if cell.score is not None and not cell.special]
         self.scale = ColorScale.fit([torch.tensor(evidence, dtype=torch.float32)], signed=self.signed)
+        # Nothing to colour: every score the step read is 0 (Grad-CAM when no head's gradient-weighted
+        # attention is positive, a partial-LRP map that is exactly zero). Said instead of a scale.
+        self.blank = not any(score != 0 for score in evidence)
 
     def colour(self, cell: TextCell) -> Optional[str]:
         """The cell's CSS background, None for a plain (or greyed) one."""
@@ -120,16 +123,24 @@ class GenerationText(Picture):
         classes = "tok special" if cell.special else "tok"
         return f"<span class='{classes}' style='{style}' title='{escape(tip)}'>{escape(cell.token)}</span>"
 
-    def _body_html(self) -> str:
+    def _body_html(self, compact: bool = False) -> str:
+        """The panel; ``compact``: the colour bar without the sentence saying what colours mean
+        (a report states it once under its panels)."""
         prompt = "".join(self._span(cell) for cell in self.prompt_cells)
         output = "".join(self._span(cell) for cell in self.output_cells)
+        meaning = "" if compact else (f"<div class='legend'>{escape(legend_sentence(self.signed))} "
+                                      "After the outlined token: plain (not read yet).</div>")
         return (f"<h3>{escape(self.title)}</h3>"
                 f"<div class='legend'>output token {self.output_index} {escape(repr(self.token))}, "
                 f"p={self.probability:.3g}, outlined</div>"
                 f"<div style='text-align:left;margin:4px 0'><b>prompt</b> {prompt}</div>"
                 f"<div style='text-align:left;margin:4px 0'><b>generated</b> {output}</div>"
-                f"{legend_html(self.scale)}<div class='legend'>{escape(legend_sentence(self.signed))} "
-                "After the outlined token: plain (not read yet).</div>")
+                f"{self._scale_html(compact)}{meaning}")
+
+    def _scale_html(self, compact: bool) -> str:
+        if self.blank:
+            return f"<div class='legend blank'><b>Nothing coloured:</b> {escape(BLANK_MEANING)}</div>"
+        return legend_html(self.scale, compact=compact)
 
     # -- the drawing (PNG / SVG) -------------------------------------------------------
     def _lines(self) -> List[Tuple[str, List[TextCell]]]:
@@ -180,7 +191,11 @@ class GenerationText(Picture):
                             weight="bold" if cell.chosen else "normal", bbox=box)
                 x += 0.075 * (len(cell.token) + 1)
             y -= 0.22
-        add_colorbar(figure, ((x0 + 0.85) / width, (y0 + 0.5) / height, 3.0 / width, 0.1 / height), self.scale)
+        if self.blank:
+            figure.text((x0 + 0.1) / width, (y0 + 0.5) / height, plain_text("Nothing coloured: " + BLANK_MEANING),
+                        fontsize=6, color="#a00", wrap=True)
+        else:
+            add_colorbar(figure, ((x0 + 0.85) / width, (y0 + 0.5) / height, 3.0 / width, 0.1 / height), self.scale)
         figure.text((x0 + 0.1) / width, (y0 + 0.05) / height, plain_text(legend_sentence(self.signed, "\n")),
                     fontsize=5, color="#333")
 
@@ -206,14 +221,26 @@ class GenerationReport(Picture):
                                  f"results[{first_name!r}] explains {reference['inputs']!r:.80} -> "
                                  f"{reference['outputs']!r:.80}; a report compares methods on the same generation.")
         self.title = str(title)
+        self.output_index = output_index
         self.views = {str(name): (GenerationMatrix(result, title=str(name), **options) if output_index is None else
                                   GenerationText(result, output_index, title=str(name), **options))
                       for name, result in results.items()}
 
     def _body_html(self) -> str:
-        cells = "".join(f"<td style='text-align:left;vertical-align:top'>{view._body_html()}</td>"
-                        for view in self.views.values())
-        return f"<h3>{escape(self.title)}</h3><table><tr>{cells}</tr></table>"
+        """The panels side by side, wrapping at the page's width (a wide matrix scrolls in its own
+        box), and once under them what the colours mean (each panel keeps its own colour bar)."""
+        size = "flex:0 1 auto;max-width:100%" if self.output_index is None else "flex:1 1 240px;max-width:420px"
+        panels = "".join(f"<div style='{size};min-width:0;text-align:left'>{view._body_html(compact=True)}</div>"
+                         for view in self.views.values())
+        kinds = sorted({view.signed for view in self.views.values()}, reverse=True)
+        notes = [legend_sentence(signed) for signed in kinds]
+        if any(isinstance(view, GenerationMatrix) for view in self.views.values()):
+            notes.append(MATRIX_MEANING)
+        else:
+            notes.append("After the outlined token: plain (not read yet).")
+        footer = "".join(f"<div class='legend'>{escape(note)}</div>" for note in notes)
+        return (f"<h3>{escape(self.title)}</h3><div style='display:flex;flex-wrap:wrap;gap:8px 18px;"
+                f"align-items:flex-start'>{panels}</div>{footer}")
 
     def _sizes(self):
         return [view.layout().size if isinstance(view, GenerationMatrix) else view.panel_size()
