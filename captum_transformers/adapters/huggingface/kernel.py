@@ -184,7 +184,7 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     # precision, so float64 maps equal its eager attention's, not a float32 rounding of them.
     softmax_dtype = torch.promote_types(query.dtype, torch.float32)
     observer = None
-    replay = replay_of(active, module, kwargs, rules, dropout)  # forward-only, in attribute(): replayed_kernel
+    replay = replay_of(active, module, kwargs, rules, dropout, query, key)  # forward-only: replayed_kernel
     if replay is not None:
         output, probs = replayed_attention(replay, len(active[0].sites), scores, query, repeat_heads(key, groups),
                                            repeat_heads(value, groups), extras, softmax_dtype, kwargs)
@@ -273,7 +273,7 @@ def captum_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
             if operands is not None:
                 return _fused_sdpa(module, *operands, attention_mask, dropout, scaling, is_causal, active, kwargs)
     mask, causal_rows = sdpa_mask_for(module, query, key, attention_mask, is_causal,
-                                      replay_of(active, module, kwargs, rules, dropout))
+                                      replay_of(active, module, kwargs, rules, dropout, query, key))
     return captum_attention(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs, **causal_rows)
 
 

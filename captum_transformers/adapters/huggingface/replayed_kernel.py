@@ -9,7 +9,7 @@ map, no fused (B, N, N) map, and, for SDPA's causal sequences, no (Q, K) causal 
 
 Example (what :mod:`.hf_kernel` does)::
 
-    >>> replay = replay_of(active, module, kwargs, rules, dropout)
+    >>> replay = replay_of(active, module, kwargs, rules, dropout, query, key)
     >>> if replay is not None:
     ...     output, probs = replayed_attention(replay, len(active[0].sites), scores, q, k, v, extras,
     ...                                        softmax_dtype, kwargs)   # probs: a zero-stride stand-in
@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ...capture.replayed_rows import ReplayedCall, ReplayedRows, chunked_output
+from ...capture.replayed_rows import ReplayedCall, ReplayedRows, chunked_output, dense_maps_bytes
 from .kernel_rows import causal_mask
 from .weights_readers import weights_reader
 
@@ -29,11 +29,14 @@ from .weights_readers import weights_reader
 CAUSAL_ROWS = "captum_causal_rows"
 
 
-def replay_of(active, module: nn.Module, kwargs: Dict[str, Any], rules, dropout: float) -> Optional[ReplayedRows]:
+def replay_of(active, module: nn.Module, kwargs: Dict[str, Any], rules, dropout: float,
+              query: torch.Tensor, key: torch.Tensor) -> Optional[ReplayedRows]:
     """The active spec's replay where this call is replayed, else None: no rules (forward-only),
     no training-mode dropout between the map and the product, and the replay accepted (decided at
     the first call, before any map is dropped: one token sequence, nothing that may read the
-    weights of any block, see :func:`.weights_readers.weights_reader`)."""
+    weights of any block, see :func:`.weights_readers.weights_reader`, and dense maps of this
+    call's ``query`` (B, H, Q, d) and ``key`` (B, h, K, d) over every block above the budget,
+    :func:`~captum_transformers.capture.replayed_rows.dense_maps_bytes`)."""
     replay = None if active is None else getattr(active[0].spec, "replay", None)
     if replay is None or replay.replayed is False or rules is not None or torch.is_grad_enabled() \
             or (dropout and module.training):
@@ -44,7 +47,9 @@ def replay_of(active, module: nn.Module, kwargs: Dict[str, Any], rules, dropout:
     if replay.replayed is None:
         blocks = list(active[1].values())
         readers = [weights_reader(b.module, kwargs) for b in blocks] + [weights_reader(module, kwargs)]
-        replay.accepts(blocks, next((reader for reader in readers if reader), ""))
+        batch, heads, queries, _ = query.shape
+        dense = dense_maps_bytes(len(blocks), batch, heads, queries, key.shape[-2], query.element_size())
+        replay.accepts(blocks, next((reader for reader in readers if reader), ""), dense)
     return replay if replay.replayed else None
 
 
