@@ -73,3 +73,21 @@ def test_a_model_never_repacked_explains_without_a_word():
     assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for _, m, _ in quantized_linears(model))
     _, said = _explain(GenericAttention, model)
     assert said == []
+
+
+def test_generation_attribution_writes_its_tokens_with_the_model_it_explains():
+    from generation_models import IdTokenizer
+    from captum_transformers import GenerationAttribution
+
+    model = _model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = GenerationAttribution(AttnLRP(model), IdTokenizer()).attribute(
+            [1, 5, 7, 9], gen_args={"max_new_tokens": 3, "do_sample": False})
+    assert not [w for w in caught if "repacked for bitsandbytes" in str(w.message)]
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for _, m, _ in quantized_linears(model))
+    ids = torch.tensor([[1, 5, 7, 9] + list(result.output_ids)])
+    with torch.no_grad(), differentiable_kernels(model):
+        logits = model(ids).logits[0, 3:-1]
+    expected = logits.gather(-1, torch.tensor(result.output_ids)[:, None]).squeeze(-1)
+    torch.testing.assert_close(result.scores.to(expected.dtype), expected, rtol=1e-6, atol=1e-6)

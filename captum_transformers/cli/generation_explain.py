@@ -93,10 +93,15 @@ def run_generation(args) -> int:
 
 def _checked_arguments(args) -> Tuple[List[str], Optional[int], str]:
     """``(methods, --generate N or None, score kind)``; every mistake is one ``InputError``."""
+    from ..generation.prompts import refuse_undecodable_text
+
     given = [flag for attribute, flag in CLASSIFIER_ONLY if getattr(args, attribute, None)]
     if given:
         raise InputError(f"--prompt explains a language model's generation; {', '.join(given)} belong(s) to the "
                          "classifier explanations. Drop them (scores.json is always written with --prompt).")
+    for flag, text in (("--prompt", args.prompt), ("--target", args.target), ("--contrast", args.contrast)):
+        if text is not None:  # bytes that were not UTF-8 arrive as surrogate escapes ('\udcff')
+            refuse_undecodable_text(text, flag)
     if not args.prompt.strip():
         raise InputError("--prompt is empty; give the text the model continues, e.g. --prompt "
                          "\"c red fox ; q blue owl ? q\".")
@@ -159,47 +164,29 @@ def _refuse_methods_the_dtype_cannot_run(model, methods: List[str]) -> None:
 
 
 def _target_ids(args, model, tokenizer, prompt_ids: List[int], new_tokens: int, explicit: bool) -> List[int]:
-    """The output to explain: ``--target``'s tokens, or the model's greedy continuation."""
+    """The output to explain: ``--target``'s tokens, or the model's greedy continuation. The
+    positions both need are checked by the rule GenerationAttribution applies
+    (:mod:`captum_transformers.generation.positions`: a position table is a limit, rotary or
+    relative positions are not), so the command and the API accept the same prompts."""
     from ..generation.assembly import encoder_decoder_model
     from ..generation.generate import generated_targets
+    from ..generation.positions import output_room, refuse_positions_past_the_table
     from ..generation.prompts import encode_target
 
     encoder_decoder = encoder_decoder_model(model)
     if args.target is not None:
         target_ids = encode_target(args.target, tokenizer)
-        _check_positions(model, len(prompt_ids), len(target_ids), encoder_decoder, f"the --target's {len(target_ids)}")
+        refuse_positions_past_the_table(model, len(prompt_ids), len(target_ids), encoder_decoder, "--prompt",
+                                        "--target tokens", "give a --target of at most {room} tokens")
         return target_ids
-    limit = _position_limit(model)
-    if not explicit and limit is not None and not encoder_decoder:
-        new_tokens = max(1, min(new_tokens, limit - len(prompt_ids)))  # the default fits what the model reads
-    _check_positions(model, len(prompt_ids), new_tokens, encoder_decoder, f"--generate {new_tokens}")
+    room = output_room(model, len(prompt_ids), encoder_decoder)
+    if not explicit and room is not None:
+        new_tokens = min(new_tokens, room)  # the default fits what the model reads
+    refuse_positions_past_the_table(model, len(prompt_ids), new_tokens, encoder_decoder, "--prompt",
+                                    f"new tokens (--generate {new_tokens})", "give --generate at most {room}")
     (target_ids,) = generated_targets(model, tokenizer, [prompt_ids], {"max_new_tokens": new_tokens,
                                                                       "do_sample": False}, encoder_decoder)
     return target_ids
-
-
-def _position_limit(model) -> Optional[int]:
-    config = getattr(model, "config", None)
-    for key in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None  # relative positions (T5): no fixed limit
-
-
-def _check_positions(model, prompt_length: int, output_length: int, encoder_decoder: bool, output: str) -> None:
-    """A prompt (and output) longer than the model's positions is refused, not explained."""
-    limit = _position_limit(model)
-    if limit is None:
-        return
-    if prompt_length > limit:
-        raise InputError(f"--prompt has {prompt_length} tokens but the model reads at most {limit} positions "
-                         "(max_position_embeddings); give a shorter prompt.")
-    needed = max(prompt_length, output_length + 1) if encoder_decoder else prompt_length + output_length
-    if needed > limit:
-        raise InputError(f"the prompt's {prompt_length} tokens and {output} output tokens need {needed} positions, but "
-                         f"the model reads at most {limit} (max_position_embeddings); give a shorter prompt, or fewer "
-                         "output tokens.")
 
 
 def explain_generation(model, tokenizer, prompt: str, target_ids: List[int], methods: List[str], kind: str,

@@ -48,13 +48,14 @@ from ..methods.facts import GenerationSteps
 from .assembly import assemble_results, encoder_decoder_model
 from .batch import GenerationBatch, decoder_batch, encoder_decoder_batch, padding_id
 from .engine import relevance_steps, streamed_pass_plan, trace_steps
-from .generate import generated_targets, refuse_image_token_targets
+from .generate import DEFAULT_GEN_ARGS, generated_targets, refuse_image_token_targets
 from .image_inputs import (gathered_image_inputs, moved, placeholder_check, processor_images,
                            vision_language_adapter)
+from .positions import refuse_positions_past_the_table
 from .prefix_calls import prefix_scores
-from .prompts import EncodedPrompt, encode_prompt, encode_target, prompt_list
+from .prompts import EncodedPrompt, encode_prompt, encode_target, prompt_list, refuse_unmasked_padding
 from .result import GenerationResult
-from .steps import SCORE_KINDS, ExplainedSteps
+from .steps import SCORE_KINDS, ExplainedSteps, refuse_ids_outside_vocabulary
 from .vision_steps import relevance_image_scores, vision_language_scores
 
 Span = Union[slice, Sequence[int]]
@@ -65,6 +66,10 @@ def generation_steps(method: Any) -> GenerationSteps:
     :mod:`~captum_transformers.methods.facts`); an attribution that says nothing (not one of the
     package's) is called once per step on the prefix."""
     return GenerationSteps(getattr(type(method), "generation_steps", GenerationSteps.PREFIX_CALLS))
+
+
+def _prompt_name(batched: bool) -> str:
+    return "the longest prompt" if batched else "the prompt"
 
 
 class GenerationAttribution(Attribution):
@@ -107,9 +112,13 @@ class GenerationAttribution(Attribution):
             inp: a string, token ids (list, tensor, chat-template ids), Captum's ``TextTokenInput``
                 or ``TextTemplateInput``; or a batch: a list of those, a (B, N) tensor of ids, or a
                 tokenizer's padded batch (each row's padding, marked by its attention mask, removed);
-                a vision-language processor's output (its ``pixel_values`` are the images).
-            target: a string, token ids, or None (the model generates with ``gen_args``, greedy
-                by default); for a batch, one per prompt.
+                a vision-language processor's output (its ``pixel_values`` are the images). Id rows
+                padded without a mask (runs of the pad id of different lengths at their start or
+                end) are refused: give the tokenizer's dict. A prompt and output past a learned
+                position table are refused (:mod:`~captum_transformers.generation.positions`);
+                rotary and relative positions read any length.
+            target: a string, token ids (in ``[0, vocabulary)`` of the model's head), or None (the
+                model generates with ``gen_args``, greedy by default); for a batch, one per prompt.
             gen_args: ``generate`` arguments when ``target`` is None (default
                 ``{"max_new_tokens": 25, "do_sample": False}``).
             contrast: foil tokens (a string or ids, one per target token, or one token for all):
@@ -130,7 +139,9 @@ class GenerationAttribution(Attribution):
             raise InputError("inp is an empty list; give at least one prompt.")
         listed, batched = prompt_list(inp)
         prompts = [encode_prompt(p, self.tokenizer) for p in listed]
+        refuse_unmasked_padding(inp, listed, prompts, self.tokenizer, self.model)
         encoder_decoder = encoder_decoder_model(self.model)
+        self._refuse_foil_ids(contrast, batched, len(prompts))  # before any forward (a generation's too)
         adapter = vision_language_adapter(self.method)
         image_keywords = processor_images(inp, adapter, image_keywords, self.method)
         image_inputs = gathered_image_inputs(adapter, images, image_keywords, len(prompts), batched, self.method)
@@ -139,6 +150,9 @@ class GenerationAttribution(Attribution):
             adapter.check_image_inputs(self.model, image_inputs)  # before generating a target with them
             image_inputs = moved(image_inputs, offload.input_device(self.model), offload.input_dtype(self.model))
         targets = self._targets(prompts, target, gen_args, batched, encoder_decoder, image_inputs)
+        refuse_positions_past_the_table(self.model, max(len(p.ids) for p in prompts), max(len(t) for t in targets),
+                                        encoder_decoder, _prompt_name(batched), "output tokens",
+                                        "give at most {room} output token(s)")
         if image_inputs is not None:
             refuse_image_token_targets(targets, adapter.image_token_id(self.model), generated=target is None)
         batch = self._batch(prompts, targets, encoder_decoder)
@@ -159,6 +173,11 @@ class GenerationAttribution(Attribution):
     def _targets(self, prompts: List[EncodedPrompt], target: Any, gen_args: Optional[dict], batched: bool,
                  encoder_decoder: bool, image_inputs: Optional[dict] = None) -> List[List[int]]:
         if target is None:
+            new_tokens = (gen_args or DEFAULT_GEN_ARGS).get("max_new_tokens")
+            known = isinstance(new_tokens, int) and not isinstance(new_tokens, bool) and new_tokens > 0
+            refuse_positions_past_the_table(self.model, max(len(p.ids) for p in prompts), new_tokens if known else 1,
+                                            encoder_decoder, _prompt_name(batched), "new tokens (max_new_tokens)",
+                                            "give gen_args max_new_tokens at most {room}")
             return generated_targets(self.model, self.tokenizer, [p.ids for p in prompts], gen_args, encoder_decoder,
                                      image_inputs, vision_language_adapter(self.method))
         if gen_args is not None:
@@ -168,8 +187,20 @@ class GenerationAttribution(Attribution):
                     all(isinstance(t, int) for t in target):
                 raise InputError(f"For a batch of {len(prompts)} prompts, target must be a list of {len(prompts)} "
                                  f"targets (strings or token ids), one per prompt, or None; got {target!r:.80}.")
-            return [encode_target(t, self.tokenizer) for t in target]
-        return [encode_target(target, self.tokenizer)]
+            targets = [encode_target(t, self.tokenizer) for t in target]
+        else:
+            targets = [encode_target(target, self.tokenizer)]
+        refuse_ids_outside_vocabulary(targets, self.model, "target", batched)
+        return targets
+
+    def _refuse_foil_ids(self, contrast: Any, batched: bool, count: int) -> None:
+        """Foil ids outside the output vocabulary, refused before any forward (their layout is
+        checked by :meth:`_foils`, which this leaves to say what a malformed contrast lacks)."""
+        foils = [contrast] if not batched else contrast
+        if contrast is None or not isinstance(foils, (list, tuple)) or len(foils) != count:
+            return
+        refuse_ids_outside_vocabulary([encode_target(f, self.tokenizer) for f in foils], self.model, "contrast",
+                                      batched)
 
     def _batch(self, prompts: List[EncodedPrompt], targets: List[List[int]], encoder_decoder: bool) -> GenerationBatch:
         device = offload.input_device(self.model)  # not meta (accelerate)

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from ..compat.quantized_linear import differentiable_kernels
 from ..model_state import offload
 from ..errors import InputError
 from .batch import padding_id
@@ -67,7 +68,9 @@ def generated_targets(model: nn.Module, tokenizer: Any, prompts: Sequence[Sequen
     keywords = dict(image_inputs or {})
     if keywords and adapter is not None:  # left padding is fine: pads are not image tokens
         keywords = adapter.generation_inputs(model, ids_t, keywords)
-    with torch.no_grad():
+    # bitsandbytes' differentiable 4-bit kernel, not its CPU bfloat16 inference kernel: the tokens
+    # are written by the model the explanation then follows (compat.quantized_linear).
+    with torch.no_grad(), differentiable_kernels(model):
         out = model.generate(input_ids=ids_t, attention_mask=torch.tensor(mask, device=device), **keywords, **args)
     _refuse_non_finite_scores(out, model)
     sequences = out.sequences if hasattr(out, "sequences") else out

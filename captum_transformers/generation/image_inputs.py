@@ -7,7 +7,8 @@ prompt without images) or the model's own image keywords (``pixel_values=...``, 
 processor returns them for the whole batch). The prompts' ids already hold each image's
 expanded placeholder tokens (as the model's processor writes them). Refused rather than
 dropped: placeholders without images, images given twice, image inputs a method or adapter
-does not map back to the image (:data:`IMAGE_KEYS`), misspelled keywords.
+does not map back to the image (:data:`IMAGE_KEYS`), misspelled keywords, and images holding
+NaN or +/-inf (named before any forward, as the classifier path names its inputs).
 
 Out, per prompt: ``image_attr`` (T, H, W) per image in the image's pixel layout (a list when
 the prompt has several images) and ``image_token_attr`` (T, V) over the vision tower's tokens
@@ -23,6 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..adapters.input_checks import refuse_non_finite
 from ..adapters.vision_language.base import ImageTokens, VisionLanguageAdapter, to_pixels
 from ..errors import InputError
 from .vision_steps import image_key
@@ -86,6 +88,7 @@ def gathered_image_inputs(adapter: Optional[VisionLanguageAdapter], images: Any,
         raise InputError(f"The images were given twice: as images= and as {sorted(keywords)} (keywords, or the "
                          "processor's output given as inp); pass one of them.")
     if images is None:
+        _refuse_non_finite_keywords(keywords)
         return dict(keywords)
     if batched:
         if not isinstance(images, (list, tuple)) or len(images) != count:
@@ -93,12 +96,23 @@ def gathered_image_inputs(adapter: Optional[VisionLanguageAdapter], images: Any,
                              f"image (C, H, W), a stack (n, C, H, W), or None for a prompt without images); got "
                              f"{type(images).__name__}.")
         given = [_stacked(image, f"images[{i}]") for i, image in enumerate(images) if image is not None]
+        refuse_non_finite(given, [f"the images of prompt {i} (images[{i}])" for i, image in enumerate(images)
+                                  if image is not None])
         if not given:
             return None
         stacked = torch.cat(given)
     else:
         stacked = _stacked(images, "images")
+        refuse_non_finite([stacked], ["the images given as images="])
     return {adapter.image_input_names[0]: stacked}
+
+
+def _refuse_non_finite_keywords(keywords: Mapping[str, Any]) -> None:
+    """Image keywords (``pixel_values=``, a processor output's) holding NaN or +/-inf are refused
+    before any forward, naming the keyword, as the classifier path names its inputs: the forward
+    would carry them into the scores, where they surfaced as an overflow of the relevance."""
+    named = [(name, value) for name, value in keywords.items() if isinstance(value, torch.Tensor)]
+    refuse_non_finite([value for _, value in named], [f"the image input {name}" for name, _ in named])
 
 
 def processor_images(inp: Any, adapter: Optional[VisionLanguageAdapter], keywords: Dict[str, Any],

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import string
+import warnings
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -64,13 +65,29 @@ def encode_prompt(prompt: Any, tokenizer: Any) -> EncodedPrompt:
     if isinstance(prompt, TextTemplateInput):
         return _template_prompt(prompt, tokenizer)
     if isinstance(prompt, str):
+        refuse_undecodable_text(prompt, "The prompt")
         return EncodedPrompt(list(tokenizer(prompt, add_special_tokens=True)["input_ids"]))
     return EncodedPrompt(_ids(prompt, "The prompt"))
+
+
+def refuse_undecodable_text(text: str, what: str) -> None:
+    """Refuse text that cannot be written as UTF-8: the surrogate escapes Python makes of bytes
+    that were not UTF-8 (a command-line argument such as ``$'\\xff'`` arrives as ``'\\udcff'``)
+    or lone surrogates. A tokenizer cannot encode them (it fails with a ``TypeError``)."""
+    bad = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
+    if bad is None:
+        return
+    code = ord(text[bad])
+    byte = f"the byte 0x{code - 0xDC00:02x}, which is not UTF-8" if 0xDC80 <= code <= 0xDCFF else \
+        f"a lone surrogate U+{code:04X}"
+    raise InputError(f"{what} is not UTF-8 text: character {bad} is {byte}. Give UTF-8 text (re-encode it, e.g. "
+                     "iconv -t UTF-8, or set the terminal to UTF-8).")
 
 
 def encode_target(target: Any, tokenizer: Any) -> List[int]:
     """A target's ids: a string without special tokens (as Captum does), or ids."""
     if isinstance(target, str):
+        refuse_undecodable_text(target, "The target")
         ids = list(tokenizer(target, add_special_tokens=False)["input_ids"])
     else:
         ids = _ids(target, "The target")
@@ -112,6 +129,7 @@ def _template_prompt(prompt: Any, tokenizer: Any) -> EncodedPrompt:
     values = prompt.values if isinstance(prompt.values, (list, dict)) else list(prompt.values)
     filled = dict(zip(prompt.dict_keys, values)) if getattr(prompt, "dict_keys", None) else values
     text, spans, keys = _template_spans(prompt.template, filled)
+    refuse_undecodable_text(text, "The TextTemplateInput's text")
     if not getattr(tokenizer, "is_fast", False):
         raise InputError(f"A TextTemplateInput needs a fast tokenizer (character offsets per token) to assign tokens to "
                          f"segments; {type(tokenizer).__name__} is not one. Pass token ids or a TextTokenInput instead.")
@@ -169,3 +187,86 @@ def special_token_mask(ids: Sequence[int], tokenizer: Any, skip_tokens: Optional
         else:
             skipped.add(int(token))
     return [i in skipped for i in ids]
+
+
+def _given_as_ids(value: Any) -> bool:
+    """Whether a prompt came as token ids (which may hold padding), not as text."""
+    if isinstance(value, torch.Tensor) or hasattr(value, "keys"):
+        return True
+    return isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def _special_ids(sources: Sequence[Any], name: str) -> set:
+    found = set()
+    for source in sources:
+        value = getattr(source, name, None)
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and not isinstance(v, bool):
+                found.add(int(v))
+    return found
+
+
+def _pad_and_allowance(tokenizer: Any, model: Any) -> tuple:
+    """``(pad id or None, allowance)``: the tokenizer's pad id, else the model config's; the
+    allowance is 1 when that id is also a bos or eos id (one at either end is then that token)."""
+    config = getattr(model, "config", None)
+    configs = [config, getattr(model, "generation_config", None)]
+    if config is not None and callable(getattr(config, "get_text_config", None)):
+        configs.append(config.get_text_config())
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if not isinstance(pad, int) or isinstance(pad, bool):
+        pads = _special_ids(configs, "pad_token_id")
+        pad = min(pads) if len(pads) == 1 else None
+    if pad is None:
+        return None, 0
+    sources = [tokenizer, *configs]
+    ends = _special_ids(sources, "bos_token_id") | _special_ids(sources, "eos_token_id")
+    return pad, int(pad in ends)
+
+
+def _run(row: Sequence[int], pad: int) -> int:
+    return next((i for i, token in enumerate(row) if token != pad), len(row))
+
+
+def refuse_unmasked_padding(inp: Any, listed: Sequence[Any], prompts: Sequence[EncodedPrompt], tokenizer: Any,
+                            model: Any) -> None:
+    """Padding in token ids given without an attention mask would be explained as prompt tokens.
+
+    A run of pad ids (the tokenizer's ``pad_token_id``, else the model config's) at the start or
+    the end of an id row is almost always padding; when the pad id is also a bos or eos id, one
+    pad id at either end is that token and only a longer run counts. Refused: rows of one length
+    (a (B, N) id tensor, a mask-less ``input_ids`` dict, equal-length id lists) whose runs differ
+    (left or right padding); warned: any other id row that starts or ends with such a run (a
+    single prompt, or rows padded alike). Text prompts and a tokenizer's dict with its
+    ``attention_mask`` (the padding removed) are not read here."""
+    if hasattr(inp, "keys") and inp.get("attention_mask") is not None:
+        return
+    pad, allowance = _pad_and_allowance(tokenizer, model)
+    if pad is None:
+        return
+    rows = [(i, p.ids) for i, (raw, p) in enumerate(zip(listed, prompts)) if _given_as_ids(raw)]
+    if not rows:
+        return
+    lead = {i: max(0, _run(ids, pad) - allowance) for i, ids in rows}
+    trail = {i: max(0, _run(ids[::-1], pad) - allowance) for i, ids in rows}
+    common = len(rows) > 1 and len({len(ids) for _, ids in rows}) == 1
+    for side, runs in (("left", lead), ("right", trail)):
+        if common and len(set(runs.values())) > 1:
+            padded = [i for i, n in runs.items() if n]
+            shown = ", ".join(f"row {i}: {n}" for i, n in list(runs.items())[:6])
+            where = "start" if side == "left" else "end"
+            raise InputError(
+                f"The prompts are {len(rows)} id rows of {len(rows[0][1])} tokens without an attention_mask, and rows "
+                f"{padded[:6]} {where} with runs of the pad id {pad} of different lengths ({shown}): that is {side} "
+                "padding, and the pad tokens would be explained as prompt tokens. Pass the tokenizer's dict "
+                "(tokenizer(prompts, padding=True, return_tensors='pt'), with its attention_mask), "
+                "{'input_ids': ids, 'attention_mask': mask}, or the prompts as a list without padding.")
+    for i, _ in rows:
+        for count, where in ((lead[i], "starts"), (trail[i], "ends")):
+            if count:
+                who = f"Prompt {i}" if len(listed) > 1 else "The prompt"
+                warnings.warn(
+                    f"{who} {where} with {count} pad id{'s' if count > 1 else ''} ({pad}) and no attention_mask was "
+                    "given: they are explained as prompt tokens. If they are padding, pass the tokenizer's dict "
+                    "(input_ids with its attention_mask) or the prompt without its padding.", UserWarning,
+                    stacklevel=4)  # this, attribute, Captum's log_usage wrapper, the caller

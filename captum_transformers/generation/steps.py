@@ -73,6 +73,42 @@ class ExplainedSteps:
         return self.groups
 
 
+def output_vocabulary_size(model: torch.nn.Module) -> Optional[int]:
+    """How many next-token scores the model's head returns (its output embeddings'
+    ``out_features``, else the text config's ``vocab_size``), or None when neither says."""
+    try:
+        head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    except (AttributeError, NotImplementedError, TypeError):
+        head = None
+    size = getattr(head, "out_features", None)
+    if not isinstance(size, int):
+        weight = getattr(head, "weight", None)
+        size = int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+    if size is None:
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+        size = getattr(text, "vocab_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def refuse_ids_outside_vocabulary(rows: Sequence[Sequence[int]], model: torch.nn.Module, what: str,
+                                  batched: bool) -> None:
+    """Refuse explained (``what``: "target") or foil ("contrast") token ids outside
+    ``[0, vocabulary)`` before any forward pass: the score would index past the logits (a raw
+    ``RuntimeError`` after the whole forward). ``rows``: per prompt, the ids per output step."""
+    size = output_vocabulary_size(model)
+    if size is None:
+        return
+    for prompt, row in enumerate(rows):
+        bad = next(((step, int(token)) for step, token in enumerate(row) if not 0 <= int(token) < size), None)
+        if bad is not None:
+            owner = f"Prompt {prompt}'s {what}" if batched else f"The {what}"
+            raise InputError(
+                f"{owner} holds the token id {bad[1]} at output step {bad[0]}, outside the model's output vocabulary: "
+                f"valid ids are [0, {size}) ({type(model).__name__}'s head scores {size} tokens). Give ids of the "
+                "model's own tokenizer (or text).")
+
+
 def _token_score(logits: torch.Tensor, tokens: torch.Tensor, kind: str) -> torch.Tensor:
     """The score of ``tokens`` (B,) in ``logits`` (B, V), in at least float32."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
