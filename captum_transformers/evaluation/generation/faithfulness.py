@@ -227,6 +227,9 @@ class GenerationFaithfulness(Accumulator):
         result = metric.compute()       # result.score_drop[0]: mean drop of removing the top-1 token
     """
 
+    # ``score=None`` is fixed by the first update (from the results); merge compares the kinds measured.
+    ignored_options = Accumulator.ignored_options + ("score",)
+
     def __init__(self, model: Any, replacement_id: int, score: Optional[str] = None,
                  ks: Sequence[int] = GENERATION_KS, fractions: Sequence[float] = GAIN_FRACTIONS,
                  never_removed_ids: Sequence[int] = (), max_batch_size: Optional[int] = None) -> None:

@@ -5,7 +5,7 @@ import torch
 
 from ..accumulator import Accumulator, exact_sum
 from ..results import SpecificityResult
-from ..validation import require_same_shape, require_tensor
+from ..validation import require_finite, require_same_shape, require_tensor
 
 
 def positive_mass(maps: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
@@ -24,7 +24,8 @@ class ClassSpecificity(Accumulator):
     that ignores the target (the same map for both classes) scores exactly 0.5; a map that
     lights up only the explained object scores 1.0. A direction whose map has no positive
     relevance on either object has an undefined share: it is left out of the mean and counted
-    in ``excluded`` (so ``count + excluded = 2 * examples``).
+    in ``excluded`` (so ``count + excluded = 2 * examples``). NaN or infinite maps or masks are
+    refused, not excluded.
 
     Example::
 
@@ -45,6 +46,8 @@ class ClassSpecificity(Accumulator):
         tensors = [require_tensor(n, t, ndim=(3,)).detach().to(torch.float64) for n, t in
                    zip(names, (maps_a, maps_b, masks_a, masks_b))]
         require_same_shape(names, tensors)
+        for name, tensor in zip(names, tensors):  # a NaN map would count as "excluded", an infinite one as NaN
+            require_finite(name, tensor)
         maps_a, maps_b, masks_a, masks_b = tensors
         masks_a, masks_b = (masks_a != 0).double(), (masks_b != 0).double()
         on_own = torch.cat([positive_mass(maps_a, masks_a), positive_mass(maps_b, masks_b)])

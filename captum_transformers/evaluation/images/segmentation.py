@@ -8,7 +8,7 @@ from ..accumulator import Accumulator, exact_sum
 from ..average_precision import average_precision
 from ..results import SegmentationResult
 from .saliency_maps import minmax_normalize
-from ..validation import require_same_shape, require_tensor
+from ..validation import require_finite, require_nonempty_batch, require_same_shape, require_tensor
 
 _EPS = float(torch.finfo(torch.float64).eps)
 
@@ -29,6 +29,7 @@ class SegmentationScores(Accumulator):
 
     where each image's 2 * H * W (score, label) pairs of both classes are pooled into one
     average precision (``sklearn.metrics.average_precision_score(labels.ravel(), scores.ravel())``).
+    NaN or infinite maps (or masks) and empty batches are refused with an ``InputError``.
 
     Example::
 
@@ -47,10 +48,17 @@ class SegmentationScores(Accumulator):
         self._add_state("count")
 
     def update(self, maps: torch.Tensor, masks: torch.Tensor) -> None:
-        """Add a batch of maps (B, H, W) and binary masks (B, H, W) (bool or 0/1; nonzero = object)."""
+        """Add a batch of maps (B, H, W) and binary masks (B, H, W) (bool or 0/1; nonzero = object).
+
+        Refuses NaN or infinite maps or masks (no threshold or ranking of them) and an empty batch, like the
+        other metrics.
+        """
         maps = require_tensor("maps", maps, ndim=(3,)).detach().to(torch.float64)
         masks = require_tensor("masks", masks, ndim=(3,))
         require_same_shape(("maps", "masks"), (maps, masks))
+        require_nonempty_batch(maps.shape[0])
+        require_finite("maps", maps)
+        require_finite("masks", masks)
         normalized = minmax_normalize(maps)
         foreground = normalized > normalized.mean(dim=(1, 2), keepdim=True)
         truth = masks != 0
