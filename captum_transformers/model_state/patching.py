@@ -23,11 +23,13 @@ import contextvars
 import copy
 import functools
 import threading
+import warnings
 from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from ..errors import InputError
 from . import isolation, module_walk, offload
@@ -174,16 +176,28 @@ def _isolating(hook: Callable, token: object, owners: FrozenSet[int]) -> Callabl
     return run
 
 
-_MESSAGE_PASSING_HOOKS = ("propagate", "propagate_pre", "message", "edge_update")
+# message_passing_hook's kinds -> the MessagePassing hook dictionary each one's entries live in.
+_MESSAGE_PASSING_HOOKS = {"propagate": "_propagate_forward_hooks", "propagate_pre": "_propagate_forward_pre_hooks",
+                          "message": "_message_forward_hooks", "edge_update": "_edge_update_forward_hooks"}
 
 
 @contextlib.contextmanager
 def message_passing_hook(module: nn.Module, kind: str, hook: Callable) -> Iterator[None]:
-    """Register a torch_geometric ``MessagePassing`` hook (``kind``: ``"propagate"``,
-    ``"propagate_pre"``, ``"message"`` or ``"edge_update"``, the ``register_*_forward_hook``
-    / ``register_propagate_forward_pre_hook`` methods) for the duration of the context,
-    called only in the current context. Their handles are not ``nn.Module`` hooks, so they
-    are removed here, whatever the body raised.
+    """Add a torch_geometric ``MessagePassing`` hook (``kind``: ``"propagate"``,
+    ``"propagate_pre"``, ``"message"`` or ``"edge_update"``, as the ``register_*_forward_hook``
+    / ``register_propagate_forward_pre_hook`` methods would) for the duration of the context,
+    called only in the current context; the layer's own dictionary is back on exit, whatever
+    the body raised.
+
+    No dictionary another thread may be iterating is ever written: PyG's ``propagate`` calls
+    each hook from inside its loop over the dictionary, so a plain forward of the same layer
+    in another thread would die with ``OrderedDict mutated during iteration`` if an entry were
+    added or removed meanwhile. Instead the layer gets a new dictionary (the one found, then
+    this hook) by one attribute assignment, and the very object found is assigned back on exit:
+    a thread already inside ``propagate`` keeps walking the dictionary it started with, one
+    starting meanwhile walks the copy (where this hook returns None outside the context).
+    A hook someone registers on the layer meanwhile lands in the copy and is gone on exit
+    (a ``UserWarning`` names it); hooks removed meanwhile stay removed.
 
     Example::
 
@@ -191,21 +205,41 @@ def message_passing_hook(module: nn.Module, kind: str, hook: Callable) -> Iterat
         ...     conv(x, edge_index)
     """
     if kind not in _MESSAGE_PASSING_HOOKS:
-        raise ValueError(f"kind must be one of {_MESSAGE_PASSING_HOOKS}, got {kind!r}")
-    register = (module.register_propagate_forward_pre_hook if kind == "propagate_pre"
-                else getattr(module, f"register_{kind}_forward_hook"))
+        raise InputError(f"kind must be one of {tuple(_MESSAGE_PASSING_HOOKS)}, got {kind!r}: the MessagePassing hooks "
+                         "the package installs are propagate (pre-)hooks, message and edge_update forward hooks.")
+    name = _MESSAGE_PASSING_HOOKS[kind]
+    found = vars(module).get(name)
+    if not isinstance(found, dict):
+        raise InputError(f"{type(module).__name__} is not a torch_geometric MessagePassing layer (it has no {name} "
+                         f"dictionary, found {type(found).__name__}), so no {kind} hook can be added to it; pass the "
+                         "MessagePassing module itself.")
     token = object()
 
     def gated(*args: Any):
         return hook(*args) if is_entered(token) else None
 
     gated.__dict__[_PACKAGE_HOOK] = True
-    handle = register(gated)
+    replacement = type(found)(found)
+    # A key from torch's handle counter, as register_* would take: no user hook has it or will.
+    key = RemovableHandle(replacement).id
+    replacement[key] = gated
     try:
-        with entered(token):
+        with attributes(module, **{name: replacement}), entered(token):
             yield
     finally:
-        handle.remove()
+        _report_hooks_added_meanwhile(module, name, replacement, found, key)
+
+
+def _report_hooks_added_meanwhile(module: nn.Module, name: str, replacement: dict, found: dict, key: int) -> None:
+    """Warn when someone registered a hook on ``module``'s copied ``name`` dictionary while it was
+    installed (message_passing_hook): the restored dictionary does not hold it."""
+    added = [k for k in replacement if k != key and k not in found]
+    if added:
+        warnings.warn(
+            f"{len(added)} hook(s) were registered on {type(module).__name__}.{name} while it was explained (another "
+            "thread, or code inside the explanation); the explanation ran on its own copy of that dictionary, and the "
+            "layer's own dictionary is back now, without them. Register PyG hooks on an explained layer before or "
+            "after the explanation.", UserWarning, stacklevel=4)
 
 
 @contextlib.contextmanager

@@ -10,15 +10,20 @@ output ``H`` (:class:`ReadoutProbe`, through the head only; with ``retain_graph`
 method's own backward pass still runs; a forward without gradients records only what follows
 each attention layer, from its output made a leaf):
 
-1. the nodes the score reads are the non-zero rows of its gradient at ``H`` (a node masked
-   out, or constant after the last attention layer, is not read). The pooling input ``Z``:
-   walking the autograd graph from the scores, the first tensor that has one row per node
-   (closer to the scores, tensors have one row per graph); ``H`` itself when the head pools it
-   directly. Accepted when, in every graph, the rows of the gradient at ``Z`` of the read nodes
-   are bit-identical: a mean or add pooling (all nodes), a mean over a subset of nodes (the
-   subset), a root-node readout (one node); each read node then has weight ``1 / |read|``.
-   Unequal rows (a max or sort pooling) are refused: how the readout weighs its nodes is not
-   known.
+1. the nodes the score reads are those the head weighs: the non-zero rows of its gradient at
+   the pooling input ``Z``, the head's weight on each node's own state. Walking the autograd
+   graph from the scores, ``Z`` is the first tensor that has one row per node (closer to the
+   scores, tensors have one row per graph), followed back through products with constants
+   (a 0/1 mask, constant weights), which are part of the readout; ``H`` itself when the head
+   pools it directly or through such products only. A node whose state is constant is still
+   read: with no incoming edge, ``TransformerConv(root_weight=False)`` gives it a zero state,
+   whose ReLU has zero gradient at ``H``, but a mean pooling counts it (weight ``1 / n``). A
+   node a constant mask zeroes is not read; a node whose row of ``H`` the score reads along
+   another path than ``Z`` is refused. Accepted when, in every graph, the rows of the gradient
+   at ``Z`` of the read nodes are bit-identical: a mean or add pooling (all nodes), a mean over
+   a subset of nodes (the subset), a root-node readout (one node); each read node then has
+   weight ``1 / |read|``. Unequal rows (a max or sort pooling, unequal constant weights) are
+   refused: how the readout weighs its nodes is not known.
 2. ``Z`` must take each node's row from that node's row of ``H`` only, for every node: each
    position in a graph has a distinct code of ``m`` bits (no code inside another), and for
    each bit the cotangent of the rows whose bit is 1, sent from ``Z`` back to ``H``, must
@@ -131,12 +136,14 @@ class ReadoutProbe:
                                f"node ({ids.shape[0]}) nor (graphs, nodes, ...) = ({graphs.num_graphs}, "
                                f"{graphs.max_nodes}, ...), so the nodes the score reads cannot be placed. {_HINT}")
         pooled_node, pooled_grad, hidden_grad = self._pooling_input(scores, hidden, ids.shape[0])
-        # The nodes read: those whose row of H the score depends on (a node masked out, or
-        # constant after the last attention layer, is not read); their weights: equal rows of
-        # the gradient at the pooling input.
-        read = rows(hidden_grad).reshape(ids.shape[0], -1).ne(0).any(dim=1)
+        # The nodes read: those the head weighs, the non-zero rows of the gradient at the pooling
+        # input (a node whose state is constant, one with no incoming edge, is still counted by a
+        # mean: its gradient at H may be 0 behind a ReLU, its weight at Z is 1/n), or at H (a node
+        # read along another path too is refused below); a node a constant mask zeroes is not
+        # read. Their weights: equal rows of the gradient at the pooling input.
         grad = rows(hidden_grad) if pooled_node is None else pooled_grad
         grad = grad.reshape(grad.shape[0], -1)
+        read = rows(hidden_grad).reshape(ids.shape[0], -1).ne(0).any(dim=1) | grad.ne(0).any(dim=1)
         graph_of, position_of = graphs.graph[ids].to(grad.device), graphs.position[ids].to(grad.device)
         # Per graph, its first read node; every read node's row must equal that node's (bit for bit).
         rows_count = grad.shape[0]
@@ -165,7 +172,13 @@ class ReadoutProbe:
 
     def _pooling_input(self, scores: torch.Tensor, hidden: torch.Tensor, num_rows: int):
         """``(autograd node and output index of Z, dscore/dZ, dscore/dH)``; the node is None when
-        no tensor with one row per node lies between ``H`` and the scores (Z is H)."""
+        no tensor with one row per node lies between ``H`` and the scores, or only constant
+        masks do (Z is H).
+
+        Z is the per-node tensor nearest to the scores, followed back through products with
+        constants (a 0/1 mask, constant weights: :func:`_before_constant_factors`), which belong
+        to the readout: the gradient at Z is then the head's weight on each node's own state,
+        zero where a mask drops the node, unequal where constants weigh nodes unequally."""
         depth = _depths(scores.grad_fn, stop=hidden.grad_fn)
         seen: List[Tuple[int, Any, int, torch.Tensor]] = []
         shapes: Dict[Tuple[int, int], torch.Size] = {}  # (id(node), output) -> shape, for every node run
@@ -198,6 +211,13 @@ class ReadoutProbe:
                                f"of different node states), so how it weighs the nodes is not known. {_HINT}")
         node, k, grad = next(iter(found.values()))
         self._refuse_gate(node, k, shapes, num_rows)
+        per_node = {(id(n), i): g for _, n, i, g in seen}
+        walked = _before_constant_factors(node, k, per_node, hidden)
+        if walked is None:
+            return None, None, hidden_grad
+        if walked[:2] != (node, k):
+            node, k, grad = walked
+            self._refuse_gate(node, k, shapes, num_rows)
         return (node, k), grad, hidden_grad
 
     @staticmethod
@@ -308,6 +328,55 @@ def _through_shape_ops(node, output: int):
             break
         node, output = inputs[0]
     return node, output
+
+
+# Autograd nodes of element-wise operations that scale or zero the one input carrying a
+# gradient by constants, -> the saved constant for that input's position (None: not a scaling).
+_CONSTANT_FACTORS = {"MulBackward0": ("_saved_other", "_saved_self"), "DivBackward0": ("_saved_other", None),
+                     "WhereBackward0": ("_saved_condition", "_saved_condition"),
+                     "MaskedFillBackward0": ("_saved_mask",)}
+
+
+def _before_constant_factors(node, output: int, per_node: Dict[Tuple[int, int], torch.Tensor], hidden: torch.Tensor):
+    """The pooling input Z (``output`` of autograd ``node``) followed back through products
+    with constants of one value per node: a 0/1 mask (``h * mask[:, None]``,
+    ``torch.where(mask[:, None], h, 0)``, ``masked_fill``) or constant weights
+    (``h / counts[:, None]``), the readout's own, while their input still has one row per node
+    (its gradient is in ``per_node``, by ``(id(node), output)``). A constant varying within a
+    node's row (dropout's mask) is a per-node layer, not followed. Returns ``(node, output,
+    gradient)`` of the tensor reached, or None when it is ``hidden`` (H)."""
+    grad = per_node[(id(node), output)]
+    for _ in range(256):
+        saved = _CONSTANT_FACTORS.get(node.name())
+        inputs = [(position, child, index) for position, (child, index) in enumerate(node.next_functions)
+                  if child is not None]
+        if saved is None or len(inputs) != 1 or inputs[0][0] >= len(saved) or saved[inputs[0][0]] is None:
+            break  # not a scaling, or a product of two computed tensors (a gate, refused; or node states)
+        position, child, index = inputs[0]
+        try:
+            factor = getattr(node, saved[position])
+        except (AttributeError, RuntimeError):  # not saved by this torch, or already freed
+            break
+        if not _one_value_per_node(factor, grad.shape):
+            break
+        if (child is hidden.grad_fn and index == hidden.output_nr) or getattr(child, "variable", None) is hidden:
+            return None
+        if (id(child), index) not in per_node:
+            break
+        node, output = child, index
+        grad = per_node[(id(node), output)]
+    return node, output, grad
+
+
+def _one_value_per_node(factor: Any, shape: torch.Size) -> bool:
+    """Whether ``factor`` (broadcast to ``shape``, one row per node) is constant within each row."""
+    if not isinstance(factor, torch.Tensor):
+        return factor is not None
+    try:
+        values = factor.detach().expand(shape).reshape(shape[0], -1)
+    except RuntimeError:
+        return False
+    return bool((values == values[:, :1]).all())
 
 
 def _node_rows(hidden: torch.Tensor, graphs: GraphBatch, num_rows: int):
