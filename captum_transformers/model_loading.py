@@ -6,8 +6,11 @@
 2. an existing directory: a HuggingFace model saved with ``save_pretrained`` (its
    ``config.json`` says image or text; the processor or tokenizer is read from the same
    directory);
-3. an existing file: a checkpoint, either a whole pickled ``nn.Module``
-   (``torch.save(model)``) or a state dict together with ``--arch <timm model name>``;
+3. an existing file: a checkpoint, a state dict together with ``--arch <timm model name>``,
+   read with ``torch.load(weights_only=True)`` (tensors and plain containers only: nothing in
+   the file runs); a whole pickled ``nn.Module`` (``torch.save(model)``) only with
+   ``trust_pickle=True`` (``--trust-pickle``), since unpickling it runs whatever code the file
+   names, so it is refused, before anything in it runs, with the two ways out;
 4. a timm model name (``timm.is_model``): pretrained weights from the hub, or random weights
    with ``--random-init``;
 5. anything else: a HuggingFace hub id, fetched with ``from_pretrained``.
@@ -59,15 +62,18 @@ class LoadedModel:
         return str(index)
 
 
-def load_model(spec: Optional[str], arch: Optional[str] = None, random_init: bool = False) -> LoadedModel:
-    """The model that ``--model spec`` names (see the module docstring for the order)."""
+def load_model(spec: Optional[str], arch: Optional[str] = None, random_init: bool = False,
+               trust_pickle: bool = False) -> LoadedModel:
+    """The model that ``--model spec`` names (see the module docstring for the order).
+    ``trust_pickle``: read a checkpoint file as a full pickle (a whole ``nn.Module``), which runs
+    any code the file holds; only for a file trusted as code (``--trust-pickle``)."""
     if spec is None:
         return _builtin()
     path = Path(spec).expanduser()
     if path.is_dir():
         return _huggingface(str(path), local=True)
     if path.is_file():
-        return _checkpoint(path, arch, random_init)
+        return _checkpoint(path, arch, trust_pickle)
     if spec.startswith(("./", "../", "/", "~")) or spec.endswith((".pt", ".pth", ".bin", ".safetensors")):
         raise InputError(f"--model {spec!r}: no such file or directory; expected a HuggingFace model directory, "
                          "a checkpoint file, a timm model name or a hub id.")
@@ -132,12 +138,15 @@ def _timm(name: str, pretrained: bool, state_dict: Optional[Dict[str, torch.Tens
     return LoadedModel(model, "image", name, prepare, None)
 
 
-def _checkpoint(path: Path, arch: Optional[str], random_init: bool) -> LoadedModel:
+#: What torch's weights-only unpickler names when a file wants a Python object beyond tensors.
+_UNSAFE_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+
+
+def _checkpoint(path: Path, arch: Optional[str], trust_pickle: bool) -> LoadedModel:
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=False)
+        loaded = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except Exception as error:
-        raise InputError(f"could not read checkpoint {str(path)!r} ({type(error).__name__}: {error}); expected a file "
-                         "written by torch.save.") from None
+        raise InputError(_unreadable_checkpoint(path, error, trust_pickle)) from None
     if isinstance(loaded, nn.Module):
         return _wrap_module(loaded.eval(), path.name)
     if isinstance(loaded, dict) and all(isinstance(v, torch.Tensor) for v in loaded.values()):
@@ -148,6 +157,23 @@ def _checkpoint(path: Path, arch: Optional[str], random_init: bool) -> LoadedMod
             raise InputError(f"--arch {arch!r} is not a timm model name; see timm.list_models().")
         return _timm(arch, pretrained=False, state_dict=loaded)
     raise InputError(f"{str(path)!r} holds a {type(loaded).__name__}; expected a pickled nn.Module or a state dict.")
+
+
+def _unreadable_checkpoint(path: Path, error: Exception, trust_pickle: bool) -> str:
+    """Why ``torch.load`` could not read ``path``, and what to do (one line)."""
+    found = None if trust_pickle else _UNSAFE_GLOBAL.search(str(error))
+    if found is not None:
+        return (f"could not read checkpoint {str(path)!r} safely: it is a pickle that names the Python object "
+                f"{found.group(1)}, not only tensors (as a whole nn.Module saved with torch.save(model) does); "
+                "unpickling it would run code from the file, so nothing of it was loaded. Save the weights instead, "
+                "torch.save(model.state_dict(), path), and give them with --arch NAME; or, only if you trust the "
+                "file as you trust a program you run, add --trust-pickle.")
+    text = " ".join(str(error).split())
+    detail = text.split("WeightsUnpickler error: ")[-1].split(" Check the documentation")[0] or \
+        ("it ended early: empty or cut short" if isinstance(error, EOFError) else "no detail")
+    detail = detail if len(detail) <= 160 else detail[:157] + "..."
+    return (f"could not read checkpoint {str(path)!r} ({type(error).__name__}: {detail}); expected a file written "
+            "by torch.save (a state dict of tensors with --arch NAME; a whole pickled module needs --trust-pickle).")
 
 
 def _wrap_module(model: nn.Module, name: str) -> LoadedModel:

@@ -62,7 +62,7 @@ def test_whole_module_checkpoint(tmp_path):
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, num_classes=4)
     path = tmp_path / "model.pt"
     torch.save(model, path)
-    loaded = load_model(str(path))
+    loaded = load_model(str(path), trust_pickle=True)  # a whole module is a pickle: code
     (pixels,), _, _ = loaded.prepare([_rgb()])
     assert pixels.shape == (1, 3, 32, 32)
 

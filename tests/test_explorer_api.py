@@ -284,7 +284,8 @@ def test_the_api_answers_while_the_model_loads():
     client = client_for(loading, warm=True)
     assert client.get("/").status_code == 200  # the page is there at once
     waiting = client.get("/api/session", headers=HEADERS)
-    assert waiting.status_code == 503 and waiting.json()["loading"] is True
+    assert waiting.status_code == 200 and waiting.json()["loading"] is True  # a state, not an error
+    assert waiting.json()["state"] == "loading"
     assert client.post("/api/explain", headers=HEADERS, json={"methods": [{"name": "rollout"}],
                                                               "targets": {"0": 1}}).status_code == 503
     gate.set()

@@ -100,7 +100,7 @@ def test_contrast_explains_the_difference_with_the_foil(client):
 
 
 @pytest.mark.parametrize("body, words", [
-    ({"prompt": " ".join([PROMPT] * 4), "max_new_tokens": 2}, ["prompt has", "prompt tokens", "Shorten"]),
+    ({"prompt": " ".join([PROMPT] * 12), "max_new_tokens": 2}, ["prompt has", "prompt tokens", "Shorten"]),
     ({"prompt": PROMPT, "max_new_tokens": 99}, ["max_new_tokens=99", "over the explorer's bound of", "or fewer"]),
     ({"prompt": PROMPT, "max_new_tokens": 0}, ["whole number from 1 to"]),
     ({"prompt": "  ", "max_new_tokens": 2}, ["empty"]),

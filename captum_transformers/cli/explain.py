@@ -36,6 +36,11 @@ def add_parser(subparsers) -> None:
                                         "(default: the built-in DigitCanvas ViT)")
     parser.add_argument("--arch", help="timm architecture of a state-dict checkpoint")
     parser.add_argument("--random-init", action="store_true", help="timm: random weights instead of pretrained")
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="read a --model checkpoint file as a full pickle (a whole nn.Module saved with "
+                             "torch.save(model)). The file then runs as code: unpickling executes whatever it holds, "
+                             "with your permissions. Only for a file you trust as a program; by default a checkpoint "
+                             "is read with torch.load(weights_only=True), tensors only")
     parser.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     parser.add_argument("--text", action="append", default=[], help="text to classify (repeatable)")
     # Checked in run(), not by argparse: with --prompt a wrong name is one line, as every generation error.
@@ -134,7 +139,7 @@ def run(args) -> int:
 
 
 def _explain(args, methods: List[str], device: torch.device, out) -> int:
-    loaded = load_model(args.model, args.arch, args.random_init)
+    loaded = load_model(args.model, args.arch, args.random_init, trust_pickle=args.trust_pickle)
     inputs, forward_kwargs, displays, labels = _raw_inputs(loaded, args)
     _, inputs, forward_kwargs = on_device(device, loaded.model, inputs, forward_kwargs)
     logits = _logits(loaded.model, inputs, forward_kwargs)

@@ -26,6 +26,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--model", help="as for explain (default: the built-in DigitCanvas ViT)")
     parser.add_argument("--arch", help="timm architecture of a state-dict checkpoint")
     parser.add_argument("--random-init", action="store_true", help="timm: random weights instead of pretrained")
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="read a --model checkpoint file as a full pickle (a whole nn.Module saved with "
+                             "torch.save(model)). The file then runs as code: unpickling executes whatever it holds, "
+                             "with your permissions. Only for a file you trust as a program; by default a checkpoint "
+                             "is read with torch.load(weights_only=True), tensors only")
     parser.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     parser.add_argument("--text", action="append", default=[], help="text to classify (repeatable)")
     parser.add_argument("--task", choices=TASKS, help="a benchmark task's model and test examples (digits: the "
@@ -71,7 +76,7 @@ def run(args) -> int:
     # is reported like any other (one line, exit status 2)
     workspace = LoadingWorkspace(lambda: loaded_workspace(args.model, args.arch, args.random_init, args.image,
                                                           args.text, args.samples, args.task, args.cache_dir,
-                                                          device))
+                                                          device, trust_pickle=args.trust_pickle))
     start(workspace, host=args.host, port=args.port, blocking=True, benchmark=benchmark,
           allow_remote=args.allow_remote, extra_hosts=args.allowed_host)
     return 0

@@ -65,7 +65,8 @@ def create_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS, benchmark: Opti
     ``page_for(workspace)`` serves it.
 
     ``workspace``: a classifier ``Workspace``, a ``LoadingWorkspace`` still building one (the
-    API then answers 503 ``{"loading": true, "seconds": ...}`` until it is ready), or a list of
+    API then answers ``/api/session`` with 200 ``{"state": "loading", "seconds": ...}`` and the other
+    routes with 503 until it is ready), or a list of
     Workspaces, one per model, chosen by ``?model=<index>`` on API calls; or a
     ``GenerationWorkspace`` (or ``LoadingGenerationWorkspace``) for the generation page.
     ``benchmark``: aggregate curves (``benchmark_curves(path)``) shown beside the per-example

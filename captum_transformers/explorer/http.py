@@ -5,10 +5,14 @@ of errors.
 Every page is one Starlette app built by ``page_app``: ``GET /`` answers its HTML file from
 ``static/``, ``GET /favicon.ico`` 204, ``/static/...`` the scripts and style sheets, and its
 own ``/api/`` routes between them. A request body is a JSON object at most ``MAX_JSON_DEPTH``
-levels deep (``json_body``); its ``"methods"`` a list of ``{"name", "arguments"}``, each
-checked against the offered methods and the method's argument fields (``parse_methods``).
+levels deep whose text holds no lone UTF-16 surrogate (``json_body``: ``"\\ud800"`` is valid
+JSON but no character; answered 400 naming the field); its ``"methods"`` a list of
+``{"name", "arguments"}``, each checked against the offered methods and the method's argument
+fields (``parse_methods``).
 Errors are answered as JSON (``error_handlers``): 400 for a refused request, 409 while another
-job holds the model (``ModelBusy``), 429 over the job limit, 503 while the model loads.
+job holds the model (``ModelBusy``), 429 over the job limit, 503 while the model loads. The
+session poll is no error while the model loads: a 200 ``{"state": "loading", "seconds"}``
+(``loading_state``), and ``{"state": "ready", ...}`` once it is there.
 
 Example::
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import re
 from typing import Any, Dict, List, Sequence, Tuple
 
 from starlette.applications import Starlette
@@ -82,6 +87,34 @@ def _depth(value: Any) -> int:
     return deepest
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_lone_surrogates(body: Dict[str, Any]) -> None:
+    """Refuse a body whose text holds a lone UTF-16 surrogate: JSON lets ``"\\ud800"`` through
+    (a pair of escapes is joined into one character when parsed, so only a lone half is left),
+    but it is no Unicode character, and neither a tokenizer nor a UTF-8 answer can take it."""
+    def refuse(text: str, where: str) -> None:
+        found = _SURROGATE.search(text)
+        if found is not None:
+            raise InputError(f"{where} holds a lone UTF-16 surrogate, \\u{ord(found.group()):04x} at character "
+                             f"{found.start()}, which is not a Unicode character (a surrogate is only valid as half "
+                             "of an escaped pair such as \\ud83d\\ude00); send text that is valid UTF-8: remove "
+                             "or replace that character.")
+
+    stack = [(body, "")]
+    while stack:  # the paths shown are built from keys already checked: they hold no surrogate
+        value, where = stack.pop()
+        if isinstance(value, dict):
+            for key, child in value.items():
+                refuse(key, f"a key of {where or 'the body'}")
+                stack.append((child, f"{where}.{key}" if where else key))
+        elif isinstance(value, list):
+            stack.extend((child, f"{where}[{index}]") for index, child in enumerate(value))
+        elif isinstance(value, str):
+            refuse(value, f'"{where}"')
+
+
 async def json_body(request: Request) -> Dict[str, Any]:
     """The request's body as a JSON object nesting at most ``MAX_JSON_DEPTH`` levels, else an ``InputError``."""
     raw = await request.body()
@@ -98,6 +131,7 @@ async def json_body(request: Request) -> Dict[str, Any]:
     if depth > MAX_JSON_DEPTH:
         raise InputError(f"the request body nests {depth} levels deep; expected at most {MAX_JSON_DEPTH} (the API's "
                          'bodies nest 3: {"methods": [{"name", "arguments": {...}}], "targets": {...}}).')
+    _refuse_lone_surrogates(body)
     return body
 
 
@@ -111,6 +145,13 @@ async def _model_busy(request: Request, error: Exception) -> Response:
 
 async def _too_many_jobs(request: Request, error: Exception) -> Response:
     return JSONResponse({"error": str(error), "too_many_jobs": True}, status_code=429)
+
+
+def loading_state(error: StillLoading) -> Dict[str, Any]:
+    """What ``GET /api/session`` answers (200) while the model loads: the page shows "loading the
+    model..." and asks again (a 503 would be a console error in the browser on every poll)."""
+    return {"state": "loading", "loading": True, "seconds": error.seconds,
+            "message": f"{error}; the page asks again until it is ready."}
 
 
 async def _still_loading(request: Request, error: Exception) -> Response:

@@ -1,8 +1,12 @@
 """The explorer's safety rules as one ASGI middleware, applied to every request.
 
-1. **Host allowlist**: the ``Host`` header must name the address the server listens on
-   (``127.0.0.1``, ``localhost``, ``[::1]`` by default, plus an explicitly bound host), so a
-   web page elsewhere cannot reach the API through DNS rebinding. Otherwise 400.
+1. **Host allowlist**: a request carries exactly one ``Host`` header, and it is exactly one
+   ``host`` or ``host:port`` whose host names the address the server listens on (``127.0.0.1``,
+   ``localhost``, ``[::1]`` by default, plus an explicitly bound host and ``--allowed-host``
+   names; letters compared case-blind), so a web page elsewhere cannot reach the API through
+   DNS rebinding. A list (``127.0.0.1:8765, evil.com``), whitespace inside or around it,
+   userinfo (``user@``), a path, a trailing dot, an unbracketed IPv6 literal or a port that is
+   not 1 to 5 digits up to 65535 is refused like an unknown host: 400.
 2. **Session token** on ``/api/``: the ``X-Explorer-Token`` header must equal the token
    printed at start (compared in constant time). Otherwise 403. The page and its static files
    carry no data and need no token; the page reads the token once from its URL.
@@ -15,8 +19,9 @@
 from __future__ import annotations
 
 import json
+import re
 import secrets
-from typing import Iterable
+from typing import Iterable, Optional
 
 CONTENT_SECURITY_POLICY = "default-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 SECURITY_HEADERS = (
@@ -36,12 +41,19 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-def _host_name(host: str) -> str:
-    """``host[:port]`` without the port (IPv6 literals keep their brackets)."""
-    host = host.strip().lower()
-    if host.startswith("["):
-        return host[:host.find("]") + 1] if "]" in host else host
-    return host.rsplit(":", 1)[0] if ":" in host else host
+#: One ``host[:port]`` and nothing else: a name or IPv4 address (letters, digits, ``.``, ``-``,
+#: ``_``), or an IPv6 literal in brackets; then at most one ``:`` and 1 to 5 digits.
+_HOST_HEADER = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::([0-9]{1,5}))?")
+
+
+def host_name(host: str) -> Optional[str]:
+    """The host of a ``Host`` header that is exactly one ``host[:port]`` (lower case; IPv6
+    literals keep their brackets), else ``None``: lists, whitespace, userinfo, paths, an empty
+    or out-of-range port."""
+    found = _HOST_HEADER.fullmatch(host)
+    if found is None or (found.group(2) is not None and int(found.group(2)) > 65535):
+        return None
+    return found.group(1).lower()
 
 
 class SecurityMiddleware:
@@ -59,6 +71,7 @@ class SecurityMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
+        hosts = [value.decode("latin-1") for key, value in scope["headers"] if key.lower() == b"host"]
 
         async def send_with_headers(message) -> None:
             if message["type"] == "http.response.start":
@@ -67,9 +80,11 @@ class SecurityMiddleware:
                     (key, value) for key, value in SECURITY_HEADERS if key not in existing]
             await send(message)
 
-        if _host_name(headers.get("host", "")) not in self.allowed_hosts:
-            return await _refuse(send_with_headers, 400, "Host header not allowed: the explorer answers only "
-                                 "requests addressed to the host it listens on.")
+        if len(hosts) != 1 or host_name(hosts[0]) not in self.allowed_hosts:
+            received = f"{len(hosts)} Host headers" if len(hosts) != 1 else f"Host: {hosts[0][:80]!r}"
+            return await _refuse(send_with_headers, 400, f"Host header not allowed (received {received}): the explorer "
+                                 "answers only requests with one Host header that is exactly one host[:port] of the "
+                                 "host it listens on (see --allowed-host); open the URL it printed.")
         path = scope.get("path", "")
         if path.startswith("/api/"):
             given = headers.get(TOKEN_HEADER, "")

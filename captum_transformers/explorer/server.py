@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from ..errors import InputError
 from .loading import LoadingWorkspace
-from .security import LOCAL_HOSTS, new_token
+from .security import LOCAL_HOSTS, host_name, new_token
 
 LOOPBACK = "127.0.0.1"
 LOOPBACK_NAMES = (LOOPBACK, "localhost", "::1")
@@ -48,6 +48,17 @@ def require_explorer_extra() -> None:
     except ImportError:
         raise InputError("the explorer needs Starlette and uvicorn: pip install 'captum_transformers[explorer]'.") \
             from None
+
+
+def _allowed_name(extra: str) -> str:
+    """An ``--allowed-host`` as the host a ``Host`` header must carry (a port given is dropped:
+    any port is taken), or an ``InputError`` when it is not one host name or address."""
+    name = host_name(extra) if isinstance(extra, str) else None
+    if name is None:
+        raise InputError(f"--allowed-host {extra!r}: expected one host name or address, optionally with a port "
+                         "(e.g. --allowed-host explorer.example.org, or [fd00::1] for an IPv6 address); give each "
+                         "name as its own --allowed-host.")
+    return name
 
 
 def _machine_names() -> set:
@@ -96,6 +107,7 @@ def start(workspace, host: str = LOOPBACK, port: int = 8765, blocking: bool = Tr
 
     check_port(port)
     check_host(host, allow_remote)
+    extras = {_allowed_name(name) for name in extra_hosts}  # before anything binds
     if host not in LOOPBACK_NAMES:
         print(f"WARNING: the explorer listens on {host}, reachable from other machines; anyone with the URL "
               "(its token) can run the model.", file=sys.stderr)
@@ -108,7 +120,7 @@ def start(workspace, host: str = LOOPBACK, port: int = 8765, blocking: bool = Tr
         raise InputError(f"cannot listen on {host}:{port} ({error.strerror}); choose another --port.") from None
     port = sock.getsockname()[1]
     token = token or new_token()
-    allowed = set(LOCAL_HOSTS) | {host.lower(), f"[{host.lower()}]"} | {h.lower() for h in extra_hosts}
+    allowed = set(LOCAL_HOSTS) | {host.lower(), f"[{host.lower()}]"} | extras
     if host not in LOOPBACK_NAMES:
         allowed |= _machine_names()  # how other machines address this one
         print(f"requests must name one of these hosts (add more with --allowed-host): {', '.join(sorted(allowed))}",

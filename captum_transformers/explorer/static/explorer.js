@@ -43,13 +43,11 @@ async function api(path, body) {
   return payload;
 }
 
-async function loadSession() {  // the server answers 503 while the model is still loading
+async function loadSession() {  // while the model loads the server answers {"state": "loading", "seconds"}
   for (;;) {
-    const response = await fetch(withModel("api/session"), { headers: { "X-Explorer-Token": state.token || "" } });
-    const payload = await response.json().catch(() => ({ error: `HTTP ${response.status}` }));
-    if (response.ok) return payload;
-    if (response.status !== 503 || !payload.loading) throw new Error(payload.error || `HTTP ${response.status}`);
-    setStatus(`loading the model… ${payload.seconds.toFixed(1)} s`, null, null);
+    const payload = await api("api/session");
+    if (payload.state !== "loading") return payload;
+    setStatus(`loading the model… ${Number(payload.seconds).toFixed(1)} s`, null, null);
     await new Promise((resolve) => setTimeout(resolve, 250));
   }
 }

@@ -37,15 +37,12 @@ async function api(path, body) {
   return payload;
 }
 
-async function loadSession() {  // 503 while the model is still loading
+async function loadSession() {  // while the model loads the server answers {"state": "loading", "seconds"}
   for (;;) {
-    try {
-      return await api("api/session");
-    } catch (error) {
-      if (error.status !== 503 || !error.payload.loading) throw error;
-      setStatus(`loading the model… ${error.payload.seconds.toFixed(1)} s`, null, null);
-      await new Promise((resolve) => setTimeout(resolve, 250));
-    }
+    const payload = await api("api/session");
+    if (payload.state !== "loading") return payload;
+    setStatus(`loading the model… ${Number(payload.seconds).toFixed(1)} s`, null, null);
+    await new Promise((resolve) => setTimeout(resolve, 250));
   }
 }
 

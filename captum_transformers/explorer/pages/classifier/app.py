@@ -5,7 +5,8 @@ Routes (every ``/api/`` route needs the session token, see ``security``)::
     GET  /                    the page (static/index.html)
     GET  /static/...          its script and style sheet (shared with the generation page, ``http``)
     GET  /api/session         model, classes, method catalog with argument fields, the gallery
-                              (503 {"loading": true, "seconds"} while the model loads)
+                              (200 {"state": "loading", "seconds"} while the model loads;
+                              "state": "ready" once loaded)
     POST /api/explain         {"methods": [{"name", "arguments"}], "targets": {"<example>": class}}
                               -> a job (done at once when every map is cached)
     GET  /api/jobs/{id}       progress and maps of a job
@@ -41,7 +42,7 @@ from ....errors import CaptumTransformersError, InputError
 from ....methods.catalog import METHOD_NAMES
 from ...curves import deletion_insertion
 from ...explaining import available_methods
-from ...http import ModelBusy, json_body, page_app, parse_methods, shown
+from ...http import ModelBusy, json_body, loading_state, page_app, parse_methods, shown
 from ...jobs import Jobs
 from ...loading import LoadingWorkspace, StillLoading
 from ...method_arguments import check_work, method_catalog
@@ -132,7 +133,8 @@ def create_classifier_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS,
     """The classifier page of ``workspace`` as an ASGI app (wrapped in ``SecurityMiddleware``).
 
     ``workspace``: a ``Workspace``, a ``LoadingWorkspace`` still building one (the API then
-    answers 503 ``{"loading": true, "seconds": ...}`` until it is ready), or a list of
+    answers ``/api/session`` with 200 ``{"state": "loading", "seconds": ...}`` and the other
+    routes with 503 until it is ready), or a list of
     Workspaces, one per model, chosen by ``?model=<index>`` on API calls; ``benchmark``:
     aggregate curves (``benchmark_curves(path)``) shown beside the per-example ones;
     ``methods``: the catalog names offered (default: those that can explain the model);
@@ -182,7 +184,11 @@ def create_classifier_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS,
         return int(raw)
 
     async def get_session(request: Request) -> Response:
-        return JSONResponse(context(model_of(request))[3])
+        try:
+            session = context(model_of(request))[3]
+        except StillLoading as error:  # the page's poll: a state to show, not an error
+            return JSONResponse(loading_state(error))
+        return JSONResponse({**session, "state": "ready"})
 
     async def explain(request: Request) -> Response:
         workspace, jobs, methods, _ = context(model_of(request))

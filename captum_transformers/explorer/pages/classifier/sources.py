@@ -64,9 +64,12 @@ def task_workspace(task: str, samples: int = 48, cache_dir: Optional[str] = None
 
 def loaded_workspace(model: Optional[str], arch: Optional[str] = None, random_init: bool = False,
                      images: Sequence[str] = (), texts: Sequence[str] = (), samples: int = 48,
-                     task: Optional[str] = None, cache_dir: Optional[str] = None, device=None) -> Workspace:
+                     task: Optional[str] = None, cache_dir: Optional[str] = None, device=None,
+                     trust_pickle: bool = False) -> Workspace:
     """The workspace ``captum-transformers explore`` opens for these arguments, its model on
-    ``device`` (a checked ``torch.device``; default the CPU)."""
+    ``device`` (a checked ``torch.device``; default the CPU); ``trust_pickle``: as for
+    ``model_loading.load_model`` (``--trust-pickle``: a checkpoint file read as a full pickle runs
+    its code)."""
     if images and texts:
         raise InputError("give either --image or --text, not both.")
     if task is not None:
@@ -78,7 +81,7 @@ def loaded_workspace(model: Optional[str], arch: Optional[str] = None, random_in
         return builtin_workspace(samples, device=device)
     from ....model_loading import load_model, read_image
 
-    loaded = load_model(model, arch, random_init)
+    loaded = load_model(model, arch, random_init, trust_pickle=trust_pickle)
     if loaded.modality == "image" and texts:
         raise InputError(f"{loaded.name} is an image model but got --text; give --image FILE or a text model.")
     if loaded.modality == "text" and images:

@@ -7,7 +7,7 @@ classifier page: Host allowlist, CSP without inline script, bounded JSON bodies)
     GET  /api/session            {"page": "generation", "model", "methods" (catalog with fields),
                                   "samples", "scores", "bounds": {"max_prompt_tokens", "max_new_tokens",
                                   "work_budget"}, "defaults": {"method", "max_new_tokens"}}
-                                 (503 {"loading": true, "seconds"} while the model loads)
+                                 (200 {"state": "loading", "seconds"} while the model loads)
     POST /api/generate           {"prompt", "max_new_tokens", "methods": [{"name", "arguments"}],
                                   "score": "logit" | "log_prob" | "contrast", "contrast": foil}
                                  -> a job (done at once when cached): {"id", "state", "done", "total",
@@ -37,7 +37,7 @@ from starlette.routing import Route
 
 from ....errors import CaptumTransformersError, InputError
 from ...explaining import available_methods
-from ...http import ModelBusy, json_body, page_app, parse_methods, shown
+from ...http import ModelBusy, json_body, loading_state, page_app, parse_methods, shown
 from ...jobs import Jobs
 from ...loading import StillLoading
 from ...method_arguments import WORK_BUDGET, method_catalog
@@ -104,7 +104,11 @@ def create_generation_app(workspace, token: str, allowed_hosts=LOCAL_HOSTS,
         return current, jobs, requests, {0: request}
 
     async def get_session(request: Request) -> Response:
-        return JSONResponse(context()[3])
+        try:
+            session = context()[3]
+        except StillLoading as error:  # the page's poll: a state to show, not an error
+            return JSONResponse(loading_state(error))
+        return JSONResponse({**session, "state": "ready"})
 
     async def generate(request: Request) -> Response:
         _, jobs, requests, targets = parsed(await json_body(request))

@@ -41,6 +41,7 @@ from ....errors import InputError
 from ....generation import GenerationAttribution
 from ....generation.generate import generated_targets
 from ....generation.prompts import encode_prompt
+from ....generation.positions import position_limit
 from ...explaining import Cancelled, catalog_builder, stoppable
 from ...method_arguments import WORK_BUDGET, arguments_key, checked_arguments, constructor_arguments
 
@@ -110,10 +111,12 @@ class GenerationWorkspace:
         self.model, self.tokenizer, self.name = model.eval(), tokenizer, name
         self.samples = [str(sample) for sample in samples]
         self.method_builder = method_builder
-        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        # Only a learned position table limits the length (generation.positions, the API's and the
+        # CLI's rule); a prompt of P tokens and T outputs reads P + T - 1 positions.
+        positions = position_limit(model)
         self.max_new_tokens = max_new_tokens if positions is None else max(1, min(max_new_tokens, positions // 4))
         self.max_prompt_tokens = MAX_PROMPT_TOKENS if positions is None else \
-            max(1, min(MAX_PROMPT_TOKENS, positions - self.max_new_tokens))
+            max(1, min(MAX_PROMPT_TOKENS, positions - self.max_new_tokens + 1))
         self.default_new_tokens = min(default_new_tokens or self.max_new_tokens, self.max_new_tokens)
         self._cache: "OrderedDict[tuple, Any]" = OrderedDict()
         self._lock = threading.Lock()
