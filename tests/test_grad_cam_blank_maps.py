@@ -25,7 +25,8 @@ def _blank_warnings(call):
 @pytest.mark.parametrize("scores, blank", [
     (torch.tensor([[0.0, 0.2], [0.0, 0.0]]), True),
     (torch.tensor([[0.0, 0.2], [0.1, 0.0]]), False),
-    ({"text": torch.tensor([[0.0, 0.0]]), "image": torch.tensor([[0.0, 0.3]])}, False),  # one stream has evidence
+    ({"text": torch.tensor([[0.0, 0.0]]), "image": torch.tensor([[0.0, 0.3]])}, False),  # evidence in one stream: no
+    # whole-map warning (the blank stream gets its own, naming it: tests/test_trust3_zoo.py)
     ({"text": torch.zeros(2, 3), "image": torch.tensor([[0.0, 0.3], [0.0, 0.0]])}, True),
     ((torch.zeros(1, 4),), True),
 ])

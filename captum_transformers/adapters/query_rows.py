@@ -22,7 +22,8 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, Optional, Tuple, Union
+import functools
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -124,19 +125,32 @@ class ReadRows:
     """
 
     def __init__(self) -> None:
-        self.output: Optional[torch.Tensor] = None
-        self.sequence_first = False
-        self.read: Optional[torch.Tensor] = None
+        # The output of each watched call, in call order, until :meth:`listen` lets them go.
+        self.outputs: List[Tuple[torch.Tensor, bool]] = []
+        # (call index, rows read) of each watched call whose output the gradient reached.
+        self.reads: Dict[int, torch.Tensor] = {}
+
+    @property
+    def read(self) -> Optional[torch.Tensor]:
+        """The rows (B, N) the score reads at the last watched call that the gradient reached
+        (None: none was): a later call whose output the score does not use (Siglip's attention
+        pooling head, run but not read by its image classifier) says nothing of the rows."""
+        return self.reads[max(self.reads)] if self.reads else None
+
+    def read_at(self, batch: int, num_tokens: int) -> Optional[torch.Tensor]:
+        """The rows read at the last reached call whose output holds ``num_tokens`` tokens of
+        ``batch`` examples (a pooling head's attention over one probe query is passed over)."""
+        shaped = [index for index, read in self.reads.items() if tuple(read.shape) == (batch, num_tokens)]
+        return self.reads[max(shaped)] if shaped else None
 
     @contextlib.contextmanager
     def watch(self, modules: Iterable[nn.Module]) -> Iterator[None]:
-        """Forward hooks keeping the output of the last call of any of ``modules``."""
+        """Forward hooks keeping the output of every call of any of ``modules``."""
         def keep(module, args, output):
             tensor = output[0] if isinstance(output, (tuple, list)) and output else output
             if isinstance(tensor, torch.Tensor) and tensor.dim() == 3 and tensor.requires_grad:
-                self.output = tensor
                 # nn.MultiheadAttention(batch_first=False) returns (N, B, D).
-                self.sequence_first = getattr(module, "batch_first", True) is False
+                self.outputs.append((tensor, getattr(module, "batch_first", True) is False))
             return None
 
         with contextlib.ExitStack() as stack:
@@ -145,24 +159,25 @@ class ReadRows:
             yield
 
     def listen(self) -> None:
-        """Before the backward pass: note the rows its gradient reaches. The output is let go
-        once hooked: kept, it would close a cycle (output, its graph, the hook, this object)
-        through the autograd graph, which no garbage collector frees."""
-        output, self.output = self.output, None
-        if output is not None:
-            output.register_hook(self._note)
+        """Before the backward pass: note the rows its gradient reaches at each kept output. The
+        outputs are let go once hooked: kept, they would close a cycle (output, its graph, the
+        hook, this object) through the autograd graph, which no garbage collector frees."""
+        outputs, self.outputs = self.outputs, []
+        for index, (output, sequence_first) in enumerate(outputs):
+            output.register_hook(functools.partial(self._note, index, sequence_first))
 
-    def _note(self, grad: torch.Tensor) -> None:
+    def _note(self, index: int, sequence_first: bool, grad: torch.Tensor) -> None:
         read = grad.detach().ne(0).any(dim=-1)
-        read = read.transpose(0, 1) if self.sequence_first else read
-        self.read = read if self.read is None else self.read | read
+        read = read.transpose(0, 1) if sequence_first else read
+        self.reads[index] = read if index not in self.reads else self.reads[index] | read
 
     def refuse_unexplained(self, num_tokens: int, query_rows: torch.Tensor, query_weights: Optional[torch.Tensor],
                            token_mask: Optional[torch.Tensor], hint: str) -> None:
         """:class:`InputError` when the score reads real rows that the explanation leaves out."""
-        if self.read is None or tuple(self.read.shape) != (query_rows.shape[0], num_tokens):
-            return  # not the explained sequence's last call (another stream or layout)
-        read = self.read.to(query_rows.device)
+        read = self.read_at(query_rows.shape[0], num_tokens)
+        if read is None:
+            return  # no reached call over the explained sequence (another stream or layout)
+        read = read.to(query_rows.device)
         explained = torch.zeros_like(read)
         weighted = torch.ones_like(query_rows, dtype=torch.bool) if query_weights is None else query_weights > 0
         explained.scatter_(1, query_rows, weighted.to(query_rows.device))

@@ -54,6 +54,7 @@ from ..errors import CaptureError, InputError
 from ..model_state import patching
 from ..model_state.exclusive import exclusive
 from ..propagation.backward_switch import BackwardSwitch, switchable_backward
+from ..propagation.rules.normalized_add import NormalizedAdd
 from ..propagation.rules.rule_set import RuleSet, refuse_rounding_sensitive
 
 
@@ -117,6 +118,52 @@ def captured_passes(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tens
         yield Capture(inputs, additional, forward_kwargs, recorder, switch, contexts)
 
 
+def _mixes_examples(shape: Tuple[int, ...], batch_dim: Optional[int], batch: int) -> bool:
+    """Whether a normalised add over operands of ``shape``, normalised along ``batch_dim`` (None:
+    the whole tensor one example), sums over several of ``batch`` examples: its first axis holds
+    a whole number (> 1) of rows per example (a (B, N, D) tensor flattened to (B * N, D), heads
+    folded into the batch) and no axis was read as the examples'."""
+    if len(shape) == 0 or shape[0] <= batch or shape[0] % batch:
+        return False
+    return batch_dim is None or (batch_dim != 0 and len(shape) == 2)
+
+
+def refuse_batch_mixing_adds(scores: torch.Tensor, rules: Optional[RuleSet]) -> None:
+    """:class:`CaptureError` when the graph of ``scores`` (B,) holds a normalised add (Chefer et al.'s
+    rule, ``add="normalized"``) that normalises the relevance of several examples together.
+
+    The rule divides each operand's relevance by sums over its example. It finds the example axis
+    as the one of batch size; a model that flattens its (B, N, D) hidden states to (B * N, D) rows
+    around a residual add (OPT's decoder layers, around their feed-forward block) leaves it none,
+    so the sums run over the whole batch: each example's map would then depend on the others
+    (OPT: 1e-5 apart from the example explained alone, in float64). Checked before the backward
+    pass, by walking the graph; a batch of one and rules with plain adds are never refused."""
+    if rules is None or rules.add != "normalized" or scores.dim() == 0 or scores.shape[0] < 2 \
+            or scores.grad_fn is None:
+        return
+    batch = scores.shape[0]
+    seen = set()
+    stack = [scores.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))  # the graph (held by scores) keeps every node alive: ids stay unique
+        if getattr(type(node), "_forward_cls", None) is NormalizedAdd and getattr(node, "groups", None) is None:
+            shape = tuple(getattr(node, "second_shape", ()))
+            if _mixes_examples(shape, getattr(node, "batch_dim", None), batch):
+                raise CaptureError(
+                    f"The normalised add rule of {rules.name} (TransformerRelevance's default) divides relevance by "
+                    f"sums over each example, but the model adds tensors of shape {shape}, whose {shape[0]} rows hold "
+                    f"the tokens of all {batch} examples of the batch (hidden states (batch, tokens, features) "
+                    "flattened to rows, as OPT's decoder layers do around their feed-forward block), so each "
+                    "example's normalisation would mix the others' and its map would depend on the batch. Explain "
+                    "one example at a time (a batch of one), or use rules with plain adds (AttnLRP, ConservativeLRP, "
+                    "GenericAttention)."
+                )
+        stack.extend(next_node for next_node, _ in node.next_functions)
+
+
 def backward_to_maps(recorder: Recorder, scores: torch.Tensor, retain_graph: bool = False) -> None:
     """One backward pass from ``scores`` (B,) to the recorded attention maps, each reduced by
     the recorder's spec as its gradient arrives; a map the scores do not reach is reduced
@@ -152,6 +199,7 @@ def backward_passes(capture: Capture, scores: torch.Tensor, rules: Optional[Rule
     and reduced by ``spec``; then, with a ``plain_spec``, the plain gradient of ``scores``
     through the same graph (every rule switched off), reduced by ``plain_spec``, the two
     reduced as a pair. ``keep_graph``: a later group's passes go through the same graph."""
+    refuse_batch_mixing_adds(scores, rules)
     recorder = capture.recorder
     paired = plain_spec is not None
     recorder.begin_pass(spec, None, keep_probs=keep_graph or paired, pair_first=paired)
@@ -230,6 +278,7 @@ def relevance_gradients(scores: torch.Tensor, rules: RuleSet, leaves: Sequence[t
     that do not depend on the inputs."""
     if not scores.requires_grad:
         raise CaptureError(f"The explained {what} does not depend on the inputs (it does not require grad).")
+    refuse_batch_mixing_adds(scores, rules)
     explained = seeded(scores, rules)
     return explained, torch.autograd.grad(explained.sum(), list(leaves), allow_unused=True,
                                           retain_graph=retain_graph)

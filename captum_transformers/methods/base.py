@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import threading
+import warnings
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -38,6 +39,53 @@ StreamScores = Union[torch.Tensor, Dict[str, torch.Tensor]]
 StartLayer = Union[int, Mapping[str, int]]
 
 TensorOrTuple = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
+
+
+def blank_map_warning(method: Any, stream: Optional[str] = None) -> str:
+    """The warning given with a map that is 0 everywhere for some explained example (of one
+    ``stream`` of a model with several, named; None: the whole map). ``method``: the method's
+    class (or instance), whose ``blank_map_reason`` says why its maps can be blank.
+
+    Example::
+
+        >>> blank_map_warning(PartialLRP, "encoder")[:62]
+        "PartialLRP: the map of the 'encoder' stream of some explained "
+    """
+    cls = method if isinstance(method, type) else type(method)
+    where = "some explained example" if stream is None else f"the {stream!r} stream of some explained example"
+    return (f"{cls.__name__}: the map of {where} is 0 everywhere. {cls.blank_map_reason}: the method finds no "
+            "positive evidence there, and the map carries no information about the prediction. GenericAttention, "
+            "TransformerRelevance or AttnLRP explain it from every layer.")
+
+
+def warn_if_blank(scores: Any, method: Any) -> Any:
+    """``scores`` (a method's reduced maps: a tensor, or per stream) as they are, after a
+    :func:`blank_map_warning` for each example whose map is 0 everywhere: a blank map reads as
+    "nothing mattered", which it does not say. An example blank in every stream gets the warning
+    for the whole map; a stream blank where another stream of the same example is not gets its
+    own warning, naming it (an encoder-decoder's source, a DETR image)."""
+    if isinstance(scores, dict):
+        named = list(scores.items())
+    elif isinstance(scores, (tuple, list)):
+        named = [(str(i), value) for i, value in enumerate(scores)]
+    else:
+        named = [(None, scores)]
+    named = [(name, value.detach()) for name, value in named
+             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] and value[0].numel()]
+    if not named:
+        return scores
+    blank = {name: value.flatten(1).abs().amax(1).to("cpu", torch.float64) == 0 for name, value in named}
+    if len({tuple(b.shape) for b in blank.values()}) != 1:  # streams of different batches: each on its own
+        everywhere = torch.zeros(0, dtype=torch.bool)
+    else:
+        everywhere = torch.stack(list(blank.values())).all(0)
+    if bool(everywhere.any()):
+        warnings.warn(blank_map_warning(method), UserWarning, stacklevel=3)
+    if len(named) > 1:
+        for name, rows in blank.items():
+            if bool((rows & ~everywhere if everywhere.numel() else rows).any()):
+                warnings.warn(blank_map_warning(method, name), UserWarning, stacklevel=3)
+    return scores
 
 
 def _named_inputs(inputs: Any, additional_forward_args: Any,
@@ -110,11 +158,14 @@ def span_to_input(scores: torch.Tensor, span: InputSpan, tensor: torch.Tensor) -
     """Map the tokens ``span`` selects from a stream's scores (B, N) onto one input tensor.
 
     Images (B, C, H, W) with a ``grid``: the tokens as a (gh, gw) map, bilinearly upsampled
-    to H x W and expanded over channels (an image without a ``grid`` is refused). Token
-    inputs (B, n) get the scores; embeddings (B, n, D) get them repeated over D. Graph node
-    features (N, F) of a span with ``nodes`` get their node's score repeated over F. An input
-    with no token correspondence (for example a per-example scalar feature) gets zeros: it
-    is not a token the attention mixes.
+    to H x W and expanded over channels (an image without a ``grid`` is refused). Features
+    (B, X, Y) with a ``grid`` (Whisper's (mel bins, frames), grid (1, tokens)): upsampled the
+    same way to X x Y. Token inputs (B, n) get the scores; embeddings (B, n, D) get them
+    repeated over D. Graph node features (N, F) of a span with ``nodes`` get their node's
+    score repeated over F. A floating-point input of three or more dimensions whose axis 1 is
+    not the tokens (and no grid says how they map) is refused: zeros would say "nothing
+    mattered". Any other input with no token correspondence (for example a per-example scalar
+    feature) gets zeros: it is not a token the attention mixes.
     """
     batch = scores.shape[0]
     if span.nodes is not None:
@@ -142,9 +193,29 @@ def span_to_input(scores: torch.Tensor, span: InputSpan, tensor: torch.Tensor) -
         patches = tokens.reshape(batch, 1, *span.grid)
         upsampled = F.interpolate(patches, size=tensor.shape[-2:], mode="bilinear", align_corners=False)
         return upsampled.expand(-1, tensor.shape[1], -1, -1).contiguous()
+    if span.grid is not None and tensor.dim() == 3 and tensor.is_floating_point():
+        # Features (B, rows, columns) whose tokens form a grid over them: Whisper's (mel bins, frames)
+        # with its (1, tokens) grid, each token's score upsampled over the frames it covers.
+        if tokens.shape[1] != span.grid[0] * span.grid[1]:
+            raise CaptureError(
+                f"{tokens.shape[1]} tokens cannot form the {span.grid[0]}x{span.grid[1]} grid of an input of shape "
+                f"{tuple(tensor.shape)}; the adapter's layout does not match the model. Pass return_tokens=True."
+            )
+        cells = tokens.reshape(batch, 1, *span.grid)
+        return F.interpolate(cells, size=tensor.shape[-2:], mode="bilinear", align_corners=False)[:, 0].contiguous()
     if tensor.dim() >= 2 and tensor.shape[1] == tokens.shape[1]:
         view = tokens.reshape(batch, tokens.shape[1], *([1] * (tensor.dim() - 2)))
         return view.expand(*tensor.shape).contiguous()
+    if tensor.is_floating_point() and tensor.dim() >= 3:
+        # A sequence of features whose positions are not the tokens (audio frames a strided convolution
+        # subsamples, a prefix token added inside the model): zeros would read as "nothing mattered".
+        raise CaptureError(
+            f"The {tokens.shape[1]} token scores of the {span.stream!r} stream cannot be mapped onto the input of "
+            f"shape {tuple(tensor.shape)}: its axis 1 holds {tensor.shape[1]} positions, not one per token, and the "
+            "adapter knows no grid that maps the tokens onto it (features that the model turns into another number "
+            "of tokens, e.g. by a strided convolution). Pass return_tokens=True for the (B, N) token scores, or "
+            "give the input an InputSpan with a grid in a custom adapter's stream_layouts()."
+        )
     return torch.zeros(tensor.shape, dtype=scores.dtype, device=scores.device)
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Literal
 
 import torch
@@ -10,7 +9,7 @@ import torch
 from .. import functional
 from ..capture.trace import AttentionRecord, AttentionTrace, CaptureSpec
 from ..errors import CaptureError, InputError
-from .base import TraceAttribution
+from .base import TraceAttribution, blank_map_warning, warn_if_blank
 from ..engine.pass_plan import PassPlan
 from ..capture.row_chains import last_map_row, row_layout
 from ..capture.row_stream import RowStream
@@ -37,25 +36,6 @@ def _weighted_by_real_keys(probs: torch.Tensor, grad: torch.Tensor, valid=None) 
 
 _weighted_by_real_keys.row_separable = True  # each row weighted over its own keys: streamable
 _weighted_by_real_keys.reads_masked_keys = True  # its head weights average g_A over keys where A may be 0
-
-
-BLANK_MAP_WARNING = (
-    "AttentionGradCAM: the map of some explained example is 0 everywhere. For each of its tokens the "
-    "gradient-weighted heads of the last layer sum to <= 0, and Grad-CAM keeps only the positive part "
-    "(Chefer et al.'s baseline): the method finds no positive evidence there, and the map carries no "
-    "information about the prediction. GenericAttention, TransformerRelevance or AttnLRP explain it from every layer.")
-
-
-def _warn_if_blank(scores):
-    """``scores`` as they are, after a warning if some example's map is 0 everywhere (see
-    :data:`BLANK_MAP_WARNING`): a blank map reads as "nothing mattered", which it does not say."""
-    values = scores.values() if isinstance(scores, dict) else scores if isinstance(scores, (tuple, list)) else [scores]
-    tensors = [v for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] and v[0].numel()]
-    if tensors:
-        largest = torch.stack([t.detach().flatten(1).abs().amax(1).to("cpu", torch.float64) for t in tensors]).amax(0)
-        if bool((largest == 0).any()):
-            warnings.warn(BLANK_MAP_WARNING, UserWarning, stacklevel=3)
-    return scores
 
 
 class AttentionGradCAM(TraceAttribution):
@@ -85,7 +65,8 @@ class AttentionGradCAM(TraceAttribution):
     rows, each row is weighted and rectified on its own, then the rows are mixed. With several
     streams, the last map of each (explained stream, stream) pair is used (ICCV 2021, Sec. 4);
     ``P`` then follows the key stream's layout. A map that the rectification leaves 0 everywhere
-    (no positive evidence in the last layer) is returned with a warning (:data:`BLANK_MAP_WARNING`).
+    (no positive evidence in the last layer) is returned with a warning (:data:`BLANK_MAP_WARNING`); with
+    several streams, a stream blank where another is not gets its own warning, naming it.
 
     Example::
 
@@ -94,6 +75,9 @@ class AttentionGradCAM(TraceAttribution):
     """
 
     uses_row_chains = True
+    #: Why a map can be 0 everywhere (:func:`~captum_transformers.methods.base.blank_map_warning`).
+    blank_map_reason = ("For each of its tokens the gradient-weighted heads of the last layer sum to <= 0, and "
+                        "Grad-CAM keeps only the positive part (Chefer et al.'s baseline)")
 
     def __init__(self, model, adapter=None, head_weights: HeadWeights = "row") -> None:
         if head_weights not in HEAD_WEIGHTS:
@@ -132,7 +116,7 @@ class AttentionGradCAM(TraceAttribution):
         return PassPlan(spec)
 
     def reduce(self, trace: AttentionTrace):
-        return _warn_if_blank(self._reduce(trace))
+        return warn_if_blank(self._reduce(trace), self)
 
     def _reduce(self, trace: AttentionTrace):
         if (streamed := self.streamed_result(trace)) is not None:
@@ -167,3 +151,12 @@ class AttentionGradCAM(TraceAttribution):
                 f"gradient over in some example ({keys} keys, {layout.num_prefix_tokens if layout else 0} prefix "
                 "tokens, padding excluded). Use head_weights='all'.")
         return dataclasses.replace(record, backward_value=functional.gradcam_heads_by_row(probs, grad, columns))
+
+
+#: The warning given with a Grad-CAM map that is 0 everywhere for some explained example.
+BLANK_MAP_WARNING = blank_map_warning(AttentionGradCAM)
+
+
+def _warn_if_blank(scores):
+    """``scores`` as they are, after Grad-CAM's blank-map warnings (:func:`warn_if_blank`)."""
+    return warn_if_blank(scores, AttentionGradCAM)

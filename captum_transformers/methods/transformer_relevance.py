@@ -9,7 +9,7 @@ from .math import relevancy_maps
 from ..errors import InputError
 from ..propagation.rules.rule_set import RuleSet
 from ..capture.trace import TOKENS, AttentionTrace, CaptureSpec
-from .base import StartLayer, TraceAttribution
+from .base import StartLayer, TraceAttribution, warn_if_blank
 from ..engine.pass_plan import PassPlan
 from ..capture.row_chains import last_map_row, relevance_chain, rollout_chain, row_layout
 from ..capture.row_stream import RowStream
@@ -131,7 +131,9 @@ class PartialLRP(TraceAttribution):
     the LRP relevance of the last attention map, positive part, averaged over heads, read at
     the classification row; one forward and one backward pass. The default rules are those of
     the authors' LRP baseline (``RuleSet.LRP``, which produced the paper's "partial LRP"
-    column); ``rules=RuleSet.CHEFER`` gives the relevance of their own method's pass.
+    column); ``rules=RuleSet.CHEFER`` gives the relevance of their own method's pass. A map that
+    the positive part leaves 0 everywhere is returned with a warning, as Grad-CAM's is
+    (:func:`~captum_transformers.methods.base.blank_map_warning`), per stream where a model has several.
 
     Example::
 
@@ -139,6 +141,10 @@ class PartialLRP(TraceAttribution):
     """
 
     uses_row_chains = True
+    #: Why a map can be 0 everywhere (:func:`~captum_transformers.methods.base.blank_map_warning`).
+    blank_map_reason = ("At each of its tokens every head's relevance of the last attention map (A times its "
+                        "gradient under the rules) is <= 0, and Partial LRP keeps only the positive part (Chefer et "
+                        "al.'s baseline)")
 
     def __init__(self, model, adapter=None, rules: RuleSet = RuleSet.LRP) -> None:
         super().__init__(model, adapter)
@@ -153,5 +159,5 @@ class PartialLRP(TraceAttribution):
 
     def reduce(self, trace: AttentionTrace):
         if self.is_one_sequence(trace):
-            return last_map_row(row_layout(trace), [r.backward_value for r in trace.records])
-        return self.last_map_rows(trace, backward=True)
+            return warn_if_blank(last_map_row(row_layout(trace), [r.backward_value for r in trace.records]), self)
+        return warn_if_blank(self.last_map_rows(trace, backward=True), self)

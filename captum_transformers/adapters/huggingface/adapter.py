@@ -9,6 +9,7 @@ encoder and decoder), the explained rows, the input spans, targets and output fi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
@@ -31,17 +32,25 @@ from ..query_rows import QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen_
 from ...capture.recorder import Recorder
 
 # Per-architecture quirks are rows of data. prefix: tokens before the patch grid;
-# rows: classifier token positions; "eos": CLIP text pools at the end-of-text token.
+# rows: classifier token positions; "eos": CLIP text pools at the end-of-text token;
+# frames: the encoder's input is audio features (B, mel bins, frames) that a strided convolution
+# turns into tokens along the last axis (Whisper: two frames per token).
 _MODEL_TYPE_QUIRKS: Dict[str, Dict[str, Any]] = {
     "vit": {"prefix": 1},
     "deit": {"prefix": 2},
     "clip_vision_model": {"prefix": 1},
     "clip_text_model": {"rows": "eos"},
+    "whisper": {"frames": "last"},
 }
 # Heads that read more than one token: their rows are averaged.
 _CLASS_ROWS: Dict[str, Tuple[int, ...]] = {
     "DeiTForImageClassificationWithTeacher": (0, 1),
 }
+# Heads that average every real token of the last layer (no CLS token; Siglip 2 over its unpadded
+# patches): explained at all rows, equally weighted (query_rows="mean").
+_MEAN_POOLING_HEADS = frozenset({
+    "SiglipForImageClassification", "Siglip2ForImageClassification", "IJepaForImageClassification",
+})
 # Streams by module path, for models with more than one token sequence. The first
 # component of a block's dotted path found in _STREAM_COMPONENTS names its query stream
 # ("text_model.encoder.layers.0.self_attn" -> "text"; "model.decoder.layers.0.encoder_attn"
@@ -142,11 +151,15 @@ class HuggingFaceAdapter(Adapter):
       token to explain; to explain an earlier generated token, truncate
       ``decoder_input_ids`` to the tokens before it. The attributions are (source
       relevance, decoder-prefix relevance). A ViT encoder's pixel input
-      (``VisionEncoderDecoderModel``) is mapped through its patch grid.
+      (``VisionEncoderDecoderModel``) is mapped through its patch grid, and Whisper's audio
+      features ``(input_features, decoder_input_ids)`` (B, mel bins, frames) through its frames:
+      each encoder token's score upsampled linearly over the frames it covers (two), the same
+      at every mel bin.
 
     The explained rows follow the model's head where the model says it: the CLS token of
     ``*ForSequenceClassification`` / ``*ForImageClassification``, DeiT's CLS and distillation
-    tokens, CLIP text's end-of-text token, a causal model's last real token. A head the adapter
+    tokens, every patch token (equally weighted) of the heads that mean-pool them (Siglip,
+    Siglip 2, I-JEPA), CLIP text's end-of-text token, a causal model's last real token. A head the adapter
     cannot see, e.g. a user's ``nn.Module`` that mean-pools ``BertModel``'s hidden states (the
     usual sentence-encoder use of MiniLM), still gets the CLS row by default: nothing in the
     forward pass tells which rows the user's code reads. Say it with ``query_rows``. Methods
@@ -248,6 +261,8 @@ class HuggingFaceAdapter(Adapter):
             rows = _CLASS_ROWS.get(type(module).__name__)
             if rows is not None:
                 return torch.tensor(rows, device=device).expand(batch, -1)
+            if type(module).__name__ in _MEAN_POOLING_HEADS:
+                return chosen_rows("mean", num_tokens, token_mask, batch, device)
         if self._quirks(model).get("rows") == "eos":
             return self._eos_rows(model, inputs[0])
         return super().query_rows(model, inputs, recorder, num_tokens, num_prefix, token_mask)
@@ -270,7 +285,12 @@ class HuggingFaceAdapter(Adapter):
         method :attr:`layout_builders` names for the model's set of query streams."""
         names = frozenset(site.streams[0] for site in recorder.sites)
         if len(names) < 2:
-            return super().stream_layouts(model, inputs, recorder)
+            single = super().stream_layouts(model, inputs, recorder)
+            frames = self._frame_grid(model, inputs[0], single.layouts[single.explained[0]].num_tokens)
+            if frames is None:
+                return single
+            return dataclasses.replace(single, inputs=(InputSpan(single.explained[0], 0, None, frames),)
+                                       + single.inputs[1:])
         if self.query_rows_choice is not None:
             raise InputError(
                 f"query_rows={self.query_rows_choice!r} chooses the explained rows of one token sequence, but "
@@ -332,14 +352,32 @@ class HuggingFaceAdapter(Adapter):
         num_decoder = recorder.stream_length("decoder")
         num_encoder = recorder.stream_length("encoder")
         grid, prefix = self._image_grid(model, inputs[0], num_encoder)
+        frames = self._frame_grid(model, inputs[0], num_encoder)
         layouts = {
             "encoder": TokenLayout(num_encoder, torch.zeros(batch, 1, dtype=torch.long, device=device), encoder_mask,
                                    prefix, grid),
             "decoder": TokenLayout(num_decoder, chosen_rows("last", num_decoder, decoder_mask, batch, device), decoder_mask),
         }
-        spans = (InputSpan("encoder", prefix, None, grid), InputSpan("decoder"))[: len(inputs)]
+        spans = (InputSpan("encoder", prefix, None, grid or frames), InputSpan("decoder"))[: len(inputs)]
         spans += (None,) * (len(inputs) - len(spans))
         return StreamLayouts(layouts, ("decoder",), spans)
+
+    def _frame_grid(self, model: nn.Module, features: torch.Tensor, num_tokens: int) -> Optional[Tuple[int, int]]:
+        """The (1, tokens) grid of audio features (B, mel bins, frames) of a model whose quirks
+        say so (Whisper), its tokens along the frames: an :class:`InputSpan` with it maps each
+        token's score onto its frames (upsampled linearly, the same at every mel bin), as an
+        image's patch scores onto its pixels. None for other inputs and models."""
+        if self._quirks(model).get("frames") != "last" or features.dim() != 3 or not features.is_floating_point():
+            return None
+        frames = features.shape[-1]
+        if frames % num_tokens:
+            raise CaptureError(
+                f"The audio encoder attends over {num_tokens} tokens, which do not divide the {frames} frames of the "
+                f"input features of shape {tuple(features.shape)} (expected (batch, mel bins, frames) with a whole "
+                "number of frames per token). Pass the features the model's feature extractor makes, or "
+                "return_tokens=True for the token scores."
+            )
+        return (1, num_tokens)
 
     def _image_grid(self, model: nn.Module, pixels: torch.Tensor, num_tokens: int):
         """(grid, prefix tokens) of an image input to an encoder (VisionEncoderDecoder's ViT);
