@@ -123,15 +123,28 @@ def test_a_hidden_pooling_head_is_refused_where_the_gradient_shows_it(method):
 
 
 def test_a_token_level_target_read_at_another_row_is_refused():
-    """A masked-LM score at position 3 reads row 3, not the CLS row the adapter assumes."""
+    """A masked-LM score at position 3 reads row 3. HF's token-level heads are read there by
+    default (tests/test_token_level_heads.py); a user's module around one, which the adapter
+    cannot name, is refused by the gradient check instead of explained at the CLS row."""
     torch.manual_seed(0)
     model = transformers.BertForMaskedLM(transformers.BertConfig(**SMALL, vocab_size=99)).eval()
     ids, kwargs = _bert_inputs(lengths=(7, 5, 4))
-    with pytest.raises(InputError, match=r"depends on the last layer's tokens \[3\]"):
-        GenericAttention(model).attribute(ids, target=(3, 5), forward_kwargs=kwargs)
-    scores = GenericAttention(model, adapter=HuggingFaceAdapter(query_rows=3)).attribute(
+    chosen = GenericAttention(model, adapter=HuggingFaceAdapter(query_rows=3)).attribute(
         ids, target=(3, 5), forward_kwargs=kwargs, return_tokens=True)
-    assert torch.isfinite(scores).all() and (scores[:, 3] != 0).all()
+    assert torch.isfinite(chosen).all() and (chosen[:, 3] != 0).all()
+    default = GenericAttention(model).attribute(ids, target=(3, 5), forward_kwargs=kwargs, return_tokens=True)
+    torch.testing.assert_close(default, chosen, rtol=0, atol=0)
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.inner(input_ids, attention_mask=attention_mask).logits
+
+    with pytest.raises(InputError, match=r"depends on the last layer's tokens \[3\]"):
+        GenericAttention(Wrapped(), adapter=HuggingFaceAdapter()).attribute(ids, target=(3, 5), forward_kwargs=kwargs)
 
 
 @pytest.mark.parametrize("case", ["bert_model", "clip_vision", "clip_text"])

@@ -7,7 +7,8 @@ score per example. Booleans are refused: Python counts ``True`` as ``1``, so ``t
 would silently explain class 1.
 
 A model's output is read as scores by :func:`output_scores`: a tensor, the first tensor of
-a tuple, or the ``"logits"`` entry of a mapping (a dict, or a HuggingFace ``ModelOutput``).
+a tuple, the ``"logits"`` entry of a mapping (a dict, or a HuggingFace ``ModelOutput``), or a
+question-answering output's start and end scores stacked as (B, 2, N) (:func:`span_scores`).
 """
 from __future__ import annotations
 
@@ -32,6 +33,22 @@ def _check_index(index: Tuple[int, ...], shape: Tuple[int, ...], what: str) -> N
             )
 
 
+#: Extractive question answering's outputs: one start and one end score per token.
+SPAN_FIELDS = ("start_logits", "end_logits")
+
+
+def span_scores(output: Any) -> Any:
+    """``start_logits`` and ``end_logits`` (B, N) of a question-answering output stacked as
+    (B, 2, N), so that ``target=(0, i)`` is the start score of token ``i`` and ``(1, i)`` its end
+    score; None for any other output."""
+    if not isinstance(output, Mapping) or isinstance(output.get("logits"), torch.Tensor):
+        return None
+    spans = [output.get(field) for field in SPAN_FIELDS]
+    if all(isinstance(value, torch.Tensor) for value in spans) and spans[0].shape == spans[1].shape:
+        return torch.stack(spans, dim=1)
+    return None
+
+
 def output_scores(output: Any) -> Any:
     """The score tensor of a model output that is a mapping: its ``"logits"`` entry.
 
@@ -43,6 +60,9 @@ def output_scores(output: Any) -> Any:
     """
     if not isinstance(output, Mapping):
         return output
+    spans = span_scores(output)
+    if spans is not None:
+        return spans
     scores = output.get("logits")
     if not isinstance(scores, torch.Tensor):
         found = {key: type(value).__name__ for key, value in output.items()}

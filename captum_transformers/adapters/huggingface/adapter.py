@@ -28,8 +28,10 @@ from .kernel import ATTENTION_KEY, SDPA_KEY, active_recorder, active_rules, bloc
 from .kernel_keys import capture_key, propagation_key
 from .kept_logits import kept_logit_positions
 from .position_padding import learned_position_table, warn_left_padding_without_positions
-from ..query_rows import QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen_rows
+from ..query_rows import (QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen_rows,
+                          refuse_masked_explained_rows)
 from ...capture.recorder import Recorder
+from ...capture.targets import span_scores
 
 # Per-architecture quirks are rows of data. prefix: tokens before the patch grid;
 # rows: classifier token positions; "eos": CLIP text pools at the end-of-text token;
@@ -51,6 +53,13 @@ _CLASS_ROWS: Dict[str, Tuple[int, ...]] = {
 _MEAN_POOLING_HEADS = frozenset({
     "SiglipForImageClassification", "Siglip2ForImageClassification", "IJepaForImageClassification",
 })
+# Heads that score every token (rows of data): the head class's name ends with the key, and the
+# target index's entry at the value is the explained token's position. Question answering's
+# start and end scores are read as one (B, 2, N) tensor: target (0, i) is the start score of
+# token i, (1, i) its end score.
+_TOKEN_LEVEL_HEADS: Dict[str, int] = {
+    "ForTokenClassification": 0, "ForMaskedLM": 0, "ForQuestionAnswering": 1,
+}
 # Streams by module path, for models with more than one token sequence. The first
 # component of a block's dotted path found in _STREAM_COMPONENTS names its query stream
 # ("text_model.encoder.layers.0.self_attn" -> "text"; "model.decoder.layers.0.encoder_attn"
@@ -66,6 +75,12 @@ _CROSS_KEY_STREAMS: Dict[str, str] = {"decoder": "encoder"}
 _OUTPUT_FIELDS = ("logits", "logits_per_image", "image_embeds", "text_embeds", "pooler_output")
 # Output fields that hold scores a target indexes; the other fields hold features.
 _SCORE_FIELDS = ("logits", "logits_per_image")
+
+
+def _token_axis(model: nn.Module) -> Optional[int]:
+    """Where a token-level head's target index holds the token position (``_TOKEN_LEVEL_HEADS``), or None."""
+    name = type(model).__name__
+    return next((axis for suffix, axis in _TOKEN_LEVEL_HEADS.items() if name.endswith(suffix)), None)
 
 
 def pretrained_model(model: nn.Module) -> nn.Module:
@@ -441,6 +456,21 @@ class HuggingFaceAdapter(Adapter):
             )
         return scores, index
 
+    def rows_for_target(self, model, streams, index):
+        """Token-level heads (``_TOKEN_LEVEL_HEADS``: token classification, masked LM, question
+        answering): each example's explained row is its target's token, ``index[:, axis]``,
+        unless ``query_rows`` chose the rows; a padded target token is refused."""
+        axis = _token_axis(model)
+        if axis is None or self.query_rows_choice is not None or not streams.is_single:
+            return streams
+        layout = streams.layouts[streams.explained[0]]
+        rows = index[:, axis:axis + 1].to(device=layout.query_rows.device, dtype=torch.long)
+        rows = torch.where(rows < 0, rows + layout.num_tokens, rows)
+        refuse_masked_explained_rows(rows, None, layout.token_mask)
+        layouts = dict(streams.layouts)
+        layouts[streams.explained[0]] = dataclasses.replace(layout, query_rows=rows, query_weights=None)
+        return StreamLayouts(layouts, streams.explained, streams.inputs)
+
     def check_output(self, model, output, target):
         """A ModelOutput with no score field (a bare encoder: ``pooler_output``, ``image_embeds``,
         ``last_hidden_state``) holds features: refused with ``target=None``, whose arg-max
@@ -460,6 +490,11 @@ class HuggingFaceAdapter(Adapter):
         )
 
     def logits(self, model, output, layout, causal):
+        """The score tensor: a field of the output (``_OUTPUT_FIELDS``), or, for extractive
+        question answering, ``start_logits`` and ``end_logits`` stacked as (B, 2, N)."""
+        spans = span_scores(output)
+        if spans is not None:
+            return spans
         if not isinstance(output, (torch.Tensor, tuple, list)):
             for field in _OUTPUT_FIELDS:
                 value = output.get(field) if isinstance(output, Mapping) else getattr(output, field, None)
