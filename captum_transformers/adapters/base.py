@@ -78,9 +78,18 @@ class Adapter(abc.ABC):
 
         The ancestor of the first attention block that is an element of a layer list
         (``encoder.layer.0``, ``blocks.0``, ``layers.0``); the attention module itself if it
-        is not inside one.
+        is not inside one. A model with no attention block is refused (:class:`CaptureError`).
         """
-        return enclosing_layer(model, self.blocks(model)[0])
+        blocks = self.blocks(model)
+        if not blocks:
+            raise CaptureError(
+                f"The {self.name} adapter finds no attention module in {type(model).__name__}, so it has no "
+                "Transformer layer whose input holds the tokens' relevance: the model mixes its tokens some other "
+                "way (Fourier mixing as in FNet, a state-space scan as in Mamba, convolutions), which the relevance "
+                "rules do not describe. Explain it with a method that needs no attention (Captum's "
+                "IntegratedGradients or Saliency), or pass adapter= an adapter that knows its layers."
+            )
+        return enclosing_layer(model, blocks[0])
 
     def first_layers(self, model: nn.Module) -> Dict[Optional[str], nn.Module]:
         """The first layer of each token stream, whose input holds that stream's tokens.

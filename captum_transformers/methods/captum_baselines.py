@@ -44,6 +44,8 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
@@ -55,7 +57,7 @@ from ..adapters.graph.refusal import MESSAGE_PASSING, class_keys
 from ..model_state import patching
 from ..compat.compiled import uncompiled
 from ..model_state.exclusive import exclusive
-from ..capture.targets import output_scores
+from ..capture.targets import output_scores, select_targets
 from ..errors import InputError
 from ..adapters.input_checks import ordinary_tensors, refuse_inference_mode, refuse_non_finite
 from ..compat.stochastic_layers import watched
@@ -180,6 +182,10 @@ class _CaptumGradientBaseline(StochasticOptIn, Attribution):
         additional = _as_tuple(additional_forward_args) + tuple(expanded.values())
         if target is None:
             target = _predicted(forward, formatted, additional)
+        with _target_named(forward, formatted, additional, target):
+            return self._attributed(forward, inputs, formatted, embeddings, target, additional, forward_kwargs)
+
+    def _attributed(self, forward, inputs, formatted, embeddings, target, additional, forward_kwargs):
         if embeddings is None:
             attribution = self._input_attribution(forward, inputs, target, additional)
             detached = tuple(a.detach() for a in attribution) if isinstance(attribution, tuple) else None
@@ -290,6 +296,23 @@ def _split_kwargs(forward_kwargs: Optional[dict], batch: int) -> Tuple[Dict[str,
             raise InputError(f"forward_kwargs[{name!r}] has batch size {rows} but the inputs have {batch}. "
                              "Pass one row per example (or one row for all).")
     return expanded, fixed
+
+
+@contextlib.contextmanager
+def _target_named(forward: Callable, inputs: Tuple[torch.Tensor, ...], additional: Tuple[Any, ...], target: Any):
+    """Captum's assertion on a target that does not name one score per example (an int for a
+    causal LM's (B, N, V) logits) as the package's ``InputError``, naming the output's shape
+    (checked by one plain forward pass, only then)."""
+    try:
+        yield
+    except AssertionError as error:
+        if "Target not provided" not in str(error):
+            raise
+        with torch.no_grad():
+            scores = forward(*inputs, *additional)
+        select_targets(scores, target)  # raises the package's message for this shape
+        raise InputError(f"target={target!r} does not name one score per example of the model's scores of shape "
+                         f"{tuple(scores.shape)}; give one index per non-batch dimension.") from None
 
 
 def _predicted(forward: Callable, inputs: Tuple[torch.Tensor, ...], additional: Tuple[Any, ...]):
