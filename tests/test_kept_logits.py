@@ -104,3 +104,23 @@ def test_a_layout_explaining_another_position_is_refused():
     renumbered = KeptLogitPositions(torch.tensor([3, 6]), (3, 6)).layout_for_logits(
         TokenLayout(7, torch.tensor([[6], [3]]), None, 0, None, None), causal=True)
     assert renumbered.query_rows.tolist() == [[1], [0]]
+
+
+def test_a_classifier_that_takes_logits_to_keep_keeps_every_position():
+    """BioGPT's sequence classifier takes logits_to_keep and then reads its last real token
+    itself: keeping one position made it index past the kept logits (a raw IndexError)."""
+    import transformers
+    from captum_transformers import AttentionRollout, GenericAttention
+
+    torch.manual_seed(0)
+    config = transformers.BioGptConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=64, num_labels=3, pad_token_id=0,
+                                       attn_implementation="eager")
+    model = transformers.BioGptForSequenceClassification(config).double().eval()
+    ids = torch.tensor([[2, 5, 7, 9, 11, 3], [2, 6, 8, 3, 0, 0]])
+    mask = (ids != 0).long()
+    assert kept_logit_positions(model, (ids,), (), {"attention_mask": mask}, None) is None
+    for method in (GenericAttention, AttnLRP, AttentionRollout):
+        batch = method(model).attribute(ids, target=[1, 2], forward_kwargs={"attention_mask": mask})
+        single = method(model).attribute(ids[1:, :4], target=[2], forward_kwargs={"attention_mask": mask[1:, :4]})
+        torch.testing.assert_close(batch[1, :4], single[0], rtol=0, atol=1e-10)

@@ -33,6 +33,11 @@ from ...errors import CaptureError
 from ..query_rows import QueryRows, chosen_rows
 
 
+#: Heads that take ``logits_to_keep`` but pool or score positions themselves: keeping only the
+#: explained position would change what they compute (BioGPT's classifier then indexes past it).
+_POOLING_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+
+
 @dataclasses.dataclass(frozen=True)
 class KeptLogitPositions:
     """The sequence positions whose logits the model computes.
@@ -85,6 +90,8 @@ def kept_logit_positions(model: nn.Module, inputs: Tuple[torch.Tensor, ...], add
     attention mask), a position, or ``"mean"`` (all tokens: nothing to save).
     """
     if len(inputs) != 1 or query_rows == "mean" or inputs[0].dim() < 2:
+        return None
+    if type(model).__name__.endswith(_POOLING_HEADS):  # they read positions themselves (BioGPT's classifier)
         return None
     signature = forward_signature(type(model))
     if signature is None or "logits_to_keep" not in signature.parameters:
