@@ -109,7 +109,7 @@ def _message_hook(block: Block, rerouted: Dict[int, torch.Tensor], scatter_softm
         alpha = scatter_softmax(scores.detach(), index, ptr, size)
         # Forward: the layer's alpha, bit for bit; backward: g * alpha / s (the plain softmax
         # gradient, recomputed from s, when a pass asks for the plain gradient).
-        ruled = IdentityRelevance.apply(scores, alpha.detach(),
+        ruled = IdentityRelevance.apply(scores, [alpha.detach()],
                                         lambda s: scatter_softmax(s, index, ptr, size))
         message = value * ruled.view(-1, module.heads, 1)
         refuse_unless_layer_message(block, message, out, "so the identity softmax rule cannot be applied",

@@ -358,14 +358,27 @@ class IdentityRelevance(torch.autograd.Function):
     under a :class:`BackwardSwitch` set to ``plain``."""
 
     @staticmethod
-    def forward(ctx, x, output, recompute=None):
+    def forward(ctx, x, held, recompute=None):
+        # ``held``: ``[output]``, made without gradients. Not an input of the Function, so it is
+        # returned as a new tensor, not a view, which a model may update in place (XLM's
+        # ``tensor *= mask``); an update of the saved output is refused at the backward pass.
+        output = held[0]
         ctx.save_for_backward(x, output)
         ctx.switch, ctx.recompute = SWITCH.get(), recompute
-        return output.view_as(output)
+        return output
 
     @staticmethod
     def backward(ctx, grad):
-        x, output = ctx.saved_tensors
+        try:
+            x, output = ctx.saved_tensors
+        except RuntimeError as error:
+            if "modified by an inplace operation" not in str(error):
+                raise
+            raise CaptureError(
+                "The model changed a module's output in place after the identity rule read it (e.g. a mask "
+                "multiplied into a norm's output with *=), so R_x = R_y cannot be applied to the output it "
+                "had. Explain it with rules that keep the norm's own gradient (ConservativeLRP, AttnLRP), or "
+                "make the model's update out of place.") from None
         if _plain(ctx):
             return plain_gradient_of(ctx.recompute, (x,), {}, x, grad), None, None
         return identity_ratio(output, x).to(grad.dtype).mul_(grad), None, None
@@ -383,7 +396,7 @@ def _activation_forward(identity: bool):
                 with paused_rule_mode():  # the whole module gets one rule: none inside it
                     with torch.no_grad():
                         output = original(x, *args, **kwargs)
-                    output = IdentityRelevance.apply(x, output, lambda inputs: original(inputs, *args, **kwargs))
+                    output = IdentityRelevance.apply(x, [output], lambda inputs: original(inputs, *args, **kwargs))
             elif mode is not None:
                 with mode.gates.inside_activation():
                     output = original(x, *args, **kwargs)

@@ -255,11 +255,14 @@ class _ScaleConstantNorm(torch.autograd.Function):
     ``dx = C (dy * a / sigma)`` (LayerNorm; no ``C`` when the mean is frozen too or for RMSNorm)."""
 
     @staticmethod
-    def forward(ctx, x, output, scale, centered, freeze_mean, eps, recompute=None):
+    def forward(ctx, x, held, scale, centered, freeze_mean, eps, recompute=None):
         ctx.save_for_backward(x, scale)
         ctx.centered, ctx.freeze_mean, ctx.eps = centered, freeze_mean, eps
         ctx.switch, ctx.recompute = current_switch(), recompute
-        return output.view_as(output)
+        # ``held``: ``[output]``, the module's output made without gradients. Not an input of the
+        # Function, so it is returned as a new tensor, not a view: a model may update it in place
+        # (XLM: ``tensor *= mask`` after its embedding norm), as it updates its own norm's output.
+        return held[0]
 
     @staticmethod
     def backward(ctx, grad):
@@ -289,8 +292,8 @@ def _norm_forward(site: NormSite, rule: str):
                 recompute = lambda inputs: original(inputs, *args, **kwargs)  # noqa: E731  (the plain gradient)
                 if rule == "identity":
                     # Chefer et al.'s norm rule: relevance passes unchanged, R_x = R_y.
-                    return IdentityRelevance.apply(x, output, recompute)
-                return _ScaleConstantNorm.apply(x, output, site.scale, site.centered,
+                    return IdentityRelevance.apply(x, [output], recompute)
+                return _ScaleConstantNorm.apply(x, [output], site.scale, site.centered,
                                                 rule == "scale_and_mean_constant", site.eps, recompute)
         return forward
     return make
