@@ -1,4 +1,4 @@
-"""Models that mix tokens without attention (issue 42, item 5: no raw exceptions).
+"""Models that mix tokens without softmax attention (issue 42, items 2 and 5: refused by name, no raw exceptions).
 
 FNet (Fourier mixing) and Mamba (a state-space scan) have no attention module: every method of
 the package that needs one is refused by a ``CaptureError`` that says why (the relevance methods
@@ -59,3 +59,16 @@ def test_every_method_explains_or_refuses_by_name(family, name):
 def test_a_class_target_on_per_position_scores_names_the_shape(name):
     with pytest.raises(InputError, match=r"2 non-batch dimension\(s\) of sizes \(6, 50\)"):
         build_method(name, _mamba()).attribute(IDS, target=1)
+
+
+@pytest.mark.parametrize("name", [n for n in KNOWN_METHOD_NAMES if n not in CAPTUM])
+def test_differential_attention_is_refused_by_name(name):
+    """DiffLlama's heads weigh values by A1 - lambda A2: no probability map to read (issue 42)."""
+    from captum_transformers import UnsupportedModelError
+
+    torch.manual_seed(0)
+    model = transformers.DiffLlamaForCausalLM(transformers.DiffLlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2)).eval()
+    with pytest.raises(UnsupportedModelError, match="differential attention"):
+        build_method(name, model).attribute(IDS, target=(5, 7))

@@ -67,6 +67,9 @@ UNSUPPORTED: Tuple[Family, ...] = (
     Family("MViTv2", "timm.models.mvitv2", "", "pooling attention (queries, keys and values at other resolutions)"),
     Family("TinyViT", "timm.models.tiny_vit", "", "windowed attention in stages of decreasing resolution"),
     Family("DaViT", "timm.models.davit", "", "windowed spatial attention alternating with channel attention"),
+    Family("DiffLlama", "transformers.models.diffllama.", "",
+           "differential attention: each head's weights are the difference of two softmax maps (A1 - lambda A2), "
+           "signed and not a probability map, which neither the attention rules nor the relevance rules read"),
 )
 
 
@@ -109,7 +112,7 @@ def refuse_unsupported(model: nn.Module, adapter: object = None) -> None:
         )
     raise UnsupportedModelError(
         f"{type(model).__name__} is (or contains) a {family.name} model, which is not supported yet: "
-        f"{family.why}, so its attention maps do not chain over one token grid as these methods require. "
-        "Explain a model with global attention over one sequence (ViT, DeiT, BEiT, DINOv2, CLIP, timm "
-        "VisionTransformer), or pass adapter=YourAdapter() that maps the windows back onto one sequence."
+        f"{family.why}, so its attention maps do not chain over one token sequence as these methods require. "
+        "Explain a model with softmax attention over one sequence (ViT, DeiT, BEiT, DINOv2, CLIP, timm "
+        "VisionTransformer; BERT, Llama, Qwen2, GPT-2), or pass adapter=YourAdapter() that describes its attention."
     )
