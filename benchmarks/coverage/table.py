@@ -1,0 +1,246 @@
+"""The Markdown support table of a results file (``docs/coverage.md``).
+
+Per head kind one table, one row per architecture and one column per method, in compact cell
+codes; the reasons behind ``refused``, ``FAIL`` and ``n.b.`` cells are footnotes (``r3``,
+``f2``, ``b1``), each grouped over the cells whose message is the same once class names and
+numbers are set aside, with the entries they occur in (and how many methods there). Totals per
+head kind, and the versions measured, head the page.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .entries import HEADS
+
+# Method name -> its column heading.
+SHORT_NAMES = {
+    "raw-attention": "raw", "rollout": "rollout", "attention-flow": "flow", "grad-cam": "grad-cam",
+    "partial-lrp": "p-lrp", "lrp": "lrp", "attn-lrp": "attn-lrp", "gradient-x-input": "gxi",
+    "conservative-lrp-ah": "cons-ah", "conservative-lrp": "cons", "generic-attention": "generic",
+    "transformer-relevance": "relevance", "integrated-gradients": "ig", "saliency": "saliency",
+}
+CODES = {"reference": "ref", "consistent": "ok", "zero map": "zero", "refused": "refused", "failed": "FAIL",
+         "timed out": "t/o", "does not build": "n.b."}
+FOOTNOTE_PREFIX = {"refused": "r", "failed": "f", "does not build": "b", "timed out": "t", "zero map": "z"}
+HEAD_TITLES = {
+    "causal-lm": "Causal LM", "sequence-classification": "Sequence classification",
+    "token-classification": "Token classification", "question-answering": "Question answering",
+    "masked-lm": "Masked LM", "seq2seq-lm": "Seq2seq LM",
+}
+REGENERATE = "nice -n 10 .venv/bin/python benchmarks/coverage_harness.py --markdown docs/coverage.md"
+
+_CLASS = re.compile(r"\b[A-Z][A-Za-z0-9]*(?:For[A-Za-z]+|Model|LMHeadModel|Config|Output|Attention|Layer|Block"
+                    r"|Decoder|Encoder|Embeddings|MTModel)\w*\b")
+_NUMBER = re.compile(r"(?<![A-Za-z_])-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def reason_key(detail: str) -> str:
+    """A message with class names and numbers set aside: the key that groups like messages."""
+    return _NUMBER.sub("N", _CLASS.sub("<model>", detail))
+
+
+class Footnotes:
+    """Footnote numbers per (kind, grouped message), in order of first use, with their cells."""
+
+    def __init__(self) -> None:
+        self.notes: Dict[Tuple[str, str], Dict[str, Any]] = {}
+
+    def mark(self, kind: str, verdict: Dict[str, Any], where: str) -> str:
+        """The footnote label (``r3``) of ``verdict`` at the cell ``where``."""
+        key = (kind, reason_key(verdict.get("detail", "")) + " @ " + _frame_file(verdict.get("frame", "")))
+        if key not in self.notes:
+            count = sum(1 for k in self.notes if k[0] == kind)
+            self.notes[key] = {"label": f"{FOOTNOTE_PREFIX[kind]}{count + 1}", "example": verdict, "cells": []}
+        self.notes[key]["cells"].append(where)
+        return self.notes[key]["label"]
+
+    def of_kind(self, kind: str) -> List[Dict[str, Any]]:
+        return [note for (k, _), note in self.notes.items() if k == kind]
+
+
+def _frame_file(frame: str) -> str:
+    """A frame without its line number (``file in function``): the same bug may move lines."""
+    return re.sub(r":\d+ in ", " in ", frame)
+
+
+def cell(verdict: Optional[Dict[str, Any]], footnotes: Footnotes, where: str) -> str:
+    """The compact code of one verdict (with its footnote label)."""
+    if verdict is None:
+        return ""
+    kind = verdict["kind"]
+    code = CODES.get(kind, kind)
+    if kind in ("refused", "failed", "does not build", "timed out"):
+        return f"{code} {footnotes.mark(kind, verdict, where)}"
+    return code
+
+
+def totals(records: Sequence[Dict[str, Any]], methods: Sequence[str]) -> Dict[str, Any]:
+    """Counts of one head kind's cells by verdict (text architectures only)."""
+    counts = Counter(record["cells"].get(m, {}).get("kind", "missing") for record in records for m in methods)
+    built = sum(counts.values()) - counts["does not build"] - counts["missing"]
+    explained = counts["reference"] + counts["consistent"] + counts["zero map"]
+    return {"architectures": len(records), "built": built, "counts": counts, "explained": explained,
+            "explained %": 100.0 * explained / built if built else 0.0,
+            "refused %": 100.0 * counts["refused"] / built if built else 0.0}
+
+
+def head_section(head: str, records: List[Dict[str, Any]], methods: Sequence[str],
+                 footnotes: Footnotes) -> List[str]:
+    """The Markdown of one head kind: its table, and the architectures that are no text models."""
+    text = [r for r in records if _kind_of_entry(r, methods) != "not a text model"]
+    others = [r for r in records if _kind_of_entry(r, methods) == "not a text model"]
+    lines = [f"## {HEAD_TITLES.get(head, head)} (`{HEADS[head].mapping}`)", ""]
+    lines += ["| architecture | " + " | ".join(SHORT_NAMES.get(m, m) for m in methods) + " |",
+              "|---|" + "---|" * len(methods)]
+    for record in sorted(text, key=lambda r: r["model_type"]):
+        where = f"{record['model_type']}/{head}"
+        cells = [cell(record["cells"].get(m), footnotes, f"{where}:{m}") for m in methods]
+        mark = " †" if record.get("info", {}).get("model batch == single") is False else ""
+        lines.append(f"| `{record['model_type']}` ({record['class']}){mark} | " + " | ".join(cells) + " |")
+    if others:
+        names = ", ".join(f"`{r['model_type']}`" for r in sorted(others, key=lambda r: r["model_type"]))
+        lines += ["", f"Not a text model (vision, audio or multimodal inputs; skipped): {names}."]
+    return lines + [""]
+
+
+def _kind_of_entry(record: Dict[str, Any], methods: Sequence[str]) -> Optional[str]:
+    kinds = {record["cells"].get(m, {}).get("kind") for m in methods}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def totals_table(by_head: Dict[str, List[Dict[str, Any]]], methods: Sequence[str]) -> List[str]:
+    lines = ["| head | text architectures | cells run | ref | ok | zero | refused | FAIL | t/o | n.b. cells | "
+             "explained % | refused % |", "|---|" + "---|" * 11]
+    for head, records in by_head.items():
+        text = [r for r in records if _kind_of_entry(r, methods) != "not a text model"]
+        t = totals(text, methods)
+        c = t["counts"]
+        lines.append(f"| {HEAD_TITLES.get(head, head)} | {t['architectures']} | {t['built']} | {c['reference']} | "
+                     f"{c['consistent']} | {c['zero map']} | {c['refused']} | {c['failed']} | {c['timed out']} | "
+                     f"{c['does not build']} | {t['explained %']:.1f} | {t['refused %']:.1f} |")
+    return lines + [""]
+
+
+def footnote_section(footnotes: Footnotes) -> List[str]:
+    """The footnotes: refusal reasons, failures (with the frame), build failures, time-outs."""
+    titles = {"refused": "Refusal reasons", "failed": "Failures", "does not build": "Does not build",
+              "timed out": "Timed out"}
+    lines = []
+    for kind, title in titles.items():
+        notes = footnotes.of_kind(kind)
+        if not notes:
+            continue
+        lines += [f"### {title}", ""]
+        for note in notes:
+            lines.append(_footnote_line(note, kind))
+        lines.append("")
+    return lines
+
+
+def _footnote_line(note: Dict[str, Any], kind: str) -> str:
+    example = note["example"]
+    cells = note["cells"]
+    detail = example.get("detail", "")
+    detail = detail if "`" in detail else f"`{detail}`"
+    where = f" at `{example['frame']}`" if example.get("frame") else ""
+    origin = f" (raised in `{example['origin']}`)" if kind == "failed" and example.get("origin") else ""
+    return f"* **{note['label']}** ({len(cells)} cells): {detail}{where}{origin}. In {_entries_of(cells)}."
+
+
+def _entries_of(cells: Sequence[str], shown: int = 8) -> str:
+    """The entries (``model_type/head``) of ``cells`` with their method counts, the first ``shown``."""
+    counts = Counter(where.split(":")[0] for where in cells)
+    listed = [f"`{entry}`" + (f" ({n})" if n > 1 else "") for entry, n in list(counts.items())[:shown]]
+    more = f" and {len(counts) - shown} more" if len(counts) > shown else ""
+    return ", ".join(listed) + more
+
+
+def render(results: Dict[str, Any], methods: Optional[Sequence[str]] = None,
+           heads: Optional[Sequence[str]] = None) -> str:
+    """The whole page for ``results`` (methods: those of the results, in catalog order)."""
+    methods = list(methods or _methods_of(results))
+    by_head: Dict[str, List[Dict[str, Any]]] = {}
+    for record in results["entries"].values():
+        by_head.setdefault(record["head"], []).append(record)
+    order = [h for h in (heads or HEADS) if h in by_head]
+    by_head = {h: by_head[h] for h in order}
+    footnotes = Footnotes()
+    sections = [line for head in order for line in head_section(head, by_head[head], methods, footnotes)]
+    return "\n".join(_header(results, methods) + totals_table(by_head, methods) + sections
+                     + footnote_section(footnotes)).rstrip() + "\n"
+
+
+def _methods_of(results: Dict[str, Any]) -> List[str]:
+    from captum_transformers.methods.catalog import KNOWN_METHOD_NAMES
+
+    found = {m for record in results["entries"].values() for m in record["cells"]}
+    return [m for m in KNOWN_METHOD_NAMES if m in found] + sorted(found - set(KNOWN_METHOD_NAMES))
+
+
+def _header(results: Dict[str, Any], methods: Sequence[str]) -> List[str]:
+    legend = ", ".join(f"{SHORT_NAMES.get(m, m)} = `{m}`" for m in methods)
+    return [
+        "# Text-model coverage",
+        "",
+        "<!-- Generated by benchmarks/coverage_harness.py; do not edit by hand. -->",
+        "",
+        f"Measured on **transformers {results.get('transformers', '?')}** (torch {results.get('torch', '?')}, "
+        f"captum_transformers {results.get('captum_transformers', '?')} at commit `{results.get('commit', '?')}`, "
+        f"Python {results.get('python', '?')}), CPU.",
+        "This is the text-model part of the [support matrix](support-matrix.md), measured rather than "
+        "hand-written: every architecture of transformers' auto mappings for causal LM, sequence and token "
+        "classification, question answering, masked LM and seq2seq LM, built from a shrunk config (width 32, "
+        "4 heads, 2 layers, vocabulary 128; random float64 weights, eager attention, seed 0), explained by every "
+        "method on a batch of two rows of 8 token ids, the second right-padded after 5 (encoder-decoders: a "
+        "decoder prefix of 5, the second padded after 3).",
+        "",
+        "Each method is built by name (`build_method(name, model)`, the default adapter) and called as the "
+        "package documents: `attribute(input_ids, target=..., forward_kwargs={\"attention_mask\": mask})` "
+        "(encoder-decoders: `(input_ids, decoder_input_ids)` and both masks). Targets: class 1 (sequence "
+        "classification); the logit of token 7 at the last real position (causal LM, seq2seq LM); `(2, label)`, "
+        "the token at position 2 (token classification, masked LM); `(0, 2)`, its start score (question "
+        "answering).",
+        "",
+        "Cells:",
+        "",
+        "* `ref`: consistent, and equal to a reference computed from the model's own eager `output_attentions`: "
+        "raw attention (the last layer's head-averaged row of the explained token; encoder-decoders: the last "
+        "cross- and decoder self-attention rows), to 1e-10; GenericAttention (Chefer et al., ICCV'21, Eq. 5-6 "
+        "from the eager maps and their gradients; one-sequence models), to 1e-8 relative. Where the eager "
+        "kernel runs its softmax in float32 (Llama-style), the maps hold float32 values only: 1e-6 and 1e-5; "
+        "a map within those only, where the maps look float64 (GPT-J computes its scores in float32), is `ok`. "
+        "Models whose eager maps are not all probability maps (linear or differential attention layers) get no "
+        "reference.",
+        "* `ok` (consistent): finite; no row all zero; zero at padding; each batch row equal to the call on "
+        "that example alone, padding cut (1e-8 relative, float64; 1e-5 where the model computes in float32 "
+        "inside, as its float32 eager maps show; not checked on the architectures marked †, whose own scores "
+        "differ between batch and single); the model exactly as before (state_dict, `requires_grad`, `.grad`, "
+        "modes, hooks, attention implementation, a bit-identical forward output).",
+        "* `zero`: consistent, but the map of some row is 0 everywhere, with the package's warning (Grad-CAM and "
+        "partial LRP keep only positive evidence; common on random weights).",
+        "* `refused rN`: a `CaptumTransformersError`, the model restored; the reason is footnote rN.",
+        "* `FAIL fN`: any other exception (a package bug), a failed check, or a map that differs from the "
+        "reference; footnote fN.",
+        "* `t/o`: past the time limit; `n.b. bN`: the model does not build (or run on the batch) even with the "
+        "harness's overrides: not the package's.",
+        "",
+        f"Columns: {legend}.",
+        "",
+        "Regenerate (about 20 minutes on 2 cores; results in `benchmarks/coverage/results.json`, resumable: "
+        "entries already there are skipped, so delete it to measure afresh; `--only llama,bert` and `--heads "
+        "causal-lm` restrict the sweep, `--table-only` rewrites this page from the JSON):",
+        "",
+        "```bash",
+        REGENERATE,
+        "```",
+        "",
+        "CI runs a fast subset (`tests/test_coverage_harness.py`: Llama, BERT and GPT-2, two heads, three "
+        "methods).",
+        "",
+        "## Totals",
+        "",
+        "Explained = `ref` + `ok` + `zero`; percentages of the cells of text architectures that build.",
+        "",
+    ]
