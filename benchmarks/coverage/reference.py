@@ -120,6 +120,13 @@ def eager_references(model: torch.nn.Module, example: Example) -> EagerReference
     """Raw attention (and GenericAttention for one-sequence models) from the eager
     ``output_attentions``; none, with the reason in the note, where the model gives no attentions."""
     seq2seq = len(example.inputs) == 2
+    if not seq2seq and getattr(model.config, "is_encoder_decoder", False):
+        # Its head reads a decoder row over the source shifted right; the package explains the source
+        # through cross-attention, while some heads (T5Gemma's) return the decoder's self-attention
+        # maps alone as their `attentions` (tests/test_encoder_decoder_heads.py checks BART and T5
+        # against their cross-attentions).
+        return EagerReferences({}, "none: an encoder-decoder given input_ids alone (its decoder runs over them "
+                                   "shifted right)")
     with torch.enable_grad():
         output = call_model(model, example, output_attentions=True)
         maps = _attention_lists(output, seq2seq)

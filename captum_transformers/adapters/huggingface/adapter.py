@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
@@ -72,6 +73,14 @@ _STREAM_COMPONENTS: Dict[str, str] = {
     "decoder": "decoder",
 }
 _CROSS_KEY_STREAMS: Dict[str, str] = {"decoder": "encoder"}
+# Encoder-decoder classifiers given input_ids alone run the decoder over the ids shifted right and
+# read one decoder row, found from input_ids (rows of data, by model type): "last eos": the last
+# eos_token_id of each row (BART-style heads; every row must hold the same number of them);
+# "after last real": one past the last non-pad token, clamped to the decoder's length (T5Gemma).
+_DECODER_CLASSIFIER_ROWS: Dict[str, str] = {
+    **dict.fromkeys(("bart", "mbart", "plbart", "mvp", "bigbird_pegasus", "led", "t5", "mt5", "umt5"), "last eos"),
+    **dict.fromkeys(("t5gemma", "t5gemma2"), "after last real"),
+}
 _OUTPUT_FIELDS = ("logits", "logits_per_image", "image_embeds", "text_embeds", "pooler_output")
 # Output fields that hold scores a target indexes; the other fields hold features.
 _SCORE_FIELDS = ("logits", "logits_per_image")
@@ -214,6 +223,9 @@ class HuggingFaceAdapter(Adapter):
 
     def __init__(self, query_rows: QueryRows = None) -> None:
         self.query_rows_choice = checked_query_rows(query_rows)
+        # Per capture: True where an encoder-decoder ran its decoder over the source shifted right
+        # (given input_ids alone), read by encoder_decoder_layouts.
+        self._shifted_source: "weakref.WeakKeyDictionary[Recorder, bool]" = weakref.WeakKeyDictionary()
 
     def blocks(self, model: nn.Module) -> List[Block]:
         # Asked several times per explanation: found once per walk of the modules.
@@ -358,24 +370,75 @@ class HuggingFaceAdapter(Adapter):
     def encoder_decoder_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...],
                                 recorder: Recorder) -> StreamLayouts:
         """Encoder-decoders: the decoder read at its last real token (the next-token position),
-        as a causal decoder; the encoder is reached through cross-attention (its row 0 is a
-        placeholder, never read). Input 0 maps onto the encoder, input 1 onto the decoder."""
+        as a causal decoder, or at the row a sequence classifier pools (:meth:`_decoder_rows`);
+        the encoder is reached through cross-attention (its row 0 is a placeholder, never read).
+        Input 0 maps onto the encoder, input 1 onto the decoder.
+
+        A model given input_ids alone runs its decoder over them shifted right by one (a start
+        token first) with no mask of its own: decoder position ``i`` holds source token ``i - 1``,
+        so the decoder's real positions are the source's (right padding; a causal decoder row
+        never reads a later one), and the source mask is the decoder's: its real positions are
+        those the example alone, its padding cut, has."""
         batch = recorder.sites[0].batch_size
         device = inputs[0].device
         encoder_mask = recorder.stream_mask("encoder")
         decoder_mask = recorder.stream_mask("decoder")
         num_decoder = recorder.stream_length("decoder")
         num_encoder = recorder.stream_length("encoder")
+        if encoder_mask is not None and num_decoder == num_encoder and self._shifted_source.get(recorder, False):
+            # T5Gemma masks the decoder's pad ids itself, which leaves the shifted-in last token real:
+            # a position the example alone (its padding cut) does not have.
+            decoder_mask = encoder_mask if decoder_mask is None else decoder_mask & encoder_mask.to(decoder_mask.device)
         grid, prefix = self._image_grid(model, inputs[0], num_encoder)
         frames = self._frame_grid(model, inputs[0], num_encoder)
         layouts = {
             "encoder": TokenLayout(num_encoder, torch.zeros(batch, 1, dtype=torch.long, device=device), encoder_mask,
                                    prefix, grid),
-            "decoder": TokenLayout(num_decoder, chosen_rows("last", num_decoder, decoder_mask, batch, device), decoder_mask),
+            "decoder": TokenLayout(num_decoder, self._decoder_rows(model, inputs[0], num_decoder, decoder_mask),
+                                   decoder_mask),
         }
         spans = (InputSpan("encoder", prefix, None, grid or frames), InputSpan("decoder"))[: len(inputs)]
         spans += (None,) * (len(inputs) - len(spans))
         return StreamLayouts(layouts, ("decoder",), spans)
+
+    def _decoder_rows(self, model: nn.Module, source: torch.Tensor, num_decoder: int,
+                      decoder_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """The decoder row (B, 1) the explained score reads: the last real decoder token (the
+        next-token position), or, for a sequence classifier, the row its head pools
+        (``_DECODER_CLASSIFIER_ROWS``), found from the source ids as the head finds it."""
+        batch, device = source.shape[0], source.device
+        rule = _DECODER_CLASSIFIER_ROWS.get(getattr(pretrained_model(model).config, "model_type", ""))
+        if rule is None or not type(model).__name__.endswith("ForSequenceClassification"):
+            return chosen_rows("last", num_decoder, decoder_mask, batch, device)
+        if source.is_floating_point() or source.dim() != 2:
+            raise InputError(
+                f"{type(model).__name__} classifies from the decoder row that input_ids mark ({rule}), so the "
+                f"explained row is found from input_ids; got a first input of shape {tuple(source.shape)} and dtype "
+                f"{source.dtype}. Pass input_ids as the first input."
+            )
+        config = pretrained_model(model).config
+        positions = torch.arange(source.shape[1], device=device)
+        if rule == "last eos":
+            marked = source == config.eos_token_id
+            counts = marked.sum(dim=1)
+            if bool((counts == 0).any()) or bool((counts != counts[0]).any()):
+                raise InputError(
+                    f"{type(model).__name__} pools the decoder row of each example's last eos token "
+                    f"(eos_token_id={config.eos_token_id}), and every example must hold the same number of them; "
+                    f"the rows hold {counts.tolist()}. End every row with the eos token (the tokenizer does), "
+                    "or explain the examples one at a time."
+                )
+            rows = torch.where(marked, positions, -1).amax(dim=1)
+        else:
+            real = source != config.pad_token_id
+            rows = (torch.where(real, positions, 0).amax(dim=1) + 1).clamp(max=num_decoder - 1)
+        if bool((rows >= num_decoder).any()):
+            raise InputError(
+                f"{type(model).__name__} reads decoder rows {rows.tolist()} (found from input_ids), but the decoder "
+                f"runs over {num_decoder} tokens. Pass decoder_input_ids as long as input_ids, or none (the model "
+                "then shifts input_ids)."
+            )
+        return rows.to(torch.long).unsqueeze(1)
 
     def _frame_grid(self, model: nn.Module, features: torch.Tensor, num_tokens: int) -> Optional[Tuple[int, int]]:
         """The (1, tokens) grid of audio features (B, mel bins, frames) of a model whose quirks
@@ -412,6 +475,16 @@ class HuggingFaceAdapter(Adapter):
     def kept_logits(self, model, inputs, additional_forward_args, forward_kwargs):
         """A causal LM's logits at the explained position only (``logits_to_keep``)."""
         return kept_logit_positions(model, inputs, additional_forward_args, forward_kwargs, self.query_rows_choice)
+
+    def captured_forward(self, model, inputs, additional_forward_args, forward_kwargs, recorder, contexts=(),
+                         keep_logits=None):
+        """Notes, for the layouts, whether an encoder-decoder derives its decoder sequence from
+        the source (one input, no decoder ids, embeddings or mask given)."""
+        decoder_keys = ("decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask")
+        self._shifted_source[recorder] = (len(inputs) == 1 and _takes_decoder_inputs(model)
+                                          and not any(k in (forward_kwargs or {}) for k in decoder_keys))
+        return super().captured_forward(model, inputs, additional_forward_args, forward_kwargs, recorder, contexts,
+                                        keep_logits)
 
     def call_model(self, model, inputs, additional_forward_args, forward_kwargs):
         """An encoder-decoder given inputs ``(input_ids, decoder_input_ids)`` gets the second
@@ -461,8 +534,9 @@ class HuggingFaceAdapter(Adapter):
         answering): each example's explained row is its target's token, ``index[:, axis]``,
         unless ``query_rows`` chose the rows; a padded target token is refused."""
         axis = _token_axis(model)
-        if axis is None or self.query_rows_choice is not None or not streams.is_single:
+        if axis is None or self.query_rows_choice is not None or len(streams.explained) != 1:
             return streams
+        # One sequence, or an encoder-decoder's decoder (its heads score every decoder token).
         layout = streams.layouts[streams.explained[0]]
         rows = index[:, axis:axis + 1].to(device=layout.query_rows.device, dtype=torch.long)
         rows = torch.where(rows < 0, rows + layout.num_tokens, rows)
@@ -506,4 +580,6 @@ class HuggingFaceAdapter(Adapter):
                     f"{type(output).__name__} has none of the fields {_OUTPUT_FIELDS}; wrap the model so that its "
                     "forward returns the score tensor to explain. " + QUERY_ROWS_HINT
                 )
-        return super().logits(model, output, layout, causal)
+        # A token-level head of a causal model (GPT-2, Llama token classifiers) scores every
+        # position: its target names the position, so no next-token position is picked.
+        return super().logits(model, output, layout, causal and _token_axis(model) is None)
