@@ -103,7 +103,7 @@ def input_times_gradient(leaf: torch.Tensor, grad: Optional[torch.Tensor]) -> to
 
 def token_sums(token_states, product: torch.Tensor, mask: Optional[torch.Tensor],
                batch: Optional[int] = None) -> torch.Tensor:
-    """(B, N) per-token sums of a relevance product over the hidden size, padding zeroed.
+    """(B, N) per-token sums of a relevance product over the hidden size, padding set to zero.
 
     ``token_states`` is the adapter's (grids flattened to tokens); a sequence-first product
     (N, B, ...) is transposed when ``batch`` says so."""
@@ -112,7 +112,10 @@ def token_sums(token_states, product: torch.Tensor, mask: Optional[torch.Tensor]
     hidden = token_states(product)
     tokens = hidden.reshape(hidden.shape[0], hidden.shape[1], -1).sum(-1)
     if mask is not None and mask.shape == tokens.shape:
-        tokens = tokens * mask.to(device=tokens.device, dtype=tokens.dtype)  # layer 0's device may differ
+        # Zero at padding, also where the model's own backward is not finite there (Gemma 3n: the
+        # gradient of an RMS of a zero pad embedding); layer 0's device may differ.
+        tokens = torch.where(mask.to(device=tokens.device, dtype=torch.bool), tokens, torch.zeros((), dtype=tokens.dtype,
+                                                                                                    device=tokens.device))
     return tokens
 
 
@@ -176,10 +179,24 @@ class LayerInputs(RelevanceReading):
     def token_relevance(self, streams: StreamLayouts, grads: Sequence[Optional[torch.Tensor]],
                         batch: Optional[int] = None) -> Dict[str, torch.Tensor]:
         """``sum_d x * g`` per token (B, N) and stream read, in at least float32, padding zeroed;
-        ``batch``: transpose sequence-first tensors (:func:`token_sums`)."""
-        return {stream: token_sums(self.token_states, input_times_gradient(leaf, grad),
-                                   streams.layouts[stream].token_mask if stream in streams.layouts else None, batch)
-                for (stream, leaf), grad in zip(self.read_tensors.items(), grads)}
+        ``batch``: transpose sequence-first tensors (:func:`token_sums`). A first-layer input
+        that is not (B, N, ...) tokens of its stream is refused, not summed along another axis."""
+        relevance = {}
+        for (stream, leaf), grad in zip(self.read_tensors.items(), grads):
+            tokens = token_sums(self.token_states, input_times_gradient(leaf, grad),
+                                streams.layouts[stream].token_mask if stream in streams.layouts else None, batch)
+            layout = streams.layouts.get(stream)
+            expected = (batch if batch is not None else tokens.shape[0], layout.num_tokens) if layout else None
+            if expected is not None and tuple(tokens.shape) != expected:
+                raise CaptureError(
+                    f"The hidden states entering the first layer of the {stream!r} stream have the shape "
+                    f"{tuple(leaf.shape)}, which is not (batch, {layout.num_tokens} tokens, ...) as its attention "
+                    f"saw them (expected (batch, tokens) sums {expected}, got {tuple(tokens.shape)}): the model "
+                    "stacks or reshapes its hidden states between layers. Read relevance at the inputs "
+                    "(relevance_at='inputs' with inputs_embeds), or use an attention method."
+                )
+            relevance[stream] = tokens
+        return relevance
 
     def result(self, streams: StreamLayouts, inputs: Tuple[torch.Tensor, ...],
                grads: Sequence[Optional[torch.Tensor]], scores: torch.Tensor, index: torch.Tensor) -> RelevanceResult:
@@ -188,6 +205,54 @@ class LayerInputs(RelevanceReading):
         total = sum(r.sum(-1).to(first.device) for r in per_stream.values())  # streams may start apart
         layout = streams.layouts[streams.explained[0]]
         return RelevanceResult(first, None, layout, scores, index, total, per_stream, streams)
+
+
+class ModuleOutputs(RelevanceReading):
+    """Token relevance read at the outputs of the modules that embed the token ids (B, N, ...):
+    ``sum_d x * g`` per token, summed over the modules. For models whose layers take more than
+    the hidden states from the ids: Gemma 3n stacks its AltUp copies of the embeddings (a
+    (copies, B, N, D) first-layer input) and feeds each layer a per-layer embedding of the ids,
+    so every token's relevance leaves through ``embed_tokens`` and ``embed_tokens_per_layer``.
+    Each module's output (first call) is replaced by a leaf of the same values."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.modules = list(modules)
+        self.outputs: List[List[torch.Tensor]] = [[] for _ in self.modules]
+
+    def contexts(self) -> List[ContextManager[None]]:
+        def make(store: List[torch.Tensor]):
+            def wrap(original):
+                def forward(*args, **kwargs):
+                    output = original(*args, **kwargs)
+                    if store or not isinstance(output, torch.Tensor):
+                        return output
+                    leaf = output.detach().requires_grad_()
+                    store.append(leaf)
+                    return leaf
+                return forward
+            return wrap
+        return [patching.instance_forward(module, make(store)) for module, store in zip(self.modules, self.outputs)]
+
+    def leaves(self, streams: StreamLayouts, inputs: Tuple[torch.Tensor, ...]) -> List[torch.Tensor]:
+        if not all(self.outputs):
+            missing = [type(m).__name__ for m, store in zip(self.modules, self.outputs) if not store]
+            raise CaptureError(f"The embedding modules {missing} never ran, so no token relevance could be read.")
+        return [store[0] for store in self.outputs]
+
+    def result(self, streams: StreamLayouts, inputs: Tuple[torch.Tensor, ...],
+               grads: Sequence[Optional[torch.Tensor]], scores: torch.Tensor, index: torch.Tensor) -> RelevanceResult:
+        layout = streams.layouts[streams.explained[0]]
+        tokens = None
+        for leaf, grad in zip(self.leaves(streams, inputs), grads):
+            if leaf.shape[:2] != (scores.shape[0], layout.num_tokens):
+                raise CaptureError(
+                    f"An embedding output of shape {tuple(leaf.shape)} is not (batch {scores.shape[0]}, "
+                    f"{layout.num_tokens} tokens, ...), so its relevance cannot be read per token."
+                )
+            part = token_sums(lambda hidden: hidden, input_times_gradient(leaf, grad), layout.token_mask)
+            tokens = part if tokens is None else tokens + part.to(tokens.device)
+        streams_read = {streams.explained[0]: tokens}
+        return RelevanceResult(tokens, None, layout, scores, index, tokens.sum(-1), streams_read, streams)
 
 
 class InputProducts(RelevanceReading):

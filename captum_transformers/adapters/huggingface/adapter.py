@@ -33,6 +33,7 @@ from ..query_rows import (QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen
                           refuse_masked_explained_rows)
 from ...capture.recorder import Recorder
 from ...capture.targets import span_scores
+from ..relevance_reading import ModuleOutputs, RelevanceReading
 
 # Per-architecture quirks are rows of data. prefix: tokens before the patch grid;
 # rows: classifier token positions; "eos": CLIP text pools at the end-of-text token;
@@ -73,6 +74,13 @@ _STREAM_COMPONENTS: Dict[str, str] = {
     "decoder": "decoder",
 }
 _CROSS_KEY_STREAMS: Dict[str, str] = {"decoder": "encoder"}
+# Models whose layers read more of the token ids than the hidden states entering the first layer
+# (model type -> the modules embedding the ids): token relevance is read at their outputs
+# (relevance_reading.ModuleOutputs). Gemma 3n: AltUp-stacked embeddings and per-layer embeddings.
+_EMBEDDING_READINGS: Dict[str, Tuple[str, ...]] = {
+    "gemma3n_text": ("embed_tokens", "embed_tokens_per_layer"),
+    "gemma3n": ("embed_tokens", "embed_tokens_per_layer"),
+}
 # Encoder-decoder classifiers given input_ids alone run the decoder over the ids shifted right and
 # read one decoder row, found from input_ids (rows of data, by model type): "last eos": the last
 # eos_token_id of each row (BART-style heads; every row must hold the same number of them);
@@ -265,6 +273,21 @@ class HuggingFaceAdapter(Adapter):
         with active_rules(rules), patching.hf_attention_implementation(model, key), \
                 gradient_checkpointing_off(model), norm_rules(model, rules), operation_rules(model, rules):
             yield
+
+    def relevance_reading(self, model: nn.Module, at: str, messages: Optional[list] = None) -> RelevanceReading:
+        """At ``"tokens"``, models of ``_EMBEDDING_READINGS`` are read at the outputs of the
+        modules embedding their ids; others as every adapter (the first layer's input)."""
+        names = _EMBEDDING_READINGS.get(getattr(pretrained_model(model).config, "model_type", ""))
+        if at != "tokens" or messages is not None or names is None:
+            return super().relevance_reading(model, at, messages)
+        found = {name.rsplit(".", 1)[-1]: module for name, module in module_walk.named_modules(model)
+                 if name.rsplit(".", 1)[-1] in names and "vision" not in name and "audio" not in name}
+        if set(found) != set(names):
+            raise CaptureError(
+                f"{type(model).__name__} embeds its token ids in the modules {list(names)}, where its token relevance "
+                f"is read, but only {sorted(found)} were found. Read relevance at the inputs (relevance_at='inputs')."
+            )
+        return ModuleOutputs([found[name] for name in names])
 
     def _quirks(self, model: nn.Module) -> Dict[str, Any]:
         return _MODEL_TYPE_QUIRKS.get(getattr(pretrained_model(model).config, "model_type", ""), {})
