@@ -159,3 +159,38 @@ def test_causal_token_classifier_raw_attention_is_the_eager_row(family):
     tolerance = 1e-6 if family == "llama" else 1e-10  # Llama's eager softmax runs in float32
     torch.testing.assert_close(maps[0], eager[0, 2], rtol=0, atol=tolerance)
     torch.testing.assert_close(maps[1], eager[1, 3], rtol=0, atol=tolerance)
+
+
+def test_seamless_text_to_text_streams():
+    """SeamlessM4T's text encoder and decoder (``text_encoder`` / ``text_decoder``) are the two
+    streams: raw attention is the model's own last cross-attention row at the last real decoder
+    token, and a padded batch equals the single calls."""
+    torch.manual_seed(0)
+    config = transformers.SeamlessM4TConfig(
+        vocab_size=64, hidden_size=32, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        encoder_attention_heads=4, decoder_attention_heads=4, max_position_embeddings=32, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=2, eos_token_id=3,
+        decoder_start_token_id=3, speech_encoder_layers=1, speech_encoder_attention_heads=2,
+        speech_encoder_intermediate_size=32, t2u_encoder_layers=1, t2u_decoder_layers=1, t2u_encoder_ffn_dim=32,
+        t2u_decoder_ffn_dim=32, t2u_encoder_attention_heads=2, t2u_decoder_attention_heads=2,
+        attn_implementation="eager")
+    model = transformers.SeamlessM4TForTextToText(config).double().eval()
+    source, source_mask = _source(0)
+    prefix = torch.tensor([[3, 9, 11, 4], [3, 10, 0, 0]])
+    prefix_mask = (prefix != 0).long()
+    prefix_mask[:, 0] = 1
+    kwargs = {"attention_mask": source_mask, "decoder_attention_mask": prefix_mask}
+    encoder_map, _ = RawAttention(model).attribute((source, prefix), target=5, forward_kwargs=kwargs)
+    with torch.no_grad():
+        eager = model(input_ids=source, decoder_input_ids=prefix, output_attentions=True,
+                      **kwargs).cross_attentions[-1].mean(1)
+    for example, row in enumerate([3, 1]):
+        torch.testing.assert_close(encoder_map[example], eager[example, row] * source_mask[example], rtol=0,
+                                   atol=1e-10)
+    method = build_method("generic-attention", model)
+    batch = method.attribute((source, prefix), target=5, forward_kwargs=kwargs)
+    single = method.attribute((source[1:, :5], prefix[1:, :2]), target=5,
+                              forward_kwargs={"attention_mask": source_mask[1:, :5],
+                                              "decoder_attention_mask": prefix_mask[1:, :2]})
+    torch.testing.assert_close(batch[0][1, :5], single[0][0], rtol=1e-8, atol=1e-12)
+    torch.testing.assert_close(batch[1][1, :2], single[1][0], rtol=1e-8, atol=1e-12)

@@ -72,6 +72,8 @@ _STREAM_COMPONENTS: Dict[str, str] = {
     "vision_model": "image",
     "encoder": "encoder",     # encoder-decoders: BART, mBART, Marian, Pegasus, T5, EncoderDecoderModel
     "decoder": "decoder",
+    "text_encoder": "encoder",  # SeamlessM4T (v2) text-to-text
+    "text_decoder": "decoder",
 }
 _CROSS_KEY_STREAMS: Dict[str, str] = {"decoder": "encoder"}
 # Models whose layers read more of the token ids than the hidden states entering the first layer
