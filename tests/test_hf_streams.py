@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from captum_transformers import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS, CaptureError,
-                                 GenericAttention, InputError, get_adapter)
+                                 GenericAttention, InputError, UnsupportedModelError, get_adapter)
 from captum_transformers.adapters.huggingface.kernel import captum_attention
 from captum_transformers.capture.trace import CaptureSpec
 from captum_transformers.engine.runner import run_trace
@@ -202,10 +202,12 @@ def test_t5_relative_bias_and_unit_scaling_reach_the_kernel():
     assert not torch.allclose(captured, scaled, atol=1e-3), "T5 does not scale by 1/sqrt(d)"
 
 
-def test_attention_sinks_are_refused():
+def test_sinks_computed_from_the_input_are_refused():
+    """Per-head sink logits (GPT-OSS) are explained (tests/test_attention_sinks.py); sinks shaped
+    per query, computed from the tokens (Inkling2), would carry relevance of their own."""
     q = k = v = torch.randn(1, 2, 3, 4)
-    with pytest.raises(CaptureError, match="sinks"):
-        captum_attention(torch.nn.Linear(1, 1), q, k, v, None, sinks=torch.zeros(2))
+    with pytest.raises(UnsupportedModelError, match="sink"):
+        captum_attention(torch.nn.Linear(1, 1), q, k, v, None, sinks=torch.zeros(1, 2, 3, 1))
 
 
 @pytest.mark.parametrize("name", sorted(SEQ2SEQ))

@@ -22,6 +22,7 @@ from ...compat import checkpointing
 from ...model_state import module_walk
 from ...errors import CaptureError, InputError
 from ...propagation.rules.operations import operation_rules
+from ...propagation.rules.routers import router_rules
 from ...propagation.rules.rule_set import RuleSet, norm_rules
 from ...capture.trace import CONTEXT, Block, InputSpan, StreamLayouts, Streams, TokenLayout
 from ..base import Adapter
@@ -273,7 +274,8 @@ class HuggingFaceAdapter(Adapter):
     def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
         key = propagation_key(model, rules)
         with active_rules(rules), patching.hf_attention_implementation(model, key), \
-                gradient_checkpointing_off(model), norm_rules(model, rules), operation_rules(model, rules):
+                gradient_checkpointing_off(model), norm_rules(model, rules), operation_rules(model, rules), \
+                router_rules(model, rules):
             yield
 
     def relevance_reading(self, model: nn.Module, at: str, messages: Optional[list] = None) -> RelevanceReading:

@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 from torch import nn
 
-from ...errors import CaptureError
+from ...errors import CaptureError, UnsupportedModelError
 from ...capture.row_stream import UnreadWeights
 from .replayed_kernel import explicit_sdpa_mask, replay_of, replayed_attention, sdpa_mask_for
 from ...propagation.attention.core import softmax_attention
@@ -34,6 +34,7 @@ from ...propagation.rules.operations import paused_rule_mode
 from ...propagation.attention.constant_map import attention_over_constant_map
 from ...propagation.attention.head_products import heads_matmul
 from ...propagation.attention.recomputed_softmax import softmax_of_recomputed_scores
+from ...propagation.attention.sinks import attention_softmax, constant_sinks
 from ...propagation.rules.rule_set import RuleSet, gate
 from ...capture.trace import Block
 from ...capture.recorder import Recorder, SiteObserver
@@ -57,8 +58,9 @@ _REGISTERED = False
 # (BART family: encoder_attn; T5: EncDecAttention inside T5LayerCrossAttention; BERT: crossattention).
 _CROSS_COMPONENTS = frozenset({"encoder_attn", "EncDecAttention", "crossattention", "cross_attn", "cross_attention",
                                "encoder_decoder_attention"})
-# Eager-kernel arguments that change the attention and that the kernel below does not implement.
-_UNSUPPORTED_KERNEL_ARGS = ("sinks", "s_aux")
+# The keywords under which models pass attention sinks (propagation/attention/sinks.py): GPT-OSS and
+# its relatives ``s_aux`` (one learned logit per head), Inkling2 ``sinks`` (per query, refused).
+SINK_KERNEL_ARGS = ("s_aux", "sinks")
 def _key_valid_from_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Non-padding keys (B, K) from a 4D additive or boolean mask: the keys some query may attend to.
 
@@ -93,16 +95,12 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     ``A = softmax(Q K^T * scaling + position_bias + mask)``, ``O = A V``, with grouped-query
     heads expanded, optional logit soft-capping, and the eager dropout. ``position_bias``
     is T5's (and its relatives') additive relative-position bias (T5 also passes
-    ``scaling=1.0``). Returns ``(O transposed to (B, Q, H, D), A)`` as every transformers
+    ``scaling=1.0``). Attention sinks (``s_aux``: one learned logit per head, GPT-OSS) are an
+    extra softmax column dropped from the map (propagation/attention/sinks.py), whose rows then sum
+    to ``1 - p_sink``. Returns ``(O transposed to (B, Q, H, D), A)`` as every transformers
     kernel does.
     """
-    unsupported = [name for name in _UNSUPPORTED_KERNEL_ARGS if kwargs.get(name) is not None]
-    if unsupported:
-        raise CaptureError(
-            f"{type(module).__name__} passes {unsupported} (attention sinks) to its attention kernel, which the "
-            "captum_transformers kernel does not implement, so the captured attention would differ from the model's. "
-            "This model is not supported by the HuggingFace adapter."
-        )
+    sinks = _sinks_of(module, query, kwargs)
     active = ACTIVE.get()
     if active is not None:
         query = active[0].connect(query)
@@ -120,16 +118,28 @@ def captum_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                                       position_bias is not None and position_bias.requires_grad)
             if operands is not None:
                 return _explicit_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs,
-                                           active, rules, operands)
+                                           active, rules, operands, sinks)
     return _explicit_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs, active, rules,
-                               None)
+                               None, sinks)
+
+
+def _sinks_of(module: nn.Module, query: torch.Tensor, kwargs: Dict[str, Any]) -> Optional[torch.Tensor]:
+    """The call's attention sinks as constant (H,) logits (propagation/attention/sinks.py), or None;
+    refused by name where they are not one constant logit per head, or given twice."""
+    given = [name for name in SINK_KERNEL_ARGS if kwargs.get(name) is not None]
+    if len(given) > 1:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} passes attention sinks under both {given} to its attention kernel; the "
+            "captum_transformers kernel applies one set. This model is not supported by the HuggingFace adapter.")
+    return constant_sinks(kwargs[given[0]], query.shape[1], type(module).__name__) if given else None
 
 
 def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: Optional[torch.Tensor], scaling: Optional[float], dropout: float,
-                        kwargs: Dict[str, Any], active, rules: Optional[RuleSet], operands):
+                        kwargs: Dict[str, Any], active, rules: Optional[RuleSet], operands,
+                        sinks: Optional[torch.Tensor] = None):
     """The body of :func:`captum_attention`; ``operands``: those of :func:`fused_operands`
-    (the rules carried by their gradients), or None."""
+    (the rules carried by their gradients), or None; ``sinks``: constant (H,) sink logits, or None."""
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap")
@@ -169,6 +179,8 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
             scores = scores if tail else part
         return scores
 
+    if sinks is not None:  # every softmax of these scores appends them (propagation/attention/sinks.py)
+        scores.sinks = sinks
     if softcap is None:
         scores.plain_gradient = plain_gradient_of(scaling)
     scores.writes_into = True  # takes out=: the chunked backward pass reuses one buffer for every chunk
@@ -178,13 +190,13 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     if mask is not None:
         scores.keys_needed = keys_needed_of(mask)  # the mask comes last among the extras
     # A streamed forward needs only the output: SDPA's fused kernel where it gives the same (hf_rows).
-    scores.fused_output = fused_output(mask, scaling, softcap is None and position_bias is None)
+    scores.fused_output = fused_output(mask, scaling, softcap is None and position_bias is None and sinks is None)
     extras = tuple(t for t in (position_bias, mask) if t is not None)
     # float32 at least (half-precision scores), float64 for float64 models: the model's own
     # precision, so float64 maps equal its eager attention's, not a float32 rounding of them.
     softmax_dtype = torch.promote_types(query.dtype, torch.float32)
     observer = None
-    replay = replay_of(active, module, kwargs, rules, dropout, query, key)  # forward-only: replayed_kernel
+    replay = replay_of(active, module, kwargs, rules, dropout, query, key, sinks)  # forward-only: replayed_kernel
     if replay is not None:
         output, probs = replayed_attention(replay, len(active[0].sites), scores, query, repeat_heads(key, groups),
                                            repeat_heads(value, groups), extras, softmax_dtype, kwargs)
@@ -192,7 +204,7 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         key_states, value_states = repeat_heads(key, groups), repeat_heads(value, groups)
         # The rules live in the operands' gradients: no rule Function may act on these operations.
         with torch._C.DisableTorchFunction():
-            probs = torch.softmax(scores(query, key_states, *extras), dim=-1, dtype=softmax_dtype).to(query.dtype)
+            probs = attention_softmax(scores, scores(query, key_states, *extras), softmax_dtype).to(query.dtype)
             output = torch.matmul(probs, value_states)
         # A gradient reaching the returned map from outside (a model that uses its attention
         # weights) skips the halving of A V, so it is undone for it: as attention_core adds it.
@@ -211,7 +223,7 @@ def _explicit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
             # The identity rule needs the scores: recompute them in the backward pass.
             probs = softmax_of_recomputed_scores(scores, query, key_states, *extras, dim=-1, dtype=softmax_dtype)
         else:
-            probs = torch.softmax(scores(query, key_states, *extras), dim=-1, dtype=softmax_dtype)
+            probs = attention_softmax(scores, scores(query, key_states, *extras), softmax_dtype)
         probs = probs.to(query.dtype)
         dropped = nn.functional.dropout(gate(probs, rules), p=dropout, training=module.training)
         output = torch.matmul(dropped, value_states)
@@ -264,7 +276,7 @@ def captum_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     rules = _RULES.get()
     if (active is None or not active[0].wants_maps) and SWITCH.get() is None \
             and (dropout == 0.0 or not module.training) \
-            and all(kwargs.get(name) is None for name in ("softcap", *_UNSUPPORTED_KERNEL_ARGS)):
+            and all(kwargs.get(name) is None for name in ("softcap", *SINK_KERNEL_ARGS)):
         position_bias = kwargs.get("position_bias")
         # Over such operands no operation of the kernel gets a rule from the mode.
         with paused_rule_mode():
@@ -272,8 +284,9 @@ def captum_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
                                       position_bias is not None and position_bias.requires_grad)
             if operands is not None:
                 return _fused_sdpa(module, *operands, attention_mask, dropout, scaling, is_causal, active, kwargs)
+    sinks = _sinks_of(module, query, kwargs)
     mask, causal_rows = sdpa_mask_for(module, query, key, attention_mask, is_causal,
-                                      replay_of(active, module, kwargs, rules, dropout, query, key))
+                                      replay_of(active, module, kwargs, rules, dropout, query, key, sinks))
     return captum_attention(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs, **causal_rows)
 
 

@@ -30,13 +30,19 @@ CAUSAL_ROWS = "captum_causal_rows"
 
 
 def replay_of(active, module: nn.Module, kwargs: Dict[str, Any], rules, dropout: float,
-              query: torch.Tensor, key: torch.Tensor) -> Optional[ReplayedRows]:
+              query: torch.Tensor, key: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> Optional[ReplayedRows]:
     """The active spec's replay where this call is replayed, else None: no rules (forward-only),
     no training-mode dropout between the map and the product, and the replay accepted (decided at
     the first call, before any map is dropped: one token sequence, nothing that may read the
     weights of any block, see :func:`.weights_readers.weights_reader`, and dense maps of this
     call's ``query`` (B, H, Q, d) and ``key`` (B, h, K, d) over every block above the budget,
-    :func:`~captum_transformers.capture.replayed_rows.dense_maps_bytes`)."""
+    :func:`~captum_transformers.capture.replayed_rows.dense_maps_bytes`).
+
+    A call with attention ``sinks`` is not replayed (its map is recorded as on the dense path, which
+    the replay reads per call): the replay's chunks take a plain softmax
+    (:func:`~captum_transformers.capture.replayed_rows.call_chunks`), not the sink's."""
+    if sinks is not None:
+        return None
     replay = None if active is None else getattr(active[0].spec, "replay", None)
     if replay is None or replay.replayed is False or rules is not None or torch.is_grad_enabled() \
             or (dropout and module.training):

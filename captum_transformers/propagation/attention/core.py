@@ -27,12 +27,14 @@ from typing import Callable, Optional, Protocol, Tuple
 import torch
 
 from ..backward_switch import SWITCH
-from ...capture.row_chunks import row_chunks, rows_of, softmax_in_place
+from ...capture.row_chunks import row_chunks, rows_of
 from .chunk_products import (ChunkBuffers, add_product, group_gradient, group_zeros, grouped, halves_map_gradient,
                              kv_groups, map_gradient, model_heads, repeat_heads)
 from .head_products import heads_matmul
 from ..rules.operations import ACTIVE_RULES
+from ..rules.own_output import own_output
 from .recomputed_softmax import owns_buffer, recompute_under_rules, scores_gradient
+from .sinks import attention_softmax
 from . import row_chunked_rules
 
 
@@ -62,11 +64,9 @@ def _attend(scores_fn, query, key, value, extras, softmax_dtype) -> Tuple[torch.
     if chunk:
         return _attend_in_chunks(scores_fn, query, key, value, extras, softmax_dtype, chunk)
     scores = scores_fn(query, key, *extras)
-    if not torch.is_grad_enabled() and scores._base is None and all(scores is not t for t in (query, key, *extras)):
-        probs = softmax_in_place(scores, softmax_dtype)
-    else:
-        probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype)
-    probs = probs.to(query.dtype)
+    in_place = not torch.is_grad_enabled() and scores._base is None and all(scores is not t for t in (query, key,
+                                                                                                    *extras))
+    probs = attention_softmax(scores_fn, scores, softmax_dtype, in_place).to(query.dtype)
     return heads_matmul(probs, value, tokens_major=True), probs
 
 
@@ -109,7 +109,9 @@ def _attend_in_chunks(scores_fn, query, key, value, extras, softmax_dtype, chunk
             probs = scores.new_empty((batch, *scores.shape[1:]), dtype=query.dtype)
             rows, heads = scores.shape[2], scores.shape[1]
             output = value.new_empty(batch, rows, heads, value.shape[-1]).transpose(1, 2)
-        if scores.dtype == probs.dtype and softmax_dtype in (None, scores.dtype):
+        if getattr(scores_fn, "sinks", None) is not None:
+            probs[part].copy_(attention_softmax(scores_fn, scores, softmax_dtype))
+        elif scores.dtype == probs.dtype and softmax_dtype in (None, scores.dtype):
             torch.softmax(scores, dim=-1, out=probs[part])
         else:
             probs[part].copy_(torch.softmax(scores, dim=-1, dtype=softmax_dtype))
@@ -140,7 +142,9 @@ class _SoftmaxAttention(torch.autograd.Function):
         ctx.both_operands = value.requires_grad and any(t.requires_grad for t in (query, key, *extras))
         ctx.save_for_backward(query, key, value, *extras)
         ctx.set_materialize_grads(False)
-        return output, probs
+        # Tensors of their own, not views of the (B, Q, H, d) buffer: a model may update them in place.
+        operands = (query, key, value, *extras)
+        return own_output(output, operands), own_output(probs, operands)
 
     @staticmethod
     def backward(ctx, g_output, g_probs_outside):
@@ -171,12 +175,12 @@ class _SoftmaxAttention(torch.autograd.Function):
             # The scores and the map again, without a graph, the softmax in the scores' buffer.
             with torch.no_grad():
                 scores = ctx.scores_fn(query, key, *extras)
-            soft = softmax_in_place(scores, ctx.softmax_dtype)
+            soft = attention_softmax(ctx.scores_fn, scores, ctx.softmax_dtype, in_place=True)
             leaves = ()
         else:
             leaves = [t.detach().requires_grad_(t.requires_grad) for t in (query, key, *extras)]
             scores = recompute_under_rules(ctx.scores_fn, leaves, None if plain else ctx.mode, ctx.switch)
-            soft = torch.softmax(scores.detach(), dim=-1, dtype=ctx.softmax_dtype)
+            soft = attention_softmax(ctx.scores_fn, scores.detach(), ctx.softmax_dtype)
         probs = soft.to(query.dtype)
         if g_output is None:
             g_output = torch.zeros((*probs.shape[:-1], value.shape[-1]), dtype=value.dtype, device=value.device)
@@ -229,7 +233,7 @@ def _attend_rows(scores_fn, query, key, value, extras, softmax_dtype) -> Tuple[t
         return output, query.new_zeros(()).expand((*output.shape[:2], num_queries, key.shape[-2]))
     for rows, q_rows, keys, values, extras_rows, _ in row_chunks(scores_fn, query, key, value, extras):
         scores = scores_fn(q_rows, keys, *extras_rows)
-        probs = softmax_in_place(scores, softmax_dtype).to(query.dtype)
+        probs = attention_softmax(scores_fn, scores, softmax_dtype, in_place=True).to(query.dtype)
         part = torch.matmul(probs, values)
         if output is None:
             batch, heads, _, dim = part.shape
@@ -284,7 +288,7 @@ def _plain_backward_in_row_chunks(ctx, plain_gradient, g_output, g_probs_outside
         with torch.no_grad():
             scores = ctx.scores_fn(q_rows, keys, *extras_rows, out=buffers.take(0, shape, query)) if writes_into \
                 else ctx.scores_fn(q_rows, keys, *extras_rows)
-        soft = softmax_in_place(scores, ctx.softmax_dtype)
+        soft = attention_softmax(ctx.scores_fn, scores, ctx.softmax_dtype, in_place=True)
         probs = soft.to(query.dtype)
         outside = None if g_probs_outside is None else rows_of(g_probs_outside, rows, num_queries)[..., :stop]
         g_shape = (*torch.broadcast_shapes(g_rows.shape[:-2], values.shape[:-2]), g_rows.shape[-2], stop)

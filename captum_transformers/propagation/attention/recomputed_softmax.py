@@ -13,6 +13,7 @@ import torch
 from ..backward_switch import SWITCH
 from ..rules.normalized_add import keeps_its_sum
 from ..rules.operations import ACTIVE_RULES, OperationRules, identity_ratio
+from .sinks import attention_softmax
 
 
 def scores_gradient(probs: torch.Tensor, scores: torch.Tensor, grad: torch.Tensor, dim: int,
@@ -60,6 +61,16 @@ def recompute_under_rules(scores_fn: Callable[..., torch.Tensor], leaves, mode: 
             SWITCH.reset(token)
 
 
+def _softmax(scores_fn, scores: torch.Tensor, dim: int, dtype) -> torch.Tensor:
+    """The softmax over the last dimension with the sinks of ``scores_fn`` where it carries some
+    (:func:`~.sinks.attention_softmax`), else ``torch.softmax(scores, dim, dtype)``."""
+    if getattr(scores_fn, "sinks", None) is not None:
+        if dim not in (-1, scores.dim() - 1):
+            raise ValueError(f"attention sinks are a column of the last dimension, but the softmax runs over {dim}")
+        return attention_softmax(scores_fn, scores, dtype)
+    return torch.softmax(scores, dim=dim, dtype=dtype)
+
+
 class _SoftmaxOfRecomputedScores(torch.autograd.Function):
     """``softmax(scores(*tensors))`` keeping only ``tensors`` and the probabilities: the
     backward recomputes the scores (bit-identical: the same operations on the same inputs)
@@ -69,7 +80,7 @@ class _SoftmaxOfRecomputedScores(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores_fn, dim, dtype, mode, switch, *tensors):
-        probs = torch.softmax(scores_fn(*tensors), dim=dim, dtype=dtype)
+        probs = _softmax(scores_fn, scores_fn(*tensors), dim, dtype)
         ctx.scores_fn, ctx.dim, ctx.mode, ctx.switch = scores_fn, dim, mode, switch
         ctx.save_for_backward(probs, *tensors)
         return probs
@@ -104,5 +115,5 @@ def softmax_of_recomputed_scores(scores_fn: Callable[..., torch.Tensor], *tensor
     """
     mode = ACTIVE_RULES.get()
     if mode is None or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
-        return torch.softmax(scores_fn(*tensors), dim=dim, dtype=dtype)
+        return _softmax(scores_fn, scores_fn(*tensors), dim, dtype)
     return _SoftmaxOfRecomputedScores.apply(scores_fn, dim, dtype, mode, SWITCH.get(), *tensors)

@@ -27,6 +27,7 @@ import torch
 from ...capture.row_chunks import row_chunks, rows_of
 from .chunk_products import halves_map_gradient, map_gradient
 from .recomputed_softmax import owns_buffer, recompute_under_rules, scores_gradient
+from .sinks import attention_softmax
 
 
 def rules_backward_in_row_chunks(ctx, g_output, g_probs_outside, query, key, value, extras):
@@ -45,7 +46,7 @@ def rules_backward_in_row_chunks(ctx, g_output, g_probs_outside, query, key, val
         leaves = [q_rows.detach().requires_grad_(query.requires_grad), keys.detach().requires_grad_(key.requires_grad),
                   *[e.detach() for e in extras_rows]]
         scores = recompute_under_rules(ctx.scores_fn, leaves, ctx.mode, ctx.switch)
-        soft = torch.softmax(scores.detach(), dim=-1, dtype=ctx.softmax_dtype)
+        soft = attention_softmax(ctx.scores_fn, scores.detach(), ctx.softmax_dtype)
         probs = soft.to(query.dtype)
         g_rows = g_output[..., rows, :]
         outside = None if g_probs_outside is None else rows_of(g_probs_outside, rows, num_queries)[..., :stop]

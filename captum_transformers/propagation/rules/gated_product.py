@@ -28,6 +28,7 @@ from torch import nn
 from ...model_state import module_walk
 from ..backward_switch import SWITCH
 from ..backward_switch import plain_requested as _plain
+from .own_output import own_output, saved_tensors
 
 
 # torch's activation modules (the rule mode sees their functions): their parents hold gated products.
@@ -45,11 +46,11 @@ class ConstantGateProduct(torch.autograd.Function):
         ctx.value_shape = value.shape
         # The value is needed only by the plain gradient of the gate.
         ctx.save_for_backward(gate, value if ctx.switch is not None else None)
-        return func(*args, **kwargs)
+        return own_output(func(*args, **kwargs), args, kwargs)  # a model may update it in place
 
     @staticmethod
     def backward(ctx, grad):
-        gate, value = ctx.saved_tensors
+        gate, value = saved_tensors(ctx, "constant gate")
         g_value = (grad * gate).sum_to_size(ctx.value_shape)
         g_gate = (grad * value).sum_to_size(gate.shape) if _plain(ctx) else None
         return g_gate, g_value, None, None, None

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..backward_switch import SWITCH
 from ..backward_switch import plain_requested as _plain
+from .own_output import own_output, saved_tensors
 
 _TINY = 1e-9
 
@@ -41,8 +42,10 @@ def _layer_output_kept(ctx, x, weight, bias, func, args, kwargs) -> torch.Tensor
     """The layer's own output; its input, weight and bias kept for a rule's backward, with the
     backward switch active now (the plain gradient on request). The output is not kept: the
     rule recomputes it chunk by chunk (:func:`_row_chunks`), one product more per layer instead
-    of one more activation per linear layer held through the backward pass."""
-    output = func(*args, **kwargs)
+    of one more activation per linear layer held through the backward pass. The output is a tensor
+    of its own (:func:`~.own_output.own_output`: ``F.linear`` with a bias returns a view of its 2-D
+    product), which a model may update in place."""
+    output = own_output(func(*args, **kwargs), args, kwargs)
     ctx.save_for_backward(x, weight, bias)
     ctx.switch = SWITCH.get()
     # A bias computed from the input (``addmm(M, x, W)`` with an activation ``M``) carries relevance
@@ -55,7 +58,7 @@ def _bias_gradient(ctx, grad: torch.Tensor):
     """The plain gradient of a relevance-carrying bias (see :func:`_layer_output_kept`), else None."""
     if not ctx.bias_carries:
         return None
-    bias = ctx.saved_tensors[2]
+    bias = saved_tensors(ctx, "linear")[2]
     return grad.sum_to_size(bias.shape).to(bias.dtype)
 
 
@@ -76,7 +79,7 @@ class LinearAlphaBeta(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, bias = ctx.saved_tensors
+        x, weight, bias = saved_tensors(ctx, "linear alpha-beta")
         if _plain(ctx):
             return grad @ weight.to(grad.dtype), None, _bias_gradient(ctx, grad), None, None, None, None
         in_dtype = x.dtype
@@ -201,7 +204,7 @@ class LinearGamma(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, bias = ctx.saved_tensors
+        x, weight, bias = saved_tensors(ctx, "linear gamma")
         if _plain(ctx):
             return grad @ weight.to(grad.dtype), None, _bias_gradient(ctx, grad), None, None, None, None, None
         dtype = torch.promote_types(x.dtype, torch.float32)

@@ -58,6 +58,7 @@ from .identity_ratio import identity_ratio
 from .linear import LinearAlphaBeta, LinearGamma, linear_rule, safe_divide  # noqa: F401  (part of this API)
 from .normalized_add import NormalizedAdd, keep_sums_overwritten_by, row_groups
 from .pixel import PixelBoundedConv, is_input_pixels
+from .own_output import VIEW_UPDATE_REFUSAL, own_output, saved_tensors
 
 
 class _IdentityRule(torch.autograd.Function):
@@ -65,7 +66,7 @@ class _IdentityRule(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, ratio_fn, func, args, kwargs):
-        output = func(*args, **kwargs)
+        output = own_output(func(*args, **kwargs), args, kwargs)  # a model may update it in place
         # A closed-form ratio needs only x: keeping the output too would cost memory.
         ctx.save_for_backward(x, output if ratio_fn is None else None)
         ctx.ratio_fn = ratio_fn
@@ -76,7 +77,7 @@ class _IdentityRule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, output = ctx.saved_tensors
+        x, output = saved_tensors(ctx, "identity")
         if _plain(ctx):
             if ctx.func in _SOFTMAX and output is not None and output.dtype == x.dtype:
                 # What autograd computes for a softmax, from the output kept for the rule.
@@ -99,11 +100,11 @@ class _UniformProduct(torch.autograd.Function):
         ctx.func, ctx.args, ctx.kwargs = func, args, kwargs
         ctx.save_for_backward(a, b)
         ctx.switch = SWITCH.get()
-        return func(*args, **kwargs)
+        return own_output(func(*args, **kwargs), args, kwargs)  # a model may update it in place
 
     @staticmethod
     def backward(ctx, grad):
-        a, b = ctx.saved_tensors
+        a, b = saved_tensors(ctx, "uniform product")
         func, args = ctx.func, ctx.args
         if func in _ELEMENTWISE_PRODUCTS and len(args) == 2 and not ctx.kwargs:
             g_a, g_b = grad * b, grad * a
@@ -227,7 +228,16 @@ class OperationRules(TorchFunctionMode):
         if self.rules.add == "normalized":  # a sum the add rule keeps, about to be overwritten
             keep_sums_overwritten_by(func, args, kwargs)
         if func not in self.handled or not torch.is_grad_enabled():  # most operations: no rule
-            return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except RuntimeError as error:
+                if VIEW_UPDATE_REFUSAL not in str(error):
+                    raise
+                raise CaptureError(
+                    f"The model updates in place ({getattr(func, '__name__', func)}) a view that a relevance rule "
+                    "returned of one of its operation's operands, which the rule cannot follow (the update would "
+                    "change that operand too). Make that update out of place in the model, or explain it with "
+                    "plain gradients.") from None
         rules = self.rules
         if rules.linear != "gradient" and func in _LINEARS:
             # (x, weight (out, in), bias) of the layer, or None.

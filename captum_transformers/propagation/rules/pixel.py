@@ -12,6 +12,7 @@ from ..backward_switch import SWITCH
 from ..backward_switch import plain_requested as _plain
 from .identity_ratio import identity_ratio
 from .linear import safe_divide
+from .own_output import own_output, saved_tensors
 
 
 def _numeric_padding(padding, weight: torch.Tensor, dilation):
@@ -50,7 +51,7 @@ class PixelBoundedConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, func, args, kwargs):
-        output = func(*args, **kwargs)
+        output = own_output(func(*args, **kwargs), args, kwargs)  # a model may update it in place
         ctx.save_for_backward(x, weight, output)
         ctx.switch = SWITCH.get()
         ctx.conv = dict(stride=kwargs.get("stride", args[3] if len(args) > 3 else 1),
@@ -62,8 +63,8 @@ class PixelBoundedConv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, output = ctx.saved_tensors
-        conv = ctx.conv
+        x, weight, output = saved_tensors(ctx, "pixel z^B")
+        in_dtype, conv = x.dtype, ctx.conv
         if _plain(ctx):
             return torch.nn.grad.conv2d_input(x.shape, weight, grad, **conv), None, None, None, None
         dtype = torch.promote_types(x.dtype, torch.float32)
@@ -79,4 +80,4 @@ class PixelBoundedConv(torch.autograd.Function):
             return torch.nn.grad.conv2d_input(x.shape, w, s, **conv)
 
         relevance = x * back(weight) - low * back(w_pos) - high * back(w_neg)
-        return identity_ratio(relevance, x).to(ctx.saved_tensors[0].dtype), None, None, None, None
+        return identity_ratio(relevance, x).to(in_dtype), None, None, None, None
