@@ -65,13 +65,33 @@ def eager_precision(attentions: List[torch.Tensor]) -> str:
     return "float32" if exact else "float64"
 
 
-def non_probability_layers(attentions: List[torch.Tensor], query_mask: torch.Tensor) -> List[int]:
+def non_probability_layers(attentions: List[torch.Tensor], query_mask: torch.Tensor, sinks: bool = False) -> List[int]:
     """The layers whose eager maps are no probability maps (rows of real queries not summing to 1):
-    linear or differential attention layers, which no softmax-map reference describes."""
+    linear or differential attention layers, which no softmax-map reference describes. With
+    attention sinks (``sinks``: GPT-OSS) a row sums to 1 - p_sink: non-negative rows summing to at
+    most 1 are probability maps."""
     real = query_mask.to(torch.bool)
-    return [index for index, a in enumerate(attentions)
-            if a.shape[-2] == real.shape[-1] and not bool(((a.detach().sum(-1) - 1).abs() < 1e-6)
-                                                          .permute(0, 2, 1)[real].all())]
+    odd = []
+    for index, a in enumerate(attentions):
+        if a.shape[-2] != real.shape[-1]:
+            continue
+        sums = a.detach().sum(-1)
+        rows_ok = (sums <= 1 + 1e-6) & (sums > 0) if sinks else (sums - 1).abs() < 1e-6
+        if sinks:
+            rows_ok = rows_ok & (a.detach() >= 0).all(-1)
+        if not bool(rows_ok.permute(0, 2, 1)[real].all()):
+            odd.append(index)
+    return odd
+
+
+# Model types whose eager output_attentions is the softmax before the sink scaling that weights the
+# values (Granite SWA: out = sigmoid(lse - sink) * softmax(S) V); the package reports the weights on V.
+MAPS_BEFORE_SINK_SCALING = frozenset({"granite_swa", "granitemoe_swa"})
+
+
+def has_sinks(model: torch.nn.Module) -> bool:
+    """Whether an attention module of ``model`` holds per-head sink logits (a ``sinks`` tensor)."""
+    return any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules())
 
 
 def is_causal(attentions: List[torch.Tensor]) -> bool:
@@ -127,6 +147,9 @@ def eager_references(model: torch.nn.Module, example: Example) -> EagerReference
         # against their cross-attentions).
         return EagerReferences({}, "none: an encoder-decoder given input_ids alone (its decoder runs over them "
                                    "shifted right)")
+    if getattr(model.config, "model_type", None) in MAPS_BEFORE_SINK_SCALING:
+        return EagerReferences({}, "none: its eager output_attentions is the softmax before the sink scaling "
+                                   "that weights the values")
     with torch.enable_grad():
         output = call_model(model, example, output_attentions=True)
         maps = _attention_lists(output, seq2seq)
@@ -138,7 +161,7 @@ def eager_references(model: torch.nn.Module, example: Example) -> EagerReference
             return EagerReferences({"raw-attention": _seq2seq_raw(maps, example, raw_tolerance)},
                                    f"raw attention ({precision} maps)", precision)
         attentions = maps["self"]
-        odd = non_probability_layers(attentions, example.masks[0])
+        odd = non_probability_layers(attentions, example.masks[0], has_sinks(model))
         if odd:
             return EagerReferences({}, f"none: the eager maps of layers {odd} are no probability maps "
                                        "(linear or differential attention)", precision)
