@@ -61,6 +61,17 @@ _CROSS_COMPONENTS = frozenset({"encoder_attn", "EncDecAttention", "crossattentio
 # The keywords under which models pass attention sinks (propagation/attention/sinks.py): GPT-OSS and
 # its relatives ``s_aux`` (one learned logit per head), Inkling2 ``sinks`` (per query, refused).
 SINK_KERNEL_ARGS = ("s_aux", "sinks")
+# Attention classes of causal decoders that set no ``is_causal`` flag (a row of data per class):
+# Doge's dynamic-mask attention adds a learned per-head bias to its causal mask.
+CAUSAL_WITHOUT_FLAG = frozenset({"DogeAttention"})
+
+
+def is_causal_module(module: nn.Module) -> bool:
+    """Whether ``module``'s self-attention is causal: its ``is_causal`` flag, or a row of
+    :data:`CAUSAL_WITHOUT_FLAG`."""
+    return bool(getattr(module, "is_causal", False)) or type(module).__name__ in CAUSAL_WITHOUT_FLAG
+
+
 def _key_valid_from_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Non-padding keys (B, K) from a 4D additive or boolean mask: the keys some query may attend to.
 
@@ -254,7 +265,7 @@ def _record(active, module: nn.Module, probs: torch.Tensor, attention_mask: Opti
     # The recorder keeps the first mask per key stream: later calls need not derive theirs.
     known = block.default_streams[1] in recorder.stream_valid
     recorder.record(block, probs, key_valid=None if known else _key_valid_from_mask(attention_mask),
-                    causal=bool(getattr(module, "is_causal", False)) and block.kind == "self",
+                    causal=is_causal_module(module) and block.kind == "self",
                     observer=observer, replayed=replayed)
 
 
