@@ -142,7 +142,7 @@ def gradient_checkpointing_off(model: nn.Module) -> Iterator[None]:
         yield
 
 
-def _takes_decoder_inputs(model: nn.Module) -> bool:
+def takes_decoder_inputs(model: nn.Module) -> bool:
     """True for a seq2seq model called directly (its forward names ``decoder_input_ids``);
     DETR (also ``is_encoder_decoder``) and user wrappers are called positionally."""
     try:
@@ -508,7 +508,7 @@ class HuggingFaceAdapter(Adapter):
         """Notes, for the layouts, whether an encoder-decoder derives its decoder sequence from
         the source (one input, no decoder ids, embeddings or mask given)."""
         decoder_keys = ("decoder_input_ids", "decoder_inputs_embeds", "decoder_attention_mask")
-        self._shifted_source[recorder] = (len(inputs) == 1 and _takes_decoder_inputs(model)
+        self._shifted_source[recorder] = (len(inputs) == 1 and takes_decoder_inputs(model)
                                           and not any(k in (forward_kwargs or {}) for k in decoder_keys))
         return super().captured_forward(model, inputs, additional_forward_args, forward_kwargs, recorder, contexts,
                                         keep_logits)
@@ -521,7 +521,7 @@ class HuggingFaceAdapter(Adapter):
         warn_left_padding_without_positions(
             model, forward_kwargs,
             module_walk.per_walk(model, ("learned_positions",), lambda: learned_position_table(model)))
-        if len(inputs) != 2 or not _takes_decoder_inputs(model):
+        if len(inputs) != 2 or not takes_decoder_inputs(model):
             return super().call_model(model, inputs, additional_forward_args, forward_kwargs)
         keyword = "decoder_inputs_embeds" if inputs[1].is_floating_point() else "decoder_input_ids"
         given = [k for k in ("decoder_input_ids", "decoder_inputs_embeds") if k in (forward_kwargs or {})]
