@@ -28,6 +28,7 @@ from ...capture.trace import CONTEXT, Block, InputSpan, StreamLayouts, Streams, 
 from ..base import Adapter
 from .kernel import ATTENTION_KEY, SDPA_KEY, active_recorder, active_rules, block_kind
 from .kernel_keys import capture_key, propagation_key
+from .inline_text import gated as inline_gated, inline_blocks, observed as inline_observed
 from .kept_logits import kept_logit_positions
 from .position_padding import learned_position_table, warn_left_padding_without_positions
 from ..query_rows import (QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen_rows,
@@ -265,17 +266,21 @@ class HuggingFaceAdapter(Adapter):
     @contextlib.contextmanager
     def capture(self, model: nn.Module, recorder: Recorder) -> Iterator[None]:
         blocks = {id(b.module): b for b in self.blocks(model)}
-        key = capture_key(recorder, blocks.values(), model)
+        # Inline attention (BLOOM, Falcon, RoFormer, ... : inline_text.FAMILIES) is observed in its
+        # own modules; such a model keeps the eager masks its inline code adds to the scores.
+        inline = inline_blocks(blocks.values())
+        key = ATTENTION_KEY if inline else capture_key(recorder, blocks.values(), model)
         with active_recorder(recorder, blocks), patching.hf_attention_implementation(model, key), \
-                gradient_checkpointing_off(model):
+                gradient_checkpointing_off(model), inline_observed(inline, recorder):
             yield
 
     @contextlib.contextmanager
     def propagation(self, model: nn.Module, rules: RuleSet) -> Iterator[None]:
-        key = propagation_key(model, rules)
+        inline = inline_blocks(self.blocks(model))
+        key = ATTENTION_KEY if inline else propagation_key(model, rules)
         with active_rules(rules), patching.hf_attention_implementation(model, key), \
                 gradient_checkpointing_off(model), norm_rules(model, rules), operation_rules(model, rules), \
-                router_rules(model, rules):
+                router_rules(model, rules), inline_gated(inline, rules):
             yield
 
     def relevance_reading(self, model: nn.Module, at: str, messages: Optional[list] = None) -> RelevanceReading:

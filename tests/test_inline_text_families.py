@@ -1,0 +1,306 @@
+"""Text families with inline softmax attention, observed by the HuggingFace adapter
+(captum_transformers/adapters/huggingface/inline_text.py).
+
+Per family: the captured maps equal the model's eager ``output_attentions`` (float64, 1e-10),
+the padded example of a batch gives the maps of the same example alone, the key mask and the
+causal flag are read right; a few heads run end to end (GenericAttention on BLOOM, Megatron-BERT,
+RoFormer QA, FSMT), ConservativeLRP AH+LN conserves on bias-free models, the forward pass is
+bit-identical under the rules and the model is restored; the families that are no plain softmax
+attention over the sequence are refused by name. The tiny float64 models come from the coverage
+harness's shrunk configs (benchmarks/coverage/shrink.py), built offline.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.coverage import shrink  # noqa: E402
+from captum_transformers import CaptureSpec, ConservativeLRP, GenericAttention, RuleSet  # noqa: E402
+from captum_transformers.adapters import HuggingFaceAdapter  # noqa: E402
+from captum_transformers.capture.recorder import Recorder  # noqa: E402
+from captum_transformers.errors import UnsupportedModelError  # noqa: E402
+from restore import assert_same, snapshot  # noqa: E402
+
+B, N, REAL = 2, 6, 4  # batch, tokens, real tokens of the padded example 1
+# model type -> (class, causal): every family of inline_text.FAMILIES but BigBird's full mode (below).
+CASES = {
+    "bloom": ("BloomForCausalLM", True),
+    "falcon": ("FalconForCausalLM", True),
+    "gpt_neo": ("GPTNeoForCausalLM", True),
+    "mpt": ("MptForCausalLM", True),
+    "megatron-bert": ("MegatronBertForSequenceClassification", False),
+    "roformer": ("RoFormerForQuestionAnswering", False),
+    "rembert": ("RemBertForCausalLM", True),
+    "mpnet": ("MPNetForMaskedLM", False),
+    "tapas": ("TapasForSequenceClassification", False),
+    "squeezebert": ("SqueezeBertForSequenceClassification", False),
+    "xlm": ("XLMForSequenceClassification", False),
+    "flaubert": ("FlaubertForTokenClassification", False),
+    "openai-gpt": ("OpenAIGPTLMHeadModel", True),
+    "ibert": ("IBertForSequenceClassification", False),
+    "luke": ("LukeForMaskedLM", False),
+    "deberta": ("DebertaForSequenceClassification", False),
+    "deberta-v2": ("DebertaV2ForQuestionAnswering", False),
+    "mvp": ("MvpForCausalLM", True),
+    "trocr": ("TrOCRForCausalLM", True),
+    "gpt_neox_japanese": ("GPTNeoXJapaneseForCausalLM", True),
+}
+# Sizes the harness's shrinker leaves large (XLM's emb_dim, LUKE's entity vocabulary): smaller here, for speed.
+SMALLER = {"xlm": {"emb_dim": 32}, "flaubert": {"emb_dim": 32}, "luke": {"entity_vocab_size": 16, "entity_emb_size": 16}}
+HEADS = {"ForCausalLM": "causal-lm", "LMHeadModel": "causal-lm", "ForSequenceClassification": "sequence-classification",
+         "ForQuestionAnswering": "question-answering", "ForMaskedLM": "masked-lm",
+         "ForTokenClassification": "token-classification", "ForConditionalGeneration": "seq2seq-lm"}
+# Families that take the softmax in float32 (then cast back): a batch changes their maps by float32 roundings.
+FLOAT32_SOFTMAX = {"bloom", "mpt", "xlm", "flaubert"}
+KEEP = CaptureSpec(forward_reduce=lambda probs: probs)
+
+
+def build(model_type, class_name, **config):
+    head = next(h for suffix, h in HEADS.items() if class_name.endswith(suffix))
+    small = shrink.small_config(model_type, class_name, head)
+    for key, value in {**SMALLER.get(model_type, {}), **config}.items():
+        setattr(small, key, value)
+    return shrink.build_model(small, class_name)
+
+
+def batch(vocab=100, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab, (B, N), generator=generator)
+    mask = torch.ones(B, N, dtype=torch.long)
+    mask[1, REAL:] = 0
+    return ids, mask
+
+
+def captured(model, inputs, kwargs):
+    recorder = Recorder(KEEP)
+    HuggingFaceAdapter().captured_forward(model, inputs, (), kwargs, recorder)
+    return recorder
+
+
+def eager_maps(model, inputs, kwargs):
+    """The model's own maps in call order (encoder layers; then per decoder layer self, cross)."""
+    names = ("input_ids", "decoder_input_ids")
+    output = model(**dict(zip(names, inputs)), **kwargs, output_attentions=True)
+    if getattr(output, "encoder_attentions", None) is not None:
+        decoder = [a for pair in zip(output.decoder_attentions, output.cross_attentions) for a in pair]
+        return list(output.encoder_attentions) + decoder
+    maps = list(output.attentions)
+    if isinstance(model, transformers.SqueezeBertPreTrainedModel):
+        maps = [scores.softmax(-1) for scores in maps]  # SqueezeBERT returns the scores before the softmax
+    return maps
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request):
+    model_type = request.param
+    class_name, causal = CASES[model_type]
+    model = build(model_type, class_name)
+    return model_type, model, causal
+
+
+def test_captured_maps_equal_eager_output_attentions(case):
+    model_type, model, causal = case
+    ids, mask = batch(model.config.vocab_size)
+    with torch.no_grad():
+        reference = eager_maps(model, (ids,), {"attention_mask": mask})
+    recorder = captured(model, (ids,), {"attention_mask": mask})
+    maps = [site.forward_value for site in recorder.sites]
+    assert len(maps) == len(reference) > 0, model_type
+    for site, ours, theirs in zip(recorder.sites, maps, reference):
+        assert ours.dtype == torch.float64 and ours.shape == theirs.shape, (model_type, site.block.name)
+        assert (ours - theirs).abs().max() <= 1e-10, (model_type, site.block.name)
+    assert torch.equal(recorder.stream_mask("tokens"), mask.bool()), model_type
+    assert recorder.causal is causal, model_type
+
+
+def test_padded_example_gives_the_maps_of_the_example_alone(case):
+    model_type, model, _ = case
+    ids, mask = batch(model.config.vocab_size)
+    padded = captured(model, (ids,), {"attention_mask": mask})
+    single = captured(model, (ids[1:, :REAL],), {"attention_mask": mask[1:, :REAL]})
+    assert single.stream_mask("tokens") is None or bool(single.stream_mask("tokens").all())
+    for ours, alone in zip(padded.sites, single.sites):
+        part = ours.forward_value[1:, :, :REAL, :REAL]
+        tolerance = 1e-6 if model_type in FLOAT32_SOFTMAX else 1e-10
+        assert (part - alone.forward_value).abs().max() <= tolerance, (model_type, ours.block.name)
+        assert ours.forward_value[1:, :, :REAL, REAL:].abs().max() <= 1e-12  # padding keys get nothing
+
+
+@pytest.mark.parametrize("model_type,class_name", [("fsmt", "FSMTForConditionalGeneration"),
+                                                   ("mvp", "MvpForConditionalGeneration")])
+def test_seq2seq_family_maps_and_streams(model_type, class_name):
+    model = build(model_type, class_name)
+    ids, mask = batch(getattr(model.config, "src_vocab_size", None) or model.config.vocab_size)
+    prefix = ids[:, :4]
+    # FSMT masks its decoder causally only with use_cache=False (float32: in float64 transformers 5.24
+    # cannot build that mask); below the decoder running without it is refused.
+    if model_type == "fsmt":
+        model = model.float()
+    kwargs = {"attention_mask": mask, "use_cache": False}
+    with torch.no_grad():
+        reference = eager_maps(model, (ids, prefix), kwargs)
+    recorder = captured(model, (ids, prefix), kwargs)
+    assert [s.streams for s in recorder.sites[:3]] == [("encoder", "encoder")] * 2 + [("decoder", "decoder")]
+    assert recorder.sites[3].streams == ("decoder", "encoder")
+    assert len(recorder.sites) == len(reference)
+    for site, theirs in zip(recorder.sites, reference):
+        assert (site.forward_value - theirs).abs().max() <= 1e-10, site.block.name
+    assert torch.equal(recorder.stream_mask("encoder"), mask.bool())
+    assert recorder.causal is True
+    # One decoder token (generation's first step): nothing to be causal about, explained.
+    assert len(captured(model, (ids, prefix[:, :1]), kwargs).sites) == len(reference)
+    if model_type == "fsmt":
+        with pytest.raises(UnsupportedModelError, match="without a causal mask"):
+            captured(model, (ids, prefix), {"attention_mask": mask})
+    scores = GenericAttention(model).attribute((ids, prefix), target=3, forward_kwargs=kwargs)
+    assert scores[0].shape == ids.shape and scores[0][1, REAL:].abs().max() == 0
+    assert scores[1].shape == prefix.shape and scores[0].abs().sum() > 0
+
+
+def test_falcon_alibi_and_big_bird_full_attention():
+    for model_type, class_name, config in (("falcon", "FalconForCausalLM", {"alibi": True}),
+                                           ("big_bird", "BigBirdForSequenceClassification",
+                                            {"attention_type": "original_full"})):
+        model = build(model_type, class_name, **config)
+        ids, mask = batch(model.config.vocab_size)
+        with torch.no_grad():
+            reference = eager_maps(model, (ids,), {"attention_mask": mask})
+        recorder = captured(model, (ids,), {"attention_mask": mask})
+        assert len(recorder.sites) == len(reference)
+        for site, theirs in zip(recorder.sites, reference):
+            assert (site.forward_value - theirs).abs().max() <= 1e-10, (model_type, site.block.name)
+        assert recorder.causal is (model_type == "falcon")
+
+
+@pytest.mark.parametrize("model_type,class_name,target", [
+    ("bloom", "BloomForCausalLM", 7), ("megatron-bert", "MegatronBertForSequenceClassification", 1),
+    ("roformer", "RoFormerForQuestionAnswering", (0, 2)),
+])
+def test_heads_run_end_to_end_and_restore_the_model(model_type, class_name, target):
+    model = build(model_type, class_name)
+    ids, mask = batch(model.config.vocab_size)
+    before = snapshot(model)
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask)
+    scores = GenericAttention(model).attribute(ids, target=target, forward_kwargs={"attention_mask": mask})
+    assert scores.shape == ids.shape and bool(torch.isfinite(scores).all())
+    assert scores[1, REAL:].abs().max() == 0 and scores.abs().sum() > 0
+    # The padded example explained alone gives the same map (the causal LM reads its last real token).
+    alone = GenericAttention(model).attribute(ids[1:, :REAL], target=target)
+    assert (scores[1:, :REAL] - alone).abs().max() <= (1e-6 if model_type in FLOAT32_SOFTMAX else 1e-10)
+    assert_same(before, snapshot(model))
+    with torch.no_grad():
+        again = model(ids, attention_mask=mask)
+    field = "logits" if "logits" in plain else "start_logits"
+    assert torch.equal(plain[field], again[field])
+
+
+@pytest.mark.parametrize("model_type,class_name,query", [
+    ("bloom", "BloomForCausalLM", "transformer.h.1.self_attention.query_key_value.weight"),
+    ("megatron-bert", "MegatronBertForSequenceClassification", "bert.encoder.layer.1.attention.self.query.weight"),
+])
+def test_the_ah_gate_makes_the_inline_map_a_constant_and_the_forward_stays_bit_identical(model_type, class_name,
+                                                                                          query):
+    """Under the AH gate no gradient reaches the last layer's queries (through A): only V carries
+    it. BLOOM's fused query-key-value weight still gets the value part, so its query rows are read."""
+    model = build(model_type, class_name)
+    ids, mask = batch(model.config.vocab_size)
+    weight = model.get_parameter(query)
+    rows = slice(None) if model_type == "megatron-bert" else _bloom_query_rows(model)
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask).logits
+    for rules, moves in ((RuleSet.GRADIENT, True), (RuleSet.AH, False), (RuleSet.AH_LN, False)):
+        with torch.enable_grad(), HuggingFaceAdapter().propagation(model, rules):
+            logits = model(ids, attention_mask=mask).logits
+            grad, = torch.autograd.grad(logits[..., 1].sum(), weight, allow_unused=True)
+        assert torch.equal(logits.detach(), plain), rules.name
+        assert (grad is not None and bool(grad[rows].abs().max() > 0)) is moves, rules.name
+
+
+def _bloom_query_rows(model):
+    """BLOOM's query_key_value rows of the queries: per head, (query, key, value) blocks of head_dim."""
+    heads, width = model.config.n_head, model.config.hidden_size
+    head_dim = width // heads
+    return torch.cat([torch.arange(h * 3 * head_dim, h * 3 * head_dim + head_dim) for h in range(heads)])
+
+
+class _BiasFreeHead(nn.Module):
+    """A family's bare encoder or decoder with a bias-free linear head on one token."""
+
+    def __init__(self, body, row):
+        super().__init__()
+        self.body, self.row = body, row
+        torch.manual_seed(1)
+        self.head = nn.Linear(body.config.hidden_size, 3, bias=False).double()
+
+    def forward(self, input_ids):
+        return self.head(self.body(input_ids).last_hidden_state[:, self.row])
+
+
+def _bias_free(model):
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.zero_()
+            elif "norm" in name.lower() and parameter.dim() == 1:
+                parameter.copy_(torch.linspace(0.5, 1.5, parameter.numel(), dtype=parameter.dtype))
+    return model
+
+
+@pytest.mark.parametrize("model_type,class_name,row", [
+    ("megatron-bert", "MegatronBertModel", 0), ("roformer", "RoFormerModel", 0), ("gpt_neo", "GPTNeoModel", -1),
+])
+def test_conservative_lrp_ah_ln_conserves_on_bias_free_models(model_type, class_name, row):
+    small = shrink.small_config(model_type, class_name)
+    for name in ("hidden_act", "activation_function"):
+        if hasattr(small, name):
+            setattr(small, name, "relu")
+    body = _bias_free(shrink.build_model(small, class_name))
+    model = _BiasFreeHead(body, row).eval()
+    ids = torch.randint(5, small.vocab_size, (B, N), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids)[:, 1]
+    relevance = ConservativeLRP(model, "AH+LN").attribute(ids, target=1, return_tokens=True)
+    assert relevance.shape == (B, N)
+    error = ((relevance.sum(-1) - logits).abs() / logits.abs()).max()
+    assert error <= 1e-6, (model_type, error)
+
+
+@pytest.mark.parametrize("model_type,class_name,config,named", [
+    ("longformer", "LongformerForSequenceClassification", {}, "Longformer"),
+    ("nystromformer", "NystromformerForSequenceClassification", {}, "Nystromformer"),
+    ("xlnet", "XLNetForSequenceClassification", {}, "XLNet"),
+    ("convbert", "ConvBertForSequenceClassification", {}, "ConvBERT"),
+    ("funnel", "FunnelForSequenceClassification", {}, "Funnel"),
+    ("yoso", "YosoForSequenceClassification", {}, "YOSO"),
+    ("deberta", "DebertaForSequenceClassification", {"talking_head": True}, "talking_head"),
+    ("ibert", "IBertForSequenceClassification", {"quant_mode": True}, "quant_mode"),
+])
+def test_families_that_are_no_plain_softmax_attention_are_refused_by_name(model_type, class_name, config, named):
+    model = build(model_type, class_name, **config)
+    ids, mask = batch(model.config.vocab_size)
+    with pytest.raises(UnsupportedModelError, match=named):
+        GenericAttention(model).attribute(ids, target=1, forward_kwargs={"attention_mask": mask})
+    with pytest.raises(UnsupportedModelError, match=named):
+        ConservativeLRP(model, "AH+LN").attribute(ids, target=1, forward_kwargs={"attention_mask": mask})
+
+
+def test_inputs_that_add_tokens_outside_the_sequence_are_refused_by_name():
+    luke = build("luke", "LukeForMaskedLM")
+    ids, mask = batch(luke.config.vocab_size)
+    entities = {"entity_ids": torch.ones(B, 2, dtype=torch.long), "entity_attention_mask": torch.ones(B, 2),
+                "entity_position_ids": torch.zeros(B, 2, 1, dtype=torch.long), "attention_mask": mask}
+    with pytest.raises(UnsupportedModelError, match="entity"):
+        GenericAttention(luke).attribute(ids, target=(1, 3), forward_kwargs=entities)
+    mvp = build("mvp", "MvpForConditionalGeneration", use_prompt=True, prompt_length=3, prompt_mid_dim=16)
+    with pytest.raises(UnsupportedModelError, match="use_prompt"):
+        GenericAttention(mvp).attribute((ids, ids[:, :3]), target=3, forward_kwargs={"attention_mask": mask})
