@@ -24,7 +24,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.coverage import shrink  # noqa: E402
-from captum_transformers import CaptureSpec, ConservativeLRP, GenericAttention, RuleSet  # noqa: E402
+from captum_transformers import CaptureSpec, ConservativeLRP, GenericAttention, RawAttention, RuleSet  # noqa: E402
 from captum_transformers.adapters import HuggingFaceAdapter  # noqa: E402
 from captum_transformers.capture.recorder import Recorder  # noqa: E402
 from captum_transformers.errors import UnsupportedModelError  # noqa: E402
@@ -57,7 +57,8 @@ CASES = {
 # Sizes the harness's shrinker leaves large (XLM's emb_dim, LUKE's entity vocabulary): smaller here, for speed.
 SMALLER = {"xlm": {"emb_dim": 32}, "flaubert": {"emb_dim": 32}, "luke": {"entity_vocab_size": 16, "entity_emb_size": 16}}
 HEADS = {"ForCausalLM": "causal-lm", "LMHeadModel": "causal-lm", "ForSequenceClassification": "sequence-classification",
-         "ForQuestionAnswering": "question-answering", "ForMaskedLM": "masked-lm",
+         "ForQuestionAnswering": "question-answering", "ForQuestionAnsweringSimple": "question-answering",
+         "ForMaskedLM": "masked-lm",
          "ForTokenClassification": "token-classification", "ForConditionalGeneration": "seq2seq-lm"}
 # Families that take the softmax in float32 (then cast back): a batch changes their maps by float32 roundings.
 FLOAT32_SOFTMAX = {"bloom", "mpt", "xlm", "flaubert"}
@@ -304,3 +305,19 @@ def test_inputs_that_add_tokens_outside_the_sequence_are_refused_by_name():
     mvp = build("mvp", "MvpForConditionalGeneration", use_prompt=True, prompt_length=3, prompt_mid_dim=16)
     with pytest.raises(UnsupportedModelError, match="use_prompt"):
         GenericAttention(mvp).attribute((ids, ids[:, :3]), target=3, forward_kwargs={"attention_mask": mask})
+
+
+@pytest.mark.parametrize("class_name,target", [("XLMWithLMHeadModel", (2, 7)), ("XLMForQuestionAnsweringSimple", (0, 2)),
+                                               ("FlaubertWithLMHeadModel", (2, 7))])
+def test_xlm_token_level_heads_read_the_target_row(class_name, target):
+    """XLM / FlauBERT's masked-LM head (``WithLMHeadModel``, non-causal) and simple QA head score
+    every position: raw attention is the eager head-mean row of the target's token, not row 0,
+    and no next-token position is kept."""
+    model_type = "xlm" if class_name.startswith("XLM") else "flaubert"
+    model = build(model_type, class_name)
+    ids, mask = batch()
+    maps = RawAttention(model).attribute(ids, target=target, forward_kwargs={"attention_mask": mask})
+    with torch.no_grad():
+        eager = eager_maps(model, (ids,), {"attention_mask": mask})[-1].mean(1)
+    row = target[0] if class_name.endswith("WithLMHeadModel") else target[1]
+    torch.testing.assert_close(maps, eager[:, row] * mask, rtol=0, atol=1e-6)  # its softmax runs in float32

@@ -63,6 +63,8 @@ _MEAN_POOLING_HEADS = frozenset({
 # token i, (1, i) its end score.
 _TOKEN_LEVEL_HEADS: Dict[str, int] = {
     "ForTokenClassification": 0, "ForMaskedLM": 0, "ForQuestionAnswering": 1,
+    "ForQuestionAnsweringSimple": 1,  # XLM, FlauBERT: start / end scores
+    "WithLMHeadModel": 0,             # XLM, FlauBERT: a masked LM (config.causal=False) scoring every position
 }
 # Streams by module path, for models with more than one token sequence. The first
 # component of a block's dotted path found in _STREAM_COMPONENTS names its query stream
@@ -165,9 +167,11 @@ class HuggingFaceAdapter(Adapter):
 
     Tested: BERT, DistilBERT, RoBERTa, ViT, DeiT (plain and distilled), CLIP vision and
     text towers, GPT-2 and Llama-style decoders (causal masks, grouped-query attention),
-    with padding masks; CLIP's dual encoder; BART, T5 and ViT-to-GPT-2 encoder-decoders. Models with
-    inline attention (LXMERT, VisualBERT) are not intercepted here and raise
-    :class:`CaptureError`.
+    with padding masks; CLIP's dual encoder; BART, T5 and ViT-to-GPT-2 encoder-decoders. Text families
+    whose attention is written inline (BLOOM, Falcon, MPT, GPT-Neo, RoFormer, DeBERTa, XLM, ...:
+    :mod:`.inline_text`) are observed at their softmax; the multimodal inline families (LXMERT,
+    VisualBERT) have an adapter of their own (:mod:`.inline_attention`). Every architecture of the
+    auto mappings is measured in ``docs/coverage.md``.
 
     Models with several token streams (named from module paths, :attr:`stream_components`):
 
@@ -223,7 +227,8 @@ class HuggingFaceAdapter(Adapter):
 
     name = "huggingface"
     families = ("transformers models using AttentionInterface (BERT, DistilBERT, RoBERTa, ViT, DeiT, CLIP towers "
-                "and dual encoder, GPT-2, Llama-style, BART, T5)")
+                "and dual encoder, GPT-2, Llama-style, BART, T5) or inline softmax attention (BLOOM, Falcon, MPT, "
+                "GPT-Neo, RoFormer, DeBERTa, XLM, ...)")
     # Overridable per subclass: path component -> query stream; query stream -> key stream
     # of its cross-attention; stream set -> the method building its layouts.
     stream_components: Mapping[str, str] = _STREAM_COMPONENTS

@@ -34,8 +34,10 @@ from ..query_rows import QueryRows, chosen_rows
 
 
 #: Heads that take ``logits_to_keep`` but pool or score positions themselves: keeping only the
-#: explained position would change what they compute (BioGPT's classifier then indexes past it).
-_POOLING_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+#: explained position would change what they compute (BioGPT's classifier then indexes past it),
+#: or whose target names the position (token-level heads; XLM's masked-LM ``WithLMHeadModel``).
+_POOLING_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
+                  "ForQuestionAnsweringSimple", "ForMaskedLM", "WithLMHeadModel")
 
 
 @dataclasses.dataclass(frozen=True)
