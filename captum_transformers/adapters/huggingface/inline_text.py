@@ -38,7 +38,7 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
-from typing import Callable, FrozenSet, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, FrozenSet, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -221,12 +221,8 @@ def observed(found: List[Tuple[Block, InlineTextFamily]], recorder: Recorder) ->
     for plan in (getattr(recorder.spec, "replay", None), getattr(recorder.spec, "row_stream", None)):
         if plan is not None:
             plan.decline(f"inline attention ({found[0][1].name}): the maps are recorded as the model computes them")
-    token = _RECORDING.set(recorder)
-    try:
-        with _wrapped(found):
-            yield
-    finally:
-        _RECORDING.reset(token)
+    with _set_while_wrapped(_RECORDING, recorder, found):
+        yield
 
 
 @contextlib.contextmanager
@@ -235,12 +231,20 @@ def gated(found: List[Tuple[Block, InlineTextFamily]], rules: RuleSet) -> Iterat
     if not found:
         yield
         return
-    token = _GATING.set(rules)
+    with _set_while_wrapped(_GATING, rules, found):
+        yield
+
+
+@contextlib.contextmanager
+def _set_while_wrapped(variable: contextvars.ContextVar, value: Any,
+                       found: List[Tuple[Block, InlineTextFamily]]) -> Iterator[None]:
+    """``variable`` set to ``value`` while the modules of ``found`` run wrapped."""
+    token = variable.set(value)
     try:
         with _wrapped(found):
             yield
     finally:
-        _GATING.reset(token)
+        variable.reset(token)
 
 
 @contextlib.contextmanager
