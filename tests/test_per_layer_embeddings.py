@@ -1,8 +1,9 @@
-"""Gemma 3n (issue 42, item 3: per-layer embeddings): token relevance read where the ids enter.
+"""Gemma 3n and 4 (issue 42, item 3: per-layer embeddings): token relevance read where the ids enter.
 
 Gemma 3n's first layer takes its AltUp copies of the embeddings stacked (copies, B, N, D), and
 every layer adds a per-layer embedding of the ids. Its token relevance is therefore read at the
-outputs of ``embed_tokens`` and ``embed_tokens_per_layer``: Gradient x Input equals the sum of
+outputs of ``embed_tokens`` and ``embed_tokens_per_layer`` (Gemma 4 has the per-layer embeddings
+without AltUp): Gradient x Input equals the sum of
 ``x * dy/dx`` at both (plain autograd, the model's own backward), every relevance method gives
 finite maps with a padded batch equal to single calls, and a reading at the first layer's input
 (stacked, not (B, N, ...)) is refused instead of summed along the wrong axis.
@@ -46,8 +47,22 @@ def _last_logits(model, ids, mask):
     return logits[torch.arange(ids.shape[0]), mask.sum(1) - 1, TOKEN]
 
 
-def test_gradient_x_input_is_x_times_gradient_at_both_embeddings():
-    model = _gemma3n()
+def _gemma4():
+    """Gemma 4 (per-layer embeddings of the ids, no AltUp), from the coverage harness's small config."""
+    import os
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.coverage.shrink import build_model, small_config
+    model = build_model(small_config("gemma4_text", "Gemma4ForCausalLM", "causal-lm"), "Gemma4ForCausalLM")
+    model.set_attn_implementation("sdpa")  # eager runs its softmax in float32
+    return model
+
+
+@pytest.mark.parametrize("build", [_gemma3n, _gemma4], ids=["gemma3n", "gemma4"])
+def test_gradient_x_input_is_x_times_gradient_at_both_embeddings(build):
+    model = build()
     outputs = {}
 
     def keep(name):

@@ -198,6 +198,8 @@ OVERRIDES: Dict[str, Dict[str, Any]] = {
     # Layer-count bookkeeping of looped / shared-cache families.
     "dory": {"n_input_layers": 1, "n_recurrent_layers": 0, "n_output_layers": 1},
     "gemma3n_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8},
+    # Per-layer embeddings over 262144 ids by default (1 GB in float64).
+    "gemma4_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8},
     "deepseek_v2": {"num_experts_per_tok": TOP_K},  # None by default: top-k of the router
     "xmod": {"default_language": "en_XX"},  # adapters per language: one must be chosen
     # Recurrent-only first layers: their cache cannot tell a sequence length.

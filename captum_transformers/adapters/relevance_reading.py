@@ -239,19 +239,30 @@ class ModuleOutputs(RelevanceReading):
             raise CaptureError(f"The embedding modules {missing} never ran, so no token relevance could be read.")
         return [store[0] for store in self.outputs]
 
-    def result(self, streams: StreamLayouts, inputs: Tuple[torch.Tensor, ...],
-               grads: Sequence[Optional[torch.Tensor]], scores: torch.Tensor, index: torch.Tensor) -> RelevanceResult:
+    def read(self, streams: StreamLayouts) -> Dict[str, torch.Tensor]:
+        """The leaves by name, as :meth:`LayerInputs.read` gives its (the generation engine's interface)."""
+        return {f"{streams.explained[0]}:{i}": leaf for i, leaf in enumerate(self.leaves(streams, ()))}
+
+    def token_relevance(self, streams: StreamLayouts, grads: Sequence[Optional[torch.Tensor]],
+                        batch: Optional[int] = None) -> Dict[str, torch.Tensor]:
+        """``{explained stream: sum over the modules of sum_d x * g}`` (B, N), padding set to zero."""
         layout = streams.layouts[streams.explained[0]]
         tokens = None
-        for leaf, grad in zip(self.leaves(streams, inputs), grads):
-            if leaf.shape[:2] != (scores.shape[0], layout.num_tokens):
+        for leaf, grad in zip(self.leaves(streams, ()), grads):
+            if leaf.shape[1] != layout.num_tokens or (batch is not None and leaf.shape[0] != batch):
                 raise CaptureError(
-                    f"An embedding output of shape {tuple(leaf.shape)} is not (batch {scores.shape[0]}, "
-                    f"{layout.num_tokens} tokens, ...), so its relevance cannot be read per token."
+                    f"An embedding output of shape {tuple(leaf.shape)} is not (batch, {layout.num_tokens} tokens, "
+                    "...), so its relevance cannot be read per token."
                 )
             part = token_sums(lambda hidden: hidden, input_times_gradient(leaf, grad), layout.token_mask)
             tokens = part if tokens is None else tokens + part.to(tokens.device)
-        streams_read = {streams.explained[0]: tokens}
+        return {streams.explained[0]: tokens}
+
+    def result(self, streams: StreamLayouts, inputs: Tuple[torch.Tensor, ...],
+               grads: Sequence[Optional[torch.Tensor]], scores: torch.Tensor, index: torch.Tensor) -> RelevanceResult:
+        layout = streams.layouts[streams.explained[0]]
+        streams_read = self.token_relevance(streams, grads, scores.shape[0])
+        tokens = streams_read[streams.explained[0]]
         return RelevanceResult(tokens, None, layout, scores, index, tokens.sum(-1), streams_read, streams)
 
 

@@ -82,10 +82,13 @@ _STREAM_COMPONENTS: Dict[str, str] = {
 _CROSS_KEY_STREAMS: Dict[str, str] = {"decoder": "encoder"}
 # Models whose layers read more of the token ids than the hidden states entering the first layer
 # (model type -> the modules embedding the ids): token relevance is read at their outputs
-# (relevance_reading.ModuleOutputs). Gemma 3n: AltUp-stacked embeddings and per-layer embeddings.
+# (relevance_reading.ModuleOutputs). Gemma 3n: AltUp-stacked embeddings and per-layer embeddings; Gemma 4:
+# per-layer embeddings.
 _EMBEDDING_READINGS: Dict[str, Tuple[str, ...]] = {
     "gemma3n_text": ("embed_tokens", "embed_tokens_per_layer"),
     "gemma3n": ("embed_tokens", "embed_tokens_per_layer"),
+    "gemma4_text": ("embed_tokens", "embed_tokens_per_layer"),  # per-layer embeddings of the ids
+    "gemma4": ("embed_tokens", "embed_tokens_per_layer"),
 }
 # Encoder-decoder classifiers given input_ids alone run the decoder over the ids shifted right and
 # read one decoder row, found from input_ids (rows of data, by model type): "last eos": the last
