@@ -321,3 +321,18 @@ def test_xlm_token_level_heads_read_the_target_row(class_name, target):
         eager = eager_maps(model, (ids,), {"attention_mask": mask})[-1].mean(1)
     row = target[0] if class_name.endswith("WithLMHeadModel") else target[1]
     torch.testing.assert_close(maps, eager[:, row] * mask, rtol=0, atol=1e-6)  # its softmax runs in float32
+
+
+def test_mpt_padded_batch_under_the_identity_softmax_rule_is_refused():
+    """MPT's ALiBi bias moves with the padding: the identity softmax rule (LRP, TransformerRelevance)
+    would make a padded example's map depend on it, so such a batch is refused; one example alone,
+    and the shift-invariant rules on the padded batch, run."""
+    from captum_transformers import CaptureError, TransformerLRP
+    model = build("mpt", "MptForCausalLM")
+    ids, mask = batch()
+    with pytest.raises(CaptureError, match="ALiBi"):
+        TransformerLRP(model).attribute(ids, target=7, forward_kwargs={"attention_mask": mask})
+    alone = TransformerLRP(model).attribute(ids[1:, :REAL], target=7, forward_kwargs={"attention_mask": mask[1:, :REAL]})
+    assert torch.isfinite(alone).all() and alone.abs().sum() > 0
+    maps = ConservativeLRP(model, "AH+LN").attribute(ids, target=7, forward_kwargs={"attention_mask": mask})
+    assert torch.isfinite(maps).all()

@@ -79,6 +79,9 @@ class InlineTextFamily:
     refused_instances: Tuple[Tuple[Callable[[nn.Module], bool], str], ...] = ()
     refused_arguments: Tuple[Tuple[str, str], ...] = ()
     causal_decoder: Optional[str] = None
+    # Why the family's scores move with the padding (a position bias measured from the padded end):
+    # softmax ignores a shift, but the identity rule of softmax (LRP, TransformerRelevance) does not.
+    padding_shifts_scores: Optional[str] = None
 
 
 _CAUSAL_DECODER = "its decoder self-attention ran without a causal mask"
@@ -92,7 +95,10 @@ FAMILIES: Tuple[InlineTextFamily, ...] = (
     InlineTextFamily("BLOOM", _modeling("bloom"), ("BloomAttention",)),  # ALiBi, causal
     InlineTextFamily("Falcon", _modeling("falcon"), ("FalconAttention",)),  # ALiBi or rotary, causal
     InlineTextFamily("GPT-Neo", _modeling("gpt_neo"), ("GPTNeoSelfAttention",)),  # global and local layers
-    InlineTextFamily("MPT", _modeling("mpt"), ("MptAttention",)),
+    InlineTextFamily("MPT", _modeling("mpt"), ("MptAttention",), padding_shifts_scores=(
+        "MPT's ALiBi bias is measured from the end of the padded sequence, so padding adds a constant to a "
+        "padded example's scores: softmax ignores it, but the identity rule of softmax passes relevance in "
+        "proportion to the scores, so that example's map would depend on its padding (up to 20% measured)")),
     InlineTextFamily("Megatron-BERT", _modeling("megatron_bert"), ("MegatronBertSelfAttention",)),
     InlineTextFamily("RoFormer", _modeling("roformer"), ("RoFormerSelfAttention",)),
     InlineTextFamily("RemBERT", _modeling("rembert"), ("RemBertSelfAttention",)),
@@ -336,8 +342,22 @@ class _SoftmaxCatcher(TorchFunctionMode):
                 f"the keys of {'(B * H, Q, K)' if expected == 3 else '(B, H, Q, K)'} scores per call. This "
                 "transformers version computes the attention differently from what the adapter knows."
             )
+        self._refuse_shifted_scores(scores)
         self.pending = (scores, output, gate(output, self.rules))
         return self.pending[2]
+
+    def _refuse_shifted_scores(self, scores: torch.Tensor) -> None:
+        """A padded batch under the identity softmax rule, for a family whose scores move with padding."""
+        why = self.family.padding_shifts_scores
+        if why is None or self.rules is None or self.rules.softmax != "identity":
+            return
+        padded = bool((scores.detach() <= BLOCKED_BELOW).all(dim=-2).any())  # a key no query sees: padding
+        if padded:
+            raise CaptureError(
+                f"{self.block.name!r} ({self.family.name}) under the {self.rules.name!r} rules (identity rule of "
+                f"softmax) on a padded batch: {why}. Explain padded examples one at a time (padding cut), or use "
+                "AttnLRP, ConservativeLRP or GenericAttention, whose rules a shift does not move."
+            )
 
     def finish(self) -> None:
         """Record the caught map (at the end of the call: a cast may follow the softmax)."""
