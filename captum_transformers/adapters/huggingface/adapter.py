@@ -418,17 +418,19 @@ class HuggingFaceAdapter(Adapter):
         token first) with no mask of its own: decoder position ``i`` holds source token ``i - 1``,
         so the decoder's real positions are the source's (right padding; a causal decoder row
         never reads a later one), and the source mask is the decoder's: its real positions are
-        those the example alone, its padding cut, has."""
+        those the example alone, its padding cut, has. A model that masks its decoder itself keeps
+        its mask."""
         batch = recorder.sites[0].batch_size
         device = inputs[0].device
         encoder_mask = recorder.stream_mask("encoder")
         decoder_mask = recorder.stream_mask("decoder")
         num_decoder = recorder.stream_length("decoder")
         num_encoder = recorder.stream_length("encoder")
-        if encoder_mask is not None and num_decoder == num_encoder and self._shifted_source.get(recorder, False):
-            # T5Gemma masks the decoder's pad ids itself, which leaves the shifted-in last token real:
-            # a position the example alone (its padding cut) does not have.
-            decoder_mask = encoder_mask if decoder_mask is None else decoder_mask & encoder_mask.to(decoder_mask.device)
+        if ((decoder_mask is None or bool(decoder_mask.all())) and encoder_mask is not None
+                and num_decoder == num_encoder and self._shifted_source.get(recorder, False)):
+            # A model that masks its decoder itself (T5Gemma: the pad ids) keeps its own mask: its head
+            # may read the shifted-in last token, a row the source mask calls padding.
+            decoder_mask = encoder_mask
         grid, prefix = self._image_grid(model, inputs[0], num_encoder)
         frames = self._frame_grid(model, inputs[0], num_encoder)
         layouts = {
