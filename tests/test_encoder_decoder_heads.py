@@ -194,3 +194,13 @@ def test_seamless_text_to_text_streams():
                                               "decoder_attention_mask": prefix_mask[1:, :2]})
     torch.testing.assert_close(batch[0][1, :5], single[0][0], rtol=1e-8, atol=1e-12)
     torch.testing.assert_close(batch[1][1, :2], single[1][0], rtol=1e-8, atol=1e-12)
+
+
+def test_a_position_target_on_a_next_token_head_says_how_to_explain_that_position():
+    """BartForConditionalGeneration (a masked LM in transformers' mappings) is explained at its
+    next-token position: a (position, token) target is refused with the way to explain position p."""
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(_seq2seq("bart", "cls").config).double().eval()
+    ids, mask = _source(model.config.pad_token_id)
+    with pytest.raises(InputError, match="next-token position.*decoder_input_ids up to p"):
+        RawAttention(model).attribute(ids, target=(2, 7), forward_kwargs={"attention_mask": mask})

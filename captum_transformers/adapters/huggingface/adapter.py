@@ -98,6 +98,8 @@ _DECODER_CLASSIFIER_ROWS: Dict[str, str] = {
     **dict.fromkeys(("bart", "mbart", "plbart", "mvp", "bigbird_pegasus", "led", "t5", "mt5", "umt5"), "last eos"),
     **dict.fromkeys(("t5gemma", "t5gemma2"), "after last real"),
 }
+# Heads explained at their next-token position (a target is a token id there).
+_NEXT_TOKEN_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 _OUTPUT_FIELDS = ("logits", "logits_per_image", "image_embeds", "text_embeds", "pooler_output")
 # Output fields that hold scores a target indexes; the other fields hold features.
 _SCORE_FIELDS = ("logits", "logits_per_image")
@@ -555,7 +557,17 @@ class HuggingFaceAdapter(Adapter):
         batch = logits.shape[0]
         paired = logits.dim() == 2 and logits.shape[1] == batch and {"text", "image"} <= self.query_streams(model)
         if not paired:
-            return super().resolve_target(model, logits, target)
+            try:
+                return super().resolve_target(model, logits, target)
+            except InputError as error:
+                if _token_axis(model) is not None or not type(model).__name__.endswith(_NEXT_TOKEN_HEADS):
+                    raise
+                raise InputError(
+                    f"{error} {type(model).__name__} scores every position and is explained at its next-token "
+                    "position (the last real token; an encoder-decoder's last real decoder token), so the target is "
+                    "a token id there. To explain the token at position p, pass the tokens before p (an "
+                    "encoder-decoder: decoder_input_ids up to p)."
+                ) from None
         if target is None:
             target = list(range(batch))
         scores, index = super().resolve_target(model, logits, target)
