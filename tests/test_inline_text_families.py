@@ -336,3 +336,35 @@ def test_mpt_padded_batch_under_the_identity_softmax_rule_is_refused():
     assert torch.isfinite(alone).all() and alone.abs().sum() > 0
     maps = ConservativeLRP(model, "AH+LN").attribute(ids, target=7, forward_kwargs={"attention_mask": mask})
     assert torch.isfinite(maps).all()
+
+
+def test_squeezebert_token_relevance_reads_its_channels_first_layers():
+    """SqueezeBERT's layers take (B, D, N) hidden states: Gradient x Input is x * dy/dx at the
+    first layer's input summed over the channels (a token per column), padding zero, and a padded
+    batch equals the example alone."""
+    from captum_transformers.methods.catalog import build_method
+    model = build("squeezebert", "SqueezeBertForSequenceClassification")
+    ids, mask = batch()
+    entering = {}
+    layer = model.transformer.encoder.layers[0]
+    original = layer.forward
+
+    def forward(hidden, *args, **kwargs):  # the encoder calls layer.forward itself: no hook sees it
+        hidden.retain_grad()
+        entering["x"] = hidden
+        return original(hidden, *args, **kwargs)
+
+    layer.forward = forward
+    try:
+        model(input_ids=ids, attention_mask=mask).logits[:, 1].sum().backward()
+    finally:
+        del layer.forward
+    x = entering["x"]
+    assert x.shape == (B, model.config.hidden_size, N)
+    expected = (x.detach() * x.grad).sum(1) * mask
+    model.zero_grad(set_to_none=True)
+    method = build_method("gradient-x-input", model)
+    maps = method.attribute(ids, target=1, forward_kwargs={"attention_mask": mask})
+    torch.testing.assert_close(maps, expected, rtol=1e-10, atol=1e-14)
+    alone = method.attribute(ids[1:, :REAL], target=1, forward_kwargs={"attention_mask": mask[1:, :REAL]})
+    torch.testing.assert_close(maps[1, :REAL], alone[0], rtol=1e-8, atol=1e-12)

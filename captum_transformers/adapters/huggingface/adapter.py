@@ -35,7 +35,7 @@ from ..query_rows import (QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen
                           refuse_masked_explained_rows)
 from ...capture.recorder import Recorder
 from ...capture.targets import span_scores
-from ..relevance_reading import ModuleOutputs, RelevanceReading
+from ..relevance_reading import LayerInputs, ModuleOutputs, RelevanceReading
 
 # Per-architecture quirks are rows of data. prefix: tokens before the patch grid;
 # rows: classifier token positions; "eos": CLIP text pools at the end-of-text token;
@@ -90,6 +90,9 @@ _EMBEDDING_READINGS: Dict[str, Tuple[str, ...]] = {
     "gemma4_text": ("embed_tokens", "embed_tokens_per_layer"),  # per-layer embeddings of the ids
     "gemma4": ("embed_tokens", "embed_tokens_per_layer"),
 }
+# Models whose layers take channels-first hidden states (B, D, N) (model types, a row each):
+# SqueezeBERT's convolutional layers; their token relevance is read with the tokens last.
+_CHANNELS_FIRST_LAYERS = frozenset({"squeezebert"})
 # Encoder-decoder classifiers given input_ids alone run the decoder over the ids shifted right and
 # read one decoder row, found from input_ids (rows of data, by model type): "last eos": the last
 # eos_token_id of each row (BART-style heads; every row must hold the same number of them);
@@ -295,8 +298,12 @@ class HuggingFaceAdapter(Adapter):
 
     def relevance_reading(self, model: nn.Module, at: str, messages: Optional[list] = None) -> RelevanceReading:
         """At ``"tokens"``, models of ``_EMBEDDING_READINGS`` are read at the outputs of the
-        modules embedding their ids; others as every adapter (the first layer's input)."""
-        names = _EMBEDDING_READINGS.get(getattr(pretrained_model(model).config, "model_type", ""))
+        modules embedding their ids, those of ``_CHANNELS_FIRST_LAYERS`` at their first layer's
+        (B, D, N) input with the tokens last; others as every adapter (the first layer's input)."""
+        model_type = getattr(pretrained_model(model).config, "model_type", "")
+        if at == "tokens" and messages is None and model_type in _CHANNELS_FIRST_LAYERS:
+            return LayerInputs(self.first_layers(model), lambda hidden: hidden.transpose(1, 2))
+        names = _EMBEDDING_READINGS.get(model_type)
         if at != "tokens" or messages is not None or names is None:
             return super().relevance_reading(model, at, messages)
         found = {name.rsplit(".", 1)[-1]: module for name, module in module_walk.named_modules(model)
