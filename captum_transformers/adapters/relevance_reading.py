@@ -147,6 +147,12 @@ class RelevanceReading:
         relevance put on the output (detached), ``index``: the target index."""
         raise NotImplementedError
 
+    def for_steps(self, in_graph: bool) -> "RelevanceReading":
+        """This reading for the generation engine, which calls ``read(streams)`` and
+        ``token_relevance(streams, grads)`` once per explained step; ``in_graph``: keep the read
+        tensors in the graph (image inputs explained too). Token readings only."""
+        raise CaptureError(f"{type(self).__name__} reads no token relevance, so no generation step can use it.")
+
 
 class LayerInputs(RelevanceReading):
     """Relevance of the hidden states entering the first layer of each stream (``layers``:
@@ -175,6 +181,9 @@ class LayerInputs(RelevanceReading):
 
     def leaves(self, streams: StreamLayouts, inputs: Tuple[torch.Tensor, ...]) -> List[torch.Tensor]:
         return list(self.read(streams).values())
+
+    def for_steps(self, in_graph: bool) -> "LayerInputs":
+        return LayerInputs(self.layers, self.token_states, in_graph)
 
     def token_relevance(self, streams: StreamLayouts, grads: Sequence[Optional[torch.Tensor]],
                         batch: Optional[int] = None) -> Dict[str, torch.Tensor]:
@@ -238,6 +247,10 @@ class ModuleOutputs(RelevanceReading):
             missing = [type(m).__name__ for m, store in zip(self.modules, self.outputs) if not store]
             raise CaptureError(f"The embedding modules {missing} never ran, so no token relevance could be read.")
         return [store[0] for store in self.outputs]
+
+    def for_steps(self, in_graph: bool) -> "ModuleOutputs":
+        """A fresh reading (the embeddings' outputs are leaves of their own: ``in_graph`` changes nothing)."""
+        return ModuleOutputs(self.modules)
 
     def read(self, streams: StreamLayouts) -> Dict[str, torch.Tensor]:
         """The leaves by name, as :meth:`LayerInputs.read` gives its (the generation engine's interface)."""

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..adapters.base import Adapter
 from ..adapters.huggingface.kept_logits import KeptLogitPositions, forward_signature
-from ..adapters.relevance_reading import LayerInputs, ModuleOutputs, input_times_gradient
+from ..adapters.relevance_reading import input_times_gradient
 from ..capture.recorder import Recorder
 from ..capture.trace import CaptureSpec, StreamLayouts
 from ..errors import CaptureError
@@ -197,9 +197,7 @@ def relevance_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tens
              if isinstance(forward_kwargs.get(name), torch.Tensor) and forward_kwargs[name].is_floating_point()}
     forward_kwargs.update(extra)
     # Image inputs explained too: the tapped tensors stay in the graph (a detached leaf would cut the image path).
-    reading = adapter.relevance_reading(model, "tokens")
-    if not isinstance(reading, ModuleOutputs):  # models read where their ids are embedded (Gemma 3n / 4) keep it
-        reading = LayerInputs(adapter.first_layers(model), adapter.token_states, in_graph=bool(extra))
+    reading = adapter.relevance_reading(model, "tokens").for_steps(in_graph=bool(extra))
     groups = steps.explained_groups
     with relevance_passes(adapter, model, inputs, rules, reading) as (inputs, contexts):
         streams, logits = _steps_forward(adapter, model, inputs, additional, forward_kwargs, Recorder(CaptureSpec()),
