@@ -9,7 +9,7 @@ Importing this package imports torch and captum only; transformers, timm and
 torch_geometric are imported when a model of that family is explained.
 """
 from .adapters import Adapter, HuggingFaceAdapter
-from .errors import CaptumTransformersError, CaptureError, InputError, UnsupportedModelError
+from .errors import CaptumTransformersError, CaptureError, InputError, NotSoftmaxAttentionError, UnsupportedModelError
 from .methods import (ATTENTION_METHODS, LRP_ATTENTION_METHODS, RELEVANCE_METHODS, AttentionGradCAM, AttentionRollout,
                       AttnLRP, ConservativeLRP, GenericAttention, PartialLRP, RawAttention, RuleGradientXInput,
                       TraceAttribution, TransformerLRP, TransformerRelevance)
@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Adapter", "HuggingFaceAdapter", "CaptumTransformersError", "CaptureError", "InputError",
-    "UnsupportedModelError", "ATTENTION_METHODS", "RELEVANCE_METHODS", "ConservativeLRP", "RuleSet",
+    "UnsupportedModelError", "NotSoftmaxAttentionError", "ATTENTION_METHODS", "RELEVANCE_METHODS", "ConservativeLRP", "RuleSet",
     "LRP_ATTENTION_METHODS", "AttnLRP", "PartialLRP", "RuleGradientXInput", "TransformerLRP", "TransformerRelevance", "AttentionGradCAM", "AttentionRollout", "GenericAttention",
     "AttentionFlow",
     "RawAttention", "TraceAttribution", "get_adapter", "register_adapter", "registered_adapters",

@@ -21,6 +21,15 @@ class CaptureError(CaptumTransformersError, RuntimeError):
     """
 
 
+class NotSoftmaxAttentionError(UnsupportedModelError, CaptureError):
+    """The model mixes its tokens by something other than softmax attention over one sequence
+    (Fourier mixing, a state-space scan, a recurrence, differential or approximate attention),
+    so a method defined on attention probability maps (raw attention, rollout, Grad-CAM,
+    GenericAttention, the LRP rule sets) does not apply to it. Gradient methods that need no
+    attention (Captum's Integrated Gradients, Saliency) still do. A ``CaptureError`` too (what
+    the adapters raised for these models before the families were named)."""
+
+
 class InputError(CaptumTransformersError, ValueError):
     """Inputs, targets or options that do not fit the model or the method."""
 

@@ -301,3 +301,41 @@ def test_an_encoder_only_head_of_an_encoder_decoder_config_is_attributed_once():
     leaf = model.get_input_embeddings()(ids).detach().requires_grad_()
     (grad,) = _gradient(model(inputs_embeds=leaf, attention_mask=mask).logits[:, 2, 1], [leaf])
     torch.testing.assert_close(saliency, grad.abs().sum(-1) * mask, **TOL)
+
+
+# -- causal LMs without attention: the next-token position from the family's construction ----------
+def _mamba():
+    return _built(transformers.MambaForCausalLM, transformers.MambaConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=2, state_size=4, conv_kernel=3, pad_token_id=0))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_recurrent_causal_lm_token_target_is_the_last_real_position(method):
+    """Mamba has no attention for the adapter to read its causal layout from; a token target still
+    explains the next-token logit at each row's last real token (the explicit (position, token)
+    form's attribution), padding stays zero and a padded row equals the example alone."""
+    model = _mamba()
+    ids, mask = _ids(2, 6, 4, pad=0)
+    kwargs = {"attention_mask": mask}
+    by_token = _made(method, model).attribute(ids, target=TOKEN, forward_kwargs=kwargs)
+    explicit = _made(method, model).attribute(ids, target=[(5, TOKEN), (3, TOKEN)], forward_kwargs=kwargs)
+    torch.testing.assert_close(by_token, explicit, rtol=0, atol=0)
+    last_column = _made(method, model).attribute(ids, target=[(5, TOKEN), (5, TOKEN)], forward_kwargs=kwargs)
+    assert (by_token[1] - last_column[1]).abs().max() > 0  # not the last column of the padded row
+    assert bool((by_token[1, 4:] == 0).all()) and bool((by_token[:, :4] != 0).all())
+    alone = _made(method, model).attribute(ids[1:, :4], target=TOKEN, forward_kwargs={"attention_mask": mask[1:, :4]})
+    torch.testing.assert_close(by_token[1:, :4], alone, rtol=1e-7, atol=1e-12)
+
+
+def test_a_forward_that_breaks_its_own_backward_is_refused_with_the_fix():
+    """RWKV's forward with use_cache=True overwrites its recurrent state in place, which its own
+    backward pass needs: refused naming the model and use_cache=False, which then explains it."""
+    model = _built(transformers.RwkvForCausalLM, transformers.RwkvConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=2, attention_hidden_size=16, intermediate_size=24,
+        pad_token_id=0))
+    ids, mask = _ids(2, 6, 4, pad=0)
+    with pytest.raises(InputError, match=r"RwkvForCausalLM's own forward pass overwrote.*'use_cache': False"):
+        CaptumSaliency(model).attribute(ids, target=TOKEN, forward_kwargs={"attention_mask": mask})
+    scores = CaptumSaliency(model).attribute(ids, target=TOKEN, forward_kwargs={"attention_mask": mask,
+                                                                              "use_cache": False})
+    assert bool((scores[1, 4:] == 0).all()) and bool(torch.isfinite(scores).all())

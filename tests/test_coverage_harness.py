@@ -24,7 +24,7 @@ if ROOT not in sys.path:
 from benchmarks.coverage import harness, shrink, sweep, table  # noqa: E402
 from benchmarks.coverage.entries import Entry, enumerate_entries  # noqa: E402
 from captum_transformers import RawAttention  # noqa: E402
-from captum_transformers.errors import InputError  # noqa: E402
+from captum_transformers.errors import InputError, NotSoftmaxAttentionError  # noqa: E402
 
 SUBSET = ("llama", "bert", "gpt2")
 HEADS = ("causal-lm", "sequence-classification")
@@ -142,6 +142,20 @@ def test_a_raw_exception_is_failed_and_a_package_error_refused(bert):
     assert "test_coverage_harness.py" in failed.origin
     refused = judge_fake(bert, refusal)
     assert refused.kind == "refused" and refused.detail == "not this one"
+
+
+def test_a_method_whose_definition_does_not_apply_is_not_applicable_and_left_out_of_the_percentages(bert):
+    def not_softmax(maps, model, inputs):
+        raise NotSoftmaxAttentionError("a scan, not softmax attention")
+
+    verdict = judge_fake(bert, not_softmax)
+    assert verdict.kind == "not applicable" and verdict.detail == "a scan, not softmax attention"
+    cells = {"a": {"kind": "reference"}, "b": {"kind": "not applicable"}}
+    records = [{"cells": cells}, {"cells": {"a": {"kind": "consistent"}, "b": {"kind": "refused"}}},
+               {"cells": {"a": {"kind": "not applicable"}, "b": {"kind": "not applicable"}}}]
+    counted = table.totals(records, ["a", "b"])
+    assert counted["applicable"] == 3 and round(counted["explained %"], 6) == round(200 / 3, 6)
+    assert counted["whole"] == 1 and counted["building"] == 3  # all-n.a. and refused rows are not explained
 
 
 def test_a_method_past_its_time_limit_is_timed_out(bert):

@@ -196,11 +196,41 @@ def test_seamless_text_to_text_streams():
     torch.testing.assert_close(batch[1][1, :2], single[1][0], rtol=1e-8, atol=1e-12)
 
 
-def test_a_position_target_on_a_next_token_head_says_how_to_explain_that_position():
-    """BartForConditionalGeneration (a masked LM in transformers' mappings) is explained at its
-    next-token position: a (position, token) target is refused with the way to explain position p."""
+def _bart_lm():
     torch.manual_seed(0)
-    model = transformers.BartForConditionalGeneration(_seq2seq("bart", "cls").config).double().eval()
+    return transformers.BartForConditionalGeneration(_seq2seq("bart", "cls").config).double().eval()
+
+
+def test_bart_as_a_masked_lm_explains_the_target_decoder_row():
+    """BartForConditionalGeneration given input_ids alone and a (position, token) target (BART as
+    a masked LM, as transformers' fill-mask pipeline reads it): raw attention is the model's own
+    last cross-attention at decoder row p (not at the last real row), each method's padded batch
+    equals the single calls, and a padded position is refused."""
+    model = _bart_lm()
     ids, mask = _source(model.config.pad_token_id)
-    with pytest.raises(InputError, match="next-token position.*decoder_input_ids up to p"):
-        RawAttention(model).attribute(ids, target=(2, 7), forward_kwargs={"attention_mask": mask})
+    targets = [(2, 7), (3, 9)]
+    encoder_map = _first(RawAttention(model).attribute(ids, target=targets, forward_kwargs={"attention_mask": mask}))
+    with torch.no_grad():
+        eager = model(input_ids=ids, attention_mask=mask, output_attentions=True).cross_attentions[-1].mean(1)
+    for example, (row, _) in enumerate(targets):
+        torch.testing.assert_close(encoder_map[example], eager[example, row] * mask[example], rtol=0, atol=1e-10)
+        assert (encoder_map[example] - eager[example, -1] * mask[example]).abs().max() > 1e-4
+    for name in METHODS:
+        method = build_method(name, model)
+        batch = _quiet(method, ids, target=targets, forward_kwargs={"attention_mask": mask})
+        single = _quiet(method, ids[1:, :5], target=targets[1:], forward_kwargs={"attention_mask": mask[1:, :5]})
+        assert batch[1, 5:].abs().max() == 0, name
+        torch.testing.assert_close(batch[1, :5], single[0], rtol=1e-8, atol=1e-12, msg=name)
+    with pytest.raises(InputError, match="padding"):
+        RawAttention(model).attribute(ids, target=[(2, 7), (6, 7)], forward_kwargs={"attention_mask": mask})
+
+
+def test_a_position_target_on_a_causal_lm_says_how_to_explain_that_position():
+    """A causal LM is explained at its next-token position: a (position, token) target is refused
+    with the way to explain position p."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    with pytest.raises(InputError, match="next-token position.*tokens before p"):
+        RawAttention(model).attribute(CAUSAL_IDS, target=(2, 7), forward_kwargs={"attention_mask": CAUSAL_MASK})

@@ -53,6 +53,9 @@ CASES = {
     "mvp": ("MvpForCausalLM", True),
     "trocr": ("TrOCRForCausalLM", True),
     "gpt_neox_japanese": ("GPTNeoXJapaneseForCausalLM", True),
+    "xlnet": ("XLNetForSequenceClassification", False),  # sequence-first states, content stream alone
+    # Decoder-only: its attention runs through the kernel; the inline row makes its causal mask visible.
+    "bigbird_pegasus": ("BigBirdPegasusForCausalLM", True),
 }
 # Sizes the harness's shrinker leaves large (XLM's emb_dim, LUKE's entity vocabulary): smaller here, for speed.
 SMALLER = {"xlm": {"emb_dim": 32}, "flaubert": {"emb_dim": 32}, "luke": {"entity_vocab_size": 16, "entity_emb_size": 16}}
@@ -137,7 +140,8 @@ def test_padded_example_gives_the_maps_of_the_example_alone(case):
 
 
 @pytest.mark.parametrize("model_type,class_name", [("fsmt", "FSMTForConditionalGeneration"),
-                                                   ("mvp", "MvpForConditionalGeneration")])
+                                                   ("mvp", "MvpForConditionalGeneration"),
+                                                   ("bigbird_pegasus", "BigBirdPegasusForConditionalGeneration")])
 def test_seq2seq_family_maps_and_streams(model_type, class_name):
     model = build(model_type, class_name)
     ids, mask = batch(getattr(model.config, "src_vocab_size", None) or model.config.vocab_size)
@@ -278,11 +282,13 @@ def test_conservative_lrp_ah_ln_conserves_on_bias_free_models(model_type, class_
 
 @pytest.mark.parametrize("model_type,class_name,config,named", [
     ("longformer", "LongformerForSequenceClassification", {}, "Longformer"),
-    ("nystromformer", "NystromformerForSequenceClassification", {}, "Nystromformer"),
-    ("xlnet", "XLNetForSequenceClassification", {}, "XLNet"),
+    ("nystromformer", "NystromformerForSequenceClassification", {}, "Nystrom attention"),
+    ("cpmant", "CpmAntForCausalLM", {}, "CPM-Ant"),
+    ("bigbird_pegasus", "BigBirdPegasusForSequenceClassification", {"attention_type": "block_sparse"}, "block_sparse"),
+    ("pegasus_x", "PegasusXForConditionalGeneration", {}, "Pegasus-X"),
     ("convbert", "ConvBertForSequenceClassification", {}, "ConvBERT"),
     ("funnel", "FunnelForSequenceClassification", {}, "Funnel"),
-    ("yoso", "YosoForSequenceClassification", {}, "YOSO"),
+    ("yoso", "YosoForSequenceClassification", {}, "YOSO attention"),
     ("deberta", "DebertaForSequenceClassification", {"talking_head": True}, "talking_head"),
     ("ibert", "IBertForSequenceClassification", {"quant_mode": True}, "quant_mode"),
 ])
@@ -368,3 +374,84 @@ def test_squeezebert_token_relevance_reads_its_channels_first_layers():
     torch.testing.assert_close(maps, expected, rtol=1e-10, atol=1e-14)
     alone = method.attribute(ids[1:, :REAL], target=1, forward_kwargs={"attention_mask": mask[1:, :REAL]})
     torch.testing.assert_close(maps[1, :REAL], alone[0], rtol=1e-8, atol=1e-12)
+
+
+def _assert_padded_equals_single(method, model, ids, mask, target, tolerance=1e-10):
+    scores = method.attribute(ids, target=target, forward_kwargs={"attention_mask": mask})
+    alone = method.attribute(ids[1:, :REAL], target=target, forward_kwargs={"attention_mask": mask[1:, :REAL]})
+    assert scores.shape == ids.shape and bool(torch.isfinite(scores).all())
+    assert scores[1, REAL:].abs().max() == 0 and scores.abs().sum() > 0
+    assert (scores[1:, :REAL] - alone).abs().max() <= tolerance * max(1.0, float(alone.abs().max()))
+    return scores
+
+
+@pytest.mark.parametrize("model_type,class_name,target", [
+    ("xlnet", "XLNetForTokenClassification", (2, 1)), ("xlnet", "XLNetForQuestionAnsweringSimple", (0, 2)),
+    ("bigbird_pegasus", "BigBirdPegasusForCausalLM", 7),
+])
+def test_xlnet_and_bigbird_pegasus_rules_apply_batch_equals_single_and_the_model_is_restored(model_type, class_name,
+                                                                                              target):
+    """XLNet (sequence-first hidden states: token relevance is read at its (N, B, D) first-layer input)
+    and BigBird-Pegasus's decoder-only causal LM (its next-token score at the last real token): a padded
+    batch gives each example's maps alone under GenericAttention, AttnLRP and ConservativeLRP AH+LN, the
+    forward is bit-identical and the model restored (BigBird-Pegasus's is_causal flag included)."""
+    from captum_transformers import AttnLRP
+    model = build(model_type, class_name)
+    ids, mask = batch(model.config.vocab_size)
+    before = snapshot(model)
+    flags = {name: m.is_causal for name, m in model.named_modules() if hasattr(m, "is_causal")}
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask)
+    for method in (GenericAttention(model), AttnLRP(model), ConservativeLRP(model, "AH+LN")):
+        _assert_padded_equals_single(method, model, ids, mask, target)
+    assert_same(before, snapshot(model))
+    assert flags == {name: m.is_causal for name, m in model.named_modules() if hasattr(m, "is_causal")}
+    with torch.no_grad():
+        again = model(ids, attention_mask=mask)
+    field = "logits" if "logits" in plain else "start_logits"
+    assert torch.equal(plain[field], again[field])
+
+
+def test_xlnet_reads_its_padding_past_the_keys_each_query_keeps():
+    """XLNet's content-stream mask leaves every query its own key, padding included: the key mask is
+    read from the other queries (a padding key is seen by itself alone), and the padded query rows
+    are the model's own (its maps equal eager output_attentions there too)."""
+    model = build("xlnet", "XLNetForSequenceClassification")
+    ids, mask = batch(model.config.vocab_size)
+    recorder = captured(model, (ids,), {"attention_mask": mask})
+    assert torch.equal(recorder.stream_mask("tokens"), mask.bool())
+    first = recorder.sites[0].forward_value
+    assert bool((first[1, :, REAL, REAL] > 0).all())  # a padding query sees its own key
+    assert recorder.causal is False
+    # attn_type="uni": XLNet's causal mask, read as causal (unpadded: transformers 5.x cannot add a
+    # padding mask to it, a broadcast error of its own).
+    uni = build("xlnet", "XLNetForSequenceClassification", attn_type="uni")
+    assert captured(uni, (ids,), {}).causal is True
+
+
+def test_xlnet_two_stream_and_memory_calls_are_refused_by_name():
+    """The query stream (target_mapping: a second softmax over the content stream, for the permuted
+    order's targets) and mems (keys over an earlier segment) are no maps over the input's tokens."""
+    model = build("xlnet", "XLNetLMHeadModel")
+    ids, mask = batch(model.config.vocab_size)
+    target_mapping = torch.zeros(B, 1, N, dtype=torch.float64)
+    target_mapping[:, 0, -1] = 1
+    perm_mask = torch.zeros(B, N, N, dtype=torch.float64)
+    perm_mask[:, :, -1] = 1
+    with pytest.raises(UnsupportedModelError, match="two-stream"):
+        captured(model, (ids,), {"attention_mask": mask, "perm_mask": perm_mask, "target_mapping": target_mapping})
+    with torch.no_grad():
+        mems = model(ids, attention_mask=mask, use_mems=True).mems
+    with pytest.raises(UnsupportedModelError, match="mems"):
+        captured(model, (ids,), {"mems": mems})
+
+
+def test_bigbird_pegasus_causal_flag_follows_the_mask_the_decoder_gets():
+    """The decoder self-attention is flagged causal only for the call whose mask blocks the later keys:
+    a decoder given a full (B, 1, Q, K) mask of zeros stays non-causal, and cross-attention never is."""
+    model = build("bigbird_pegasus", "BigBirdPegasusForCausalLM")
+    ids, mask = batch(model.config.vocab_size)
+    assert captured(model, (ids,), {"attention_mask": mask}).causal is True
+    full = torch.zeros(B, 1, N, N, dtype=torch.float64)
+    full[1, :, :, REAL:] = torch.finfo(torch.float64).min
+    assert captured(model, (ids,), {"attention_mask": full}).causal is False

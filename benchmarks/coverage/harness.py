@@ -11,6 +11,8 @@
 * ``zero map``: consistent, but some row is 0 everywhere and the package warned so (Grad-CAM,
   partial LRP: no positive evidence under the rectification; a silent all-zero row fails);
 * ``refused``: the method raised a ``CaptumTransformersError`` (the model restored after it);
+* ``not applicable``: it raised ``NotSoftmaxAttentionError``: the model mixes its tokens by
+  something other than softmax attention, on which the method is defined (restored too);
 * ``failed``: anything else: another exception (a package bug), a failed check, a map that
   differs from the reference;
 * ``timed out``: the call ran past the time limit.
@@ -32,7 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from captum_transformers.errors import CaptumTransformersError
+from captum_transformers.errors import CaptumTransformersError, NotSoftmaxAttentionError
 
 from .entries import HEADS, Entry
 from .inputs import Example, call_model, explained_scores, make_example
@@ -46,7 +48,8 @@ BATCH_TOLERANCES = {"float64": 1e-8, "float32": 1e-5}
 BATCH_TOLERANCE = BATCH_TOLERANCES["float64"]
 # Model types whose attention scores are computed in float32 inside a float64 model (a row of data).
 FLOAT32_SCORES = frozenset({"gpt_neo"})
-KINDS = ("reference", "consistent", "zero map", "refused", "failed", "timed out", "does not build", "not a text model")
+KINDS = ("reference", "consistent", "zero map", "refused", "not applicable", "failed", "timed out", "does not build",
+         "not a text model")
 
 
 @dataclasses.dataclass
@@ -117,7 +120,7 @@ def exception_verdict(kind: str, error: BaseException, prefix: str = "") -> Verd
     """A verdict for ``error``: its type and first line, the last package frame and the origin."""
     frames = traceback.extract_tb(error.__traceback__)
     package = [f for f in frames if "/captum_transformers/" in f.filename]
-    detail = first_line(error) if kind == "refused" else f"{type(error).__name__}: {first_line(error)}"
+    detail = first_line(error) if kind in ("refused", "not applicable") else f"{type(error).__name__}: {first_line(error)}"
     return Verdict(kind, prefix + detail, _frame_text(package[-1]) if package else "",
                    _frame_text(frames[-1]) if frames else "")
 
@@ -246,7 +249,8 @@ def _judge(model, example, make_method, reference, batch_tolerance) -> Verdict:
         if changed:
             return Verdict("failed", f"refused, but the model was not restored: {'; '.join(changed)}",
                            origin=first_line(error))
-        return exception_verdict("refused", error)
+        return exception_verdict("not applicable" if isinstance(error, NotSoftmaxAttentionError) else "refused",
+                                 error)
     except TimeLimit as error:
         return Verdict("timed out", first_line(error))
     except Exception as error:  # a raw exception: the package's bug

@@ -202,6 +202,9 @@ OVERRIDES: Dict[str, Dict[str, Any]] = {
     "gemma4_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8},
     "deepseek_v2": {"num_experts_per_tok": TOP_K},  # None by default: top-k of the router
     "xmod": {"default_language": "en_XX"},  # adapters per language: one must be chosen
+    # Block-sparse attention switches itself to full attention on the short inputs measured here, replacing its
+    # modules during the forward pass: built with the attention it runs (block-sparse is refused by name).
+    "bigbird_pegasus": {"attention_type": "original_full"},
     # Recurrent-only first layers: their cache cannot tell a sequence length.
     "granitemoehybrid": {**_MAMBA, "use_cache": False},
     "recurrent_gemma": {"use_cache": False},

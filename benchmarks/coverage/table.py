@@ -22,8 +22,10 @@ SHORT_NAMES = {
     "transformer-relevance": "relevance", "integrated-gradients": "ig", "saliency": "saliency",
 }
 CODES = {"reference": "ref", "consistent": "ok", "zero map": "zero", "refused": "refused", "failed": "FAIL",
-         "timed out": "t/o", "does not build": "n.b."}
-FOOTNOTE_PREFIX = {"refused": "r", "failed": "f", "does not build": "b", "timed out": "t", "zero map": "z"}
+         "timed out": "t/o", "does not build": "n.b.", "not applicable": "n.a."}
+FOOTNOTE_PREFIX = {"refused": "r", "failed": "f", "does not build": "b", "timed out": "t", "zero map": "z",
+                   "not applicable": "a"}
+EXPLAINED = ("reference", "consistent", "zero map")
 HEAD_TITLES = {
     "causal-lm": "Causal LM", "sequence-classification": "Sequence classification",
     "token-classification": "Token classification", "question-answering": "Question answering",
@@ -71,19 +73,27 @@ def cell(verdict: Optional[Dict[str, Any]], footnotes: Footnotes, where: str) ->
         return ""
     kind = verdict["kind"]
     code = CODES.get(kind, kind)
-    if kind in ("refused", "failed", "does not build", "timed out"):
+    if kind in ("refused", "failed", "does not build", "timed out", "not applicable"):
         return f"{code} {footnotes.mark(kind, verdict, where)}"
     return code
 
 
 def totals(records: Sequence[Dict[str, Any]], methods: Sequence[str]) -> Dict[str, Any]:
-    """Counts of one head kind's cells by verdict (text architectures only)."""
+    """Counts of one head kind's cells by verdict (text architectures only). Percentages are of
+    the applicable cells (run, and not ``n.a.``); an architecture is explained when it builds and
+    every applicable cell of it is explained."""
     counts = Counter(record["cells"].get(m, {}).get("kind", "missing") for record in records for m in methods)
     built = sum(counts.values()) - counts["does not build"] - counts["missing"]
-    explained = counts["reference"] + counts["consistent"] + counts["zero map"]
-    return {"architectures": len(records), "built": built, "counts": counts, "explained": explained,
-            "explained %": 100.0 * explained / built if built else 0.0,
-            "refused %": 100.0 * counts["refused"] / built if built else 0.0}
+    applicable = built - counts["not applicable"]
+    explained = sum(counts[kind] for kind in EXPLAINED)
+    kinds = [{record["cells"].get(m, {}).get("kind", "missing") for m in methods} for record in records]
+    building = [k for k in kinds if "does not build" not in k]
+    whole = sum(1 for k in building if k - {"not applicable"} and k <= {*EXPLAINED, "not applicable"})
+    return {"architectures": len(records), "built": built, "applicable": applicable, "counts": counts,
+            "explained": explained, "explained %": 100.0 * explained / applicable if applicable else 0.0,
+            "refused %": 100.0 * counts["refused"] / applicable if applicable else 0.0,
+            "building": len(building), "whole": whole,
+            "whole %": 100.0 * whole / len(building) if building else 0.0}
 
 
 def head_section(head: str, records: List[Dict[str, Any]], methods: Sequence[str],
@@ -111,22 +121,23 @@ def _kind_of_entry(record: Dict[str, Any], methods: Sequence[str]) -> Optional[s
 
 
 def totals_table(by_head: Dict[str, List[Dict[str, Any]]], methods: Sequence[str]) -> List[str]:
-    lines = ["| head | text architectures | cells run | ref | ok | zero | refused | FAIL | t/o | n.b. cells | "
-             "explained % | refused % |", "|---|" + "---|" * 11]
+    lines = ["| head | text architectures | cells run | ref | ok | zero | refused | FAIL | t/o | n.a. | n.b. cells | "
+             "explained % | refused % | architectures explained |", "|---|" + "---|" * 13]
     for head, records in by_head.items():
         text = [r for r in records if _kind_of_entry(r, methods) != "not a text model"]
         t = totals(text, methods)
         c = t["counts"]
         lines.append(f"| {HEAD_TITLES.get(head, head)} | {t['architectures']} | {t['built']} | {c['reference']} | "
                      f"{c['consistent']} | {c['zero map']} | {c['refused']} | {c['failed']} | {c['timed out']} | "
-                     f"{c['does not build']} | {t['explained %']:.1f} | {t['refused %']:.1f} |")
+                     f"{c['not applicable']} | {c['does not build']} | {t['explained %']:.1f} | {t['refused %']:.1f} | "
+                     f"{t['whole']} of {t['building']} ({t['whole %']:.1f} %) |")
     return lines + [""]
 
 
 def footnote_section(footnotes: Footnotes) -> List[str]:
     """The footnotes: refusal reasons, failures (with the frame), build failures, time-outs."""
     titles = {"refused": "Refusal reasons", "failed": "Failures", "does not build": "Does not build",
-              "timed out": "Timed out"}
+              "timed out": "Timed out", "not applicable": "Not applicable (no softmax attention)"}
     lines = []
     for kind, title in titles.items():
         notes = footnotes.of_kind(kind)
@@ -221,6 +232,10 @@ def _header(results: Dict[str, Any], methods: Sequence[str]) -> List[str]:
         "* `zero`: consistent, but the map of some row is 0 everywhere, with the package's warning (Grad-CAM and "
         "partial LRP keep only positive evidence; common on random weights).",
         "* `refused rN`: a `CaptumTransformersError`, the model restored; the reason is footnote rN.",
+        "* `n.a. aN`: the method's definition does not apply: the package raised `NotSoftmaxAttentionError`, "
+        "naming a family whose tokens are mixed by something other than softmax attention (a state-space scan, "
+        "a recurrence, Fourier mixing, differential or approximate attention), the model restored; footnote aN. "
+        "Integrated Gradients and Saliency apply to every model and are never `n.a.`.",
         "* `FAIL fN`: any other exception (a package bug), a failed check, or a map that differs from the "
         "reference; footnote fN.",
         "* `t/o`: past the time limit; `n.b. bN`: the model does not build (or run on the batch) even with the "
@@ -241,6 +256,8 @@ def _header(results: Dict[str, Any], methods: Sequence[str]) -> List[str]:
         "",
         "## Totals",
         "",
-        "Explained = `ref` + `ok` + `zero`; percentages of the cells of text architectures that build.",
+        "Explained = `ref` + `ok` + `zero`; percentages of the applicable cells (those of text architectures "
+        "that build, less `n.a.`). Architectures explained: those that build and whose every applicable cell is "
+        "explained.",
         "",
     ]

@@ -217,6 +217,20 @@ class Adapter(abc.ABC):
         hidden features, where the arg-max (``target=None``) would pick a meaningless feature.
         """
 
+    def next_token_rows(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...],
+                        forward_kwargs: Optional[dict]) -> Optional[torch.Tensor]:
+        """The (B,) position whose scores a model the adapter captures no attention in reads
+        as its next-token prediction (a recurrent causal LM's last real token), or None where
+        the adapter does not know (default). Gradient methods that need no attention use it
+        for a token-id target (:mod:`~captum_transformers.methods.captum_baselines`)."""
+        return None
+
+    def target_names_position(self, model: nn.Module, target: Any) -> bool:
+        """Whether ``target`` names the position of a model that scores every position, so the
+        scores are not read at the next-token position first (default: never; the HuggingFace
+        adapter's encoder-decoder LM heads take ``(decoder position, token)``)."""
+        return False
+
     def logits(self, model: nn.Module, output: Any, layout: TokenLayout, causal: bool) -> torch.Tensor:
         """The (B, ...) score tensor that targets index into: the output itself, its first
         tensor (tuple), or its ``"logits"`` entry (a dict or ``ModelOutput``)."""
@@ -247,13 +261,14 @@ class Adapter(abc.ABC):
                  contexts: Sequence[ContextManager[None]] = ()):
         """Run the model once under the capture (and ``contexts``); return the layout, the
         logits, the explained score per example and its target index."""
+        positional = self.target_names_position(model, target)
         streams, output, kept = self.captured_forward(model, inputs, additional_forward_args, forward_kwargs,
-                                                      recorder, contexts)
+                                                      recorder, contexts, keep_logits="all" if positional else None)
         self.check_output(model, output, target)
         logits_layout = streams.layouts[streams.explained[0]]
         if kept is not None:
             logits_layout = kept.layout_for_logits(logits_layout, recorder.causal)
-        logits = self.logits(model, output, logits_layout, recorder.causal)
+        logits = self.logits(model, output, logits_layout, recorder.causal and not positional)
         scores, index = self.resolve_target(model, logits, target)
         return self.rows_for_target(model, streams, index), logits, scores, index
 

@@ -61,6 +61,19 @@ def _refuse_graph_models(model: nn.Module, adapter_name: Optional[str] = None) -
         )
 
 
+def registered_adapter(model: nn.Module) -> Optional["Adapter"]:
+    """The adapter registered for ``model``'s class (or the first of its submodules'), without
+    :func:`get_adapter`'s refusals of families no method explains: for facts an adapter knows
+    about a model it would not capture (:meth:`Adapter.next_token_rows`). None if none is."""
+    from . import base  # noqa: F401  (registers the built-in adapters on first use)
+
+    for sub in (model, *model.modules()):
+        found = _lookup_class(type(sub))
+        if found is not None:
+            return found
+    return None
+
+
 def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -> "Adapter":
     """The adapter for ``model``: ``adapter`` if given, else an MRO lookup.
 

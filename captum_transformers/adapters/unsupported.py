@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional, Tuple
 
 from torch import nn
 
-from ..errors import UnsupportedModelError
+from ..errors import NotSoftmaxAttentionError, UnsupportedModelError
 
 _SWIN = "windowed attention with cyclic shift and patch merging (each call attends within one window of tokens, " \
         "windows shift between layers, and stages merge patches into coarser grids)"
@@ -27,6 +27,7 @@ _SWIN = "windowed attention with cyclic shift and patch merging (each call atten
 # swin_* / swinv2_* layouts only (docs/windowed-attention.md).
 _SWIN_ELSEWHERE = _SWIN + " inside a model whose stages and head the Swin adapters do not read (they explain HF " \
     "Swin, Swin v2 and timm swin_* / swinv2_* classifiers)"
+_SCAN = "a selective state-space scan (a linear recurrence over the sequence, with no attention map)"
 _PYRAMID = "spatial-reduction attention (keys and values from a downsampled grid) in stages of decreasing resolution"
 
 
@@ -37,6 +38,9 @@ class Family(NamedTuple):
     why: str
     # The built-in adapter that does handle the family ("" for none): any other is refused.
     served_by: str = ""
+    # False: the family mixes tokens by something other than softmax attention, so methods
+    # defined on attention maps do not apply (NotSoftmaxAttentionError), not merely unsupported.
+    softmax: bool = True
 
 
 UNSUPPORTED: Tuple[Family, ...] = (
@@ -69,7 +73,25 @@ UNSUPPORTED: Tuple[Family, ...] = (
     Family("DaViT", "timm.models.davit", "", "windowed spatial attention alternating with channel attention"),
     Family("DiffLlama", "transformers.models.diffllama.", "",
            "differential attention: each head's weights are the difference of two softmax maps (A1 - lambda A2), "
-           "signed and not a probability map, which neither the attention rules nor the relevance rules read"),
+           "signed and not a probability map, which neither the attention rules nor the relevance rules read",
+           softmax=False),
+    # Token mixers that are not softmax attention (text models of transformers' auto mappings).
+    Family("Mamba", "transformers.models.mamba.", "", _SCAN, softmax=False),
+    Family("Mamba-2", "transformers.models.mamba2.", "", _SCAN, softmax=False),
+    Family("FalconMamba", "transformers.models.falcon_mamba.", "", _SCAN, softmax=False),
+    Family("xLSTM", "transformers.models.xlstm.", "", "a recurrence of gated matrix memories (mLSTM cells)",
+           softmax=False),
+    Family("RWKV", "transformers.models.rwkv.", "",
+           "the WKV recurrence (exponentially decaying weighted sums over the past, no softmax over the sequence)",
+           softmax=False),
+    Family("FNet", "transformers.models.fnet.", "", "Fourier mixing (a 2-D discrete Fourier transform, no weights "
+           "over tokens that depend on the input)", softmax=False),
+    Family("Nystromformer", "transformers.models.nystromformer.", "",
+           "Nystrom attention (softmax of queries against a few landmark means, combined through a pseudo-inverse: "
+           "not a probability map over the tokens)", softmax=False),
+    Family("YOSO", "transformers.models.yoso.", "",
+           "YOSO attention (the expected collision of locality-sensitive hashes of queries and keys, not a softmax)",
+           softmax=False),
 )
 
 
@@ -109,6 +131,14 @@ def refuse_unsupported(model: nn.Module, adapter: object = None) -> None:
             f"{type(model).__name__} is (or contains) a {family.name} model ({family.why}), which only the "
             f"{family.served_by!r} adapter explains; the {getattr(adapter, 'name', adapter)!r} adapter would read its "
             f"window maps as one token sequence. Omit adapter= (or pass adapter={family.served_by!r})."
+        )
+    if not family.softmax:
+        raise NotSoftmaxAttentionError(
+            f"{type(model).__name__} is (or contains) a {family.name} model, whose tokens are mixed by {family.why}, "
+            "not by softmax attention over the sequence, so this method (defined on attention probability maps and "
+            "their rules) does not apply to it. Explain it with a method that needs no attention: Captum's "
+            "IntegratedGradients or Saliency (build_method('integrated-gradients' or 'saliency', model)), or pass "
+            "adapter=YourAdapter() that defines its maps."
         )
     raise UnsupportedModelError(
         f"{type(model).__name__} is (or contains) a {family.name} model, which is not supported yet: "

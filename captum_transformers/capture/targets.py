@@ -12,7 +12,7 @@ question-answering output's start and end scores stacked as (B, 2, N) (:func:`sp
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 import torch
 
@@ -91,6 +91,22 @@ def _refuse_booleans(target: Any) -> None:
             "tensor or a list of them), and True would silently count as class 1. Pass the class as an int "
             "(e.g. target=1), or None for the predicted class."
         )
+
+
+def target_width(target: Any) -> Optional[int]:
+    """How many indices per example ``target`` names, in :func:`select_targets`' forms (an int
+    or a list of ints: 1; a tuple, a list of tuples or a (B, D) tensor: its length D); None for
+    ``target=None`` or a form :func:`select_targets` refuses."""
+    if isinstance(target, torch.Tensor):
+        return 1 if target.dim() < 2 else int(target.shape[1])
+    if isinstance(target, int):
+        return 1
+    if isinstance(target, tuple):
+        return len(target)
+    if isinstance(target, list) and target:
+        widths = {len(t) if isinstance(t, (tuple, list)) else 1 for t in target}
+        return widths.pop() if len(widths) == 1 else None
+    return None
 
 
 def select_targets(output: torch.Tensor, target: Any) -> Tuple[torch.Tensor, torch.Tensor]:

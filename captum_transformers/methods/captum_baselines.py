@@ -75,7 +75,7 @@ from torch import nn
 from ..compat.foreign_patches import check_library_classes
 from ..adapters.graph.refusal import MESSAGE_PASSING, class_keys
 from ..adapters.huggingface.adapter import takes_decoder_inputs
-from ..adapters.registry import get_adapter
+from ..adapters.registry import get_adapter, registered_adapter
 from ..capture.recorder import Recorder
 from ..capture.trace import CaptureSpec
 from ..model_state import patching
@@ -484,12 +484,12 @@ class _CaptumGradientBaseline(StochasticOptIn, Attribution):
         if not token_ids:
             if target is None:
                 target = _predicted(forward, formatted, additional)
-            with _target_named(forward, formatted, additional, target):
+            with _target_named(forward, formatted, additional, target), _differentiable_forward(self.model):
                 return self._input_result(forward, inputs, formatted, target, additional)
         given = [t for t in (*additional, *fixed.values()) if isinstance(t, torch.Tensor) and not t.is_floating_point()]
         calls = _EmbeddingCalls.recorded(self.model, forward, formatted, additional, given)
         target = _explained_target(self.model, formatted, additional_forward_args, forward_kwargs, target, calls.scores)
-        with _target_named(forward, formatted, additional, target):
+        with _target_named(forward, formatted, additional, target), _differentiable_forward(self.model):
             return self._token_result(forward, calls, formatted, target, additional, forward_kwargs)
 
     def _input_result(self, forward, inputs, formatted, target, additional):
@@ -627,6 +627,23 @@ def _target_named(forward: Callable, inputs: Tuple[torch.Tensor, ...], additiona
                          f"{tuple(scores.shape)}; give one index per non-batch dimension.") from None
 
 
+@contextlib.contextmanager
+def _differentiable_forward(model: nn.Module):
+    """Autograd's error on a forward pass that overwrote, in place, a tensor its own backward
+    needs (RWKV's recurrent state with ``use_cache=True``) as the package's ``InputError``."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "modified by an inplace operation" not in str(error):
+            raise
+        raise InputError(
+            f"{type(model).__name__}'s own forward pass overwrote in place a tensor that its backward pass needs, so "
+            "no gradient of its score exists as called (autograd: one of the variables needed for gradient "
+            "computation has been modified by an inplace operation). Models that update a recurrent state or cache "
+            "in place (RWKV) compute a differentiable forward without it: pass forward_kwargs={'use_cache': False}."
+        ) from error
+
+
 def _predicted(forward: Callable, inputs: Tuple[torch.Tensor, ...], additional: Tuple[Any, ...]):
     """``None`` -> the arg-max class per example (the package's convention), one plain forward pass."""
     with torch.no_grad():
@@ -660,12 +677,21 @@ def _explained_target(model: nn.Module, ids: Tuple[torch.Tensor, ...], additiona
             return target  # one index per non-batch dimension: Captum's own form
         except InputError as error:
             short = f"{error} "
+    adapter = None
     try:
         adapter = get_adapter(model)
         with torch.no_grad():
             streams, logits, _, index = adapter.scored_forward(model, ids, _as_tuple(additional_forward_args),
                                                                forward_kwargs, target, Recorder(CaptureSpec()))
     except (CaptureError, UnsupportedModelError) as error:
+        known = adapter if adapter is not None else registered_adapter(model)
+        positions = None if known is None else known.next_token_rows(model, ids, forward_kwargs)
+        if positions is not None and scores.dim() == 3 and scores.shape[1] == ids[0].shape[1]:
+            # A causal LM whose token mixing the adapter does not capture (Mamba, RWKV): its
+            # next-token scores at each row's last real token, the target a token id there.
+            at = scores[torch.arange(scores.shape[0], device=scores.device), positions.to(scores.device)]
+            _, index = select_targets(at, target)
+            return [(position, *row) for position, row in zip(positions.tolist(), index.tolist())]
         raise InputError(
             f"target={target!r} does not name a position of the model's scores of shape {tuple(scores.shape)}: "
             f"{short}The package's methods take the position from the adapter (a causal LM's last real token), "

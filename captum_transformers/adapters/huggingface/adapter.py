@@ -34,7 +34,7 @@ from .position_padding import learned_position_table, warn_left_padding_without_
 from ..query_rows import (QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen_rows,
                           refuse_masked_explained_rows)
 from ...capture.recorder import Recorder
-from ...capture.targets import span_scores
+from ...capture.targets import span_scores, target_width
 from ..relevance_reading import LayerInputs, ModuleOutputs, RelevanceReading
 
 # Per-architecture quirks are rows of data. prefix: tokens before the patch grid;
@@ -101,6 +101,13 @@ _DECODER_CLASSIFIER_ROWS: Dict[str, str] = {
     **dict.fromkeys(("bart", "mbart", "plbart", "mvp", "bigbird_pegasus", "led", "t5", "mt5", "umt5"), "last eos"),
     **dict.fromkeys(("t5gemma", "t5gemma2"), "after last real"),
 }
+# Causal LM families whose every token mixer is causal by construction (recurrences, causal
+# convolutions, causally masked attention), by config.model_type: where the adapter captures no
+# attention in them, a token target still names the last real token's next-token logit.
+_CAUSAL_BY_CONSTRUCTION = frozenset({
+    "mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "xlstm", "diffllama", "granitemoehybrid",
+    "bamba", "jamba", "zamba", "zamba2", "falcon_h1", "nemotron_h", "lfm2", "lfm2_moe", "bailing_hybrid",
+})
 # Heads explained at their next-token position (a target is a token id there).
 _NEXT_TOKEN_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 _OUTPUT_FIELDS = ("logits", "logits_per_image", "image_embeds", "text_embeds", "pooler_output")
@@ -573,7 +580,7 @@ class HuggingFaceAdapter(Adapter):
                     f"{error} {type(model).__name__} scores every position and is explained at its next-token "
                     "position (the last real token; an encoder-decoder's last real decoder token), so the target is "
                     "a token id there. To explain the token at position p, pass the tokens before p (an "
-                    "encoder-decoder: decoder_input_ids up to p)."
+                    "encoder-decoder: decoder_input_ids up to p, or target=(p, token) for its decoder row p)."
                 ) from None
         if target is None:
             target = list(range(batch))
@@ -590,11 +597,37 @@ class HuggingFaceAdapter(Adapter):
             )
         return scores, index
 
+    def next_token_rows(self, model, inputs, forward_kwargs):
+        """A causal LM of a family whose token mixing is causal by construction
+        (``_CAUSAL_BY_CONSTRUCTION``: Mamba, RWKV, RecurrentGemma, whose recurrences attend over
+        nothing the adapter sees) given (B, N) ids reads its next token at each row's last real
+        token (by ``forward_kwargs["attention_mask"]``); None for any other model or input."""
+        config = getattr(model, "config", None)
+        if (getattr(config, "model_type", None) not in _CAUSAL_BY_CONSTRUCTION
+                or not type(model).__name__.endswith(_NEXT_TOKEN_HEADS) or len(inputs) != 1
+                or inputs[0].dim() != 2 or inputs[0].is_floating_point()):
+            return None
+        mask = (forward_kwargs or {}).get("attention_mask")
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != inputs[0].shape):
+            return None
+        return chosen_rows("last", inputs[0].shape[1], mask, inputs[0].shape[0], inputs[0].device)[:, 0]
+
+    def target_names_position(self, model, target):
+        """An encoder-decoder LM head (``...ForConditionalGeneration``: BART, T5) given a
+        ``(decoder position, token)`` target: the logit of that token at that decoder row (BART
+        as a masked LM: called with ``input_ids`` alone, decoder row p reconstructs source token
+        p, as transformers' fill-mask pipeline reads it)."""
+        return (type(model).__name__.endswith("ForConditionalGeneration") and takes_decoder_inputs(model)
+                and target_width(target) == 2)
+
     def rows_for_target(self, model, streams, index):
         """Token-level heads (``_TOKEN_LEVEL_HEADS``: token classification, masked LM, question
-        answering): each example's explained row is its target's token, ``index[:, axis]``,
-        unless ``query_rows`` chose the rows; a padded target token is refused."""
+        answering) and encoder-decoder LM heads given a (position, token) target
+        (:meth:`target_names_position`): each example's explained row is its target's token,
+        ``index[:, axis]``, unless ``query_rows`` chose the rows; a padded target token is refused."""
         axis = _token_axis(model)
+        if axis is None and index.shape[1] == 2 and self.target_names_position(model, (0, 0)):
+            axis = 0
         if axis is None or self.query_rows_choice is not None or len(streams.explained) != 1:
             return streams
         # One sequence, or an encoder-decoder's decoder (its heads score every decoder token).

@@ -24,8 +24,9 @@ holds ``H``, which instances or arguments are refused). For every module of a ro
   ``softmax`` / ``matmul`` / ``+`` themselves. The forward stays bit-identical.
 
 Families whose attention is not softmax attention over the input sequence are refused by
-name (:data:`REFUSED`, :func:`refuse_unobservable`): block-sparse, sliding-window, Nystrom,
-LSH, two-stream, pooling, mixed convolution heads, prompt tokens.
+name (:data:`REFUSED`, :func:`refuse_unobservable`): block-sparse, sliding-window, local blocks
+with global tokens (Pegasus-X), Nystrom, LSH, pooling, mixed convolution heads, prompt tokens
+(CPM-Ant); XLNet's two-stream (``target_mapping``) and memory calls are refused per call.
 
 Example::
 
@@ -82,6 +83,13 @@ class InlineTextFamily:
     # Why the family's scores move with the padding (a position bias measured from the padded end):
     # softmax ignores a shift, but the identity rule of softmax (LRP, TransformerRelevance) does not.
     padding_shifts_scores: Optional[str] = None
+    # The mask leaves each query its own key, padding included (XLNet's non-target mask): a key is
+    # real when a query at another position sees it (padding keys are seen by themselves alone).
+    self_seen_keys: bool = False
+    # The module dispatches through AttentionInterface (the kernel records its map) but sets no
+    # ``is_causal`` flag though its self-attention gets a causal mask (BigBird-Pegasus's decoder): the
+    # row only tells the kernel, per call, that a self-attention whose mask blocks every later key is causal.
+    causal_by_mask: bool = False
 
 
 _CAUSAL_DECODER = "its decoder self-attention ran without a causal mask"
@@ -132,6 +140,17 @@ FAMILIES: Tuple[InlineTextFamily, ...] = (
                      causal_decoder=_CAUSAL_DECODER),
     InlineTextFamily("GPT-NeoX-Japanese", _modeling("gpt_neox_japanese"), ("GPTNeoXJapaneseAttention",)),
     InlineTextFamily("BigBird (attention_type='original_full')", _modeling("big_bird"), ("BigBirdSelfAttention",)),
+    # Sequence-first (len, batch, ...) states, but the softmax runs over (B, H, Q, K) scores ac + bd + ef.
+    InlineTextFamily("XLNet", _modeling("xlnet"), ("XLNetRelativeAttention",), self_seen_keys=True, refused_arguments=(
+        ("g", "two-stream attention: with target_mapping the query stream g attends over the content stream "
+              "through a second softmax per layer, for the permuted factorisation order's targets, not the input's "
+              "tokens; call it without target_mapping (the content stream alone)"),
+        ("mems", "memory from earlier segments: its keys run over the cached mems and the input, tokens that are "
+                 "not the input's; call it without mems"))),
+    InlineTextFamily("BigBird-Pegasus (attention_type='original_full')", _modeling("bigbird_pegasus"),
+                     ("BigBirdPegasusSelfAttention",)),  # the encoder's full self-attention
+    InlineTextFamily("BigBird-Pegasus decoder", _modeling("bigbird_pegasus"), ("BigBirdPegasusDecoderAttention",),
+                     causal_by_mask=True),
 )
 
 
@@ -156,18 +175,29 @@ REFUSED: Tuple[Refused, ...] = (
             "are (window,) rows, not maps over the sequence)"),
     Refused("LED", _modeling("led"), "LEDEncoderSelfAttention",
             "Longformer sliding-window attention with global tokens in the encoder"),
-    Refused("Nystromformer", _modeling("nystromformer"), "",
-            "Nystrom approximation of softmax attention through landmark tokens (a product of three softmax maps)"),
-    Refused("YOSO", _modeling("yoso"), "", "LSH-based Bernoulli sampling attention, no softmax map"),
-    Refused("XLNet", _modeling("xlnet"), "",
-            "two-stream relative attention (content and query streams over permuted factorisation orders)"),
+    # Nystromformer and YOSO (no softmax map over the tokens) are refused before any capture, by
+    # family (adapters/unsupported.py: NotSoftmaxAttentionError).
     Refused("Funnel Transformer", _modeling("funnel"), "",
             "attention with pooled queries that shortens the sequence between blocks (and upsamples it again)"),
     Refused("ConvBERT", _modeling("convbert"), "",
             "mixed heads: half the heads are span-based dynamic convolutions, which no attention map describes"),
     Refused("CPM-Ant", _modeling("cpmant"), "",
-            "learned prompt tokens (config.prompt_length per segment) are prepended to the input, so its maps run "
-            "over tokens that are not the input's"),
+            "config.prompt_length learned prompt tokens are prepended to the input and attended to in every layer, "
+            "so its maps run over tokens that are not the input's (the huggingface adapter's layout has no such "
+            "text prefix); besides, its mask lets every token see every other one (context=1 throughout), so "
+            "CpmAntForCausalLM's next-token scores are not causal, and it takes padding as left padding of id 0 "
+            "(attention_mask is ignored)"),
+    Refused("BigBird-Pegasus (attention_type='block_sparse')", _modeling("bigbird_pegasus"),
+            "BigBirdPegasusBlockSparseAttention",
+            "block-sparse attention: each query block attends to a few random, sliding and global key blocks; on "
+            "short inputs the model switches itself to full attention, replacing its attention modules during the "
+            "forward pass, which the adapter cannot follow. Build the model with attention_type='original_full' (or "
+            "call model.model.encoder.set_attention_type('original_full') first)"),
+    Refused("Pegasus-X", _modeling("pegasus_x"), "PegasusXGlobalLocalAttention",
+            "local block attention with global tokens: each input token attends to its block of config.block_size "
+            "tokens (staggered by half a block every other layer) and to config.num_global_tokens learned global "
+            "tokens, which are no input tokens and carry their own hidden states through the encoder, so its maps "
+            "run over tokens that are not the input's"),
 )
 
 
@@ -234,6 +264,7 @@ def observed(found: List[Tuple[Block, InlineTextFamily]], recorder: Recorder) ->
 @contextlib.contextmanager
 def gated(found: List[Tuple[Block, InlineTextFamily]], rules: RuleSet) -> Iterator[None]:
     """Inside: every inline attention map of ``found`` reaches ``A V`` through ``rules``' gate."""
+    found = [(block, family) for block, family in found if not family.causal_by_mask]  # the kernel's rules
     if not found:
         yield
         return
@@ -273,6 +304,9 @@ def _forward_maker(block: Block, family: InlineTextFamily) -> Callable[[Callable
 
         def forward(*args, **kwargs):
             recorder, rules = _RECORDING.get(), _GATING.get()
+            if family.causal_by_mask:
+                return _flagging_causal(original, signature, block, args, kwargs) if recorder is not None \
+                    else original(*args, **kwargs)
             if recorder is None and rules is None:
                 return original(*args, **kwargs)
             bound = signature.bind(*args, **kwargs)
@@ -297,6 +331,22 @@ def _forward_maker(block: Block, family: InlineTextFamily) -> Callable[[Callable
         return forward
 
     return make
+
+
+def _flagging_causal(original: Callable, signature: inspect.Signature, block: Block, args: tuple, kwargs: dict):
+    """One call of a :attr:`InlineTextFamily.causal_by_mask` module: a self-attention call whose
+    4-D mask blocks every (query, later key) pair of real tokens runs with ``is_causal=True``, the
+    flag the kernel reads; the module computes as before (its attention never reads the flag)."""
+    arguments = signature.bind(*args, **kwargs).arguments
+    mask = arguments.get("attention_mask")
+    if block.kind != "self" or arguments.get("key_value_states") is not None or not isinstance(mask, torch.Tensor) \
+            or mask.dim() != 4 or getattr(block.module, "is_causal", False):
+        return original(*args, **kwargs)
+    blocked = ~mask if mask.dtype == torch.bool else mask.detach() <= BLOCKED_BELOW
+    if not _causal(blocked, _keys_seen(blocked, False)):
+        return original(*args, **kwargs)
+    with patching.attributes(block.module, is_causal=True):
+        return original(*args, **kwargs)
 
 
 def _tap_query(bound: inspect.BoundArguments, signature: inspect.Signature, recorder: Recorder) -> None:
@@ -376,13 +426,22 @@ class _SoftmaxCatcher(TorchFunctionMode):
         else:
             map_ = probs
         blocked = scores.detach() <= BLOCKED_BELOW
-        key_valid = ~blocked.all(dim=2).all(dim=1)  # (B, K): some head and query sees the key
+        key_valid = _keys_seen(blocked, self.family.self_seen_keys)
         known = recorder.stream_valid.get(block.default_streams[1])
         causal = _causal(blocked, key_valid if known is None else known.to(torch.bool)) if block.kind == "self" else None
         if self.family.causal_decoder and causal is False and "decoder" in block.name.split("."):
             raise UnsupportedModelError(f"{block.name!r} ({self.family.name}) is refused: {self.family.causal_decoder}.")
         recorder.record(block, map_, grad_tensor=probs if grad_view is not None else None, grad_view=grad_view,
                         key_valid=None if known is not None else key_valid, causal=bool(causal))
+
+
+def _keys_seen(blocked: torch.Tensor, self_seen: bool) -> torch.Tensor:
+    """(B, K): keys some head and query sees; ``self_seen``: some query at another position."""
+    num_queries, num_keys = blocked.shape[-2:]
+    if self_seen and num_queries == num_keys > 1:
+        own = torch.eye(num_keys, dtype=torch.bool, device=blocked.device)
+        blocked = blocked | own  # a query's own key does not count
+    return ~blocked.all(dim=2).all(dim=1)
 
 
 def _causal(blocked: torch.Tensor, valid: torch.Tensor) -> Optional[bool]:
