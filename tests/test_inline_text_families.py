@@ -27,7 +27,7 @@ from benchmarks.coverage import shrink  # noqa: E402
 from captum_transformers import CaptureSpec, ConservativeLRP, GenericAttention, RawAttention, RuleSet  # noqa: E402
 from captum_transformers.adapters import HuggingFaceAdapter  # noqa: E402
 from captum_transformers.capture.recorder import Recorder  # noqa: E402
-from captum_transformers.errors import UnsupportedModelError  # noqa: E402
+from captum_transformers.errors import InputError, UnsupportedModelError  # noqa: E402
 from restore import assert_same, snapshot  # noqa: E402
 
 B, N, REAL = 2, 6, 4  # batch, tokens, real tokens of the padded example 1
@@ -455,3 +455,29 @@ def test_bigbird_pegasus_causal_flag_follows_the_mask_the_decoder_gets():
     full = torch.zeros(B, 1, N, N, dtype=torch.float64)
     full[1, :, :, REAL:] = torch.finfo(torch.float64).min
     assert captured(model, (ids,), {"attention_mask": full}).causal is False
+
+
+def test_xlnet_sequence_summary_is_explained_at_the_column_it_pools():
+    """XLNet's classifier pools the last column (``summary_type="last"``, padding or not): raw
+    attention is the eager head-mean row of that column, not row 0; a left-padded batch (XLNet's
+    tokenizer side) equals the single calls; a right-padded row, whose pooled column is padding,
+    is refused."""
+    torch.manual_seed(0)
+    config = transformers.XLNetConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, d_inner=64, pad_token_id=5,
+                                      attn_implementation="eager")
+    model = transformers.XLNetForSequenceClassification(config).double().eval()
+    ids = torch.randint(6, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids[1, :3] = 5
+    mask = (ids != 5).long()
+    maps = RawAttention(model).attribute(ids, target=1, forward_kwargs={"attention_mask": mask})
+    with torch.no_grad():
+        eager = model(ids, attention_mask=mask, output_attentions=True).attentions[-1].mean(1)
+    torch.testing.assert_close(maps, eager[:, -1] * mask, rtol=0, atol=1e-12)
+    assert (maps - eager[:, 0] * mask).abs().max() > 1e-3
+    for method in (GenericAttention(model), ConservativeLRP(model, "AH+LN")):
+        batch = method.attribute(ids, target=1, forward_kwargs={"attention_mask": mask})
+        single = method.attribute(ids[1:, 3:], target=1, forward_kwargs={"attention_mask": mask[1:, 3:]})
+        torch.testing.assert_close(batch[1, 3:], single[0], rtol=1e-8, atol=1e-14)
+    right = torch.cat([ids[1:, 3:], ids[1:, :3]], dim=1)
+    with pytest.raises(InputError, match="padding"):
+        RawAttention(model).attribute(right, target=1, forward_kwargs={"attention_mask": (right != 5).long()})

@@ -108,11 +108,24 @@ _CAUSAL_BY_CONSTRUCTION = frozenset({
     "mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "xlstm", "diffllama", "granitemoehybrid",
     "bamba", "jamba", "zamba", "zamba2", "falcon_h1", "nemotron_h", "lfm2", "lfm2_moe", "bailing_hybrid",
 })
+# transformers' SequenceSummary heads (XLNet, XLM, FlauBERT, ELECTRA, ConvBERT, RoFormer): the
+# rows their summary_type pools, without the attention mask (the heads ignore it).
+_SUMMARY_ROWS: Dict[str, QueryRows] = {"last": -1, "first": 0, "mean": "mean"}
 # Heads explained at their next-token position (a target is a token id there).
 _NEXT_TOKEN_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 _OUTPUT_FIELDS = ("logits", "logits_per_image", "image_embeds", "text_embeds", "pooler_output")
 # Output fields that hold scores a target indexes; the other fields hold features.
 _SCORE_FIELDS = ("logits", "logits_per_image")
+
+
+def _summary_rows(module: nn.Module) -> Optional[QueryRows]:
+    """The rows a ``...SequenceSummary`` head pools by its ``summary_type`` (XLNet's "last": the
+    last column, whatever the mask says; XLM's "first"; "mean" of every column, padding
+    included, as the head computes it), or None (another module, or ``cls_index``: positions the
+    caller passes)."""
+    if not type(module).__name__.endswith("SequenceSummary"):
+        return None
+    return _SUMMARY_ROWS.get(getattr(module, "summary_type", None))
 
 
 def _token_axis(model: nn.Module) -> Optional[int]:
@@ -346,6 +359,9 @@ class HuggingFaceAdapter(Adapter):
                 return torch.tensor(rows, device=device).expand(batch, -1)
             if type(module).__name__ in _MEAN_POOLING_HEADS:
                 return chosen_rows("mean", num_tokens, token_mask, batch, device)
+            summary = _summary_rows(module)
+            if summary is not None:  # XLNet / XLM-style heads pool a fixed column, padding or not
+                return chosen_rows(summary, num_tokens, None, batch, device)
         if self._quirks(model).get("rows") == "eos":
             return self._eos_rows(model, inputs[0])
         return super().query_rows(model, inputs, recorder, num_tokens, num_prefix, token_mask)
