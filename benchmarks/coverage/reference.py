@@ -100,6 +100,19 @@ def is_causal(attentions: List[torch.Tensor]) -> bool:
     return all(bool((a.detach()[..., upper] == 0).all()) for a in attentions)
 
 
+# Sequence classifiers that pool as a config field says (model type -> the field, its values that average
+# the real tokens equally; other values read the first token): EuroBERT's classifier_pooling ("mean"
+# averages the last layer's states, "late" the per-token logits; "bos" reads token 0).
+MEAN_POOLING_CONFIGS: Dict[str, Tuple[str, Tuple[str, ...]]] = {"eurobert": ("classifier_pooling", ("mean", "late"))}
+
+
+def mean_pooled(model: torch.nn.Module, example: Example) -> bool:
+    """Whether ``model``'s head averages the real tokens of the last layer (:data:`MEAN_POOLING_CONFIGS`)."""
+    row = MEAN_POOLING_CONFIGS.get(getattr(model.config, "model_type", None))
+    return (row is not None and example.score == "class" and example.query_row is None
+            and getattr(model.config, row[0], None) in row[1])
+
+
 def explained_rows(example: Example, attentions: List[torch.Tensor]) -> torch.Tensor:
     """The explained row of each example (B,) of a one-sequence model (see the module docstring)."""
     if example.query_row is not None:
@@ -110,8 +123,12 @@ def explained_rows(example: Example, attentions: List[torch.Tensor]) -> torch.Te
 
 
 def _row(matrix: torch.Tensor, rows: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-    """``matrix[b, rows[b], :]`` (B, N) with padded keys zeroed."""
-    picked = matrix[torch.arange(matrix.shape[0]), rows]
+    """``matrix[b, rows[b], :]`` (B, N) with padded keys zeroed; ``rows`` (B, N) weights instead of
+    positions (B,): the weighted sum of the rows (a mean-pooling head's real rows, ``1 / n`` each)."""
+    if rows.dim() == 2:
+        picked = (rows.to(matrix.dtype).unsqueeze(1) @ matrix).squeeze(1)
+    else:
+        picked = matrix[torch.arange(matrix.shape[0]), rows]
     return picked * key_mask.to(picked.dtype)
 
 
@@ -166,6 +183,9 @@ def eager_references(model: torch.nn.Module, example: Example) -> EagerReference
             return EagerReferences({}, f"none: the eager maps of layers {odd} are no probability maps "
                                        "(linear or differential attention)", precision)
         rows = explained_rows(example, attentions)
+        if mean_pooled(model, example):
+            real = example.masks[0].to(attentions[-1].dtype)
+            rows = real / real.sum(dim=1, keepdim=True)  # (B, N) weights
         references = {"raw-attention": Reference((_row(attentions[-1].detach().mean(1), rows, example.masks[0]),),
                                                  raw_tolerance, loose_tolerance=TOLERANCES["float32"][0])}
         generic = _generic_attention(output, attentions, example, rows, generic_tolerance)

@@ -25,10 +25,16 @@ def find_patch_size(model: nn.Module) -> Optional[Tuple[int, int]]:
 
 
 def enclosing_layer(model: nn.Module, block: Block) -> nn.Module:
-    """The ancestor of ``block`` that is an element of a layer list (its path ends in a number);
-    the block's own module if none is."""
+    """The innermost ancestor of ``block`` that is an element of a layer list (its path ends in a
+    number); the block's own module if none is.
+
+    A block that is itself an element of a list inside a layer (LongCat-Flash's two attention
+    sublayers ``model.layers.0.self_attn.0`` and ``.1``, one decoder layer) is not the layer: the
+    layer is the numbered ancestor above the block's own list, whose input the first sublayer's
+    residual stream starts from. A block numbered with no numbered ancestor (a list of attention
+    modules) is its own layer, as before."""
     parts = block.name.split(".")
-    for end in range(len(parts), 0, -1):
+    for end in range(len(parts) - 1, 0, -1):
         if parts[end - 1].isdigit():
             return model.get_submodule(".".join(parts[:end]))
     return block.module

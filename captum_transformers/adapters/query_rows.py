@@ -29,13 +29,41 @@ import torch
 from torch import nn
 
 from ..model_state import patching
-from ..errors import InputError
+from ..errors import InputError, UnsupportedModelError
 
 QueryRows = Union[None, int, str]
 #: Appended to errors about the explained row, so the option can be found from them.
 QUERY_ROWS_HINT = ("If the model reads other tokens than the adapter assumes (e.g. a head that mean-pools an encoder), "
                    "pass adapter=HuggingFaceAdapter(query_rows='mean') (or 'last', or a token position); "
                    "TorchMHAAdapter takes the same option.")
+
+
+# Heads that pool the last layer's tokens as a config field says (rows of data): model type ->
+# (the head class's name ends with, the config attribute, its value -> the explained rows as a
+# query_rows choice). EuroBERT's sequence classifier: "bos" reads token 0; "mean" averages the real
+# tokens' states and "late" their per-token logits (config.classifier_pooling, default "late"), both
+# equally weighted over the real tokens of the attention mask (all tokens without one).
+CONFIG_POOLING: Dict[str, Tuple[str, str, Dict[str, QueryRows]]] = {
+    "eurobert": ("ForSequenceClassification", "classifier_pooling", {"bos": 0, "mean": "mean", "late": "mean"}),
+}
+
+
+def config_pooled_rows(model_type: str, head: str, config: object) -> QueryRows:
+    """The query_rows choice of a head whose pooling its config names (:data:`CONFIG_POOLING`: the
+    ``model_type`` of ``config``, the head's class name ``head``), or None for every other head.
+    A pooling value the table does not know is refused (:class:`InputError`): its rows are unknown."""
+    row = CONFIG_POOLING.get(model_type)
+    if row is None or not head.endswith(row[0]):
+        return None
+    suffix, attribute, choices = row
+    value = getattr(config, attribute, None)
+    if value not in choices:
+        raise InputError(
+            f"{head} pools its tokens as config.{attribute}={value!r} says, a pooling whose explained rows "
+            f"captum_transformers does not know (known: {sorted(choices)}). Pass the rows it reads with "
+            "adapter=HuggingFaceAdapter(query_rows=...) ('mean', 'last' or a token position)."
+        )
+    return choices[value]
 
 
 def checked_query_rows(query_rows: QueryRows) -> QueryRows:
@@ -113,6 +141,19 @@ def chosen_rows(choice: QueryRows, num_tokens: int, token_mask: Optional[torch.T
     return torch.full((batch, 1), position, dtype=torch.long, device=mask.device)
 
 
+# Attention classes of models that mix token positions outside the attention map (rows of data):
+# class name -> how. The rows the score reads at the last attention are then not rows of the map
+# that a weighting explains, so a read outside the explained rows is refused naming this.
+POSITION_MIXING: Dict[str, str] = {
+    "InklingAttention": (
+        "Inkling mixes positions outside its attention maps: causal depthwise short convolutions "
+        "(config.conv_kernel_size taps, per channel) run over the keys and values (k_sconv, v_sconv) and after "
+        "every attention and MLP sublayer (attn_sconv, mlp_sconv), so the next-token score reads the last "
+        "attention's output at the last conv_kernel_size positions per sublayer, each channel with its own "
+        "weights, and a key column of a map is a mix of several tokens"),
+}
+
+
 class ReadRows:
     """Which token rows of the last attention call's output the explained score depends on.
 
@@ -129,6 +170,8 @@ class ReadRows:
         self.outputs: List[Tuple[torch.Tensor, bool]] = []
         # (call index, rows read) of each watched call whose output the gradient reached.
         self.reads: Dict[int, torch.Tensor] = {}
+        # The class names of the watched modules (for POSITION_MIXING).
+        self.watched: set = set()
 
     @property
     def read(self) -> Optional[torch.Tensor]:
@@ -155,6 +198,7 @@ class ReadRows:
 
         with contextlib.ExitStack() as stack:
             for module in modules:
+                self.watched.add(type(module).__name__)
                 stack.enter_context(patching.forward_hook(module, keep))
             yield
 
@@ -187,6 +231,17 @@ class ReadRows:
         examples = unexplained.any(dim=1).nonzero().flatten().tolist()
         if examples:
             first = examples[0]
+            mixing = [POSITION_MIXING[name] for name in sorted(self.watched) if name in POSITION_MIXING]
+            if mixing:
+                raise UnsupportedModelError(
+                    f"The explained score of example {first} depends on the last layer's tokens "
+                    f"{read[first].nonzero().flatten().tolist()}, not on the explained row(s) "
+                    f"{query_rows[first][weighted[first].to(query_rows.device)].tolist()} alone: {mixing[0]}. No "
+                    "choice of rows (query_rows) or weighting of the attention maps describes that mixing, so the "
+                    "methods reading the last layer's rows (Grad-CAM, GenericAttention, TransformerRelevance, "
+                    "PartialLRP) cannot explain this model. The relevance methods (LRP, AttnLRP, ConservativeLRP, "
+                    "GradientXInput) propagate through the convolutions, as do Captum's IntegratedGradients and "
+                    "Saliency.")
             raise InputError(
                 f"The explained score of example {first} depends on the last layer's tokens "
                 f"{read[first].nonzero().flatten().tolist()}, but the explanation reads the row(s) "

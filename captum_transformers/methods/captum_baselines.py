@@ -504,7 +504,11 @@ class _CaptumGradientBaseline(StochasticOptIn, Attribution):
             summed = attribution.detach().to(attribution_dtype(self.model)).sum(-1)  # summed in >= float32
             mask = (forward_kwargs or {}).get(name)
             if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] == summed.shape[1]:
-                summed = summed * mask.to(device=summed.device, dtype=summed.dtype)  # (B, S) or one row for all
+                # Set, not multiplied: a padded position's score is 0 by definition (IG: x - x' = 0 there;
+                # Saliency: a masked token is read by no real one), and the model's own backward may hold
+                # NaN there (Gemma 3n: the AltUp magnitude sqrt(mean(e**2)) of the all-zero [PAD] embedding
+                # has an infinite derivative, times a zero gradient), which 0 * NaN would keep.
+                summed = torch.where(mask.to(device=summed.device) != 0, summed, summed.new_zeros(()))
             scores.append(summed)
         return finished(scores[0] if len(scores) == 1 else tuple(scores), self.model, formatted[0].device)
 

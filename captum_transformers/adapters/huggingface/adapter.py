@@ -29,9 +29,10 @@ from ..base import Adapter
 from .kernel import ATTENTION_KEY, SDPA_KEY, active_recorder, active_rules, block_kind
 from .kernel_keys import capture_key, propagation_key
 from .inline_text import gated as inline_gated, inline_blocks, observed as inline_observed
+from .compressed_keys import refuse_compressed_keys
 from .kept_logits import kept_logit_positions
 from .position_padding import learned_position_table, warn_left_padding_without_positions
-from ..query_rows import (QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen_rows,
+from ..query_rows import (QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen_rows, config_pooled_rows,
                           refuse_masked_explained_rows)
 from ...capture.recorder import Recorder
 from ...capture.targets import span_scores, target_width
@@ -107,6 +108,7 @@ _DECODER_CLASSIFIER_ROWS: Dict[str, str] = {
 _CAUSAL_BY_CONSTRUCTION = frozenset({
     "mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "xlstm", "diffllama", "granitemoehybrid",
     "bamba", "jamba", "zamba", "zamba2", "falcon_h1", "nemotron_h", "lfm2", "lfm2_moe", "bailing_hybrid",
+    "deepseek_v4",  # causal sliding windows, compressed entries visible once their window closed
 })
 # transformers' SequenceSummary heads (XLNet, XLM, FlauBERT, ELECTRA, ConvBERT, RoFormer): the
 # rows their summary_type pools, without the attention mask (the heads ignore it).
@@ -183,11 +185,21 @@ def takes_decoder_inputs(model: nn.Module) -> bool:
     return "decoder_input_ids" in parameters and "decoder_inputs_embeds" in parameters
 
 
-def is_attention_module(module: nn.Module) -> bool:
-    """Whether ``module`` is an innermost attention module: its class name holds "Attention" and no
-    child's does (BERT's ``BertSelfAttention``, not the ``BertAttention`` around it)."""
+# Attention modules whose class name does not say "Attention" (rows of data): LongCat-Flash's
+# Multi-head Latent Attention sublayers, ``LongcatFlashMLA`` (two per decoder layer).
+_ATTENTION_CLASS_SUFFIXES = ("MLA",)
+
+
+def _named_attention(module: nn.Module) -> bool:
     name = type(module).__name__
-    return "Attention" in name and not any("Attention" in type(c).__name__ for c in module.children())
+    return "Attention" in name or name.endswith(_ATTENTION_CLASS_SUFFIXES)
+
+
+def is_attention_module(module: nn.Module) -> bool:
+    """Whether ``module`` is an innermost attention module: its class name holds "Attention" (or ends
+    in a suffix of ``_ATTENTION_CLASS_SUFFIXES``) and no child's does (BERT's ``BertSelfAttention``,
+    not the ``BertAttention`` around it)."""
+    return _named_attention(module) and not any(_named_attention(c) for c in module.children())
 
 
 class HuggingFaceAdapter(Adapter):
@@ -353,6 +365,11 @@ class HuggingFaceAdapter(Adapter):
         device = inputs[0].device
         if self.query_rows_choice is not None:
             return chosen_rows(self.query_rows_choice, num_tokens, token_mask, batch, device)
+        config = getattr(model, "config", None)  # the head's own config (a user's wrapper has its own head)
+        pooled = None if config is None else config_pooled_rows(getattr(config, "model_type", ""),
+                                                                type(model).__name__, config)
+        if pooled is not None:  # a head pooling as its config says (EuroBERT's classifier_pooling)
+            return chosen_rows(pooled, num_tokens, token_mask, batch, device)
         for module in module_walk.modules(model):
             rows = _CLASS_ROWS.get(type(module).__name__)
             if rows is not None:
@@ -382,6 +399,7 @@ class HuggingFaceAdapter(Adapter):
     def stream_layouts(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], recorder: Recorder) -> StreamLayouts:
         """One ``"tokens"`` stream for one-sequence models; otherwise the layouts built by the
         method :attr:`layout_builders` names for the model's set of query streams."""
+        refuse_compressed_keys(recorder)  # DeepSeek-V4's compressed KV entries: keys that are no tokens
         names = frozenset(site.streams[0] for site in recorder.sites)
         if len(names) < 2:
             single = super().stream_layouts(model, inputs, recorder)
