@@ -141,7 +141,8 @@ def test_padded_example_gives_the_maps_of_the_example_alone(case):
 
 @pytest.mark.parametrize("model_type,class_name", [("fsmt", "FSMTForConditionalGeneration"),
                                                    ("mvp", "MvpForConditionalGeneration"),
-                                                   ("bigbird_pegasus", "BigBirdPegasusForConditionalGeneration")])
+                                                   ("bigbird_pegasus", "BigBirdPegasusForConditionalGeneration"),
+                                                   ("nllb-moe", "NllbMoeForConditionalGeneration")])
 def test_seq2seq_family_maps_and_streams(model_type, class_name):
     model = build(model_type, class_name)
     ids, mask = batch(getattr(model.config, "src_vocab_size", None) or model.config.vocab_size)

@@ -151,6 +151,9 @@ FAMILIES: Tuple[InlineTextFamily, ...] = (
                      ("BigBirdPegasusSelfAttention",)),  # the encoder's full self-attention
     InlineTextFamily("BigBird-Pegasus decoder", _modeling("bigbird_pegasus"), ("BigBirdPegasusDecoderAttention",),
                      causal_by_mask=True),
+    # One attention class for the encoder, the decoder and cross-attention; the decoder's calls get
+    # the causal mask transformers builds (create_causal_mask) but no flag.
+    InlineTextFamily("NLLB-MoE", _modeling("nllb_moe"), ("NllbMoeAttention",), causal_by_mask=True),
 )
 
 
