@@ -178,6 +178,12 @@ REFUSED: Tuple[Refused, ...] = (
             "are (window,) rows, not maps over the sequence)"),
     Refused("LED", _modeling("led"), "LEDEncoderSelfAttention",
             "Longformer sliding-window attention with global tokens in the encoder"),
+    Refused("LongT5 local", _modeling("longt5"), "LongT5LocalAttention",
+            "local attention in the encoder: blocks of tokens attend to their own and the neighbouring blocks "
+            "(its eager maps are (blocks, block, 3 blocks) windows, not maps over the sequence)"),
+    Refused("LongT5 transient-global", _modeling("longt5"), "LongT5TransientGlobalAttention",
+            "transient-global attention in the encoder: local windows plus keys that are sums of blocks of tokens "
+            "(side tokens that are not input tokens)"),
     # Nystromformer and YOSO (no softmax map over the tokens) are refused before any capture, by
     # family (adapters/unsupported.py: NotSoftmaxAttentionError).
     Refused("Funnel Transformer", _modeling("funnel"), "",
