@@ -22,6 +22,7 @@ from captum_transformers.generation import GenerationAttribution
 from captum_transformers.methods.catalog import KNOWN_METHOD_NAMES, build_method
 from captum_transformers.propagation.attention.sinks import constant_sinks, sink_share, sink_softmax
 from captum_transformers.propagation.rules.operations import operation_rules
+from captum_transformers.propagation.rules.routers import router_rules
 from captum_transformers.propagation.rules.rule_set import RuleSet, norm_rules
 
 transformers = pytest.importorskip("transformers")
@@ -79,7 +80,7 @@ def _embedding_gradient(model, rules, through_kernel: bool):
     if through_kernel:
         context = get_adapter(model).propagation(model, rules)
     else:
-        context = _stack(norm_rules(model, rules), operation_rules(model, rules))
+        context = _stack(norm_rules(model, rules), operation_rules(model, rules), router_rules(model, rules))
     with context:
         logit = model(inputs_embeds=embeds).logits[0, -1, 3]
     return torch.autograd.grad(logit, embeds)[0]

@@ -16,6 +16,21 @@ class name ends with ``Router`` or ``Gate`` (``Qwen3MoeTopKRouter``, ``Llama4Rou
 ``HunYuanMoEV1Gate``), or named ``gate``, ``router`` or ``shared_expert_gate`` (Qwen2-MoE's
 sigmoid gate of its shared expert), are its routers. Other rule sets leave routers alone:
 AttnLRP's products take their uniform rule where :mod:`.operations` finds them.
+
+Under AttnLRP (``matmul="uniform"`` with plain-gradient linear layers) the routing-weight product
+``E_e(x) * g_e(x)`` is a product of two relevance-carrying tensors and takes the uniform rule:
+half its relevance to the expert's output, half to the routing weight, whose half reaches the
+block's input through the router (softmax, top-k, renormalisation and the router's linear
+layer) by the plain gradient. An expert with zero routing weight gets exactly zero. The
+experts' own weights are constants there, as a linear layer's weight is: inside an MoE block's
+``experts`` module every parameter is read detached, so that a kernel that multiplies a weight
+by the activations with ``torch.bmm`` or ``matmul`` (transformers' ``batched_mm`` experts kernel,
+the eager experts of Llama 4 and GPT-OSS) keeps the linear layer's plain gradient instead of
+halving it as a product of two relevance-carrying tensors. Halved, the experts' path kept a
+quarter of its relevance: on tiny Qwen3-MoE models the ``batched_mm`` map was 3-48 % of its
+largest entry away from the ``eager`` and ``grouped_mm`` kernels' and from LXT's MoE rule
+(``benchmarks/lxt_moe_parity.py``), which all agree. The other rule sets with
+``matmul="uniform"`` (Chefer et al.'s, with alpha-beta linear layers) are left as they are.
 """
 from __future__ import annotations
 
@@ -24,6 +39,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ...model_state import module_walk, patching
 
@@ -43,6 +59,16 @@ def routers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return found
 
 
+def experts_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """(dotted name, module) of the ``experts`` child of every MoE block of ``model``."""
+    found = []
+    for name, block in module_walk.named_modules(model):
+        experts = getattr(block, "experts", None)
+        if isinstance(experts, nn.Module):
+            found.append((f"{name}.experts" if name else "experts", experts))
+    return found
+
+
 def _detached(output: Any) -> Any:
     if isinstance(output, torch.Tensor):
         return output.detach()
@@ -57,7 +83,16 @@ def _detached(output: Any) -> Any:
 @contextlib.contextmanager
 def router_rules(model: nn.Module, rules: Optional[Any]) -> Iterator[None]:
     """Routers' outputs detached under ``rules.gated_product == "constant"`` (forward hooks of
-    :mod:`~captum_transformers.model_state.patching`, removed on exit); nothing otherwise."""
+    :mod:`~captum_transformers.model_state.patching`, removed on exit); under AttnLRP's
+    ``matmul="uniform"`` with plain-gradient linear layers, the experts' weights read as
+    constants inside each ``experts`` module's forward (instance forwards, put back on exit);
+    nothing otherwise."""
+    if _uniform_with_plain_linear(rules):
+        with contextlib.ExitStack() as stack:
+            for _, experts in experts_modules(model):
+                stack.enter_context(patching.instance_forward(experts, _constant_weights_forward))
+            yield
+        return
     if rules is None or getattr(rules, "gated_product", "gradient") != "constant":
         yield
         return
@@ -65,3 +100,42 @@ def router_rules(model: nn.Module, rules: Optional[Any]) -> Iterator[None]:
         for _, router in routers(model):
             stack.enter_context(patching.forward_hook(router, lambda module, args, output: _detached(output)))
         yield
+
+
+def _constant(value: Any) -> Any:
+    if isinstance(value, nn.Parameter):
+        return value.detach()
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields") \
+            and any(isinstance(item, nn.Parameter) for item in value):
+        return type(value)(item.detach() if isinstance(item, nn.Parameter) else item for item in value)
+    return value
+
+
+class _ConstantWeights(TorchFunctionMode):
+    """Every parameter an operation reads is passed to it detached (same values, no gradient).
+
+    Pushed on top of the operation-rule mode for the length of an experts module's forward, so
+    that mode sees a weight as what it is, a constant: one relevance-carrying operand, no uniform
+    split. Operations without gradients (the rules' own recomputations) pass unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.is_grad_enabled():
+            args = tuple(_constant(item) for item in args)
+            kwargs = {key: _constant(item) for key, item in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def _constant_weights_forward(original):
+    def forward(*args: Any, **kwargs: Any):
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        with _ConstantWeights():
+            return original(*args, **kwargs)
+    return forward
+
+
+def _uniform_with_plain_linear(rules: Optional[Any]) -> bool:
+    """AttnLRP's combination: uniform products, plain-gradient linear layers."""
+    return rules is not None and getattr(rules, "matmul", "gradient") == "uniform" \
+        and getattr(rules, "linear", "gradient") == "gradient"
