@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, Hashable, List, Optional
+from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 
@@ -134,12 +134,14 @@ class SiteObserver:
         return any(getattr(spec.backward_reduce, "reads_masked_keys", False) for spec in specs if spec is not None)
 
     def __call__(self, probs: torch.Tensor, grad: torch.Tensor) -> None:
+        self.recorder.note_rows(self.site, probs)
         self.recorder.reduce_gradient(self.site, grad, probs)
 
     def rows(self, rows: slice, probs: torch.Tensor, grad: torch.Tensor,
              first: Optional[torch.Tensor] = None) -> None:
         """Query rows ``rows`` of the map (B, H, c, K) and of the gradient at it; ``first``: the
         deferred first pass's gradient at those rows (a pair), reduced before ``grad``."""
+        self.recorder.note_rows(self.site, probs, rows)
         self.recorder.reduce_rows(self.site, rows, probs, grad, first)
 
     def done(self) -> None:
@@ -155,6 +157,7 @@ class SiteObserver:
 
     def second(self, probs: torch.Tensor, grad: torch.Tensor) -> None:
         """This pass's gradient, after :meth:`first`."""
+        self.recorder.note_rows(self.site, probs)
         self.recorder.reduce_gradient(self.site, grad, probs)
 
 
@@ -182,6 +185,11 @@ class Recorder:
         # The token streams (StreamLayouts), given by the adapter between the forward and the
         # backward pass: what a row stream (spec.row_stream) starts its rows from.
         self.streams = None
+        # Query positions (T,) whose sums over keys every causal self-attention call records
+        # (:meth:`watch_rows`; None: none), and those sums by call index: ``(sums (B, H, T), seen (T,))``.
+        self.watched_rows: Optional[torch.Tensor] = None
+        self.watched_blocks: Optional[Callable[[Block], bool]] = None
+        self.row_sums: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def wants_maps(self) -> bool:
@@ -245,6 +253,44 @@ class Recorder:
         self.causal = self.causal or causal
         site.causal = causal
         self.sites.append(site)
+        if not replayed:
+            self.note_rows(site, probs)
+
+    def watch_rows(self, rows: Optional[torch.Tensor], blocks: Optional[Callable[[Block], bool]] = None) -> None:
+        """Record, for the causal self-attention calls of the blocks ``blocks`` accepts (None: every
+        one), the sum over keys of the map at the query positions ``rows`` (T,) (:attr:`row_sums`;
+        ``rows=None``: stop). A model with attention sinks
+        (:mod:`~captum_transformers.propagation.attention.sinks`) leaves ``1 - p_sink`` there. Read
+        from the map the forward pass makes, or, where it makes none (a stand-in: a streamed map),
+        from the map the kernel hands over in a backward pass; a map never made gives none."""
+        self.watched_rows = None if rows is None else rows.detach().to("cpu", torch.long).reshape(-1)
+        self.watched_blocks = blocks
+        self.row_sums = {}
+
+    def note_rows(self, site: Site, probs: torch.Tensor, rows: Optional[slice] = None) -> None:
+        """Keep the sums over keys of ``probs`` (B, H, c, K) at the watched positions among its query
+        rows (``rows``: which of the map's, None: all), once per site (see :meth:`watch_rows`)."""
+        watched = self.watched_rows
+        if watched is None or not site.causal or watched.numel() == 0:
+            return
+        entry = self.row_sums.get(site.call_index)
+        if (entry is not None and bool(entry[1].all())) or not any(probs.stride()) \
+                or int(watched.max()) >= site.num_queries:  # kept already, a stand-in, another stream
+            return
+        if entry is None and self.watched_blocks is not None and not self.watched_blocks(site.block):
+            return
+        start = 0 if rows is None or rows.start is None else int(rows.start)
+        inside = (watched >= start) & (watched < start + probs.shape[2])
+        if not bool(inside.any()):
+            return
+        dtype = torch.promote_types(probs.dtype, torch.float32)
+        if entry is None:
+            entry = (torch.full((probs.shape[0], probs.shape[1], watched.numel()), float("nan"), dtype=dtype,
+                                device=probs.device), torch.zeros(watched.numel(), dtype=torch.bool))
+            self.row_sums[site.call_index] = entry
+        sums = probs.detach().sum(-1, dtype=dtype)  # (B, H, c): no copy of the watched rows' keys
+        entry[0][:, :, inside.to(probs.device)] = sums[:, :, (watched[inside] - start).to(probs.device)]
+        entry[1][inside] = True
 
     def stream_length(self, stream: str) -> int:
         """The number of tokens of ``stream``, from every call that reads or queries it."""

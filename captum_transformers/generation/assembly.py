@@ -4,8 +4,9 @@ Each explained step gave scores over the explained stream (decoder-only: the lef
 prompt then the output tokens read so far; encoder-decoders: the source stream and the
 decoder stream). Here each example's rows are cut out of the padding: ``token_attr`` over its
 prompt tokens (or its template segments, each the sum of its tokens; skipped tokens left
-out), ``target_attr`` over the output tokens, ``first_token_share`` over both, and the steps
-past an example's own answer (filler in a batch of unequal answers) dropped.
+out), ``target_attr`` over the output tokens, ``first_token_share`` over both, ``sink_share``
+at each row's position (the engine's, :func:`~captum_transformers.generation.engine.sink_share`),
+and the steps past an example's own answer (filler in a batch of unequal answers) dropped.
 
 Example::
 
@@ -80,6 +81,7 @@ def assemble_results(explainer: Any, prompts: List[EncodedPrompt], batch: Genera
     else:
         source = outputs = next(iter(per_stream.values())) if len(per_stream) == 1 else per_stream["tokens"]
     start_id = getattr(getattr(explainer.model, "config", None), "decoder_start_token_id", None)
+    sinks = getattr(step_logits, "sink_share", None)  # (B, T) per explained position, or None
     results = []
     for b, prompt in enumerate(prompts):
         length, prompt_length = batch.target_lengths[b], batch.prompt_lengths[b]
@@ -93,6 +95,8 @@ def assemble_results(explainer: Any, prompts: List[EncodedPrompt], batch: Genera
         if output_part.shape[1] < length:  # decoder-only: the last output token is never read
             output_part = torch.cat([output_part, output_part.new_zeros(len(rows), length - output_part.shape[1])], 1)
         share = first_token_share(torch.cat([prompt_part, output_part], dim=1), explainer.sink_tokens)
+        # A row is read at its group's latest step (a span's), as its scores are.
+        sink_share = None if sinks is None else sinks[b, [groups[g][-1] for g in rows]].cpu()
         tokens = _tokens(tokenizer, prompt.ids)
         skipped = special_token_mask(prompt.ids, tokenizer, skip_tokens)
         if image_token is not None:
@@ -114,5 +118,5 @@ def assemble_results(explainer: Any, prompts: List[EncodedPrompt], batch: Genera
             score_kind=steps.score, method=type(explainer.method).__name__, first_token_share=share.cpu(),
             input_ids=list(prompt.ids), output_ids=target, inp=prompt.inp, contrast_tokens=contrast,
             signed=signed_method(explainer.method), encoder_decoder=batch.encoder_decoder, image_attr=image_attr,
-            image_token_attr=image_token_attr, image_grid=image_grid))
+            image_token_attr=image_token_attr, image_grid=image_grid, sink_share=sink_share))
     return results

@@ -81,7 +81,9 @@ class GenerationAttribution(Attribution):
             ``convert_ids_to_tokens``, ``pad_token_id``).
         score: ``"logit"`` (default; what LRP conserves), ``"log_prob"`` (Captum's LLM target) or
             ``"prob"``.
-        sink_tokens: how many first tokens ``first_token_share`` counts (attention sinks).
+        sink_tokens: how many first tokens ``first_token_share`` counts (attention sinks). A model
+            with a learned sink slot (GPT-OSS) also gets ``sink_share``: the probability each
+            row's query put on the slot (:class:`~captum_transformers.generation.result.GenerationResult`).
 
     ``attribute`` returns a :class:`~captum_transformers.generation.result.GenerationResult`
     (a ``captum.attr.LLMAttributionResult``) per prompt: one for a single prompt, a list for a

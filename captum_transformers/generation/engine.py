@@ -49,11 +49,43 @@ OnStep = Callable[[int, Any], None]
 
 @dataclasses.dataclass
 class StepLogits:
-    """What the forward pass gave: the explained positions' logits (B, T, V), detached, and the
-    streams' layouts."""
+    """What the forward pass gave: the explained positions' logits (B, T, V), detached, the
+    streams' layouts, and ``sink_share`` (B, T): per explained position the probability its query
+    put on the attention-sink slot, averaged over heads and layers (:func:`sink_share`), or None."""
 
     logits: torch.Tensor
     streams: StreamLayouts
+    sink_share: Optional[torch.Tensor] = None
+
+
+def has_sink_slot(module: nn.Module) -> bool:
+    """Whether an attention module passes learned sink logits to its kernel: a ``sinks`` tensor,
+    the attribute every model of :mod:`~captum_transformers.propagation.attention.sinks` keeps them
+    under (GPT-OSS, DeepSeek-V4, MiMo-V2-Flash's sliding layers, HunYuan-V4, Flint, Granite SWA...)."""
+    return isinstance(getattr(module, "sinks", None), torch.Tensor)
+
+
+def sink_share(recorder: Recorder, streams: StreamLayouts) -> Optional[torch.Tensor]:
+    """(B, T): at each watched position (:meth:`Recorder.watch_rows`, the explained positions), the
+    mean over the explained stream's self-attention calls and their heads of ``p_sink = 1 - sum_k
+    A_qk``; calls of layers without a sink slot count 0. None where no call has a sink slot, or where
+    a sink call's map was never made at those rows (AttentionGradCAM's streamed maps, whose backward
+    recomputes only the last layer's)."""
+    explained = streams.explained[0]
+    own = [s for s in recorder.sites if streams.is_single or s.streams == (explained, explained)]
+    if not any(has_sink_slot(s.block.module) for s in own):
+        return None
+    shares = []
+    for site in own:
+        if not has_sink_slot(site.block.module):
+            shares.append(None)
+            continue
+        entry = recorder.row_sums.get(site.call_index)
+        if entry is None or not bool(entry[1].all()):
+            return None
+        shares.append((1 - entry[0]).mean(1).cpu())  # (B, T)
+    reference = next(s for s in shares if s is not None)
+    return torch.stack([torch.zeros_like(reference) if s is None else s for s in shares]).mean(0)
 
 
 def kept_positions(model: nn.Module, positions: torch.Tensor) -> Any:
@@ -116,7 +148,9 @@ def _steps_forward(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tenso
                    forward_kwargs: Any, recorder: Recorder, contexts: Sequence[Any],
                    steps: ExplainedSteps) -> Tuple[StreamLayouts, torch.Tensor]:
     """The one forward pass over prompt + generated tokens (the head only at the explained
-    positions where the model allows it), its causality checked: ``(streams, logits (B, T, V))``."""
+    positions where the model allows it), its causality checked: ``(streams, logits (B, T, V))``.
+    The recorder keeps the maps' sums over keys at the explained positions (:func:`sink_share`)."""
+    recorder.watch_rows(steps.positions, lambda block: has_sink_slot(block.module))
     streams, output, kept = adapter.captured_forward(model, inputs, additional, forward_kwargs, recorder, contexts,
                                                      keep_logits=kept_positions(model, steps.positions))
     _refuse_non_causal(recorder, streams)
@@ -176,7 +210,7 @@ def trace_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tensor, 
             target = steps.targets[:, list(group)]
             on_step(g, traced(recorder, layout, logits[:, group[-1]].detach(), target, step_streams,
                               row_stream=stream))
-    return StepLogits(logits.detach(), streams)
+    return StepLogits(logits.detach(), streams, sink_share(recorder, streams))
 
 
 def relevance_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional: Sequence[Any],
@@ -200,8 +234,8 @@ def relevance_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tens
     reading = adapter.relevance_reading(model, "tokens").for_steps(in_graph=bool(extra))
     groups = steps.explained_groups
     with relevance_passes(adapter, model, inputs, rules, reading) as (inputs, contexts):
-        streams, logits = _steps_forward(adapter, model, inputs, additional, forward_kwargs, Recorder(CaptureSpec()),
-                                         contexts, steps)
+        recorder = Recorder(CaptureSpec())
+        streams, logits = _steps_forward(adapter, model, inputs, additional, forward_kwargs, recorder, contexts, steps)
         read = reading.read(streams)
         for g, group in enumerate(groups):
             _, grads = relevance_gradients(group_scores(logits, steps, group), rules,
@@ -211,4 +245,4 @@ def relevance_steps(adapter: Adapter, model: nn.Module, inputs: Tuple[torch.Tens
             relevance.update({f"input:{name}": input_times_gradient(leaf, grad)
                               for (name, leaf), grad in zip(extra.items(), grads[len(read):])})
             on_step(g, relevance)
-    return StepLogits(logits.detach(), streams)
+    return StepLogits(logits.detach(), streams, sink_share(recorder, streams))

@@ -11,6 +11,15 @@
 * ``first_token_share`` (T,): per row, the share ``sum_{j<k} |a_j| / sum_j |a_j|`` of the
   first ``k = sink_tokens`` tokens of the sequence among every token the step read (prompt and
   earlier output): attention sinks (Xiao et al., ICLR 2024) show up as a large share.
+* ``sink_share`` (T,) or None: for models with a learned attention-sink slot (GPT-OSS's
+  ``sinks`` / ``s_aux``, :mod:`~captum_transformers.propagation.attention.sinks`), per row the
+  probability ``p_sink = 1 - sum_k A_qk`` that the row's query (the position whose logits the
+  step explains; a span's latest step) puts on the slot, averaged over heads and over the
+  explained stream's self-attention layers (a layer without a slot counts 0). It is read from the
+  attention maps of the explanation's own forward pass, so it does not depend on the method and
+  equals the model's eager ``output_attentions`` (``1 - rows.sum(-1)``). None for a model without
+  a sink slot, and for methods whose maps are never made at those rows: Captum's IG / Saliency
+  rows (prefix calls) and AttentionGradCAM (its streamed backward recomputes only the last layer).
 * ``scores`` (T,): the explained score of each step (logit, log-probability or probability,
   or the contrast); ``score_kind``; ``method`` (the wrapped method's class name);
   ``signed`` (whether the method's scores have a direction: relevance and gradient x input do,
@@ -47,7 +56,7 @@ class GenerationResult(LLMAttributionResult):
                  input_ids: List[int], output_ids: List[int], inp: Any = None,
                  contrast_tokens: Optional[List[str]] = None, signed: bool = False,
                  encoder_decoder: bool = False, image_attr: Any = None, image_token_attr: Any = None,
-                 image_grid: Any = None) -> None:
+                 image_grid: Any = None, sink_share: Optional[torch.Tensor] = None) -> None:
         super().__init__(input_tokens=input_tokens, output_tokens=output_tokens, seq_attr=token_attr.sum(0),
                          token_attr=token_attr, output_probs=output_probs, inp=inp)
         self.target_attr = target_attr
@@ -64,6 +73,7 @@ class GenerationResult(LLMAttributionResult):
         self.image_attr = image_attr
         self.image_token_attr = image_token_attr
         self.image_grid = image_grid
+        self.sink_share = sink_share
 
     def __repr__(self) -> str:
         return (f"GenerationResult(method={self.method}, score={self.score_kind}, "

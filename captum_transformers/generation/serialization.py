@@ -17,11 +17,14 @@ One result (``result_to_dict`` / ``result_from_dict``), schema
       "output_probs":      {"dtype": "float64", "shape": [T], "values": [...]},
       "scores":            {"dtype": "float64", "shape": [T], "values": [...]},
       "first_token_share": {"dtype": "float64", "shape": [T], "values": [...]},
+      "sink_share":        {"dtype": "float64", "shape": [T], "values": [...]} | null,
       "images": [{"image_attr": {... [T, H, W]}, "image_token_attr": {... [T, V]}, "grid": [rows, cols]}]
     }
 
 ``"images"`` is written only for a vision-language model's result (one entry per image; one
-entry reads back as tensors, several as lists, as ``attribute`` returns them).
+entry reads back as tensors, several as lists, as ``attribute`` returns them). ``"sink_share"``
+(:data:`OPTIONAL_ARRAY_FIELDS`) is null for a model without an attention-sink slot; a file
+written before it existed (no such key) reads back with ``sink_share=None``.
 
 Every array keeps its dtype and shape, so reading it back gives equal tensors bit for bit
 (Python writes the shortest decimal that reads back to the same double, and a float32 value is
@@ -65,6 +68,8 @@ from .result import GenerationResult
 SCHEMA = "captum_transformers.generation/1"
 SCORES_SCHEMA = "captum_transformers.generation.scores/1"
 ARRAY_FIELDS = ("token_attr", "target_attr", "output_probs", "scores", "first_token_share")
+#: Arrays a result may lack (None, written as null; absent in older files): (T,) each.
+OPTIONAL_ARRAY_FIELDS = ("sink_share",)
 TOKEN_FIELDS = ("input_tokens", "output_tokens", "target_attr_tokens")
 ID_FIELDS = ("input_ids", "output_ids")
 SCORES_RESERVED = ("schema", "score_kind", "input_tokens", "output_tokens", "output_probs", "methods")
@@ -142,6 +147,9 @@ def result_to_dict(result: GenerationResult) -> Dict[str, Any]:
     out["contrast_tokens"] = None if contrast is None else [str(t) for t in contrast]
     for field in ARRAY_FIELDS:
         out[field] = array_to_dict(getattr(result, field))
+    for field in OPTIONAL_ARRAY_FIELDS:
+        value = getattr(result, field, None)
+        out[field] = None if value is None else array_to_dict(value)
     if getattr(result, "image_attr", None) is not None:
         several = isinstance(result.image_attr, list)
         listed = [(result.image_attr, result.image_token_attr, result.image_grid)] if not several else \
@@ -209,6 +217,12 @@ def result_from_dict(d: Mapping[str, Any]) -> GenerationResult:
     tokens = {field: _string_list(d, field) for field in TOKEN_FIELDS}
     arrays = {field: array_from_dict(d[field], field) for field in ARRAY_FIELDS}
     _check_shapes(arrays, d)
+    optional = {field: None if d.get(field) is None else array_from_dict(d[field], field)
+                for field in OPTIONAL_ARRAY_FIELDS}
+    for field, value in optional.items():
+        if value is not None and tuple(value.shape) != (len(d["output_tokens"]),):
+            raise InputError(f"{field!r} has shape {tuple(value.shape)}; expected ({len(d['output_tokens'])},), one "
+                             "value per output token.")
     image_attr, image_token_attr, image_grid = _images_from_dict(d, len(d["output_tokens"]))
     return GenerationResult(
         **tokens, token_attr=arrays["token_attr"], target_attr=arrays["target_attr"],
@@ -216,7 +230,7 @@ def result_from_dict(d: Mapping[str, Any]) -> GenerationResult:
         method=str(d["method"]), first_token_share=arrays["first_token_share"], input_ids=list(d["input_ids"]),
         output_ids=list(d["output_ids"]), contrast_tokens=contrast, signed=bool(d["signed"]),
         encoder_decoder=bool(d.get("encoder_decoder", False)), image_attr=image_attr,
-        image_token_attr=image_token_attr, image_grid=image_grid)
+        image_token_attr=image_token_attr, image_grid=image_grid, sink_share=optional["sink_share"])
 
 
 def save_scores_json(results: Mapping[str, GenerationResult], path: Union[str, Path], **meta: Any) -> Path:

@@ -15,6 +15,8 @@ red, darker = more relevant, no direction. Special tokens (``<s>``, ``<|eot_id|>
 ``[CLS]``... or those given) and the tokens named in ``skip`` are greyed, their value in the
 tooltip only, and left out of the colour scale (an attention sink would wash out every word).
 Cells of output tokens a step had not read yet (the ones after it) are drawn blank.
+A model with an attention-sink slot (``result.sink_share``, GPT-OSS) gets one more column: the
+probability each row's query put on the slot, beside the first-token share.
 ``merge_words=True`` joins word pieces into words, each word's score the SUM of its pieces'
 (``merge_word_pieces``; relevance is additive, so a row's total is kept).
 
@@ -54,7 +56,7 @@ MATRIX_STYLE = (
     ".ctv .gm th.ch span{writing-mode:vertical-rl;transform:rotate(180deg);white-space:pre}"
     ".ctv .gm th.ch.spt{color:#888;font-style:italic} .ctv .gm th.row{text-align:right;white-space:pre;"
     "font-weight:400;font-size:12px;position:sticky;left:0;background:#fff}"
-    ".ctv .gm td.share{font-size:11px;color:#444;padding:0 6px}</style>"
+    ".ctv .gm td.share,.ctv .gm td.sink{font-size:11px;color:#444;padding:0 6px}</style>"
 )
 
 SpecialOption = Union[None, Iterable[str], object]
@@ -102,6 +104,19 @@ def checked_parts(result) -> dict:
     return parts
 
 
+def sink_shares(result, rows: int) -> Optional[torch.Tensor]:
+    """``result.sink_share`` (rows,) as floats, or None where the result has none (a model without
+    an attention-sink slot, or a result made before the field existed)."""
+    value = getattr(result, "sink_share", None)
+    if value is None:
+        return None
+    value = as_float_tensor(value, "result.sink_share")
+    if tuple(value.shape) != (rows,):
+        raise InputError(f"result.sink_share has shape {tuple(value.shape)}; expected ({rows},) (one value per output "
+                         "token), or None.")
+    return value
+
+
 def is_encoder_decoder(parts: dict) -> bool:
     """Whether the result's read tokens start with a decoder start token (encoder-decoders)."""
     known = parts.get("encoder_decoder")
@@ -131,6 +146,8 @@ def merged_columns(tokens: List[str], values: torch.Tensor, flags: List[bool], r
 
 MATRIX_MEANING = ("Blank: output tokens the step had not read yet. First-token share: the share of |attribution| "
                   "on the first token(s) (attention sinks).")
+SINK_MEANING = ("Sink slot: the probability the row's query put on the learned attention-sink slot (no token), "
+                "averaged over heads and layers.")
 BLANK_MEANING = ("the method scored every token this output read 0, so no colour and no scale are shown (Grad-CAM: "
                  "no head's gradient-weighted attention is positive; the call's warning says why).")
 
@@ -188,6 +205,7 @@ class GenerationMatrix(Picture):
         self.rows = parts["outputs"]
         self.probabilities = parts["output_probs"]
         self.shares = parts["first_token_share"]
+        self.sinks = sink_shares(result, len(self.rows))  # None: no attention-sink slot (no column)
         self.contrast = [str(t) for t in result.contrast_tokens] if getattr(result, "contrast_tokens", None) else None
         self.row_special = special_flags(self.rows, special_tokens, skip)
         prompt_flags = special_flags(parts["inputs"], special_tokens, skip)
@@ -248,7 +266,9 @@ class GenerationMatrix(Picture):
             bar = legend_html(self.scales[0], compact=compact)
         if compact:
             return bar
-        return f"{bar}<div class='legend'>{escape(legend_sentence(self.signed))} {escape(MATRIX_MEANING)}</div>"
+        sinks = "" if self.sinks is None else " " + SINK_MEANING
+        return (f"{bar}<div class='legend'>{escape(legend_sentence(self.signed))} {escape(MATRIX_MEANING)}"
+                f"{escape(sinks)}</div>")
 
     def _body_html(self, compact: bool = False) -> str:
         """The matrix; ``compact``: without the sentences saying what colours mean (a report
@@ -269,13 +289,17 @@ class GenerationMatrix(Picture):
                 cells.append(f"<td class='{classes}'{style} title='{value}'></td>")
             label = f"<th class='row{' spt' if self.row_special[row] else ''}'>{escape(self.row_label(row))}</th>"
             share = f"<td class='share'>{100 * float(self.shares[row]):.0f}%</td>"
+            if self.sinks is not None:
+                share += f"<td class='sink'>{100 * float(self.sinks[row]):.0f}%</td>"
             body.append(f"<tr>{label}{''.join(cells)}{share}</tr>")
         spans = (f"<tr><th></th><th colspan='{self.prompt_columns}'>prompt</th>"
                  f"<th colspan='{len(self.columns) - self.prompt_columns}' class='sep'>generated</th>"
-                 "<th></th></tr>") if len(self.columns) > self.prompt_columns else ""
+                 f"<th></th>{'' if self.sinks is None else '<th></th>'}</tr>") \
+            if len(self.columns) > self.prompt_columns else ""
+        sink_head = "" if self.sinks is None else "<th class='ch'><span>sink slot %</span></th>"
         return (f"{MATRIX_STYLE}<h3>{escape(self.title)}</h3><div style='overflow:auto'><table class='gm'>"
                 f"<thead>{spans}<tr><th>generated token (p)</th>{heads}<th class='ch'><span>first-token %</span>"
-                f"</th></tr></thead><tbody>{''.join(body)}</tbody></table></div>{self._legend(compact)}")
+                f"</th>{sink_head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>{self._legend(compact)}")
 
     # -- the drawing (PNG / SVG) -------------------------------------------------------
     def layout(self) -> MatrixLayout:
@@ -284,7 +308,8 @@ class GenerationMatrix(Picture):
         cell = min(0.16, max(0.05, 24.0 / max(len(self.columns), 1)))
         return MatrixLayout(left=0.3 + 0.065 * min(longest_row, 40), bottom=0.85 + 0.06 * min(longest_column, 20),
                             top=0.45, cells_width=cell * len(self.columns),
-                            cells_height=min(0.2, max(0.06, 14.0 / len(self.rows))) * len(self.rows))
+                            cells_height=min(0.2, max(0.06, 14.0 / len(self.rows))) * len(self.rows),
+                            right=0.9 if self.sinks is None else 1.2)  # room for the sink column's labels
 
     def draw(self, figure, origin=(0.0, 0.0)) -> None:
         """Draw into ``figure`` with the lower left corner at ``origin`` (inches)."""
@@ -310,6 +335,12 @@ class GenerationMatrix(Picture):
             axis.text(columns - 0.5 + 0.15 / box.cells_width * columns, row, f"{100 * float(self.shares[row]):.0f}%",
                       fontsize=5, va="center", color="#444", clip_on=False)
         axis.text(columns - 0.5, -0.6, "first-token\nshare", fontsize=5, va="bottom", ha="left", color="#444")
+        if self.sinks is not None:  # a second column of labels, right of the first
+            for row in range(0, rows, row_step):
+                axis.text(columns - 0.5 + 0.6 / box.cells_width * columns, row, f"{100 * float(self.sinks[row]):.0f}%",
+                          fontsize=5, va="center", color="#444", clip_on=False)
+            axis.text(columns - 0.5 + 0.5 / box.cells_width * columns, -0.6, "sink\nslot", fontsize=5, va="bottom",
+                      ha="left", color="#444")
         figure.text((x0 + 0.1) / width, (y0 + box.size[1] - 0.25) / height, plain_text(self.title), fontsize=8,
                     weight="bold")
         bar_rect = ((x0 + box.left) / width, (y0 + 0.45) / height, min(box.cells_width, 3.0) / width, 0.1 / height)
