@@ -132,12 +132,14 @@ def refuse_batch_mixing_adds(scores: torch.Tensor, rules: Optional[RuleSet]) -> 
     """:class:`CaptureError` when the graph of ``scores`` (B,) holds a normalised add (Chefer et al.'s
     rule, ``add="normalized"``) that normalises the relevance of several examples together.
 
-    The rule divides each operand's relevance by sums over its example. It finds the example axis
-    as the one of batch size; a model that flattens its (B, N, D) hidden states to (B * N, D) rows
-    around a residual add (OPT's decoder layers, around their feed-forward block) leaves it none,
-    so the sums run over the whole batch: each example's map would then depend on the others
-    (OPT: 1e-5 apart from the example explained alone, in float64). Checked before the backward
-    pass, by walking the graph; a batch of one and rules with plain adds are never refused."""
+    The rule divides each operand's relevance by sums over its example: along the axis of batch
+    size, or, where the model flattened its (B, N, D) hidden states to (B * N, D) rows (OPT's
+    decoder layers around their feed-forward block; MoE experts' selected rows), by the example of
+    each row, which the rule mode follows through reshapes, row-wise operations and row selections
+    (:class:`~captum_transformers.propagation.rules.normalized_add.ExampleRows`). An add whose rows
+    it could not attribute to examples (token-major rows after a transpose) would sum over the
+    whole batch, so each example's map would depend on the others: refused. Checked before the
+    backward pass, by walking the graph; a batch of one and rules with plain adds are never refused."""
     if rules is None or rules.add != "normalized" or scores.dim() == 0 or scores.shape[0] < 2 \
             or scores.grad_fn is None:
         return
@@ -155,9 +157,10 @@ def refuse_batch_mixing_adds(scores: torch.Tensor, rules: Optional[RuleSet]) -> 
                 raise CaptureError(
                     f"The normalised add rule of {rules.name} (TransformerRelevance's default) divides relevance by "
                     f"sums over each example, but the model adds tensors of shape {shape}, whose {shape[0]} rows hold "
-                    f"the tokens of all {batch} examples of the batch (hidden states (batch, tokens, features) "
-                    "flattened to rows, as OPT's decoder layers do around their feed-forward block), so each "
-                    "example's normalisation would mix the others' and its map would depend on the batch. Explain "
+                    f"the tokens of all {batch} examples of the batch in an order the rule could not attribute to "
+                    "examples (rows of (batch, tokens, features) hidden states after a transpose or another "
+                    "reshuffle), so each example's normalisation would mix the others' and its map would depend on "
+                    "the batch. Explain "
                     "one example at a time (a batch of one), or use rules with plain adds (AttnLRP, ConservativeLRP, "
                     "GenericAttention)."
                 )

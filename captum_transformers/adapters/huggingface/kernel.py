@@ -72,6 +72,10 @@ def is_causal_module(module: nn.Module) -> bool:
     return bool(getattr(module, "is_causal", False)) or type(module).__name__ in CAUSAL_WITHOUT_FLAG
 
 
+#: An additive mask value at or below which a key is blocked (padding), as the inline adapter reads it.
+BLOCKED_BELOW = -1e3
+
+
 def _key_valid_from_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Non-padding keys (B, K) from a 4D additive or boolean mask: the keys some query may attend to.
 
@@ -85,8 +89,10 @@ def _key_valid_from_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]
     rows = mask[:, 0]
     if rows.dtype == torch.bool:
         return rows.any(dim=1)
-    # The largest additive value over the queries: no (B, Q, K) temporary.
-    return rows.amax(dim=1) > torch.finfo(rows.dtype).min / 2
+    # The largest additive value over the queries: no (B, Q, K) temporary. Blocked below -1e3, not
+    # only near the dtype's minimum: MarkupLM (and BERT-era code) blocks padding with -10000, whose
+    # probabilities are exactly 0 too (exp(-1000) underflows in every float format).
+    return rows.amax(dim=1) > BLOCKED_BELOW
 
 
 def _add(scores: torch.Tensor, addend: torch.Tensor, in_place: bool) -> torch.Tensor:

@@ -2,15 +2,17 @@
 the operation-rule mode (:mod:`.operation_rules`) puts it on ``u + v`` under ``add="normalized"``."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+from torch import nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from ...errors import CaptureError
 from ..backward_switch import SWITCH
 from ..backward_switch import plain_requested as _plain
 from .linear import safe_divide
-from .own_output import own_output, saved_tensors
+from .own_output import in_place_targets, own_output, saved_tensors
 
 
 class NormalizedAdd(torch.autograd.Function):
@@ -24,9 +26,11 @@ class NormalizedAdd(torch.autograd.Function):
     factor. ``batch_dim`` is the dimension of the examples (None: the whole tensor is one
     example); an operand shared by the batch (a (1, ...) position embedding) gets the sum over
     examples. ``groups`` (optional, one example index per position of ``batch_dim``) makes
-    several positions one example: the nodes of a graph in a PyG batch's flat node list, so
-    each graph's sums run over its own nodes, as if it were explained alone. Under a plain
-    backward switch both operands get the plain gradient.
+    several positions one example: the nodes of a graph in a PyG batch's flat node list, or the
+    rows of hidden states flattened to (batch * tokens, features) (:class:`ExampleRows`), so
+    each example's sums run over its own rows, as if it were explained alone; ``examples``
+    (optional) is the number of examples, which spares reading it from ``groups`` (a device
+    synchronisation). Under a plain backward switch both operands get the plain gradient.
 
     Example::
 
@@ -35,7 +39,7 @@ class NormalizedAdd(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, a, b, batch_dim, func, args, kwargs, groups=None):
+    def forward(ctx, a, b, batch_dim, func, args, kwargs, groups=None, examples=None):
         output = own_output(func(*args, **kwargs), args, kwargs)  # a model may update it in place
         # Kept: ``u`` and the sum, not ``v`` (recomputed as ``sum - u``): the next operation keeps the
         # sum anyway (a norm, the attention after RoPE), so a residual add holds no activation of
@@ -53,7 +57,7 @@ class NormalizedAdd(torch.autograd.Function):
             ctx.sum = output.detach()
             ctx.sum_version = ctx.sum._version
         ctx.batch_dim = batch_dim
-        ctx.groups = groups
+        ctx.groups, ctx.examples = groups, examples
         ctx.switch = SWITCH.get()
         return output
 
@@ -61,7 +65,7 @@ class NormalizedAdd(torch.autograd.Function):
     def backward(ctx, grad):
         a, *kept = saved_tensors(ctx, "normalised add")
         if _plain(ctx):
-            return grad.sum_to_size(a.shape), grad.sum_to_size(ctx.second_shape), None, None, None, None, None
+            return grad.sum_to_size(a.shape), grad.sum_to_size(ctx.second_shape), None, None, None, None, None, None
         b = kept[0] if kept else ctx.second if ctx.second is not None else _second_operand(ctx, a)
         dtype = torch.promote_types(grad.dtype, torch.float32)
         g = grad.to(dtype)
@@ -83,7 +87,8 @@ class NormalizedAdd(torch.autograd.Function):
                                             g.movedim(batch_dim, 0).reshape(g.shape[batch_dim], -1))
             if ctx.groups is not None:  # one sum per group (graph), read back at each of its positions
                 groups = ctx.groups.to(total.device)
-                total = total.new_zeros(int(groups.max()) + 1).index_add_(0, groups, total)[groups]
+                size = ctx.examples if ctx.examples is not None else int(groups.max()) + 1
+                total = total.new_zeros(size).index_add_(0, groups, total)[groups]
             if batch_dim is not None:
                 shape[batch_dim] = -1
             return total.reshape(shape)
@@ -94,7 +99,16 @@ class NormalizedAdd(torch.autograd.Function):
         share_b = safe_divide(s_b.abs(), s_a.abs() + s_b.abs()) * safe_divide(s, s_b)
         # An operand shared by the batch (a (1, ...) position embedding) gets the sum over examples.
         g_a, g_b = (g * share_a).sum_to_size(a.shape), (g * share_b).sum_to_size(ctx.second_shape)
-        return g_a.to(grad.dtype), g_b.to(grad.dtype), None, None, None, None, None
+        return g_a.to(grad.dtype), g_b.to(grad.dtype), None, None, None, None, None, None
+
+    @staticmethod
+    def keep_before_overwrite(node) -> None:
+        """The model is about to update the sum in place (:func:`.own_output.keep_outputs_overwritten_by`):
+        where the backward pass would read ``v`` back from the kept sum, keep ``v`` now."""
+        if keeps_its_sum(node):
+            a = node.saved_tensors[0]
+            with torch.no_grad():
+                node.second = _second_operand(node, a.detach())
 
 
 def keeps_its_sum(node) -> bool:
@@ -113,28 +127,13 @@ def _second_operand(ctx, a: torch.Tensor) -> torch.Tensor:
     return ctx.sum - a
 
 
-_IN_PLACE_DUNDERS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ipow__",
-                               "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__"})
-
-
 def keep_sums_overwritten_by(func, args: tuple, kwargs: dict) -> None:
     """Before an operation that writes into a tensor (``x += y``, ``x.mul_(y)``, ``x[i] = y``,
     ``out=x``, ``inplace=True``) runs: if that tensor (or the tensor it views) is the sum of a
     :class:`NormalizedAdd` not yet differentiated, keep that add's second operand now."""
-    name = getattr(func, "__name__", "")
-    targets = []
-    if (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS or kwargs.get("inplace") is True:
-        targets.append(args[0] if args else None)
-    targets.append(kwargs.get("out"))
-    for target in targets:
-        if not isinstance(target, torch.Tensor):
-            continue
-        for tensor in (target, target._base):
-            node = None if tensor is None else tensor.grad_fn
-            if node is not None and keeps_its_sum(node):
-                a = node.saved_tensors[0]
-                with torch.no_grad():
-                    node.second = _second_operand(node, a.detach())
+    for tensor in in_place_targets(func, args, kwargs):
+        if tensor.grad_fn is not None and keeps_its_sum(tensor.grad_fn):
+            NormalizedAdd.keep_before_overwrite(tensor.grad_fn)
 
 
 def row_groups(groups: torch.Tensor, tensor: torch.Tensor) -> Optional[torch.Tensor]:
@@ -151,3 +150,143 @@ def row_groups(groups: torch.Tensor, tensor: torch.Tensor) -> Optional[torch.Ten
         f"The normalised add rule normalises per example, here the {examples} graphs of {groups.shape[0]} nodes, but "
         f"it reached an add of tensors of shape {tuple(tensor.shape)}, whose rows are neither nodes nor graphs (edges, "
         "or nodes a pooling dropped). Use a rule set with plain adds (ConservativeLRP, AttnLRP) on this model.")
+
+
+# Operations whose result is a reshape of their first operand (row-major order).
+_RESHAPES = frozenset({"view", "reshape", "flatten", "view_as", "reshape_as", "unflatten"})
+# Operations whose result has, along its first axis, the rows of their operands (elementwise
+# arithmetic and activations, casts and copies, a linear layer on the last axis, row-wise
+# norms, new tensors like an operand): a row keeps its example. Reordering or mixing
+# operations (transpose, flip, roll, sort, cumsum, matmul with the rows on the right) are not
+# here, and their results have no known example per row.
+_ROW_WISE = frozenset({
+    "add", "sub", "mul", "div", "true_divide", "neg", "where", "pow", "exp", "sqrt", "rsqrt", "square", "abs",
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__neg__",
+    "__pow__", "sigmoid", "tanh", "silu", "gelu", "relu", "mish", "softplus", "dropout", "to", "float", "double",
+    "half", "bfloat16", "type", "type_as", "clone", "contiguous", "zeros_like", "ones_like", "empty_like",
+    "full_like", "linear", "layer_norm", "rms_norm", "chunk", "split", "masked_fill", "clamp"})
+_SELECTIONS = frozenset({"__getitem__", "index_select"})
+
+
+class ExampleRows:
+    """Which example each row of a forward's tensors belongs to, where a model flattens its
+    hidden states (B, N, D) to (B * N, D) rows (OPT around its feed-forward block, every
+    mixture-of-experts block before its routing): the normalised add rule then normalises each
+    example over its own rows (:class:`NormalizedAdd`'s ``groups``), as if it were explained
+    alone, where it otherwise finds no axis of the examples.
+
+    Followed by behaviour, through the operations the rule mode sees (:meth:`observe`):
+
+    * a reshape (``view``, ``reshape``, ``flatten``) whose first axis merges the batch axis of
+      a (B, ...) tensor with the ones after it (R = B * M rows, R > B): in row-major order the
+      rows of example e are e * M ... (e + 1) * M - 1. A (B, N, ...) tensor with N == B is left
+      alone: its first axis could be the tokens' (a sequence-first layout), not the examples'.
+    * row-wise operations (:data:`_ROW_WISE`: elementwise arithmetic, casts, linear layers on the
+      last axis, ``zeros_like``...) keep the rows' examples; an in-place update (MoE's
+      ``index_add_`` into ``zeros_like(hidden)``) keeps its target's.
+    * a selection of rows by an index tensor (``hidden[token_idx]``, ``index_select``: an expert's
+      tokens) keeps each selected row's example, so adds inside an expert are per example too.
+
+    Any other operation leaves its result without examples: an add of such rows is refused as
+    before (:func:`~captum_transformers.engine.runner.refuse_batch_mixing_adds`). Only followed
+    for a batch of two or more examples (with one, every sum is over the one example).
+    """
+
+    def __init__(self, batch_size: Optional[int]):
+        self.batch_size = batch_size
+        self.active = batch_size is not None and batch_size > 1
+        self._groups = WeakTensorKeyDictionary()  # tensor -> (groups (rows,), rows per example or None)
+        self._blocks: dict = {}  # (rows per example, device) -> groups, shared by all tensors of that layout
+
+    def groups_of(self, tensor: Any) -> Optional[torch.Tensor]:
+        """The example of each row of ``tensor`` (a long tensor (rows,)), None where unknown."""
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        known = self._groups.get(tensor)
+        return None if known is None else known[0]
+
+    def add_groups(self, a: torch.Tensor, b: torch.Tensor) -> Optional[torch.Tensor]:
+        """The example of each row of the add ``a + b`` (equal shapes), None where neither
+        operand's rows are known or they disagree."""
+        if not self.active or a.dim() == 0 or a.shape != b.shape:
+            return None
+        ga, gb = self.groups_of(a), self.groups_of(b)
+        if ga is not None and gb is not None and ga is not gb and not torch.equal(ga, gb):
+            return None
+        return ga if ga is not None else gb
+
+    def _blocks_of(self, per_example: int, device) -> torch.Tensor:
+        key = (per_example, device)
+        groups = self._blocks.get(key)
+        if groups is None:
+            groups = torch.arange(self.batch_size, device=device).repeat_interleave(per_example)
+            self._blocks[key] = groups
+        return groups
+
+    def _tag(self, result: Any, groups: torch.Tensor, per_example: Optional[int]) -> None:
+        if isinstance(result, torch.Tensor) and result.dim() and result.shape[0] == groups.shape[0]:
+            self._groups[result] = (groups, per_example)
+
+    def follow(self, source: Any, result: Any) -> None:
+        """``result`` has the rows of ``source`` (a module applied row by row: an activation)."""
+        known = self._groups.get(source) if self.active and isinstance(source, torch.Tensor) else None
+        if known is not None:
+            self._tag(result, *known)
+
+    def observe(self, func, args: tuple, kwargs: dict, result: Any) -> None:
+        """Record the examples of the rows of ``func(*args, **kwargs) = result``."""
+        name = getattr(func, "__name__", "")
+        if name in _RESHAPES:
+            self._reshaped(args, result)
+        elif not self._groups:
+            return
+        elif name in _ROW_WISE:
+            if name == "where" and len(args) < 3:
+                return  # where(condition): the indices of its true entries
+            known = None
+            for value in (*args, *kwargs.values()):
+                found = self._groups.get(value) if isinstance(value, torch.Tensor) else None
+                if found is not None:
+                    if known is not None and found[0] is not known[0]:
+                        return  # rows of two layouts: none is kept
+                    known = found
+            if known is not None:
+                for item in result if isinstance(result, (tuple, list)) else (result,):
+                    self._tag(item, *known)
+        elif name in _SELECTIONS and args and isinstance(args[0], torch.Tensor):
+            self._selected(name, args, kwargs, result)
+
+    def _reshaped(self, args: tuple, result: Any) -> None:
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or not isinstance(result, torch.Tensor) or result.dim() == 0 \
+                or result.numel() != x.numel() or x.dim() == 0:
+            return
+        batch, rows = self.batch_size, result.shape[0]
+        known = self._groups.get(x)
+        example_major = (known is not None and known[1] is not None) or (
+            known is None and x.dim() >= 2 and x.shape[0] == batch and x.shape[1] != batch
+            and not isinstance(x, nn.Parameter))
+        if example_major and rows > batch and rows % batch == 0:
+            self._tag(result, self._blocks_of(rows // batch, result.device), rows // batch)
+        elif known is not None and rows == x.shape[0]:  # (R, H, d) -> (R, H * d): the same rows
+            self._tag(result, *known)
+
+    def _selected(self, name: str, args: tuple, kwargs: dict, result: Any) -> None:
+        known = self._groups.get(args[0])
+        if known is None:
+            return
+        index = args[1] if len(args) > 1 else None
+        if name == "index_select":
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            index = args[2] if len(args) > 2 else kwargs.get("index")
+            if dim != 0:
+                if isinstance(dim, int):
+                    self._tag(result, *known)
+                return
+        elif isinstance(index, tuple) and index and isinstance(index[0], slice) and index[0] == slice(None):
+            self._tag(result, *known)  # x[:, ...]: every row, in order
+            return
+        if isinstance(index, torch.Tensor) and index.dim() == 1 and (
+                index.dtype == torch.long or index.dtype == torch.int32 or index.dtype == torch.bool):
+            groups = known[0][index.to(known[0].device)]
+            self._tag(result, groups, None)

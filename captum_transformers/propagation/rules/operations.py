@@ -56,9 +56,9 @@ from ..backward_switch import plain_requested as _plain
 from .gated_product import ConstantGateProduct, GateTracker, gate_scopes
 from .identity_ratio import identity_ratio
 from .linear import LinearAlphaBeta, LinearGamma, linear_rule, safe_divide  # noqa: F401  (part of this API)
-from .normalized_add import NormalizedAdd, keep_sums_overwritten_by, row_groups
+from .normalized_add import ExampleRows, NormalizedAdd, row_groups
 from .pixel import PixelBoundedConv, is_input_pixels
-from .own_output import VIEW_UPDATE_REFUSAL, own_output, saved_tensors
+from .own_output import VIEW_UPDATE_REFUSAL, keep_outputs_overwritten_by, own_output, saved_tensors
 
 
 class _IdentityRule(torch.autograd.Function):
@@ -90,6 +90,40 @@ class _IdentityRule(torch.autograd.Function):
             return plain_gradient_of(ctx.func, ctx.args, ctx.kwargs, x, grad), None, None, None, None
         ratio = ctx.ratio_fn(x, output) if ctx.ratio_fn is not None else identity_ratio(output, x)
         return ratio.to(grad.dtype).mul_(grad), None, None, None, None
+    # No keep_before_overwrite: an in-place update of a softmax's or activation function's output
+    # that this rule kept stays refused by name (tests/test_inplace_views_rules.py); only the module
+    # rule (IdentityRelevance, a norm's output: XLM's ``tensor *= mask``) keeps its output first.
+
+
+def keep_output(node) -> None:
+    """Before the model updates in place the output of an identity-rule node ``node`` (XLM's
+    ``tensor *= mask`` after its norms; seen by the rule mode,
+    :func:`.own_output.keep_outputs_overwritten_by`): keep a copy of that output as the forward
+    pass produced it, with the input, on the node. The backward pass then reads them
+    (:func:`kept_or_saved`): the update's own gradient (``* mask``) arrives first, then
+    ``R_x = R_y`` on the output the norm had, exactly as on the out-of-place twin ``y = y * mask``
+    (which keeps both tensors too). Nothing is kept where the node keeps no output (a closed-form
+    ratio) or has kept it already; an update the mode did not see is refused at the backward pass."""
+    if node.kept is not None:
+        return
+    try:
+        x, output = node.saved_tensors
+    except RuntimeError:  # already updated by an operation the mode did not see: refused at the backward pass
+        return
+    if output is not None:
+        node.kept = (x, output.detach().clone(), x._version)
+
+
+def kept_or_saved(ctx, rule: str) -> tuple:
+    """``(x, output)`` of an identity-rule node: those :func:`keep_output` kept before an update
+    in place of the output, else its saved tensors (refused by name where either was updated in
+    place since, unseen)."""
+    if ctx.kept is None:
+        return saved_tensors(ctx, rule)
+    x, output, version = ctx.kept
+    if x._version != version:
+        return saved_tensors(ctx, rule)  # the input updated in place since: refused by name
+    return x, output
 
 
 class _UniformProduct(torch.autograd.Function):
@@ -209,6 +243,8 @@ class OperationRules(TorchFunctionMode):
         self.rules = rules
         self.batch_size = batch_size
         self.groups = groups  # (batch_size,) each row's example (a PyG batch: node -> graph), or None
+        # The examples of flattened rows ((B, N, D) hidden states as (B * N, D)), for the add rule.
+        self.rows = ExampleRows(batch_size if rules.add == "normalized" and groups is None else None)
         self._tokens: list = []
         self.gates = GateTracker(rules.gated_product == "constant")
         self.handled = _handled_operations(rules)
@@ -225,8 +261,16 @@ class OperationRules(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.rules.add == "normalized":  # a sum the add rule keeps, about to be overwritten
-            keep_sums_overwritten_by(func, args, kwargs)
+        # An output a rule reads back (the add rule's sum, the identity rule's output), about to
+        # be updated in place: the rule keeps what it needs first.
+        keep_outputs_overwritten_by(func, args, kwargs)
+        result = self._dispatch(func, args, kwargs)
+        if self.rows.active:
+            self.rows.observe(func, args, kwargs, result)
+        return result
+
+    def _dispatch(self, func, args, kwargs):
+        """``func(*args, **kwargs)``, through its rule Function where the rules give it one."""
         if func not in self.handled or not torch.is_grad_enabled():  # most operations: no rule
             try:
                 return func(*args, **kwargs)
@@ -283,6 +327,9 @@ class OperationRules(TorchFunctionMode):
                 wide = a if a.shape[0] >= b.shape[0] else b
                 if self.groups is not None:
                     return NormalizedAdd.apply(a, b, 0, func, args, kwargs, row_groups(self.groups, wide))
+                rows = self.rows.add_groups(a, b)
+                if rows is not None:  # flattened rows (B * N, D): each example over its own rows
+                    return NormalizedAdd.apply(a, b, 0, func, args, kwargs, rows, self.batch_size)
                 return NormalizedAdd.apply(a, b, self._batch_dim(wide), func, args, kwargs)
         return func(*args, **kwargs)
 
@@ -371,24 +418,30 @@ class IdentityRelevance(torch.autograd.Function):
     def forward(ctx, x, held, recompute=None):
         # ``held``: ``[output]``, made without gradients. Not an input of the Function, so it is
         # returned as a new tensor, not a view, which a model may update in place (XLM's
-        # ``tensor *= mask``); an update of the saved output is refused at the backward pass.
+        # ``tensor *= mask``): the rule mode keeps the output first (keep_before_overwrite), an
+        # update it does not see is refused at the backward pass.
         output = held[0]
         ctx.save_for_backward(x, output)
-        ctx.switch, ctx.recompute = SWITCH.get(), recompute
+        ctx.switch, ctx.recompute, ctx.kept = SWITCH.get(), recompute, None
         return output
+
+    @staticmethod
+    def keep_before_overwrite(node) -> None:
+        """The model is about to update the output in place (XLM's ``tensor *= mask`` after a
+        norm, seen by the rule mode): keep it as the norm produced it (:func:`keep_output`)."""
+        keep_output(node)
 
     @staticmethod
     def backward(ctx, grad):
         try:
-            x, output = ctx.saved_tensors
-        except RuntimeError as error:
-            if "modified by an inplace operation" not in str(error):
-                raise
+            x, output = kept_or_saved(ctx, "identity")
+        except CaptureError:
             raise CaptureError(
                 "The model changed a module's output in place after the identity rule read it (e.g. a mask "
                 "multiplied into a norm's output with *=), so R_x = R_y cannot be applied to the output it "
-                "had. Explain it with rules that keep the norm's own gradient (ConservativeLRP, AttnLRP), or "
-                "make the model's update out of place.") from None
+                "had (an update inside the model's forward, which the rule mode sees, is followed exactly; this "
+                "one was not seen). Explain it with rules that keep the norm's own gradient (ConservativeLRP, "
+                "AttnLRP), or make the update out of place.") from None
         if _plain(ctx):
             return plain_gradient_of(ctx.recompute, (x,), {}, x, grad), None, None
         return identity_ratio(output, x).to(grad.dtype).mul_(grad), None, None
@@ -407,6 +460,8 @@ def _activation_forward(identity: bool):
                     with torch.no_grad():
                         output = original(x, *args, **kwargs)
                     output = IdentityRelevance.apply(x, [output], lambda inputs: original(inputs, *args, **kwargs))
+                    if mode is not None and mode.rows.active:
+                        mode.rows.follow(x, output)  # an activation keeps the rows' examples
             elif mode is not None:
                 with mode.gates.inside_activation():
                     output = original(x, *args, **kwargs)

@@ -21,7 +21,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, List
 
 import torch
 
@@ -67,3 +67,41 @@ def saved_tensors(ctx, rule: str) -> tuple:
             "or its output, e.g. with +=, *= or masked_fill_), so the rule would read values the forward pass did "
             "not have. Make that update out of place in the model, or explain it with rules that do not keep that "
             "tensor (plain gradients, or another rule set).") from None
+
+
+_IN_PLACE_DUNDERS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ipow__",
+                               "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__"})
+
+
+def in_place_targets(func, args: tuple, kwargs: dict) -> List[torch.Tensor]:
+    """The tensors ``func(*args, **kwargs)`` writes into (``x += y``, ``x.mul_(y)``, ``x[i] = y``,
+    ``out=x``, ``inplace=True``), each with the tensor it views (``_base``) where it is a view."""
+    name = getattr(func, "__name__", "")
+    candidates = []
+    if (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS or kwargs.get("inplace") is True:
+        candidates.append(args[0] if args else None)
+    candidates.append(kwargs.get("out"))
+    targets = []
+    for target in candidates:
+        if isinstance(target, torch.Tensor):
+            targets.append(target)
+            if target._base is not None:
+                targets.append(target._base)
+    return targets
+
+
+def keep_outputs_overwritten_by(func, args: tuple, kwargs: dict) -> None:
+    """Before an operation that writes into a tensor runs: if that tensor (or the tensor it
+    views) is the output of a rule Function that reads it (or its sum) in the backward pass,
+    let that Function keep what it needs now (its ``keep_before_overwrite(node)``), so that the
+    update is followed exactly as on the out-of-place twin (``y = y * mask``), not refused.
+
+    Example::
+
+        >>> keep_outputs_overwritten_by(torch.Tensor.__imul__, (y, mask), {})  # XLM's tensor *= mask
+    """
+    for tensor in in_place_targets(func, args, kwargs):
+        node = tensor.grad_fn
+        keep = getattr(getattr(type(node), "_forward_cls", None), "keep_before_overwrite", None)
+        if keep is not None:
+            keep(node)
