@@ -226,7 +226,9 @@ def _header(results: Dict[str, Any], methods: Sequence[str]) -> List[str]:
         "reference.",
         "* `ok` (consistent): finite; no row all zero; zero at padding; each batch row equal to the call on "
         "that example alone, padding cut (1e-8 relative, float64; 1e-5 where the model computes in float32 "
-        "inside, as its float32 eager maps show; not checked on the architectures marked †, whose own scores "
+        "inside, as its float32 eager maps show; 1e-3 for LRP and partial LRP on XLM and FlauBERT, whose "
+        "float32 softmax the epsilon rule amplifies (1e-8 with it in float64); not checked on the architectures "
+        "marked †, whose own scores "
         "differ between batch and single); the model exactly as before (state_dict, `requires_grad`, `.grad`, "
         "modes, hooks, attention implementation, a bit-identical forward output).",
         "* `zero`: consistent, but the map of some row is 0 everywhere, with the package's warning (Grad-CAM and "
