@@ -19,6 +19,7 @@ import re
 import pytest
 import torch
 from generation_models import IdTokenizer, build
+from test_attention_sinks import gpt_oss as sinks_model
 
 import captum_transformers.capture.row_chunks as row_chunks
 from captum_transformers.errors import InputError
@@ -43,17 +44,11 @@ WITHOUT_SHARE = ["grad-cam", "saliency"]
 
 
 def gpt_oss() -> torch.nn.Module:
-    """Two layers (a 4-token sliding window, then full), 4 query heads over 2 key-value heads, two
-    experts, float64, eager attention; the sinks differ per head and per layer, large enough to matter."""
+    """test_attention_sinks' tiny GPT-OSS (two layers: a 4-token sliding window, then full; 4 query
+    heads over 2 key-value heads, two experts, float64, eager attention), copied, with sinks that
+    differ per head and per layer, large enough to matter."""
     if "gpt_oss" not in _MODELS:
-        config = transformers.GptOssConfig(
-            vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=HEADS,
-            num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
-            layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64, pad_token_id=0,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-        torch.manual_seed(0)
-        model = transformers.GptOssForCausalLM._from_config(config, attn_implementation="eager",
-                                                            experts_implementation="eager").double().eval()
+        model = copy.deepcopy(sinks_model())
         with torch.no_grad():
             for index, layer in enumerate(model.model.layers):
                 layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, HEADS, dtype=torch.float64) + 0.5 * index)
