@@ -245,7 +245,7 @@ def _header(results: Dict[str, Any], methods: Sequence[str]) -> List[str]:
         "",
         f"Columns: {legend}.",
         "",
-        "Regenerate (about 20 minutes on 2 cores; results in `benchmarks/coverage/results.json`, resumable: "
+        "Regenerate (about 45 minutes on 2 cores; results in `benchmarks/coverage/results.json`, resumable: "
         "entries already there are skipped, so delete it to measure afresh; `--only llama,bert` and `--heads "
         "causal-lm` restrict the sweep, `--table-only` rewrites this page from the JSON):",
         "",
