@@ -230,3 +230,12 @@ def test_maps_that_are_no_probabilities_get_no_reference():
     mask = torch.ones(2, 5, dtype=torch.long)
     mask[1, 3:] = 0
     assert non_probability_layers([softmax, linear, softmax], mask) == [1]
+
+
+def test_a_redo_forgets_only_the_cells_of_the_entries_swept():
+    results = {"entries": {"a/causal-lm": {"cells": {"x": {"kind": "failed"}, "y": {"kind": "consistent"}}},
+                           "b/causal-lm": {"cells": {"x": {"kind": "failed"}}}}}
+    assert sweep.forget(results, ["failed"], ["a/causal-lm"]) == ["a/causal-lm"]
+    assert set(results["entries"]["a/causal-lm"]["cells"]) == {"y"}
+    assert results["entries"]["b/causal-lm"]["cells"] == {"x": {"kind": "failed"}}
+    assert sweep.forget(results, ["failed"]) == ["b/causal-lm"]

@@ -131,12 +131,16 @@ def worker_main(tasks_path: str, progress_path: str, method_timeout: Optional[fl
 
 
 # -- the parent -----------------------------------------------------------------------------
-def forget(results: Dict[str, Any], kinds: Iterable[str]) -> List[str]:
-    """Drop from ``results`` every cell whose verdict is one of ``kinds`` (they run again); the
-    keys of the entries touched."""
+def forget(results: Dict[str, Any], kinds: Iterable[str], keys: Optional[Iterable[str]] = None) -> List[str]:
+    """Drop from ``results`` every cell whose verdict is one of ``kinds`` (they run again), in the
+    entries ``keys`` (None: every entry; a sweep restricted by ``--only`` leaves the others' cells
+    alone); the keys of the entries touched."""
     kinds = set(kinds)
+    keys = None if keys is None else set(keys)
     touched = []
     for key, record in results["entries"].items():
+        if keys is not None and key not in keys:
+            continue
         dropped = [m for m, verdict in record["cells"].items() if verdict["kind"] in kinds]
         for method in dropped:
             del record["cells"][method]
@@ -168,8 +172,8 @@ def sweep(entries: Sequence[Entry], methods: Sequence[str], out: Optional[str], 
     """
     results = load_results(out)
     results.update(versions())
-    forget(results, redo)
     by_key = {entry.key: entry for entry in entries}
+    forget(results, redo, by_key)
     tasks = pending_tasks(results, entries, methods)
     log(f"{len(tasks)} of {len(entries)} entries to run, {len(methods)} methods")
     if in_process:
