@@ -97,12 +97,25 @@ def test_refusals_say_what_was_received_and_how_to_fix_it():
                                         forward_kwargs={"attention_mask": kwargs["attention_mask"][:2]})
     with pytest.raises(InputError, match="token ids must be one"):
         CaptumSaliency(model).attribute(ids[:, :, None], target=TARGETS)
-    gpt2 = CASES["gpt2"].model()
+
+
+def test_a_model_without_a_pad_id_is_integrated_from_the_all_zero_embedding():
+    """GPT-2 has no pad id: the baseline is the zero embedding vector (Sundararajan et al.'s text
+    baseline), which is Captum's IntegratedGradients on the embeddings with its default (zero)
+    baselines; a ``baseline_token_id`` still chooses a token."""
+    from captum.attr import IntegratedGradients
+
+    gpt2 = CASES["gpt2"].model(dtype=torch.float64)
     assert gpt2.config.pad_token_id is None
-    with pytest.raises(InputError, match="baseline_token_id=ID"):
-        CaptumIntegratedGradients(gpt2).attribute(ids, target=(6, 1))
-    scores = CaptumIntegratedGradients(gpt2, baseline_token_id=0, n_steps=4).attribute(ids, target=(6, 1))
-    assert scores.shape == ids.shape
+    ids = torch.randint(1, 50, (2, 7), generator=torch.Generator().manual_seed(3))
+    target = [(6, 1), (4, 2)]
+    ours = CaptumIntegratedGradients(gpt2, n_steps=16).attribute(ids, target=target)
+    embedded = gpt2.get_input_embeddings()(ids).detach()
+    reference = IntegratedGradients(lambda e: gpt2(inputs_embeds=e).logits).attribute(
+        embedded, target=target, n_steps=16).sum(-1)
+    torch.testing.assert_close(ours, reference, rtol=1e-10, atol=1e-12)
+    by_token = CaptumIntegratedGradients(gpt2, baseline_token_id=0, n_steps=16).attribute(ids, target=target)
+    assert (by_token - ours).abs().max() > 1e-6
 
 
 def test_token_ids_equal_captums_layer_integrated_gradients_without_its_process_wide_hook():

@@ -327,15 +327,19 @@ def test_a_recurrent_causal_lm_token_target_is_the_last_real_position(method):
     torch.testing.assert_close(by_token[1:, :4], alone, rtol=1e-7, atol=1e-12)
 
 
-def test_a_forward_that_breaks_its_own_backward_is_refused_with_the_fix():
+@pytest.mark.parametrize("method", METHODS)
+def test_a_forward_that_breaks_its_own_backward_runs_without_its_cache(method):
     """RWKV's forward with use_cache=True overwrites its recurrent state in place, which its own
-    backward pass needs: refused naming the model and use_cache=False, which then explains it."""
+    backward pass needs: by default it is called without the cache (the same scores); asked for
+    explicitly, the cache is refused naming the model and use_cache=False."""
     model = _built(transformers.RwkvForCausalLM, transformers.RwkvConfig(
-        vocab_size=40, hidden_size=16, num_hidden_layers=2, attention_hidden_size=16, intermediate_size=24,
-        pad_token_id=0))
+        vocab_size=40, hidden_size=16, num_hidden_layers=2, attention_hidden_size=16, intermediate_size=24))
+    assert getattr(model.config, "pad_token_id", None) is None  # Integrated Gradients: the all-zero embedding
     ids, mask = _ids(2, 6, 4, pad=0)
     with pytest.raises(InputError, match=r"RwkvForCausalLM's own forward pass overwrote.*'use_cache': False"):
-        CaptumSaliency(model).attribute(ids, target=TOKEN, forward_kwargs={"attention_mask": mask})
-    scores = CaptumSaliency(model).attribute(ids, target=TOKEN, forward_kwargs={"attention_mask": mask,
-                                                                              "use_cache": False})
-    assert bool((scores[1, 4:] == 0).all()) and bool(torch.isfinite(scores).all())
+        _made(method, model).attribute(ids, target=TOKEN, forward_kwargs={"attention_mask": mask, "use_cache": True})
+    scores = _made(method, model).attribute(ids, target=TOKEN, forward_kwargs={"attention_mask": mask})
+    explicit = _made(method, model).attribute(ids, target=TOKEN, forward_kwargs={"attention_mask": mask,
+                                                                                "use_cache": False})
+    torch.testing.assert_close(scores, explicit, rtol=0, atol=0)
+    assert bool((scores[1, 4:] == 0).all()) and bool((scores[:, :4] != 0).all())

@@ -45,7 +45,10 @@ interpolated rows per forward pass (memory bound; the result does not depend on 
 float rounding); baseline: zeros of the model input for float inputs (Captum's default; for
 normalised images that is the mean colour, not black), and for token ids the model's
 ``config.pad_token_id`` at every position (the embedding of [PAD], as Captum's BERT
-tutorial), so padded positions, which hold that id, have :math:`x - x' = 0`.
+tutorial), so padded positions, which hold that id, have :math:`x - x' = 0`; for a model with
+no pad id (GPT-2, CodeGen, RWKV) the all-zero embedding vector, the baseline Sundararajan et
+al. (Section 6) use for text, Captum's ``IntegratedGradients`` default on the embeddings
+(``baseline_token_id=`` chooses a token instead).
 
 Saliency (Simonyan, Vedaldi and Zisserman, "Deep Inside Convolutional Networks", ICLR
 workshop 2014): :math:`S_i(x) = |\partial y_t / \partial x_i|`; for token ids
@@ -477,6 +480,7 @@ class _CaptumGradientBaseline(StochasticOptIn, Attribution):
             raise InputError(f"{type(self).__name__} attributes float inputs element by element; "
                              "return_tokens=True needs token-id inputs (B, S). Sum the attributions over "
                              "the dimensions you want instead.")
+        forward_kwargs = _without_in_place_cache(self.model, forward_kwargs)
         expanded, fixed = _split_kwargs(forward_kwargs, batch)
         call_model = get_adapter(self.model).call_model if token_ids and len(formatted) == 2 else None
         forward = _ScoresForward(self.model, tuple(expanded), fixed, len(formatted), call_model)
@@ -539,21 +543,21 @@ class CaptumIntegratedGradients(_CaptumGradientBaseline):
             internal_batch_size=self.internal_batch_size)
 
     def _embedding_attribution(self, forward, calls, ids, target, additional):
-        baselines = tuple(calls.embed(k, torch.full_like(t, self._baseline_token())) for k, t in enumerate(ids))
+        token = self._baseline_token()
+        # No neutral token known: the all-zero embedding (Sundararajan et al.'s baseline for text).
+        baselines = tuple(torch.zeros_like(embedded) if token is None else calls.embed(k, torch.full_like(t, token))
+                          for k, (t, embedded) in enumerate(zip(ids, calls.embedded)))
         return IntegratedGradients(_EmbeddingsForward(forward, calls)).attribute(
             calls.embedded, baselines=baselines, target=target, additional_forward_args=(*ids, *additional),
             n_steps=self.n_steps, internal_batch_size=self.internal_batch_size)
 
-    def _baseline_token(self) -> int:
+    def _baseline_token(self) -> Optional[int]:
+        """The baseline token id: ``baseline_token_id``, else ``config.pad_token_id``, else None
+        (the all-zero embedding)."""
         if self.baseline_token_id is not None:
             return self.baseline_token_id
         pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
-        if pad is None:
-            raise InputError(f"{type(self.model).__name__} has no config.pad_token_id, the default baseline token of "
-                             "Integrated Gradients on token ids. Pass CaptumIntegratedGradients(model, "
-                             "baseline_token_id=ID) with the id of a neutral token (e.g. the tokenizer's pad or "
-                             "unk id).")
-        return int(pad)
+        return None if pad is None else int(pad)
 
 
 class CaptumSaliency(_CaptumGradientBaseline):
@@ -597,6 +601,19 @@ def _as_tuple(value: Any) -> Tuple[Any, ...]:
     if value is None:
         return ()
     return value if isinstance(value, tuple) else (value,)
+
+
+# Model types whose forward overwrites its recurrent state in place when it returns a cache, which
+# leaves no gradient of its scores (RWKV): called with use_cache=False unless forward_kwargs sets it
+# (one forward pass reads no cache; the scores are the same).
+_IN_PLACE_CACHE_MODEL_TYPES = frozenset({"rwkv"})
+
+
+def _without_in_place_cache(model: nn.Module, forward_kwargs: Optional[dict]) -> Optional[dict]:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in _IN_PLACE_CACHE_MODEL_TYPES or "use_cache" in (forward_kwargs or {}):
+        return forward_kwargs
+    return {**(forward_kwargs or {}), "use_cache": False}
 
 
 def _split_kwargs(forward_kwargs: Optional[dict], batch: int) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
@@ -644,7 +661,7 @@ def _differentiable_forward(model: nn.Module):
             f"{type(model).__name__}'s own forward pass overwrote in place a tensor that its backward pass needs, so "
             "no gradient of its score exists as called (autograd: one of the variables needed for gradient "
             "computation has been modified by an inplace operation). Models that update a recurrent state or cache "
-            "in place (RWKV) compute a differentiable forward without it: pass forward_kwargs={'use_cache': False}."
+            "in place compute a differentiable forward without it: pass forward_kwargs={'use_cache': False}."
         ) from error
 
 
