@@ -206,8 +206,16 @@ OVERRIDES: Dict[str, Dict[str, Any]] = {
     # modules during the forward pass: built with the attention it runs (block-sparse is refused by name).
     "bigbird_pegasus": {"attention_type": "original_full"},
     # Recurrent-only first layers: their cache cannot tell a sequence length.
-    "granitemoehybrid": {**_MAMBA, "use_cache": False},
-    "recurrent_gemma": {"use_cache": False},
+    # (Their default layer lists hold no attention layer in the first two: one of each kind kept.)
+    "granitemoehybrid": {**_MAMBA, "use_cache": False, "layer_types": ["linear_attention", "full_attention"]},
+    "recurrent_gemma": {"use_cache": False, "block_types": ["recurrent", "attention"], "lru_width": WIDTH},
+    # Hybrids whose state-space / linear-attention sizes the generic names miss: at their defaults (Falcon-H1:
+    # 128 Mamba heads, chunks of 256) Integrated Gradients' 50 scaled copies of the batch took over 22 GB.
+    "falcon_h1": {**_MAMBA, "mamba_d_ssm": _MAMBA["mamba_n_heads"] * _MAMBA["mamba_d_head"]},
+    "nemotron_h": {"ssm_state_size": 16, "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 1, "chunk_size": 8},
+    "kimi_linear": {"linear_head_dim": HEAD_DIM, "linear_num_heads": HEADS},
+    # (and its routing groups must divide the experts)
+    "bailing_hybrid": {"linear_head_dim": HEAD_DIM, "linear_num_heads": HEADS, "num_expert_group": 1},
     # M-RoPE over two axes needs a rotated width that is a multiple of 4.
     "neomme": {"head_dim": 16},
 }
