@@ -317,6 +317,12 @@ class Adapter(abc.ABC):
         model's ``decoder_input_ids``)."""
         return model(*inputs, *additional_forward_args, **(forward_kwargs or {}))
 
+    def gradient_forward_kwargs(self, model: nn.Module, forward_kwargs: Optional[dict]) -> Optional[dict]:
+        """The ``forward_kwargs`` under which ``model``'s scores have a gradient. Default: as
+        given; the HuggingFace adapter turns off the cache of models that write it in place
+        (RWKV) unless the caller set ``use_cache``."""
+        return forward_kwargs
+
     # -- hooks of the pass runner (captum_transformers.engine.runner) ------------------
     def refuse_trace(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...], additional_forward_args: Sequence[Any],
                      forward_kwargs: Optional[dict], rules: Optional["RuleSet"]) -> None:

@@ -603,17 +603,11 @@ def _as_tuple(value: Any) -> Tuple[Any, ...]:
     return value if isinstance(value, tuple) else (value,)
 
 
-# Model types whose forward overwrites its recurrent state in place when it returns a cache, which
-# leaves no gradient of its scores (RWKV): called with use_cache=False unless forward_kwargs sets it
-# (one forward pass reads no cache; the scores are the same).
-_IN_PLACE_CACHE_MODEL_TYPES = frozenset({"rwkv"})
-
-
 def _without_in_place_cache(model: nn.Module, forward_kwargs: Optional[dict]) -> Optional[dict]:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in _IN_PLACE_CACHE_MODEL_TYPES or "use_cache" in (forward_kwargs or {}):
-        return forward_kwargs
-    return {**(forward_kwargs or {}), "use_cache": False}
+    """``forward_kwargs`` as the model's adapter, if any, says its scores have a gradient
+    (:meth:`Adapter.gradient_forward_kwargs`); unchanged for a model no adapter knows."""
+    adapter = registered_adapter(model)
+    return forward_kwargs if adapter is None else adapter.gradient_forward_kwargs(model, forward_kwargs)
 
 
 def _split_kwargs(forward_kwargs: Optional[dict], batch: int) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:

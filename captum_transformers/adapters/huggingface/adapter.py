@@ -94,6 +94,10 @@ _EMBEDDING_READINGS: Dict[str, Tuple[str, ...]] = {
 # Models whose layers take channels-first hidden states (B, D, N) (model types, a row each):
 # SqueezeBERT's convolutional layers; their token relevance is read with the tokens last.
 _CHANNELS_FIRST_LAYERS = frozenset({"squeezebert"})
+# Models whose forward overwrites its recurrent state in place when it returns a cache, leaving no
+# gradient of its scores (model types, a row each): RWKV. Gradient methods call them with
+# use_cache=False unless the caller sets it (one forward pass reads no cache; the scores are equal).
+_IN_PLACE_CACHE_MODEL_TYPES = frozenset({"rwkv"})
 # Encoder-decoder classifiers given input_ids alone run the decoder over the ids shifted right and
 # read one decoder row, found from input_ids (rows of data, by model type): "last eos": the last
 # eos_token_id of each row (BART-style heads; every row must hold the same number of them);
@@ -597,6 +601,12 @@ class HuggingFaceAdapter(Adapter):
                 "(then the decoder prefix gets no attribution)."
             )
         return model(inputs[0], *additional_forward_args, **{**(forward_kwargs or {}), keyword: inputs[1]})
+
+    def gradient_forward_kwargs(self, model, forward_kwargs):
+        if getattr(getattr(model, "config", None), "model_type", None) not in _IN_PLACE_CACHE_MODEL_TYPES \
+                or "use_cache" in (forward_kwargs or {}):
+            return forward_kwargs
+        return {**(forward_kwargs or {}), "use_cache": False}
 
     def resolve_target(self, model, logits, target):
         """CLIP's dual encoder (``logits_per_image``, images x texts): ``None`` explains each
