@@ -21,9 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 API = ROOT / "docs" / "api"
 PACKAGES = ("captum_transformers", "captum_transformers.adapters", "captum_transformers.methods",
             "captum_transformers.visualization", "captum_transformers.evaluation", "captum_transformers.integrations.insights",
-            "captum_transformers.integrations.pyg", "captum_transformers.explorer", "captum_transformers.models")
+            "captum_transformers.integrations.pyg", "captum_transformers.explorer", "captum_transformers.models",
+            "captum_transformers.corpus")
 OPTIONAL = {"captum_transformers.integrations.pyg": "torch_geometric", "captum_transformers.explorer": "starlette",
-            "captum_transformers.models": "transformers", "captum_transformers.visualization": "matplotlib"}
+            "captum_transformers.models": "transformers", "captum_transformers.visualization": "matplotlib",
+            "captum_transformers.corpus": "pyarrow"}
 
 
 def entries() -> list[str]:

@@ -1,4 +1,4 @@
-"""The ``captum-transformers`` command line: ``explain``, ``benchmark`` and ``explore``.
+"""The ``captum-transformers`` command line: ``explain``, ``attribute``, ``benchmark`` and ``explore``.
 
 ``python -m captum_transformers`` with no arguments runs ``explain`` on the built-in model;
 ``explain --prompt TEXT`` explains a language model's generation token by token
@@ -26,12 +26,13 @@ from ..errors import CaptumTransformersError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import benchmark, explain, explore
+    from . import attribute, benchmark, explain, explore
 
     parser = argparse.ArgumentParser(prog="captum-transformers",
                                      description="Class-specific Transformer explanations as Captum attributions.")
-    subparsers = parser.add_subparsers(dest="command", metavar="{explain,benchmark,explore}")
+    subparsers = parser.add_subparsers(dest="command", metavar="{explain,attribute,benchmark,explore}")
     explain.add_parser(subparsers)
+    attribute.add_parser(subparsers)
     benchmark.add_parser(subparsers)
     explore.add_parser(subparsers)
     return parser

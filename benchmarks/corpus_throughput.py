@@ -1,0 +1,107 @@
+"""Rows per second of the corpus job, and its overhead over the bare method calls.
+
+For each (model, method): the same rows in the same batches are explained (1) by a bare loop of
+``attribute`` calls, (2) by ``explain_dataset`` in this process (writing the Parquet store),
+interleaved, best of ``--repeats``; overhead = job / bare - 1 (the job adds one no-grad
+forward per batch for the explained class and its logit, the Parquet writes and the hashes).
+Then the command line over torchrun with one and with two processes (one thread each,
+``OMP_NUM_THREADS=1``), wall time of the whole command (process start and model load included).
+
+Models: the built-in DigitCanvas ViT (``--rows`` canvases) and the shipped all-MiniLM-L6-v2
+(``--rows`` short synthetic sentences; a sequence classifier with a seeded head, saved once), batch 32.
+
+Command::
+
+    PYTHONPATH=. python benchmarks/corpus_throughput.py --rows 1024
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from captum_transformers.corpus import digit_canvas_source, explain_dataset, table_source
+from captum_transformers.methods.catalog import build_method
+
+WORDS = "the film was a quiet and warm story with sharp dull long funny plot actors music".split()
+
+
+def _sentences(rows: int):
+    generator = torch.Generator().manual_seed(0)
+    return [" ".join(WORDS[i] for i in torch.randint(len(WORDS), (int(torch.randint(5, 20, (1,), generator=generator)),),
+                                                    generator=generator)) for _ in range(rows)]
+
+
+def _bare(model, source, method, batch_size):
+    attribution = build_method(method, model)
+    start = time.perf_counter()
+    for low in range(0, source.rows, batch_size):
+        inputs, kwargs, tokens = source.batch(low, min(low + batch_size, source.rows))
+        with torch.no_grad():
+            logits = model(*inputs, **kwargs)
+        logits = getattr(logits, "logits", logits)
+        attribution.attribute(inputs[0], target=logits.argmax(-1), forward_kwargs=kwargs or None,
+                              return_tokens=tokens is not None)
+    return time.perf_counter() - start
+
+
+def _job(model, source, method, batch_size, folder):
+    shutil.rmtree(folder, ignore_errors=True)
+    start = time.perf_counter()
+    explain_dataset(model, source, method, folder, batch_size=batch_size, shard_rows=256, progress=False)
+    return time.perf_counter() - start
+
+
+def _command(processes: int, data: str, method: str, folder: Path, model=None) -> float:
+    shutil.rmtree(folder, ignore_errors=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+               "-m", "captum_transformers", "attribute", "--data", data, "--method", method, "--batch-size", "32",
+               "--out", str(folder), "--no-progress"] + (["--model", model] if model else [])
+    start = time.perf_counter()
+    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--methods", nargs="+", default=["generic-attention", "attn-lrp"])
+    args = parser.parse_args()
+    from captum_transformers.model_loading import load_model
+    from captum_transformers.tasks.movies.model import load_pretrained_minilm
+
+    scratch = Path(tempfile.mkdtemp(prefix="corpus_bench_"))
+    text_file = scratch / "sentences.jsonl"
+    text_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in _sentences(args.rows)))
+    classifier, tokenizer = load_pretrained_minilm(num_labels=2, seed=0)  # saved once: every process loads the same head
+    classifier.save_pretrained(scratch / "minilm")
+    tokenizer.save_pretrained(scratch / "minilm")
+    digit, minilm = load_model(None), load_model(str(scratch / "minilm"))
+    models = {"DigitCanvas ViT": (digit, digit_canvas_source(args.rows), f"digits:{args.rows}", None),
+              "MiniLM-L6": (minilm, table_source(text_file, minilm.prepare), str(text_file), str(scratch / "minilm"))}
+    print(f"{args.rows} rows, batch 32, torch threads {torch.get_num_threads()}, {os.cpu_count()} cores\n")
+    print("| model | method | bare rows/s | job rows/s | overhead | CLI 1 proc (s) | CLI 2 procs (s) | speed-up |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (loaded, source, data, model_arg) in models.items():
+        model = loaded.model.eval()
+        for method in args.methods:
+            bare = min(_bare(model, source, method, 32) for _ in range(args.repeats))
+            job = min(_job(model, source, method, 32, scratch / "job") for _ in range(args.repeats))
+            one = _command(1, data, method, scratch / "one", model_arg)
+            two = _command(2, data, method, scratch / "two", model_arg)
+            print(f"| {name} | {method} | {args.rows / bare:.0f} | {args.rows / job:.0f} | {100 * (job / bare - 1):+.1f} % "
+                  f"| {one:.1f} | {two:.1f} | {one / two:.2f}x |", flush=True)
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
