@@ -38,6 +38,7 @@ LAYERS = (
     ("integrations",),
     ("tasks",),
     ("model_loading",),
+    ("corpus",),
     ("explorer",),
     ("integrations.insights",),
     ("cli", "__main__"),
