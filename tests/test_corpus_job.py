@@ -167,7 +167,7 @@ def test_two_torchrun_processes_one_killed_halfway_resume_to_the_one_process_sto
                 "-m", "captum_transformers"]
     first = subprocess.Popen([*torchrun, *job, "--out", str(tmp_path / "two")], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    records = tmp_path / "two" / "shards"
+    records = tmp_path / "two" / "records"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and first.poll() is None:
         if records.is_dir() and len(list(records.glob("*.json"))) >= 3:

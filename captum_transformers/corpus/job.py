@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 from torch import nn
@@ -77,6 +77,60 @@ def _rank_and_world(rank: Optional[int], world_size: Optional[int]):
     return rank, world_size
 
 
+def job_settings(model: nn.Module, kind: str, method: str, source_fingerprint: str, rows: int, shard_rows: int,
+                 batch_size: int, **extra: Any) -> Dict[str, Any]:
+    """The manifest of a ``kind`` job: what makes two runs the same run (a resumed run must
+    match every entry), ``extra`` the kind's own (target, score, generation length ...)."""
+    for name, value in (("batch_size", batch_size), ("shard_rows", shard_rows)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InputError(f"{name} must be a positive int, received {value!r}.")
+    parameter = next(iter(model.parameters()), None)
+    return {"format": "captum-transformers corpus store 2", "kind": kind, "method": method,
+            "model_class": type(model).__name__, "weights_sha256": weights_sha256(model),
+            "dtype": str(parameter.dtype) if parameter is not None else None,
+            "device_kind": parameter.device.type if parameter is not None else "cpu", "source": source_fingerprint,
+            "rows": rows, "shard_rows": shard_rows, "batch_size": batch_size, **extra, **_versions()}
+
+
+def run_shards(model: nn.Module, out: Union[str, Path], settings: Dict[str, Any],
+               explain_rows: Callable[[int, int], Dict[str, list]], *, rank: Optional[int] = None,
+               world_size: Optional[int] = None, progress: bool = True) -> CorpusRun:
+    """The job's loop, shared by every kind: claim the manifest (or match it), take this rank's
+    unfinished shards, fill each with ``explain_rows(low, high)`` (the columns of rows
+    ``low..high-1``, one batch) and write it atomically; the model is in eval mode meanwhile."""
+    rank, world_size = _rank_and_world(rank, world_size)
+    out = Path(out)
+    claim_manifest(out, settings)
+    rows, shard_rows, batch_size = settings["rows"], settings["shard_rows"], settings["batch_size"]
+    mine = [shard for shard in shard_plan(rows, shard_rows) if shard[0] % world_size == rank]
+    todo = [shard for shard in mine if not finished(out, *shard)]
+    recomputed = sum(1 for shard, _, _ in todo if shard_path(out, shard).exists() or record_path(out, shard).exists())
+    bar = _progress(sum(stop - start for _, start, stop in todo), progress and rank == 0,
+                    f"{settings['method']} (rank 0 of {world_size})")
+    began = time.perf_counter()
+    model_was_training = model.training
+    model.eval()
+    try:
+        for shard, start, stop in todo:
+            columns: Dict[str, list] = {}
+            for low in range(start, stop, batch_size):
+                high = min(low + batch_size, stop)
+                for name, values in explain_rows(low, high).items():
+                    columns.setdefault(name, []).extend(values)
+                if bar is not None:
+                    bar.update(high - low)
+            write_shard(out, shard, start, stop, columns,
+                        {"rank": rank, "world_size": world_size, "host": platform.node()}, settings["kind"])
+    finally:
+        model.train(model_was_training)
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - began
+    _barrier(world_size)
+    return CorpusRun(out, rank, world_size, len(todo), len(mine) - len(todo), recomputed,
+                     sum(stop - start for _, start, stop in todo), seconds)
+
+
 def explain_dataset(model: nn.Module, source: CorpusSource, method: str, out: Union[str, Path], *,
                     batch_size: int = 32, shard_rows: int = 256, target: str = "predicted",
                     rank: Optional[int] = None, world_size: Optional[int] = None,
@@ -89,55 +143,26 @@ def explain_dataset(model: nn.Module, source: CorpusSource, method: str, out: Un
     same call again resumes: finished shards are kept, others computed; a call with other settings
     (method, model weights, data, dtype, shard or batch size, versions) into the same ``out`` is
     refused. Returns this process's :class:`CorpusRun`; :func:`~.store.read_store` reads the store.
+    For language models' generations see :func:`~.generations.explain_generations`.
     """
-    for name, value in (("batch_size", batch_size), ("shard_rows", shard_rows)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise InputError(f"{name} must be a positive int, received {value!r}.")
     if target not in ("predicted", "label"):
         raise InputError(f"target must be 'predicted' or 'label', received {target!r}.")
     if target == "label" and source.labels is None:
         raise InputError(f"target='label' but the source ({source.description}) has no labels; use 'predicted'.")
-    entry = catalog_entry(method)
-    rank, world_size = _rank_and_world(rank, world_size)
-    out = Path(out)
-    parameter = next(iter(model.parameters()), None)
-    settings = {
-        "format": "captum-transformers corpus store 1", "method": method, "model_class": type(model).__name__,
-        "weights_sha256": weights_sha256(model), "dtype": str(parameter.dtype) if parameter is not None else None,
-        "device_kind": parameter.device.type if parameter is not None else "cpu", "source": source.fingerprint,
-        "rows": source.rows, "shard_rows": shard_rows, "batch_size": batch_size, "target": target, **_versions(),
-    }
-    claim_manifest(out, settings)
+    catalog_entry(method)  # an unknown name is refused before any work
+    settings = job_settings(model, "classifier", method, source.fingerprint, source.rows, shard_rows, batch_size,
+                            target=target)
     attribution = build_method(method, model)
+    parameter = next(iter(model.parameters()), None)
     device = parameter.device if parameter is not None else torch.device("cpu")
-    mine = [shard for shard in shard_plan(source.rows, shard_rows) if shard[0] % world_size == rank]
-    todo = [shard for shard in mine if not finished(out, *shard)]
-    recomputed = sum(1 for shard, _, _ in todo if shard_path(out, shard).exists() or record_path(out, shard).exists())
-    bar = _progress(sum(stop - start for _, start, stop in todo), progress and rank == 0, f"{method} (rank 0 of {world_size})")
-    began = time.perf_counter()
-    model_was_training = model.training
-    model.eval()
-    try:
-        for shard, start, stop in todo:
-            columns = {key: [] for key in ("row_id", "target", "score", "map", "map_shape", "tokens", "method")}
-            for low in range(start, stop, batch_size):
-                high = min(low + batch_size, stop)
-                _explain_batch(model, attribution, entry, source, low, high, target, device, method, columns)
-                if bar is not None:
-                    bar.update(high - low)
-            write_shard(out, shard, start, stop, columns,
-                        {"rank": rank, "world_size": world_size, "host": platform.node()})
-    finally:
-        model.train(model_was_training)
-        if bar is not None:
-            bar.close()
-    seconds = time.perf_counter() - began
-    _barrier(world_size)
-    return CorpusRun(out, rank, world_size, len(todo), len(mine) - len(todo), recomputed,
-                     sum(stop - start for _, start, stop in todo), seconds)
+
+    def explain_rows(low: int, high: int) -> Dict[str, list]:
+        return _explain_batch(model, attribution, source, low, high, target, device, method)
+
+    return run_shards(model, out, settings, explain_rows, rank=rank, world_size=world_size, progress=progress)
 
 
-def _explain_batch(model, attribution, entry, source, low, high, target, device, method, columns) -> None:
+def _explain_batch(model, attribution, source, low, high, target, device, method) -> Dict[str, list]:
     inputs, forward_kwargs, tokens = source.batch(low, high)
     inputs = tuple(t.to(device) for t in inputs)
     forward_kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in forward_kwargs.items()}
@@ -154,6 +179,7 @@ def _explain_batch(model, attribution, entry, source, low, high, target, device,
     maps = (maps[0] if isinstance(maps, tuple) else maps).detach().float().cpu()
     mask = forward_kwargs.get("attention_mask")
     scores = logits.detach().double().gather(1, classes[:, None]).squeeze(1).cpu()
+    columns: Dict[str, list] = {key: [] for key in ("row_id", "target", "score", "map", "map_shape", "tokens", "method")}
     for i in range(high - low):
         row = maps[i]
         if mask is not None and row.dim() == 1 and row.shape[0] == mask.shape[1]:
@@ -165,6 +191,7 @@ def _explain_batch(model, attribution, entry, source, low, high, target, device,
         columns["map_shape"].append(list(row.shape))
         columns["tokens"].append(None if tokens is None else [str(t) for t in tokens[i]])
         columns["method"].append(method)
+    return columns
 
 
 def _progress(total: int, shown: bool, label: str):

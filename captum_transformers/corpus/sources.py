@@ -2,11 +2,13 @@
 fingerprint of its content (kept in the store's manifest, so a resumed run reads the same
 data) and the model inputs of any run of rows.
 
-Two sources ship: :func:`digit_canvas_source` (the built-in DigitCanvas split, generated
-deterministically) and :func:`table_source` (a Parquet file or folder, or a JSON-lines file,
-one row per example; a column of raw values turned into model inputs by ``prepare``, e.g. the
-texts a tokenizer reads). Rows are numbered 0..N-1 in the source's order; that number is the
-``row_id`` of the store.
+Classifier jobs read a :class:`CorpusSource`: :func:`digit_canvas_source` (the built-in
+DigitCanvas split, generated deterministically) or :func:`table_source` (a column of a table,
+:func:`table_values`: a Parquet file or folder, a JSON-lines file, or a ``datasets`` dataset
+saved to disk; raw values turned into model inputs by ``prepare``, e.g. the texts a tokenizer
+reads). Generation jobs read a :class:`PromptSource`: :func:`recall_prompt_source` (the
+built-in recall task's prompts) or :func:`prompt_table_source` (a column of prompts). Rows are
+numbered 0..N-1 in the source's order; that number is the ``row_id`` of the store.
 """
 from __future__ import annotations
 
@@ -60,14 +62,75 @@ def digit_canvas_source(rows: int, split: str = "test", seed: int = 0) -> Corpus
 
 
 def table_source(path, prepare: Prepare, column: str = "text") -> CorpusSource:
-    """The values of ``column`` in a Parquet file or folder of Parquet files, or a JSON-lines file
-    (``.jsonl`` / ``.json``), in file order, turned into model inputs a batch at a time by
-    ``prepare``. The fingerprint is the SHA-256 of the files' bytes and the column's name."""
+    """The values of ``column`` of a table (:func:`table_values`: Parquet, JSON lines, or a
+    ``datasets`` dataset saved to disk), in file order, turned into model inputs a batch at a
+    time by ``prepare``."""
+    values, fingerprint, description = table_values(path, column)
+
+    def load(start, stop):
+        inputs, forward_kwargs, displays = prepare(values[start:stop])
+        tokens = displays if displays and isinstance(displays[0], (list, tuple)) else None
+        return tuple(inputs), dict(forward_kwargs or {}), tokens
+
+    return CorpusSource(len(values), fingerprint, load, description)
+
+
+@dataclass
+class PromptSource:
+    """``rows`` prompts of a generation job; ``prompts(start, stop)`` the texts of rows
+    ``start..stop-1``; ``fingerprint`` names the content exactly."""
+
+    rows: int
+    fingerprint: str
+    texts: Callable[[int, int], List[str]] = field(repr=False)
+    description: str = ""
+
+    def prompts(self, start: int, stop: int) -> List[str]:
+        if not 0 <= start < stop <= self.rows:
+            raise InputError(f"rows {start}..{stop - 1} asked of a source of {self.rows} prompts.")
+        return self.texts(start, stop)
+
+
+def prompt_table_source(path, column: str = "prompt") -> PromptSource:
+    """The prompts in ``column`` of a table (:func:`table_values`); every value must be a
+    non-empty string."""
+    values, fingerprint, description = table_values(path, column)
+    for number, value in enumerate(values):
+        if not isinstance(value, str) or not value.strip():
+            raise InputError(f"row {number} of {description} is {value!r}; a generation job's prompts are non-empty "
+                             f"strings (choose the column with --column).")
+    return PromptSource(len(values), fingerprint, lambda start, stop: values[start:stop], description)
+
+
+def recall_prompt_source(rows: int, split: str = "test", seed: int = 0) -> PromptSource:
+    """``rows`` associative-recall prompts of ``split`` (the built-in recall Llama's task,
+    :mod:`captum_transformers.tasks.recall.task`), generated deterministically."""
+    from ..tasks.recall.task import recall_examples
+
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+        raise InputError(f"a recall prompt source needs at least 1 row, received rows={rows!r}.")
+    prompts = [example.prompt for example in recall_examples(rows, seed=seed, split=split)]
+    return PromptSource(rows, f"recall-prompts:{split}:n={rows}:seed={seed}", lambda start, stop: prompts[start:stop],
+                        f"{rows} associative-recall {split} prompts")
+
+
+def table_values(path, column: str) -> Tuple[list, str, str]:
+    """``(values, fingerprint, description)`` of ``column`` in a Parquet file or folder of
+    Parquet files, a JSON-lines file (``.jsonl`` / ``.json``), or a folder written by
+    ``datasets.Dataset.save_to_disk`` (read with ``pyarrow``; ``datasets`` is not needed), in
+    file order. The fingerprint is the SHA-256 of the data files' bytes and the column's name."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise InputError(f"--data {str(path)!r}: no such file or folder; expected a Parquet file or folder, "
-                         "or a JSON-lines file.")
-    files = sorted(p for p in path.rglob("*.parquet")) if path.is_dir() else [path]
+        raise InputError(f"--data {str(path)!r}: no such file or folder; expected a Parquet file or folder, a "
+                         "JSON-lines file, or a folder written by datasets' save_to_disk.")
+    if path.is_dir() and (path / "dataset_dict.json").exists():
+        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").exists())
+        raise InputError(f"--data {str(path)!r} is a datasets DatasetDict (splits {splits}); give one split's "
+                         f"folder, e.g. --data {path / (splits[0] if splits else 'train')}.")
+    if path.is_dir() and (path / "state.json").exists():
+        files = _saved_dataset_files(path)
+    else:
+        files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
     if not files:
         raise InputError(f"--data {str(path)!r} is a folder with no .parquet files.")
     digest = hashlib.sha256(column.encode())
@@ -76,16 +139,24 @@ def table_source(path, prepare: Prepare, column: str = "text") -> CorpusSource:
     values = _column(files, column)
     if not values:
         raise InputError(f"--data {str(path)!r} has no rows.")
-
-    def load(start, stop):
-        inputs, forward_kwargs, displays = prepare(values[start:stop])
-        tokens = displays if displays and isinstance(displays[0], (list, tuple)) else None
-        return tuple(inputs), dict(forward_kwargs or {}), tokens
-
-    return CorpusSource(len(values), f"table:{column}:sha256={digest.hexdigest()}", load,
-                        f"{len(values)} rows of {column!r} in {path}")
+    return values, f"table:{column}:sha256={digest.hexdigest()}", f"{len(values)} rows of {column!r} in {path}"
 
 
+def _saved_dataset_files(folder: Path) -> List[Path]:
+    """The Arrow files of a ``save_to_disk`` folder, in the order its ``state.json`` lists them."""
+    try:
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+        files = [folder / entry["filename"] for entry in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise InputError(f"{folder / 'state.json'} is not a datasets save_to_disk state ({error!r}); save the "
+                         "dataset again with Dataset.save_to_disk.") from None
+    if state.get("_indices_data_files") or (folder / "indices.arrow").exists():
+        raise InputError(f"{folder} holds a shuffled or selected view (an indices mapping); save it with "
+                         "dataset.flatten_indices().save_to_disk(...) so the rows are stored in order.")
+    absent = [str(file) for file in files if not file.exists()]
+    if absent:
+        raise InputError(f"{folder}: state.json lists data files that are missing: {absent}.")
+    return files
 def _column(files: Sequence[Path], column: str) -> list:
     if files[0].suffix in (".jsonl", ".json"):
         values = []
@@ -98,6 +169,18 @@ def _column(files: Sequence[Path], column: str) -> list:
                     raise InputError(f"{files[0]} line {number} has no {column!r} field; every line must be a JSON "
                                      f"object with {column!r} (choose the field with --column).")
                 values.append(record[column])
+        return values
+    if files[0].suffix == ".arrow":
+        import pyarrow as pa
+
+        values = []
+        for file in files:
+            with pa.memory_map(str(file)) as handle:
+                table = pa.ipc.open_stream(handle).read_all()
+            if column not in table.column_names:
+                raise InputError(f"{file} has no column {column!r}; its columns are {table.column_names} "
+                                 "(choose one with --column).")
+            values.extend(table.column(column).to_pylist())
         return values
     if files[0].suffix != ".parquet":
         raise InputError(f"--data {str(files[0])!r}: expected a .parquet, .jsonl or .json file, or a folder of "

@@ -4,7 +4,10 @@ Layout::
 
     OUT/manifest.json               the run's settings and provenance (written once)
     OUT/shards/shard-00012.parquet  rows 12*shard_rows .. of the source
-    OUT/shards/shard-00012.json     the shard's record: its rows, row count and SHA-256
+    OUT/records/shard-00012.json    the shard's record: its rows, row count and SHA-256
+
+(the records live beside the shards, not among them, so that ``OUT/shards`` holds Parquet files
+only and any Parquet reader can take the whole folder).
 
 Nothing is ever half written under a final name: a shard is written to a temporary name in
 the same folder and renamed (``os.replace``, atomic on one file system), and its record
@@ -13,7 +16,8 @@ record's SHA-256, or whose row ids are not its rows, is not finished: the job co
 The manifest is created once, atomically (``os.link`` of a complete temporary file, which
 fails if another process made it first); a later run with other settings is refused.
 
-Each shard is a Parquet table with the schema :data:`SCHEMA_DOC` documents, readable with
+Each shard is a Parquet table with the schema :data:`SCHEMA_DOC` (a classifier job) or
+:data:`GENERATION_SCHEMA_DOC` (a generation job; the manifest's ``kind`` says which) documents, readable with
 ``pyarrow``, ``pandas`` or ``datasets.load_dataset("parquet", data_dir=OUT / "shards")``.
 """
 from __future__ import annotations
@@ -29,7 +33,8 @@ from ..errors import InputError
 
 MANIFEST = "manifest.json"
 SHARDS = "shards"
-#: The columns of every shard.
+RECORDS = "records"
+#: The columns of a classifier job's shards (``explain_dataset``).
 SCHEMA_DOC = {
     "row_id": "int64: the row's position in the source (0-based)",
     "target": "int64: the explained class",
@@ -39,6 +44,41 @@ SCHEMA_DOC = {
     "tokens": "list<string>: the row's tokens (text models; null for images)",
     "method": "string: the method's catalog name",
 }
+#: The columns of a generation job's shards (``explain_generations``): one row per prompt, T
+#: output tokens explained over its n prompt tokens and the m output tokens before each.
+GENERATION_SCHEMA_DOC = {
+    "row_id": "int64: the prompt's position in the source (0-based)",
+    "prompt": "string: the prompt as given",
+    "input_tokens": "list<string>: the n prompt tokens (the columns of token_attr)",
+    "input_ids": "list<int64>: their ids",
+    "output_tokens": "list<string>: the T explained output tokens (generated, or given)",
+    "output_ids": "list<int64>: their ids",
+    "token_attr": "list<float32>: (T, n) row-major: row t explains output token t over the prompt tokens",
+    "target_attr": "list<float32>: (T, m) row-major: row t over the output tokens before it",
+    "target_attr_tokens": "list<string>: the m columns of target_attr",
+    "scores": "list<float64>: each output token's explained score (logit, log_prob or prob)",
+    "output_probs": "list<float64>: each output token's probability",
+    "method": "string: the method's catalog name",
+}
+KINDS = ("classifier", "generation")
+
+
+def arrow_schema(kind: str):
+    """The ``pyarrow`` schema of a ``kind`` job's shards (:data:`SCHEMA_DOC`, :data:`GENERATION_SCHEMA_DOC`)."""
+    import pyarrow as pa
+
+    if kind == "classifier":
+        return pa.schema([("row_id", pa.int64()), ("target", pa.int64()), ("score", pa.float64()),
+                          ("map", pa.list_(pa.float32())), ("map_shape", pa.list_(pa.int32())),
+                          ("tokens", pa.list_(pa.string())), ("method", pa.string())])
+    if kind == "generation":
+        return pa.schema([("row_id", pa.int64()), ("prompt", pa.string()), ("input_tokens", pa.list_(pa.string())),
+                          ("input_ids", pa.list_(pa.int64())), ("output_tokens", pa.list_(pa.string())),
+                          ("output_ids", pa.list_(pa.int64())), ("token_attr", pa.list_(pa.float32())),
+                          ("target_attr", pa.list_(pa.float32())), ("target_attr_tokens", pa.list_(pa.string())),
+                          ("scores", pa.list_(pa.float64())), ("output_probs", pa.list_(pa.float64())),
+                          ("method", pa.string())])
+    raise InputError(f"a corpus store of kind {kind!r}: expected one of {KINDS}.")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -70,6 +110,7 @@ def claim_manifest(out: Path, settings: Dict[str, Any]) -> Dict[str, Any]:
     every difference."""
     out.mkdir(parents=True, exist_ok=True)
     (out / SHARDS).mkdir(exist_ok=True)
+    (out / RECORDS).mkdir(exist_ok=True)
     path = out / MANIFEST
     if not path.exists():
         descriptor, temporary = tempfile.mkstemp(prefix=".manifest.", suffix=".part", dir=out)
@@ -100,7 +141,7 @@ def shard_path(out: Path, shard: int) -> Path:
 
 
 def record_path(out: Path, shard: int) -> Path:
-    return out / SHARDS / f"shard-{shard:05d}.json"
+    return out / RECORDS / f"shard-{shard:05d}.json"
 
 
 def finished(out: Path, shard: int, start: int, stop: int) -> bool:
@@ -117,20 +158,12 @@ def finished(out: Path, shard: int, start: int, stop: int) -> bool:
 
 
 def write_shard(out: Path, shard: int, start: int, stop: int, columns: Dict[str, list],
-                provenance: Dict[str, Any]) -> None:
-    """Write one shard (``columns`` as :data:`SCHEMA_DOC`), then its record, each atomically."""
+                provenance: Dict[str, Any], kind: str = "classifier") -> None:
+    """Write one shard (``columns`` as :func:`arrow_schema` of ``kind``), then its record, each atomically."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({
-        "row_id": pa.array(columns["row_id"], pa.int64()),
-        "target": pa.array(columns["target"], pa.int64()),
-        "score": pa.array(columns["score"], pa.float64()),
-        "map": pa.array(columns["map"], pa.list_(pa.float32())),
-        "map_shape": pa.array(columns["map_shape"], pa.list_(pa.int32())),
-        "tokens": pa.array(columns["tokens"], pa.list_(pa.string())),
-        "method": pa.array(columns["method"], pa.string()),
-    })
+    table = pa.Table.from_pydict(columns, schema=arrow_schema(kind))
     if table.column("row_id").to_pylist() != list(range(start, stop)):
         raise AssertionError(f"shard {shard} holds rows {table.column('row_id').to_pylist()[:3]}..., "
                              f"expected {start}..{stop - 1}")
@@ -174,9 +207,18 @@ def read_store(out) -> "Any":
 
 
 def rows_to_maps(table, rows: Optional[Sequence[int]] = None) -> List["Any"]:
-    """The maps of ``table``'s rows (all by default) as float32 tensors of their shapes."""
+    """The maps of ``table``'s rows (all by default) as float32 tensors of their shapes: one
+    tensor per row of a classifier store; ``(token_attr (T, n), target_attr (T, m))`` per row
+    of a generation store."""
     import torch
 
+    chosen = range(table.num_rows) if rows is None else rows
+    if "token_attr" in table.column_names:
+        token, target = table.column("token_attr").to_pylist(), table.column("target_attr").to_pylist()
+        outputs, inputs = table.column("output_tokens").to_pylist(), table.column("input_tokens").to_pylist()
+        columns = table.column("target_attr_tokens").to_pylist()
+        return [(torch.tensor(token[i], dtype=torch.float32).reshape(len(outputs[i]), len(inputs[i])),
+                 torch.tensor(target[i], dtype=torch.float32).reshape(len(outputs[i]), len(columns[i])))
+                for i in chosen]
     maps, shapes = table.column("map").to_pylist(), table.column("map_shape").to_pylist()
-    chosen = range(len(maps)) if rows is None else rows
     return [torch.tensor(maps[i], dtype=torch.float32).reshape(shapes[i]) for i in chosen]
