@@ -7,6 +7,9 @@ forward per batch for the explained class and its logit, the Parquet writes and 
 Then the command line over torchrun with one and with two processes (one thread each,
 ``OMP_NUM_THREADS=1``), wall time of the whole command (process start and model load included).
 
+Memory: the resident set size of this process after the job's first shard and its peak over
+the whole job (flat memory: the peak is not much above the first figure, whatever the rows).
+
 Models: the built-in DigitCanvas ViT (``--rows`` canvases) and the shipped all-MiniLM-L6-v2
 (``--rows`` short synthetic sentences; a sequence classifier with a seeded head, saved once), batch 32.
 
@@ -23,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -53,11 +57,33 @@ def _bare(model, source, method, batch_size):
     return time.perf_counter() - start
 
 
-def _job(model, source, method, batch_size, folder):
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def _job(model, source, method, batch_size, folder, memory=None):
+    """Seconds of one job; with ``memory`` (a list), the resident set size after the first shard
+    and at the end are appended to it (sampled every 0.2 s by a thread)."""
     shutil.rmtree(folder, ignore_errors=True)
+    samples, done = [], threading.Event()
+
+    def sample():
+        while not done.wait(0.2):
+            records = folder / "records"
+            samples.append((len(list(records.glob("*.json"))) if records.is_dir() else 0, _rss_mib()))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     start = time.perf_counter()
     explain_dataset(model, source, method, folder, batch_size=batch_size, shard_rows=256, progress=False)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    if memory is not None:
+        after_first = [rss for shards, rss in samples if shards >= 1]
+        memory.append((after_first[0] if after_first else _rss_mib(), max([rss for _, rss in samples] + [_rss_mib()])))
+    return seconds
 
 
 def _command(processes: int, data: str, method: str, folder: Path, model=None) -> float:
@@ -89,17 +115,22 @@ def main() -> None:
     models = {"DigitCanvas ViT": (digit, digit_canvas_source(args.rows), f"digits:{args.rows}", None),
               "MiniLM-L6": (minilm, table_source(text_file, minilm.prepare), str(text_file), str(scratch / "minilm"))}
     print(f"{args.rows} rows, batch 32, torch threads {torch.get_num_threads()}, {os.cpu_count()} cores\n")
-    print("| model | method | bare rows/s | job rows/s | overhead | CLI 1 proc (s) | CLI 2 procs (s) | speed-up |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | method | bare rows/s | job rows/s | overhead | RSS after shard 1 / peak (MiB) "
+          "| CLI 1 proc (s) | CLI 2 procs (s) | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, (loaded, source, data, model_arg) in models.items():
         model = loaded.model.eval()
         for method in args.methods:
-            bare = min(_bare(model, source, method, 32) for _ in range(args.repeats))
-            job = min(_job(model, source, method, 32, scratch / "job") for _ in range(args.repeats))
+            bares, jobs, memory = [], [], []
+            for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits both
+                bares.append(_bare(model, source, method, 32))
+                jobs.append(_job(model, source, method, 32, scratch / "job", memory))
+            bare, job = min(bares), min(jobs)
+            first, peak = memory[-1]
             one = _command(1, data, method, scratch / "one", model_arg)
             two = _command(2, data, method, scratch / "two", model_arg)
             print(f"| {name} | {method} | {args.rows / bare:.0f} | {args.rows / job:.0f} | {100 * (job / bare - 1):+.1f} % "
-                  f"| {one:.1f} | {two:.1f} | {one / two:.2f}x |", flush=True)
+                  f"| {first:.0f} / {peak:.0f} | {one:.1f} | {two:.1f} | {one / two:.2f}x |", flush=True)
     shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -12,6 +12,10 @@ before any model is loaded: a mistake is one line and exit status 2.
 causal LM (the built-in recall Llama, or ``--model`` a causal-LM folder; a ``--model`` folder
 whose config names a causal LM opens it too) generates greedily from a prompt and each
 generated token is explained (``explorer/pages/generation/app.py``).
+
+``--store DIR`` opens the store page instead: the rows of a corpus job's store (written by
+``captum-transformers attribute``) paged, searched and sorted, each row's map drawn when clicked;
+no model is loaded (``explorer/pages/store/app.py``).
 """
 from __future__ import annotations
 
@@ -42,6 +46,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--generation", action="store_true",
                         help="generation page on the built-in recall Llama (or --model, a causal-LM folder)")
     parser.add_argument("--results", help="a benchmark's results.json: its curves are shown beside the maps")
+    parser.add_argument("--store", metavar="DIR", help="store page: browse a corpus store written by "
+                                                       "`captum-transformers attribute` (no model is loaded)")
     parser.add_argument("--port", type=int, default=8765, help="port, 0 to 65535 (default: %(default)s; 0: any free "
                                                                 "port, the URL printed says which)")
     parser.add_argument("--device", default="cpu", help=f"where the model runs: {ACCEPTED} (default: %(default)s)")
@@ -64,6 +70,8 @@ def run(args) -> int:
     device = checked_device(args.device)
     from ..explorer.pages.classifier.benchmark import benchmark_curves
 
+    if args.store is not None:
+        return _store_page(args)
     if _generation_page(args):
         from ..explorer.pages.generation.sources import LoadingGenerationWorkspace, loaded_generation_workspace
 
@@ -79,6 +87,24 @@ def run(args) -> int:
                                                           device, trust_pickle=args.trust_pickle))
     start(workspace, host=args.host, port=args.port, blocking=True, benchmark=benchmark,
           allow_remote=args.allow_remote, extra_hosts=args.allowed_host)
+    return 0
+
+
+def _store_page(args) -> int:
+    """``explore --store DIR``: the store page; any model or input option beside it is refused."""
+    from ..errors import InputError
+    from ..explorer.pages.store.index import StoreIndex
+    from ..explorer.server import start
+
+    mixed = [flag for flag, given in (("--model", args.model), ("--text", args.text), ("--image", args.image),
+                                      ("--task", args.task), ("--prompt", args.prompt),
+                                      ("--generation", args.generation), ("--results", args.results),
+                                      ("--arch", args.arch)) if given]
+    if mixed:
+        raise InputError(f"--store opens a corpus store, which takes none of {', '.join(mixed)} (the store names its "
+                         "model and method); drop them, or drop --store.")
+    start(StoreIndex(args.store), host=args.host, port=args.port, blocking=True, allow_remote=args.allow_remote,
+          extra_hosts=args.allowed_host)
     return 0
 
 

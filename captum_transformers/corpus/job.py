@@ -68,7 +68,7 @@ def _versions() -> Dict[str, Optional[str]]:
             "python": platform.python_version()}
 
 
-def _rank_and_world(rank: Optional[int], world_size: Optional[int]):
+def rank_and_world(rank: Optional[int], world_size: Optional[int]):
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     if world_size < 1 or not 0 <= rank < world_size:
@@ -98,7 +98,7 @@ def run_shards(model: nn.Module, out: Union[str, Path], settings: Dict[str, Any]
     """The job's loop, shared by every kind: claim the manifest (or match it), take this rank's
     unfinished shards, fill each with ``explain_rows(low, high)`` (the columns of rows
     ``low..high-1``, one batch) and write it atomically; the model is in eval mode meanwhile."""
-    rank, world_size = _rank_and_world(rank, world_size)
+    rank, world_size = rank_and_world(rank, world_size)
     out = Path(out)
     claim_manifest(out, settings)
     rows, shard_rows, batch_size = settings["rows"], settings["shard_rows"], settings["batch_size"]
@@ -187,7 +187,7 @@ def _explain_batch(model, attribution, source, low, high, target, device, method
         columns["row_id"].append(low + i)
         columns["target"].append(int(classes[i]))
         columns["score"].append(float(scores[i]))
-        columns["map"].append(row.reshape(-1).tolist())
+        columns["map"].append(row.reshape(-1).numpy())
         columns["map_shape"].append(list(row.shape))
         columns["tokens"].append(None if tokens is None else [str(t) for t in tokens[i]])
         columns["method"].append(method)

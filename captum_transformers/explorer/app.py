@@ -3,7 +3,8 @@
 ``PAGES`` lists each page with the workspace types it serves, most specific first (a
 ``LoadingGenerationWorkspace`` is also a ``LoadingWorkspace``); a workspace no page names (a
 list of classifier workspaces, one per model) goes to the last page, the classifier's. The
-pages' routes are in ``pages/classifier/app.py`` and ``pages/generation/app.py``.
+pages' routes are in ``pages/classifier/app.py``, ``pages/generation/app.py`` and
+``pages/store/app.py`` (a corpus job's store: ``StoreIndex``).
 
 Example::
 
@@ -19,6 +20,7 @@ from .loading import LoadingWorkspace
 from .pages.classifier.workspace import Workspace
 from .pages.generation.sources import LoadingGenerationWorkspace
 from .pages.generation.workspace import GenerationWorkspace
+from .pages.store.index import StoreIndex
 from .security import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS
 
 
@@ -35,6 +37,13 @@ def _generation_app(workspace, token, allowed_hosts, benchmark, max_body_bytes, 
     return create_generation_app(workspace, token, allowed_hosts, max_body_bytes, methods)
 
 
+def _store_app(index, token, allowed_hosts, benchmark, max_body_bytes, methods, warm):
+    from .pages.store.app import create_store_app
+
+    # the store page runs no model: no methods, no benchmark, nothing to warm
+    return create_store_app(index, token, allowed_hosts, max_body_bytes)
+
+
 @dataclass(frozen=True)
 class Page:
     """One page: its ``name``, the workspace types it serves, and ``create(workspace, token,
@@ -48,6 +57,7 @@ class Page:
 
 #: Which page serves which workspace, most specific first; the last page takes any other.
 PAGES: Tuple[Page, ...] = (
+    Page("store", (StoreIndex,), _store_app),
     Page("generation", (GenerationWorkspace, LoadingGenerationWorkspace), _generation_app),
     Page("classifier", (Workspace, LoadingWorkspace, list, tuple), _classifier_app),
 )
