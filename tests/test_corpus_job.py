@@ -208,4 +208,80 @@ def test_the_command_line_writes_a_store_and_refuses_another_method_into_it(tmp_
     error = capsys.readouterr().err
     assert "other settings" in error and "'generic-attention', this run 'rollout'" in error
     assert main(["attribute", "--data", "digits:12", "--model", str(tmp_path / "absent"), "--out", out]) == 2
+    assert "--data digits:N explains the built-in digits model; drop --model" in capsys.readouterr().err
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
+    assert main(["attribute", "--data", str(tmp_path / "rows.jsonl"), "--model", str(tmp_path / "absent"),
+                 "--out", out]) == 2
     assert "no such file or directory" in capsys.readouterr().err
+
+
+def test_graphs_store_each_graphs_node_scores_and_metrics_read_them_back(tmp_path):
+    pytest.importorskip("torch_geometric")
+    from captum_transformers.adapters.graph.nodes import GraphBatch
+    from captum_transformers.corpus import evaluate_store, motif_graph_source
+    from captum_transformers.evaluation import GraphRelevanceGain
+    from captum_transformers.tasks.motifs.model import load_motif_model
+
+    model, source = load_motif_model().eval(), motif_graph_source(20)
+    explain_dataset(model, source, "attn-lrp", tmp_path, batch_size=8, shard_rows=8, progress=False)
+    table = read_store(tmp_path)
+    method, live = build_method("attn-lrp", model), GraphRelevanceGain(model)
+    for low in range(0, 20, 8):
+        (x, edge_index, batch), _, _ = source.batch(low, min(low + 8, 20))
+        target = model(x, edge_index, batch).argmax(-1)
+        tokens = method.attribute(x, target=target, return_tokens=True, additional_forward_args=(edge_index, batch))
+        nodes = GraphBatch.of(batch, x.shape[0])
+        scores = tokens.float()[nodes.graph, nodes.position]
+        stored = rows_to_maps(table, range(low, min(low + 8, 20)))
+        assert [len(m) for m in stored] == nodes.counts.tolist()
+        assert torch.equal(torch.cat(stored), scores)  # PyG's batch is sorted: graph after graph
+        live.update(x, edge_index, batch, scores, target)
+    assert evaluate_store(tmp_path, source, [GraphRelevanceGain(model)]) == [live.compute()]
+    from captum_transformers.cli import main
+
+    assert main(["attribute", "--data", "motifs:20", "--method", "attn-lrp", "--batch-size", "8", "--shard-rows", "8",
+                 "--out", str(tmp_path / "cli"), "--no-progress"]) == 0
+    assert read_store(tmp_path / "cli").column("map").to_pylist() == table.column("map").to_pylist()
+
+
+def test_image_files_and_encoded_images_are_rows_and_the_modality_is_checked(tmp_path, capsys):
+    pil = pytest.importorskip("PIL.Image")
+    import io
+
+    from captum_transformers.cli import main
+    from captum_transformers.model_loading import load_model
+
+    canvases = digit_canvas_source(6).batch(0, 6)[0][0]
+    pixels = ((canvases - canvases.amin()) / (canvases.amax() - canvases.amin()) * 255).byte().permute(0, 2, 3, 1)
+    (tmp_path / "images" / "b").mkdir(parents=True)
+    encoded = []
+    for i, array in enumerate(pixels.numpy()):
+        image = pil.fromarray(array)
+        image.save(tmp_path / "images" / ("b" if i % 2 else "") / f"{i}.png")
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        encoded.append({"bytes": buffer.getvalue(), "path": f"{i}.png"})
+    loaded = load_model(None)
+    folder = table_source(tmp_path / "images", loaded.prepare)
+    assert folder.rows == 6 and folder.value_kind == "image"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"image": encoded}), tmp_path / "images.parquet")
+    column = table_source(tmp_path / "images.parquet", loaded.prepare, column="image")
+    order = [0, 2, 4, 1, 3, 5]  # the folder's rows in path order: 0.png, 2.png, 4.png, b/1.png ...
+    assert torch.equal(folder.batch(0, 6)[0][0], column.batch(0, 6)[0][0][order])
+    out = str(tmp_path / "store")
+    assert main(["attribute", "--data", str(tmp_path / "images.parquet"), "--column", "image", "--out", out,
+                 "--batch-size", "6", "--no-progress"]) == 0  # the built-in model on encoded images
+    assert "6 rows of 'image'" in capsys.readouterr().out
+    explain_dataset(loaded.model, folder, "generic-attention", tmp_path / "folder", batch_size=6, progress=False)
+    by_column, by_folder = rows_to_maps(read_store(out)), rows_to_maps(read_store(tmp_path / "folder"))
+    for position, row in enumerate(order):
+        torch.testing.assert_close(by_folder[position], by_column[row], rtol=1e-5, atol=1e-6)
+    (tmp_path / "texts.jsonl").write_text(json.dumps({"text": "a b"}) + "\n")
+    assert main(["attribute", "--data", str(tmp_path / "texts.jsonl"), "--out", out, "--no-progress"]) == 2
+    assert "holds texts but built-in DigitCanvas ViT is an image model" in capsys.readouterr().err
+    pq.write_table(pa.table({"image": [{"bytes": b"not an image", "path": "x.png"}]}), tmp_path / "bad.parquet")
+    with pytest.raises(InputError, match=r"an encoded image of the data \(x.png, 12 bytes\) could not be read"):
+        table_source(tmp_path / "bad.parquet", loaded.prepare, column="image").batch(0, 1)

@@ -1,9 +1,11 @@
 """``captum-transformers attribute``: explain a whole corpus into a resumable Parquet store.
 
 ``--data digits:N`` explains N built-in DigitCanvas test canvases with the built-in model (the
-default); ``--data FILE`` reads a column (``--column``, default ``text``) of a Parquet file or
-folder, a JSON-lines file, or a folder written by ``datasets``' ``save_to_disk``, prepared for
-``--model`` as ``explain`` prepares ``--text``.
+default), ``--data motifs:N`` N BA-2Motifs test graphs with the built-in motif transformer;
+``--data FILE`` reads a column (``--column``, default ``text``) of a Parquet file or folder, a
+JSON-lines file, or a folder written by ``datasets``' ``save_to_disk`` (texts, or encoded
+images: ``datasets``' Image feature), or the image files of a folder, prepared for ``--model``
+as ``explain`` prepares ``--text`` and ``--image``.
 
 Generation: ``--data recall:N`` lets the built-in recall Llama answer N associative-recall
 prompts; ``--generate N`` with ``--data FILE`` (a column of prompts, default ``prompt``) and
@@ -29,9 +31,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--model", help="HF model directory or hub id, timm name or checkpoint (default: the "
                                         "built-in DigitCanvas ViT)")
     parser.add_argument("--data", default="digits:1000",
-                        help="digits:N (built-in canvases), recall:N (built-in recall prompts, a generation job), "
-                             "a .parquet / .jsonl file, a folder of .parquet files, or a datasets save_to_disk "
-                             "folder (default: %(default)s)")
+                        help="digits:N (built-in canvases), motifs:N (built-in graphs), recall:N (built-in recall "
+                             "prompts, a generation job), a .parquet / .jsonl file, a folder of .parquet files or of "
+                             "images, or a datasets save_to_disk folder (default: %(default)s)")
     parser.add_argument("--column", help="the column of --data to explain (default: text; prompt with --generate)")
     parser.add_argument("--generate", type=int, metavar="N",
                         help="a generation job: the --model language model answers each prompt of --data with at "
@@ -51,7 +53,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..corpus import digit_canvas_source, explain_dataset, table_source
+    from ..corpus import digit_canvas_source, explain_dataset, motif_graph_source, table_source
 
     device = checked_device(args.device)
     if re.fullmatch(r"recall:\d+", args.data) or args.generate is not None:
@@ -61,16 +63,27 @@ def run(args) -> int:
                          "or drop it.")
     from ..model_loading import load_model
 
-    loaded = load_model(args.model)
-    digits = re.fullmatch(r"digits:(\d+)", args.data)
-    if digits:
-        if args.model is not None:
-            raise InputError("--data digits:N explains the built-in DigitCanvas model; drop --model, or give a "
-                             "data file for your model.")
-        source = digit_canvas_source(int(digits.group(1)))
+    builtin = re.fullmatch(r"(digits|motifs):(\d+)", args.data)
+    if builtin and args.model is not None:
+        raise InputError(f"--data {builtin.group(1)}:N explains the built-in {builtin.group(1)} model; drop --model, or "
+                         "give a data file for your model.")
+    if builtin and builtin.group(1) == "motifs":
+        from ..tasks.motifs.model import load_motif_model
+
+        model, source = load_motif_model(), motif_graph_source(int(builtin.group(2)))
     else:
-        source = table_source(args.data, loaded.prepare, args.column or "text")
-    done = explain_dataset(loaded.model.to(device), source, args.method, args.out, batch_size=args.batch_size,
+        loaded = load_model(args.model)
+        model = loaded.model
+        if builtin:
+            source = digit_canvas_source(int(builtin.group(2)))
+        else:
+            source = table_source(args.data, loaded.prepare, args.column or "text")
+            if source.value_kind and source.value_kind != loaded.modality:
+                article = "an" if loaded.modality[0] in "aeiou" else "a"
+                raise InputError(f"--data {args.data!r} holds {source.value_kind}s but {loaded.name} is {article} "
+                                 f"{loaded.modality} model; give {loaded.modality} data (--column chooses the "
+                                 "column), or the model for this data.")
+    done = explain_dataset(model.to(device), source, args.method, args.out, batch_size=args.batch_size,
                            shard_rows=args.shard_rows, target=args.target, progress=not args.no_progress)
     return _report(args, source, done)
 

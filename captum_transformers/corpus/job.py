@@ -173,16 +173,19 @@ def _explain_batch(model, attribution, source, low, high, target, device, method
         raise InputError(f"{type(model).__name__} returns scores of shape {tuple(logits.shape)}; a corpus job "
                          "explains classifiers with scores (batch, classes).")
     classes = logits.argmax(-1) if target == "predicted" else source.labels[low:high].to(device)
-    text = tokens is not None or not inputs[0].is_floating_point()
-    maps = attribution.attribute(inputs[0] if len(inputs) == 1 else inputs, target=classes,
-                                 forward_kwargs=forward_kwargs or None, return_tokens=text)
+    text = (tokens is not None or not inputs[0].is_floating_point()) if source.token_maps is None else source.token_maps
+    explained, additional = inputs[:source.explained], inputs[source.explained:]
+    maps = attribution.attribute(explained[0] if len(explained) == 1 else explained, target=classes,
+                                 additional_forward_args=additional or None, forward_kwargs=forward_kwargs or None,
+                                 return_tokens=text)
     maps = (maps[0] if isinstance(maps, tuple) else maps).detach().float().cpu()
     mask = forward_kwargs.get("attention_mask")
+    rows = source.row_maps(maps, inputs, forward_kwargs) if source.row_maps is not None else list(maps)
     scores = logits.detach().double().gather(1, classes[:, None]).squeeze(1).cpu()
     columns: Dict[str, list] = {key: [] for key in ("row_id", "target", "score", "map", "map_shape", "tokens", "method")}
     for i in range(high - low):
-        row = maps[i]
-        if mask is not None and row.dim() == 1 and row.shape[0] == mask.shape[1]:
+        row = rows[i]
+        if source.row_maps is None and mask is not None and row.dim() == 1 and row.shape[0] == mask.shape[1]:
             row = row[mask[i].cpu().bool()]  # the row's own tokens, padding dropped
         columns["row_id"].append(low + i)
         columns["target"].append(int(classes[i]))

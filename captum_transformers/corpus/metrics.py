@@ -10,7 +10,8 @@ all-reduced (:func:`~captum_transformers.evaluation.all_reduce_metrics`), so eve
 the whole store's result, equal to one process's.
 
 How a batch reaches a metric: images ``metric.update(images, targets, maps)`` (maps of the
-stored shape, e.g. (B, H, W)); token ids ``metric.update(input_ids, attention_mask, relevance,
+stored shape, e.g. (B, H, W)); graphs ``metric.update(x, edge_index, batch, node_scores,
+targets)`` (node scores (N,) put back in the batch's node order); token ids ``metric.update(input_ids, attention_mask, relevance,
 targets)`` with ``relevance`` (B, S), each row's stored map put back at its unpadded positions
 (zeros at padding). Other signatures: pass ``update(metric, inputs, forward_kwargs, targets,
 maps)``, with ``maps`` the list of the rows' stored tensors.
@@ -76,6 +77,8 @@ def evaluate_store(out: Union[str, Path], source: CorpusSource, metrics: Sequenc
             for metric in metrics:
                 if update is not None:
                     update(metric, inputs, forward_kwargs, targets, maps)
+                elif source.value_kind == "graph":
+                    metric.update(*inputs, _node_scores(maps, inputs), targets)
                 elif inputs[0].is_floating_point():
                     metric.update(inputs[0], targets, torch.stack(maps))
                 else:
@@ -83,6 +86,18 @@ def evaluate_store(out: Union[str, Path], source: CorpusSource, metrics: Sequenc
                                   _padded(maps, forward_kwargs.get("attention_mask"), inputs[0]), targets)
     all_reduce_metrics(metrics)
     return [metric.compute() for metric in metrics]
+
+
+def _node_scores(maps: List[torch.Tensor], inputs: tuple) -> torch.Tensor:
+    """(N,) node scores of a graph batch ``(x, edge_index, batch)`` from its rows' stored maps."""
+    from ..adapters.graph.nodes import GraphBatch
+
+    nodes = GraphBatch.of(inputs[2].cpu(), inputs[0].shape[0])
+    width = max(int(count) for count in nodes.counts)
+    padded = torch.zeros(len(maps), width)
+    for graph, values in enumerate(maps):
+        padded[graph, :values.numel()] = values
+    return padded[nodes.graph, nodes.position]
 
 
 def _padded(maps: List[torch.Tensor], mask: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import InputError
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 #: ``prepare(values) -> (inputs, forward_kwargs, displays)``: one batch of model inputs from a list of
 #: raw values (``LoadedModel.prepare``'s contract); ``displays`` are per-row tokens (text) or anything else.
 Prepare = Callable[[List[Any]], Tuple[Tuple[torch.Tensor, ...], Dict[str, Any], list]]
@@ -30,13 +31,26 @@ Prepare = Callable[[List[Any]], Tuple[Tuple[torch.Tensor, ...], Dict[str, Any], 
 @dataclass
 class CorpusSource:
     """``rows`` examples, ``batch(start, stop)`` the model inputs of rows ``start..stop-1``:
-    ``(inputs, forward_kwargs, tokens or None)``; ``fingerprint`` names the content exactly."""
+    ``(inputs, forward_kwargs, tokens or None)``; ``fingerprint`` names the content exactly.
+
+    The model is called ``model(*inputs, **forward_kwargs)``; the first ``explained`` inputs
+    are explained, the others passed on as Captum's ``additional_forward_args`` (a graph's
+    ``edge_index`` and ``batch``). ``row_maps(maps, inputs, forward_kwargs)``, when given,
+    cuts a batch's maps into one tensor per row (a graph's nodes); by default row ``i`` is
+    ``maps[i]``, its padding dropped where an attention mask marks it. ``token_maps``: read
+    token scores (``return_tokens=True``); None: for text and token ids, not for images.
+    ``value_kind``: what the rows are ("image", "text", "graph" or "" unknown), so a loader can
+    refuse data of the other modality and a metric be fed its inputs."""
 
     rows: int
     fingerprint: str
     load: Callable[[int, int], Tuple[Tuple[torch.Tensor, ...], Dict[str, Any], Optional[List[List[str]]]]]
     description: str = ""
     labels: Optional[torch.Tensor] = field(default=None, repr=False)
+    explained: int = 1
+    row_maps: Optional[Callable[[torch.Tensor, tuple, dict], List[torch.Tensor]]] = field(default=None, repr=False)
+    token_maps: Optional[bool] = None
+    value_kind: str = ""
 
     def batch(self, start: int, stop: int):
         if not 0 <= start < stop <= self.rows:
@@ -61,18 +75,70 @@ def digit_canvas_source(rows: int, split: str = "test", seed: int = 0) -> Corpus
                         f"{rows} DigitCanvas {split} canvases", canvases.labels)
 
 
+def motif_graph_source(rows: int, seed: Optional[int] = None) -> CorpusSource:
+    """``rows`` BA-2Motifs test graphs of the built-in motif task (the motif transformer's
+    inputs, PyG's flat form: node features, ``edge_index``, ``batch``), generated once; each
+    row's map is its nodes' scores."""
+    from ..adapters.graph.nodes import GraphBatch
+    from ..tasks.motifs.graphs import motif_graphs
+    from ..tasks.motifs.train import TEST_SEED
+
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+        raise InputError(f"a motif graph source needs at least 1 row, received rows={rows!r}.")
+    seed = TEST_SEED if seed is None else seed
+    graphs = motif_graphs(rows, seed=seed)
+
+    def load(start, stop):
+        part = graphs.graphs(start, stop)
+        return (part.x, part.edge_index, part.batch), {}, None
+
+    def row_maps(maps, inputs, forward_kwargs):
+        nodes = GraphBatch.of(inputs[2].cpu(), inputs[0].shape[0])
+        return [maps[graph, :int(count)] for graph, count in enumerate(nodes.counts)]
+
+    return CorpusSource(rows, f"motif-graphs:n={rows}:seed={seed}", load, f"{rows} BA-2Motifs test graphs",
+                        graphs.labels, explained=1, row_maps=row_maps, token_maps=True, value_kind="graph")
+
+
 def table_source(path, prepare: Prepare, column: str = "text") -> CorpusSource:
     """The values of ``column`` of a table (:func:`table_values`: Parquet, JSON lines, or a
     ``datasets`` dataset saved to disk), in file order, turned into model inputs a batch at a
     time by ``prepare``."""
     values, fingerprint, description = table_values(path, column)
+    kind = "image" if _is_image(values[0]) else "text" if isinstance(values[0], str) else ""
 
     def load(start, stop):
-        inputs, forward_kwargs, displays = prepare(values[start:stop])
+        inputs, forward_kwargs, displays = prepare([_opened(value) for value in values[start:stop]])
         tokens = displays if displays and isinstance(displays[0], (list, tuple)) else None
         return tuple(inputs), dict(forward_kwargs or {}), tokens
 
-    return CorpusSource(len(values), fingerprint, load, description)
+    return CorpusSource(len(values), fingerprint, load, description, value_kind=kind)
+
+
+def _is_image(value: Any) -> bool:
+    return isinstance(value, Path) or (isinstance(value, dict) and isinstance(value.get("bytes"), bytes))
+
+
+def _opened(value: Any) -> Any:
+    """An image file (a folder's) or an encoded image (``datasets``' Image feature: ``{"bytes",
+    "path"}``) as an RGB PIL image; any other value as it is."""
+    if not _is_image(value):
+        return value
+    from ..model_loading import read_image
+
+    if isinstance(value, Path):
+        return read_image(str(value))
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(value["bytes"])) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError) as error:
+        raise InputError(f"an encoded image of the data ({value.get('path') or 'no path'}, {len(value['bytes'])} "
+                         f"bytes) could not be read ({type(error).__name__}): expected PNG, JPEG or another format "
+                         "Pillow reads.") from None
 
 
 @dataclass
@@ -118,7 +184,10 @@ def table_values(path, column: str) -> Tuple[list, str, str]:
     """``(values, fingerprint, description)`` of ``column`` in a Parquet file or folder of
     Parquet files, a JSON-lines file (``.jsonl`` / ``.json``), or a folder written by
     ``datasets.Dataset.save_to_disk`` (read with ``pyarrow``; ``datasets`` is not needed), in
-    file order. The fingerprint is the SHA-256 of the data files' bytes and the column's name."""
+    file order; or the image files of a folder (no column: one row per file, in the order of
+    their paths). The fingerprint is the SHA-256 of the data files' bytes and the column's
+    name (of an image folder: each file's relative path and bytes). Encoded images in a column
+    (``datasets``' Image feature) are opened a batch at a time by :func:`table_source`."""
     path = Path(path).expanduser()
     if not path.exists():
         raise InputError(f"--data {str(path)!r}: no such file or folder; expected a Parquet file or folder, a "
@@ -131,8 +200,16 @@ def table_values(path, column: str) -> Tuple[list, str, str]:
         files = _saved_dataset_files(path)
     else:
         files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
+    if path.is_dir() and not files:
+        images = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        if images:  # a folder of image files: one row per file, in the order of their paths
+            digest = hashlib.sha256(b"image-folder")
+            for image in images:
+                digest.update(str(image.relative_to(path)).encode() + b"\0" + image.read_bytes())
+            return images, f"images:sha256={digest.hexdigest()}", f"{len(images)} images in {path}"
     if not files:
-        raise InputError(f"--data {str(path)!r} is a folder with no .parquet files.")
+        raise InputError(f"--data {str(path)!r} is a folder with no .parquet files and no images "
+                         f"({', '.join(IMAGE_SUFFIXES)}).")
     digest = hashlib.sha256(column.encode())
     for file in files:
         digest.update(file.read_bytes())
