@@ -132,6 +132,13 @@ class Adapter(abc.ABC):
             return chosen_rows("last", num_tokens, token_mask, batch, device)
         return torch.zeros(batch, 1, dtype=torch.long, device=device)
 
+    def rows_refusal(self, model: nn.Module) -> Optional[str]:
+        """Why no choice of the last layer's rows describes what ``model``'s head reads (a head
+        whose classes weigh a concatenation of tokens each their own way), or None (default).
+        The methods that weigh those rows (raw attention, rollout, Grad-CAM, GenericAttention
+        ...) refuse such a model with it; the relevance methods, which start at the logit, do not."""
+        return None
+
     def query_rows_hint(self) -> str:
         """How a user tells this adapter which rows explain the output (for error messages)."""
         if "query_rows" in inspect.signature(type(self).__init__).parameters:

@@ -32,6 +32,10 @@ from ..model_state import patching
 from ..errors import InputError, UnsupportedModelError
 
 QueryRows = Union[None, int, str]
+#: An adapter's own choice (not a user's): every real token after the first (the CLS token), each
+#: weighted ``1 / n``: a head that averages the patch tokens and leaves the CLS token out (BEiT's
+#: mean pooling, CLIP's image classifier).
+MEAN_AFTER_FIRST = "mean-after-first"
 #: Appended to errors about the explained row, so the option can be found from them.
 QUERY_ROWS_HINT = ("If the model reads other tokens than the adapter assumes (e.g. a head that mean-pools an encoder), "
                    "pass adapter=HuggingFaceAdapter(query_rows='mean') (or 'last', or a token position); "
@@ -43,8 +47,12 @@ QUERY_ROWS_HINT = ("If the model reads other tokens than the adapter assumes (e.
 # query_rows choice). EuroBERT's sequence classifier: "bos" reads token 0; "mean" averages the real
 # tokens' states and "late" their per-token logits (config.classifier_pooling, default "late"), both
 # equally weighted over the real tokens of the attention mask (all tokens without one).
-CONFIG_POOLING: Dict[str, Tuple[str, str, Dict[str, QueryRows]]] = {
+# BEiT: config.use_mean_pooling (default True) averages the patch tokens (not the CLS token) before
+# the pooler's norm; False reads the CLS token. (Data2Vec-Vision pools alike, but its attention is
+# not captured: refused before its rows matter.)
+CONFIG_POOLING: Dict[str, Tuple[str, str, Dict[object, QueryRows]]] = {
     "eurobert": ("ForSequenceClassification", "classifier_pooling", {"bos": 0, "mean": "mean", "late": "mean"}),
+    "beit": ("ForImageClassification", "use_mean_pooling", {True: MEAN_AFTER_FIRST, False: 0}),
 }
 
 
@@ -129,8 +137,13 @@ def chosen_rows(choice: QueryRows, num_tokens: int, token_mask: Optional[torch.T
     positions = torch.arange(num_tokens, device=mask.device)
     if choice == "last":
         return torch.where(mask, positions, -1).amax(dim=1).unsqueeze(1)
-    if choice == "mean":
+    if choice in ("mean", MEAN_AFTER_FIRST):
         weights = mask.to(torch.float32)
+        if choice == MEAN_AFTER_FIRST:
+            if num_tokens < 2:
+                raise InputError(f"the head averages the tokens after the first, but the model attends over "
+                                 f"{num_tokens} token(s) only.")
+            weights[:, 0] = 0
         return positions.expand(batch, -1), weights / weights.sum(dim=1, keepdim=True)
     position = choice + num_tokens if choice < 0 else choice
     if not 0 <= position < num_tokens:

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..adapters.base import Adapter
 from ..adapters.input_checks import model_dtype, ordinary_tensors, refuse_inference_mode, refuse_non_finite
-from ..errors import CaptureError, InputError
+from ..errors import CaptureError, InputError, UnsupportedModelError
 from ..adapters.query_rows import refuse_masked_explained_rows
 from ..adapters.registry import get_adapter
 from .math.relevancy_maps import explained_rows
@@ -360,7 +360,10 @@ class TraceAttribution(StochasticOptIn, Attribution):
 
     def _trace(self, inputs: Tuple[torch.Tensor, ...], target: Any, additional: Tuple[Any, ...],
                forward_kwargs: Optional[dict]) -> AttentionTrace:
-        """Run :meth:`pass_plan` on one batch."""
+        """Run :meth:`pass_plan` on one batch (refused first when no rows describe what the head reads)."""
+        refusal = self.adapter.rows_refusal(self.model)
+        if refusal is not None:
+            raise UnsupportedModelError(refusal)
         plan = self.pass_plan(inputs, additional, forward_kwargs)
         trace = run_trace(self.adapter, self.model, inputs, additional, target, plan.spec, forward_kwargs,
                           rules=plan.rules, plain_spec=plan.plain_spec)

@@ -32,8 +32,8 @@ from .inline_text import gated as inline_gated, inline_blocks, observed as inlin
 from .compressed_keys import refuse_compressed_keys
 from .kept_logits import kept_logit_positions
 from .position_padding import learned_position_table, warn_left_padding_without_positions
-from ..query_rows import (QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen_rows, config_pooled_rows,
-                          refuse_masked_explained_rows)
+from ..query_rows import (MEAN_AFTER_FIRST, QUERY_ROWS_HINT, QueryRows, checked_query_rows, chosen_rows,
+                          config_pooled_rows, refuse_masked_explained_rows)
 from ...capture.recorder import Recorder
 from ...capture.targets import span_scores, target_width
 from ..relevance_reading import LayerInputs, ModuleOutputs, RelevanceReading
@@ -49,15 +49,30 @@ _MODEL_TYPE_QUIRKS: Dict[str, Dict[str, Any]] = {
     "clip_text_model": {"rows": "eos"},
     "whisper": {"frames": "last"},
 }
-# Heads that read more than one token: their rows are averaged.
+# Heads that read more than one token: their rows are averaged (AST: (CLS + distillation token) / 2).
 _CLASS_ROWS: Dict[str, Tuple[int, ...]] = {
     "DeiTForImageClassificationWithTeacher": (0, 1),
+    "ASTForAudioClassification": (0, 1),
 }
 # Heads that average every real token of the last layer (no CLS token; Siglip 2 over its unpadded
-# patches): explained at all rows, equally weighted (query_rows="mean").
+# patches; Whisper's audio classifier over every encoder frame, the padding to 30 s included):
+# explained at all rows, equally weighted (query_rows="mean").
 _MEAN_POOLING_HEADS = frozenset({
     "SiglipForImageClassification", "Siglip2ForImageClassification", "IJepaForImageClassification",
+    "WhisperForAudioClassification",
 })
+# Heads that average the tokens after the CLS token (rows 1..N-1, equally weighted).
+_MEAN_AFTER_FIRST_HEADS = frozenset({"CLIPForImageClassification", "MetaClip2ForImageClassification"})
+# Heads whose input no weighting of the last layer's rows describes (rows of data): class name -> why
+# (Adapter.rows_refusal). Refused by the methods that weigh the last layer's rows unless the caller
+# chooses them (query_rows); the relevance methods explain them.
+_UNWEIGHTED_POOLING: Dict[str, str] = {
+    "Dinov2ForImageClassification": "feeds its linear classifier the concatenation [CLS token, mean of the patch "
+                                    "tokens], so each class weighs the two parts with its own weights",
+    "Dinov2WithRegistersForImageClassification": "feeds its linear classifier the concatenation [CLS token, mean of "
+                                                 "the patch tokens after the registers], so each class weighs the "
+                                                 "two parts with its own weights",
+}
 # Heads that score every token (rows of data): the head class's name ends with the key, and the
 # target index's entry at the value is the explained token's position. Question answering's
 # start and end scores are read as one (B, 2, N) tensor: target (0, i) is the start score of
@@ -364,6 +379,20 @@ class HuggingFaceAdapter(Adapter):
             return (size, size)
         return super().patch_size(model)
 
+    def rows_refusal(self, model):
+        if self.query_rows_choice is not None:
+            return None  # the caller chose the rows
+        for module in module_walk.modules(model):
+            reason = _UNWEIGHTED_POOLING.get(type(module).__name__)
+            if reason is not None:
+                return (f"{type(module).__name__} {reason}: no one row, nor one weighting of rows, is what it reads, "
+                        "so the methods that weigh the last layer's rows (raw attention, rollout, attention flow, "
+                        "Grad-CAM, GenericAttention, TransformerRelevance) cannot explain it as it is. Explain the "
+                        "CLS token (adapter=HuggingFaceAdapter(query_rows=0)) or the patches (query_rows='mean') on "
+                        "purpose, or use the relevance methods (AttnLRP, LRP, ConservativeLRP, GradientXInput) or "
+                        "Captum's IntegratedGradients, which propagate through the head.")
+        return None
+
     def query_rows(self, model, inputs, recorder, num_tokens, num_prefix, token_mask):
         batch = recorder.sites[0].batch_size
         device = inputs[0].device
@@ -375,11 +404,14 @@ class HuggingFaceAdapter(Adapter):
         if pooled is not None:  # a head pooling as its config says (EuroBERT's classifier_pooling)
             return chosen_rows(pooled, num_tokens, token_mask, batch, device)
         for module in module_walk.modules(model):
-            rows = _CLASS_ROWS.get(type(module).__name__)
+            name = type(module).__name__
+            rows = _CLASS_ROWS.get(name)
             if rows is not None:
                 return torch.tensor(rows, device=device).expand(batch, -1)
-            if type(module).__name__ in _MEAN_POOLING_HEADS:
+            if name in _MEAN_POOLING_HEADS:
                 return chosen_rows("mean", num_tokens, token_mask, batch, device)
+            if name in _MEAN_AFTER_FIRST_HEADS:
+                return chosen_rows(MEAN_AFTER_FIRST, num_tokens, token_mask, batch, device)
             summary = _summary_rows(module)
             if summary is not None:  # XLNet / XLM-style heads pool a fixed column, padding or not
                 return chosen_rows(summary, num_tokens, None, batch, device)
