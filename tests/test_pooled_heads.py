@@ -39,12 +39,14 @@ def _last_layer(model):
     return [module for module in model.modules() if type(module).__name__.endswith("Layer")][-1]
 
 
-def _clip():
-    torch.manual_seed(0)
-    config = transformers.CLIPConfig(vision_config=VISION, text_config=dict(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=99), num_labels=3)
-    model = transformers.CLIPForImageClassification(config).double().eval()
-    return model, _pixels(), model.vision_model.encoder.layers[-1]
+def _clip(head="CLIPForImageClassification", config="CLIPConfig"):
+    def build():
+        torch.manual_seed(0)
+        text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=99)
+        made = getattr(transformers, config)(vision_config=VISION, text_config=text, num_labels=3)
+        model = getattr(transformers, head)(made).double().eval()
+        return model, _pixels(), model.vision_model.encoder.layers[-1]
+    return build
 
 
 def _whisper():
@@ -69,7 +71,8 @@ def _ast():
 
 POOLED = {
     "beit-mean": (_beit(True), "all but the first"), "beit-cls": (_beit(False), "the first"),
-    "clip": (_clip, "all but the first"), "whisper": (_whisper, "all"),
+    "clip": (_clip(), "all but the first"),
+    "metaclip-2": (_clip("MetaClip2ForImageClassification", "MetaClip2Config"), "all but the first"), "whisper": (_whisper, "all"),
     "ast": (_ast, "the first two"),
 }
 
