@@ -23,7 +23,8 @@ from pathlib import Path
 from captum_transformers.corpus import read_store
 
 
-def _children(pid: int):
+def worker_pids(pid: int):
+    """The processes whose parent is ``pid`` (torchrun's workers), read from /proc."""
     kids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -57,7 +58,7 @@ def main() -> None:
         time.sleep(0.05)
     if first.poll() is not None:
         raise SystemExit("the first run ended before half its shards: " + first.communicate()[0].decode()[-2000:])
-    victim = max(_children(first.pid))
+    victim = max(worker_pids(first.pid))
     os.kill(victim, signal.SIGKILL)
     written = len(list(records.glob("*.json")))
     first.communicate(timeout=300)

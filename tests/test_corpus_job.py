@@ -22,6 +22,11 @@ from captum_transformers.errors import InputError
 from captum_transformers.methods.catalog import build_method
 from captum_transformers.tasks.digits.model import load_digit_model
 
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+from benchmarks.corpus_kill_resume import worker_pids  # noqa: E402  (the full-size check's helper)
+
 
 @pytest.fixture(scope="module")
 def digit_model():
@@ -142,19 +147,6 @@ def test_a_missing_column_and_a_missing_file_are_refused_by_name(tmp_path):
         table_source(tmp_path / "absent.parquet", prepare=None)
 
 
-def _children(pid):
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                kids.append(int(entry.name))
-    return kids
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds torchrun's workers through /proc")
 def test_two_torchrun_processes_one_killed_halfway_resume_to_the_one_process_store(tmp_path):
     """Two ranks (gloo) explain 192 canvases; rank 1 is killed with SIGKILL once a few shards are
@@ -174,7 +166,7 @@ def test_two_torchrun_processes_one_killed_halfway_resume_to_the_one_process_sto
             break
         time.sleep(0.05)
     assert first.poll() is None, first.communicate()[0].decode()[-3000:]
-    workers = _children(first.pid)
+    workers = worker_pids(first.pid)
     assert len(workers) == 2, workers
     os.kill(max(workers), signal.SIGKILL)  # the later-started worker; torchrun then stops the other
     first.communicate(timeout=120)
