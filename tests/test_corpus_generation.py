@@ -81,6 +81,9 @@ def test_a_generation_store_resumes_and_refuses_another_score_or_length(recall, 
         explain_generations(model, tokenizer, source, "attn-lrp", tmp_path / "cut", **{**kwargs}, score="prob")
     with pytest.raises(InputError, match=r"other settings.*max_new_tokens: the folder has 3, this run 2"):
         explain_generations(model, tokenizer, source, "attn-lrp", tmp_path / "cut", **{**kwargs, "max_new_tokens": 2})
+    with pytest.raises(InputError, match="integrated-gradients explains the next-token logit only"):
+        explain_generations(model, tokenizer, source, "integrated-gradients", tmp_path / "ig", score="prob")
+    assert not (tmp_path / "ig").exists()  # refused before the folder was claimed
     with pytest.raises(InputError, match="a PromptSource"):
         explain_generations(model, tokenizer, table_source.__class__, "attn-lrp", tmp_path / "other")
 

@@ -277,3 +277,28 @@ def test_image_files_and_encoded_images_are_rows_and_the_modality_is_checked(tmp
     pq.write_table(pa.table({"image": [{"bytes": b"not an image", "path": "x.png"}]}), tmp_path / "bad.parquet")
     with pytest.raises(InputError, match=r"an encoded image of the data \(x.png, 12 bytes\) could not be read"):
         table_source(tmp_path / "bad.parquet", loaded.prepare, column="image").batch(0, 1)
+
+
+def test_a_run_that_fails_before_its_first_shard_leaves_the_folder_free(digit_model, tmp_path):
+    from captum_transformers.corpus import CorpusSource
+
+    good = digit_canvas_source(16)
+
+    def broken(start, stop):
+        raise InputError("this source cannot be read")
+
+    with pytest.raises(InputError, match="cannot be read"):
+        explain_dataset(digit_model, CorpusSource(16, good.fingerprint, broken), "generic-attention", tmp_path,
+                        batch_size=8, shard_rows=8, progress=False)
+    assert not (tmp_path / "manifest.json").exists()
+    explain_dataset(digit_model, good, "attn-lrp", tmp_path, batch_size=8, shard_rows=8, progress=False)  # not refused
+
+    def late(start, stop):  # the second shard fails: the first is kept, and so is the claim
+        if start >= 8:
+            raise InputError("this source cannot be read")
+        return good.load(start, stop)
+
+    with pytest.raises(InputError, match="cannot be read"):
+        explain_dataset(digit_model, CorpusSource(16, good.fingerprint, late), "rollout", tmp_path / "half",
+                        batch_size=8, shard_rows=8, progress=False)
+    assert (tmp_path / "half" / "manifest.json").exists()

@@ -43,7 +43,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--method", default="generic-attention", choices=KNOWN_METHOD_NAMES,
                         help="the method (default: %(default)s)")
     parser.add_argument("--target", default="predicted", choices=("predicted", "label"),
-                        help="the class explained: the prediction, or the data's label (digits only)")
+                        help="the class explained: the prediction, or the data's label (built-in digits and motifs)")
     parser.add_argument("--batch-size", type=int, default=32, help="rows per method call (default: %(default)s)")
     parser.add_argument("--shard-rows", type=int, default=256, help="rows per Parquet shard (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help=f"where the model runs: {ACCEPTED} (default: %(default)s)")

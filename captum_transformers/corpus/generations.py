@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional, Union
 from torch import nn
 
 from ..errors import InputError
-from ..methods.catalog import build_method, catalog_entry
+from ..methods.catalog import CAPTUM_BASELINES, build_method, catalog_entry
 from .job import CorpusRun, job_settings, run_shards
 from .sources import PromptSource
 
@@ -58,6 +58,9 @@ def explain_generations(model: nn.Module, tokenizer: Any, source: PromptSource, 
     if score not in SCORES:
         raise InputError(f"score must be one of {SCORES}, received {score!r}.")
     catalog_entry(method)  # an unknown name is refused before any work
+    if method in CAPTUM_BASELINES and score != "logit":  # before the folder is claimed for this run
+        raise InputError(f"{method} explains the next-token logit only (one Captum call per step on the prefix); "
+                         f"use score='logit' with it, or a method of the package for score={score!r}.")
     from ..generation import GenerationAttribution
 
     settings = job_settings(model, "generation", method, source.fingerprint, source.rows, shard_rows, batch_size,

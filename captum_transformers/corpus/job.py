@@ -28,7 +28,8 @@ from ..capture.targets import output_scores
 from ..errors import InputError
 from ..methods.catalog import build_method, catalog_entry
 from .sources import CorpusSource
-from .store import claim_manifest, finished, record_path, shard_path, shard_plan, write_shard
+from .store import (MANIFEST, claim_manifest, finished, record_path, release_unused_manifest, shard_path,
+                    shard_plan, write_shard)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ def run_shards(model: nn.Module, out: Union[str, Path], settings: Dict[str, Any]
     ``low..high-1``, one batch) and write it atomically; the model is in eval mode meanwhile."""
     rank, world_size = rank_and_world(rank, world_size)
     out = Path(out)
+    fresh = not (out / MANIFEST).exists()
     claim_manifest(out, settings)
     rows, shard_rows, batch_size = settings["rows"], settings["shard_rows"], settings["batch_size"]
     mine = [shard for shard in shard_plan(rows, shard_rows) if shard[0] % world_size == rank]
@@ -121,6 +123,10 @@ def run_shards(model: nn.Module, out: Union[str, Path], settings: Dict[str, Any]
                     bar.update(high - low)
             write_shard(out, shard, start, stop, columns,
                         {"rank": rank, "world_size": world_size, "host": platform.node()}, settings["kind"])
+    except BaseException:
+        if fresh and world_size == 1:
+            release_unused_manifest(out)  # a first batch that failed leaves the folder free for another run
+        raise
     finally:
         model.train(model_was_training)
         if bar is not None:

@@ -136,6 +136,14 @@ def claim_manifest(out: Path, settings: Dict[str, Any]) -> Dict[str, Any]:
     return found
 
 
+def release_unused_manifest(out: Path) -> None:
+    """Remove the manifest of a store that holds no shard and no record yet (a run that failed
+    before writing anything, in one process), so that the folder takes another run's settings."""
+    if any((out / SHARDS).glob("shard-*")) or any((out / RECORDS).glob("shard-*")):
+        return
+    (out / MANIFEST).unlink(missing_ok=True)
+
+
 def shard_path(out: Path, shard: int) -> Path:
     return out / SHARDS / f"shard-{shard:05d}.parquet"
 
