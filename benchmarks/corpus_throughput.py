@@ -16,12 +16,14 @@ Models: the built-in DigitCanvas ViT (``--rows`` canvases) and the shipped all-M
 Command::
 
     PYTHONPATH=. python benchmarks/corpus_throughput.py --rows 1024
+    PYTHONPATH=. python benchmarks/corpus_throughput.py --rows 4096 --cli-only   # also the shard loops' times
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -86,14 +88,19 @@ def _job(model, source, method, batch_size, folder, memory=None):
     return seconds
 
 
-def _command(processes: int, data: str, method: str, folder: Path, model=None) -> float:
+def _command(processes: int, data: str, method: str, folder: Path, model=None):
+    """``(wall seconds of the whole command, seconds of rank 0's shard loop)``: the loop excludes
+    process start, model load and the final barrier (rank 0 takes every other shard)."""
     shutil.rmtree(folder, ignore_errors=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
                "-m", "captum_transformers", "attribute", "--data", data, "--method", method, "--batch-size", "32",
                "--out", str(folder), "--no-progress"] + (["--model", model] if model else [])
     start = time.perf_counter()
-    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
-    return time.perf_counter() - start
+    done = subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True)
+    wall = time.perf_counter() - start
+    loop = re.search(r"computed \d+ shard\(s\) \(\d+ rows, ([\d.]+) s\)", done.stdout)
+    return wall, float(loop.group(1)) if loop else float("nan")
 
 
 def main() -> None:
@@ -101,6 +108,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--methods", nargs="+", default=["generic-attention", "attn-lrp"])
+    parser.add_argument("--cli-only", action="store_true", help="only the command-line runs, 1 and 2 processes")
     args = parser.parse_args()
     from captum_transformers.model_loading import load_model
     from captum_transformers.tasks.movies.model import load_pretrained_minilm
@@ -115,6 +123,18 @@ def main() -> None:
     models = {"DigitCanvas ViT": (digit, digit_canvas_source(args.rows), f"digits:{args.rows}", None),
               "MiniLM-L6": (minilm, table_source(text_file, minilm.prepare), str(text_file), str(scratch / "minilm"))}
     print(f"{args.rows} rows, batch 32, torch threads {torch.get_num_threads()}, {os.cpu_count()} cores\n")
+    if args.cli_only:
+        print("| model | method | CLI 1 proc (s) | CLI 2 procs (s) | speed-up | shard loop 1 proc (s) "
+              "| shard loop 2 procs, rank 0 (s) | loop speed-up |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, (_, _, data, model_arg) in models.items():
+            for method in args.methods:
+                (one, loop_one), (two, loop_two) = (_command(k, data, method, scratch / f"p{k}", model_arg)
+                                                    for k in (1, 2))
+                print(f"| {name} | {method} | {one:.1f} | {two:.1f} | {one / two:.2f}x | {loop_one:.1f} "
+                      f"| {loop_two:.1f} | {loop_one / loop_two:.2f}x |", flush=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+        return
     print("| model | method | bare rows/s | job rows/s | overhead | RSS after shard 1 / peak (MiB) "
           "| CLI 1 proc (s) | CLI 2 procs (s) | speed-up |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -127,8 +147,8 @@ def main() -> None:
                 jobs.append(_job(model, source, method, 32, scratch / "job", memory))
             bare, job = min(bares), min(jobs)
             first, peak = memory[-1]
-            one = _command(1, data, method, scratch / "one", model_arg)
-            two = _command(2, data, method, scratch / "two", model_arg)
+            one, _ = _command(1, data, method, scratch / "one", model_arg)
+            two, _ = _command(2, data, method, scratch / "two", model_arg)
             print(f"| {name} | {method} | {args.rows / bare:.0f} | {args.rows / job:.0f} | {100 * (job / bare - 1):+.1f} % "
                   f"| {first:.0f} / {peak:.0f} | {one:.1f} | {two:.1f} | {one / two:.2f}x |", flush=True)
     shutil.rmtree(scratch, ignore_errors=True)

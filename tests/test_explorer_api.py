@@ -81,7 +81,7 @@ def test_page_has_no_inline_script_or_style():
     assert "<script>" not in page and "<style" not in page and "style=" not in page
     assert not re.search(r"\son[a-z]+\s*=", page, re.IGNORECASE)  # no inline event handlers
     scripts = [path for path in static_dir().iterdir() if path.name.endswith(".js")
-               and not path.name.startswith("generation")]  # the generation page's: test_explorer_generation.py
+               and not path.name.startswith(("generation", "store"))]  # theirs: test_explorer_generation.py, _store.py
     assert len(scripts) == 4 and all(f'src="static/{path.name}"' in page for path in scripts)
     # relative URLs only: behind a proxy that serves the page under a path, absolute ones miss
     assert not re.search(r'(src|href)="/', page)

@@ -135,6 +135,21 @@ def test_a_generation_store_lists_prompt_and_answer_and_gives_the_matrices(gener
     assert torch.equal(torch.tensor(detail["target_attr"]), target_attr.double())
 
 
+def test_the_page_has_no_inline_script_or_style_and_writes_no_markup():
+    import re
+
+    from captum_transformers.explorer.http import static_dir
+
+    page = static_dir().joinpath("store.html").read_text()
+    assert "<script>" not in page and "<style" not in page and "style=" not in page
+    assert not re.search(r"\son[a-z]+\s*=", page, re.IGNORECASE) and not re.search(r'(src|href)="/', page)
+    for name in ("explorer-common.js", "store.js"):
+        assert f'src="static/{name}"' in page
+    script = static_dir().joinpath("store.js").read_text()
+    assert "innerHTML" not in script and "outerHTML" not in script and "insertAdjacentHTML" not in script
+    assert "eval(" not in script and "document.write" not in script and not re.search(r"""api\(["'`]/""", script)
+
+
 def test_an_unfinished_store_is_refused_and_explore_takes_no_model_with_it(digit_store, tmp_path, capsys):
     from captum_transformers.cli import main
 
