@@ -18,7 +18,6 @@ maps)``, with ``maps`` the list of the rows' stored tensors.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Union
 
@@ -28,7 +27,7 @@ from ..errors import InputError
 from ..evaluation import Accumulator, all_reduce_metrics
 from .job import rank_and_world
 from .sources import CorpusSource
-from .store import MANIFEST, finished, rows_to_maps, shard_path, shard_plan
+from .store import finished, read_manifest, rows_to_maps, shard_path, shard_plan
 
 Update = Callable[[Accumulator, tuple, dict, torch.Tensor, List[torch.Tensor]], None]
 
@@ -46,10 +45,7 @@ def evaluate_store(out: Union[str, Path], source: CorpusSource, metrics: Sequenc
     if not metrics or not all(isinstance(metric, Accumulator) for metric in metrics):
         raise InputError(f"metrics must be a non-empty list of the package's metrics (Accumulator), received "
                          f"{[type(m).__name__ for m in metrics] or 'nothing'}.")
-    try:
-        manifest = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise InputError(f"{out} has no readable {MANIFEST}: not a corpus store ({error}).") from error
+    manifest = read_manifest(out)
     if manifest.get("kind", "classifier") != "classifier":
         raise InputError(f"{out} is a {manifest.get('kind')} store; evaluate_store reads classifier stores.")
     if (manifest["source"], manifest["rows"]) != (source.fingerprint, source.rows):

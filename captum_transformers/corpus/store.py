@@ -203,6 +203,16 @@ def _arrow_column(values: list, kind):
     return pa.array(values, type=kind)
 
 
+def read_manifest(out: Path) -> Dict[str, Any]:
+    """The manifest of the store ``out``, or an :class:`InputError` saying the folder is not a
+    corpus store (no manifest, or one that is not JSON)."""
+    try:
+        return json.loads((Path(out) / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise InputError(f"{str(out)!r} has no readable {MANIFEST}: not a corpus store written by "
+                         f"`captum-transformers attribute` ({type(error).__name__}).") from None
+
+
 def shard_plan(rows: int, shard_rows: int) -> List[tuple]:
     """``(shard, start, stop)`` for every shard of ``rows`` rows."""
     return [(index, start, min(start + shard_rows, rows)) for index, start in enumerate(range(0, rows, shard_rows))]
@@ -217,10 +227,7 @@ def read_store(out) -> "Any":
     import pyarrow.parquet as pq
 
     out = Path(out)
-    try:
-        manifest = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise InputError(f"{out} has no readable {MANIFEST}: not a corpus store ({error}).") from error
+    manifest = read_manifest(out)
     plan = shard_plan(manifest["rows"], manifest["shard_rows"])
     missing = [shard for shard, start, stop in plan if not finished(out, shard, start, stop)]
     if missing:

@@ -15,14 +15,13 @@ Example::
 """
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ....corpus.store import MANIFEST, finished, shard_path, shard_plan
+from ....corpus.store import finished, read_manifest, shard_path, shard_plan
 from ....errors import InputError
 
 SORTS = ("row_id", "target", "score", "length")
@@ -39,11 +38,7 @@ class StoreIndex:
         import pyarrow.parquet as pq
 
         self.out = Path(out).expanduser()
-        try:
-            self.manifest = json.loads((self.out / MANIFEST).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as error:
-            raise InputError(f"--store {str(self.out)!r} has no readable {MANIFEST}: not a corpus store written by "
-                             f"`captum-transformers attribute` ({type(error).__name__}).") from None
+        self.manifest = read_manifest(self.out)
         self.kind = self.manifest.get("kind", "classifier")
         self.plan = shard_plan(self.manifest["rows"], self.manifest["shard_rows"])
         missing = [shard for shard, start, stop in self.plan if not finished(self.out, shard, start, stop)]
