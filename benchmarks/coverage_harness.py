@@ -4,6 +4,8 @@ head, method), a JSON results file and the Markdown table of ``docs/coverage.md`
 Usage (from the repository root)::
 
     nice -n 10 .venv/bin/python benchmarks/coverage_harness.py --markdown docs/coverage.md
+    nice -n 10 .venv/bin/python benchmarks/coverage_harness.py --suite vision-audio \\
+        --markdown docs/coverage-vision-audio.md
     .venv/bin/python benchmarks/coverage_harness.py --heads causal-lm sequence-classification \\
         --methods raw-attention generic-attention --only llama,bert --out results.json
     .venv/bin/python benchmarks/coverage_harness.py --table-only --markdown docs/coverage.md
@@ -28,16 +30,20 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from benchmarks.coverage.entries import HEADS
+    from benchmarks.coverage.entries import HEADS, SUITES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS), help="head kinds (default all)")
+    parser.add_argument("--suite", default="text", choices=list(SUITES),
+                        help="text (docs/coverage.md) or vision-audio (docs/coverage-vision-audio.md): the default "
+                             "heads and results file")
+    parser.add_argument("--heads", nargs="+", default=None, choices=list(HEADS),
+                        help="head kinds (default: the suite's)")
     parser.add_argument("--methods", nargs="+", default=["all"],
                         help="catalog names (default 'all': every method run by default)")
     parser.add_argument("--only", default=None, help="comma-separated model types (default all)")
-    parser.add_argument("--out", default="benchmarks/coverage/results.json",
-                        help="the JSON results file (read and extended)")
+    parser.add_argument("--out", default=None,
+                        help="the JSON results file (read and extended; default: the suite's)")
     parser.add_argument("--markdown", default=None, help="write the Markdown table here")
     parser.add_argument("--method-timeout", type=float, default=60.0, help="seconds per method call and checks")
     parser.add_argument("--entry-timeout", type=float, default=120.0,
@@ -48,7 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--table-only", action="store_true", help="only rewrite --markdown from --out")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--progress", default=None, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.heads = args.heads or SUITES[args.suite]["heads"]
+    args.out = args.out or SUITES[args.suite]["out"]
+    return args
 
 
 def main(argv=None) -> int:
@@ -71,7 +80,7 @@ def main(argv=None) -> int:
                               in_process=args.in_process, redo=args.redo)
     if args.markdown:
         with open(args.markdown, "w") as handle:
-            handle.write(table.render(results))
+            handle.write(table.render(results, heads=args.heads, suite=args.suite))
         print(f"wrote {args.markdown}")
     return 0
 

@@ -1,5 +1,5 @@
 """Pooled heads read what the head reads: for the HuggingFace image and audio classifiers that
-average tokens (BEiT with and without mean pooling, CLIP's image classifier over its patch
+average tokens (BEiT and Data2Vec-Vision with and without mean pooling, CLIP's image classifier over its patch
 tokens, Whisper's audio classifier over every frame, AST over its
 two class tokens), the rows every row-reading method explains are exactly the rows whose gradient
 at the last layer's output is non-zero (found here with a hook, independently of the package),
@@ -24,10 +24,10 @@ def _pixels():
     return torch.randn(2, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 
 
-def _beit(mean_pooling):
+def _beit(mean_pooling, family="Beit"):
     def build():
         torch.manual_seed(0)
-        model = transformers.BeitForImageClassification(transformers.BeitConfig(
+        model = getattr(transformers, f"{family}ForImageClassification")(getattr(transformers, f"{family}Config")(
             **VISION, num_labels=3, use_mean_pooling=mean_pooling, attn_implementation="eager"))
         model = model.double().eval()
         return model, _pixels(), _last_layer(model)
@@ -71,6 +71,8 @@ def _ast():
 
 POOLED = {
     "beit-mean": (_beit(True), "all but the first"), "beit-cls": (_beit(False), "the first"),
+    "data2vec-vision-mean": (_beit(True, "Data2VecVision"), "all but the first"),
+    "data2vec-vision-cls": (_beit(False, "Data2VecVision"), "the first"),
     "clip": (_clip(), "all but the first"),
     "metaclip-2": (_clip("MetaClip2ForImageClassification", "MetaClip2Config"), "all but the first"), "whisper": (_whisper, "all"),
     "ast": (_ast, "the first two"),

@@ -8,7 +8,7 @@ or the next token after the last real one.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,12 +23,14 @@ class Head:
             included), ``"token"`` (a label at one position, read through ``query_rows``),
             ``"span-start"`` (a start position of extractive QA).
         seq2seq: whether the model takes ``decoder_input_ids`` too.
+        modality: ``"text"`` (token ids), ``"image"`` or ``"audio"`` (:mod:`.media`).
     """
 
     name: str
     mapping: str
     target: str
     seq2seq: bool = False
+    modality: str = "text"
 
     @property
     def token_level(self) -> bool:
@@ -43,7 +45,16 @@ HEADS: Dict[str, Head] = {head.name: head for head in [
     Head("question-answering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", "span-start"),
     Head("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "token"),
     Head("seq2seq-lm", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "next-token", seq2seq=True),
+    Head("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "class", modality="image"),
+    Head("audio-classification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", "class", modality="audio"),
 ]}
+# The sweeps: each its heads, results file and page.
+SUITES: Dict[str, Dict[str, Any]] = {
+    "text": {"heads": [h for h in HEADS if HEADS[h].modality == "text"], "out": "benchmarks/coverage/results.json",
+             "markdown": "docs/coverage.md"},
+    "vision-audio": {"heads": ["image-classification", "audio-classification"],
+                     "out": "benchmarks/coverage/results-vision-audio.json", "markdown": "docs/coverage-vision-audio.md"},
+}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,8 +38,9 @@ from captum_transformers.errors import CaptumTransformersError, NotSoftmaxAttent
 
 from .entries import HEADS, Entry
 from .inputs import Example, call_model, explained_scores, make_example
+from .media import ROW_READING_FORWARD, media_reason, read_rows_problem
 from .reference import EagerReferences, Reference, eager_references
-from .shrink import build_model, not_text_reason, small_config
+from .shrink import build_model, model_class, not_text_reason, small_config
 
 # Batch == single, relative to the single call's largest entry: float64 models, and models whose
 # eager kernels compute in float32 inside (their eager maps hold float32 values: Llama-style
@@ -58,7 +59,8 @@ FLOAT32_SCORES = frozenset({"gpt_neo", "minimax"})
 AMPLIFIED_FLOAT32_SOFTMAX = {(model_type, method): 1e-3 for model_type in ("xlm", "flaubert")
                              for method in ("lrp", "partial-lrp")}
 KINDS = ("reference", "consistent", "zero map", "refused", "not applicable", "failed", "timed out", "does not build",
-         "not a text model")
+         "not a text model", "other inputs")
+SKIPPED = ("not a text model", "other inputs")  # entries of another modality than the sweep's
 
 
 @dataclasses.dataclass
@@ -204,7 +206,9 @@ def zero_rows(maps: Tuple[torch.Tensor, ...], example: Example) -> List[int]:
 
 def map_problems(maps: Tuple[torch.Tensor, ...], example: Example) -> List[str]:
     """Shape, finiteness and non-zero padding of a batch's maps."""
-    if len(maps) != len(example.inputs) or any(m.shape[:2] != t.shape for m, t in zip(maps, example.inputs)):
+    if len(maps) != len(example.inputs) or any(
+            (m.shape != t.shape) if t.is_floating_point() else (m.shape[:2] != t.shape)
+            for m, t in zip(maps, example.inputs)):
         shapes = [tuple(m.shape) for m in maps]
         return [f"maps of shapes {shapes} for inputs {[tuple(t.shape) for t in example.inputs]}"]
     problems = []
@@ -350,25 +354,34 @@ def prepare(entry: Entry) -> Tuple[Optional[Prepared], Optional[Verdict]]:
     head = HEADS[entry.head]
     try:
         config = small_config(entry.model_type, entry.class_name, entry.head)
-        reason = not_text_reason(config, entry.class_name)
+        if head.modality == "text":
+            reason, skipped = not_text_reason(config, entry.class_name), "not a text model"
+        else:
+            reason, skipped = media_reason(model_class(entry.class_name)), "other inputs"
         if reason is not None:
-            return None, Verdict("not a text model", reason)
+            return None, Verdict(skipped, reason)
         model = build_model(config, entry.class_name)
     except TimeLimit:
         raise
     except Exception as error:
         return None, exception_verdict("does not build", error)
-    example = make_example(model.config, head)
+    try:
+        example = make_example(model.config, head, model=model)
+    except Exception as error:
+        return None, exception_verdict("does not build", error, prefix="inputs: ")
     try:
         output = Snapshot.take(model, example).output
     except Exception as error:
         return None, exception_verdict("does not build", error, prefix="forward on the batch: ")
     if output.is_floating_point() and not bool(torch.isfinite(output).all()):
         return None, Verdict("does not build", "forward on the batch: the model's own output is not finite")
-    try:
-        eager = eager_references(model, example)
-    except Exception as error:
-        eager = EagerReferences({}, f"none: {type(error).__name__}: {first_line(error)}")
+    if head.modality != "text":
+        eager = EagerReferences({}, "none: image and audio maps are checked for consistency and the rows read")
+    else:
+        try:
+            eager = eager_references(model, example)
+        except Exception as error:
+            eager = EagerReferences({}, f"none: {type(error).__name__}: {first_line(error)}")
     # GPT-Neo computes its scores in float32 (queries and keys cast) though its maps look float64: a
     # batch rounds them otherwise than one example alone (1e-8 to 3e-7 relative measured).
     precision = "float32" if entry.model_type in FLOAT32_SCORES else eager.precision
@@ -409,7 +422,30 @@ def limited_judge(prepared: Prepared, name: str, seconds: Optional[float]) -> Ve
             if tolerance is not None:
                 model_type = getattr(getattr(prepared.model, "config", None), "model_type", None)
                 tolerance = AMPLIFIED_FLOAT32_SOFTMAX.get((model_type, name), tolerance)
-            return judge(prepared.model, prepared.example, method_factory(name),
-                         prepared.references.get(name), tolerance)
+            verdict = judge(prepared.model, prepared.example, method_factory(name),
+                            prepared.references.get(name), tolerance)
+            if verdict.kind in EXPLAINED_KINDS and name in ROW_READING_FORWARD and not prepared.references.get(name):
+                verdict = rows_verdict(prepared, name, verdict)
+            return verdict
     except TimeLimit as error:
         return Verdict("timed out", first_line(error), seconds=round(time.perf_counter() - start, 3))
+
+
+EXPLAINED_KINDS = ("reference", "consistent", "zero map")
+
+
+def rows_verdict(prepared: Prepared, name: str, verdict: Verdict) -> Verdict:
+    """``verdict`` of a forward-only row-reading method (no eager reference) after the rows
+    check of :func:`.media.read_rows_problem`: ``failed`` when it explains other rows than the
+    head reads; else the same verdict, the check noted in its detail."""
+    example = prepared.example
+    try:
+        problem, note = read_rows_problem(prepared.model, method_factory(name)(prepared.model), example,
+                                          lambda output: explained_scores(output, example))
+    except CaptumTransformersError:
+        return verdict
+    except Exception as error:
+        return exception_verdict("failed", error, prefix="rows check: ")
+    if problem:
+        return Verdict("failed", problem, seconds=verdict.seconds)
+    return dataclasses.replace(verdict, detail="; ".join(d for d in (verdict.detail, note) if d))

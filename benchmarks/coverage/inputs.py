@@ -47,6 +47,7 @@ class Example:
         query_row: the position a token-level head's target names (None: the head reads the
             default row: CLS, or a decoder's last real token).
         score: ``"class"``, ``"next-token"``, ``"token"`` or ``"span-start"`` (see the module docstring).
+        names: the model's keyword of each input (``pixel_values`` for images, ...).
     """
 
     inputs: Tuple[torch.Tensor, ...]
@@ -54,6 +55,7 @@ class Example:
     target: Any
     query_row: Optional[int]
     score: str
+    names: Tuple[str, ...] = ("input_ids", "decoder_input_ids")
 
     @property
     def batch_size(self) -> int:
@@ -73,12 +75,11 @@ class Example:
     @property
     def model_kwargs(self) -> Dict[str, torch.Tensor]:
         """Every input by keyword, for calling the model directly."""
-        names = ("input_ids", "decoder_input_ids")
-        return {**dict(zip(names, self.inputs)), **self.forward_kwargs}
+        return {**dict(zip(self.names, self.inputs)), **self.forward_kwargs}
 
     def lengths(self, row: int) -> List[int]:
-        """The real length of each input of ``row``."""
-        return [int(mask[row].sum()) for mask in self.masks]
+        """The real length of each input of ``row`` (an input without a mask: its whole length)."""
+        return [int(mask[row].sum()) for mask in self.masks] + [t.shape[1] for t in self.inputs[len(self.masks):]]
 
     def single(self, row: int) -> "Example":
         """Example ``row`` alone, its padding cut off."""
@@ -128,8 +129,14 @@ def target_of(head: Head) -> Any:
     }[head.target]
 
 
-def make_example(config, head: Head, seed: int = SEED) -> Example:
-    """The batch of two rows for a model of ``config`` under ``head``."""
+def make_example(config, head: Head, seed: int = SEED, model: Optional[torch.nn.Module] = None) -> Example:
+    """The batch of two rows for a model of ``config`` under ``head`` (images and audio: the
+    inputs of :func:`.media.media_inputs` for ``model``, no padding)."""
+    if head.modality != "text":
+        from .media import media_inputs
+
+        name, values = media_inputs(model, seed)
+        return Example((values,), (), target_of(head), None, head.target, names=(name,))
     generator = torch.Generator().manual_seed(seed)
     specials = special_ids(config)
     allowed = torch.tensor([i for i in range(FIRST_ID, LAST_ID) if i not in specials])

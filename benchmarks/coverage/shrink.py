@@ -263,7 +263,7 @@ def head_settings(config: Mapping[str, Any], head: Optional[str]) -> Dict[str, A
     settings: Dict[str, Any] = {}
     if config.get("is_encoder_decoder") and config.get("decoder_start_token_id") is None:
         settings["decoder_start_token_id"] = config.get("pad_token_id") or 0
-    if head in ("sequence-classification", "token-classification"):
+    if head in ("sequence-classification", "token-classification", "image-classification", "audio-classification"):
         settings["num_labels"] = NUM_LABELS
     elif head == "question-answering":
         settings["num_labels"] = 2
@@ -275,12 +275,18 @@ def head_settings(config: Mapping[str, Any], head: Optional[str]) -> Dict[str, A
 def small_config(model_type: str, class_name: str, head: Optional[str] = None):
     """The small config of ``class_name`` (of ``model_type``): :data:`CONFIG_BUILDERS`' if it has
     one, else :func:`default_config` shrunk, with the head's settings and the :data:`OVERRIDES`
-    row on top."""
+    row on top (image and audio heads: the sizes of :func:`.media.shrink_media` and its
+    ``MEDIA_OVERRIDES`` row instead)."""
     if model_type in CONFIG_BUILDERS:
         return CONFIG_BUILDERS[model_type]()
     default = default_config(model_type, class_name)
     values = shrink_config_dict(default.to_dict())
-    values = _merge(values, {**head_settings(values, head), **OVERRIDES.get(model_type, {})})
+    override = OVERRIDES.get(model_type, {})
+    if head in ("image-classification", "audio-classification"):
+        from .media import MEDIA_OVERRIDES, shrink_media
+
+        values, override = shrink_media(values), MEDIA_OVERRIDES.get(model_type, {})
+    values = _merge(values, {**head_settings(values, head), **override})
     values.pop("model_type", None)
     return type(default)(**values)
 

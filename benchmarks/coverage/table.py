@@ -29,9 +29,13 @@ EXPLAINED = ("reference", "consistent", "zero map")
 HEAD_TITLES = {
     "causal-lm": "Causal LM", "sequence-classification": "Sequence classification",
     "token-classification": "Token classification", "question-answering": "Question answering",
-    "masked-lm": "Masked LM", "seq2seq-lm": "Seq2seq LM",
+    "masked-lm": "Masked LM", "seq2seq-lm": "Seq2seq LM", "image-classification": "Image classification",
+    "audio-classification": "Audio classification",
 }
+SKIPPED = ("not a text model", "other inputs")
 REGENERATE = "nice -n 10 .venv/bin/python benchmarks/coverage_harness.py --markdown docs/coverage.md"
+REGENERATE_MEDIA = ("nice -n 10 .venv/bin/python benchmarks/coverage_harness.py --suite vision-audio "
+                    "--markdown docs/coverage-vision-audio.md")
 
 _CLASS = re.compile(r"\b[A-Z][A-Za-z0-9]*(?:For[A-Za-z]+|Model|LMHeadModel|Config|Output|Attention|Layer|Block"
                     r"|Decoder|Encoder|Embeddings|MTModel)\w*\b")
@@ -98,9 +102,9 @@ def totals(records: Sequence[Dict[str, Any]], methods: Sequence[str]) -> Dict[st
 
 def head_section(head: str, records: List[Dict[str, Any]], methods: Sequence[str],
                  footnotes: Footnotes) -> List[str]:
-    """The Markdown of one head kind: its table, and the architectures that are no text models."""
-    text = [r for r in records if _kind_of_entry(r, methods) != "not a text model"]
-    others = [r for r in records if _kind_of_entry(r, methods) == "not a text model"]
+    """The Markdown of one head kind: its table, and the architectures of another modality."""
+    text = [r for r in records if _kind_of_entry(r, methods) not in SKIPPED]
+    others = [r for r in records if _kind_of_entry(r, methods) in SKIPPED]
     lines = [f"## {HEAD_TITLES.get(head, head)} (`{HEADS[head].mapping}`)", ""]
     lines += ["| architecture | " + " | ".join(SHORT_NAMES.get(m, m) for m in methods) + " |",
               "|---|" + "---|" * len(methods)]
@@ -111,7 +115,9 @@ def head_section(head: str, records: List[Dict[str, Any]], methods: Sequence[str
         lines.append(f"| `{record['model_type']}` ({record['class']}){mark} | " + " | ".join(cells) + " |")
     if others:
         names = ", ".join(f"`{r['model_type']}`" for r in sorted(others, key=lambda r: r["model_type"]))
-        lines += ["", f"Not a text model (vision, audio or multimodal inputs; skipped): {names}."]
+        what = ("Not a text model (vision, audio or multimodal inputs; skipped)" if HEADS[head].modality == "text"
+                else "Other inputs (token ids, image-text or raw bytes; skipped)")
+        lines += ["", f"{what}: {names}."]
     return lines + [""]
 
 
@@ -120,11 +126,11 @@ def _kind_of_entry(record: Dict[str, Any], methods: Sequence[str]) -> Optional[s
     return kinds.pop() if len(kinds) == 1 else None
 
 
-def totals_table(by_head: Dict[str, List[Dict[str, Any]]], methods: Sequence[str]) -> List[str]:
-    lines = ["| head | text architectures | cells run | ref | ok | zero | refused | FAIL | t/o | n.a. | n.b. cells | "
+def totals_table(by_head: Dict[str, List[Dict[str, Any]]], methods: Sequence[str], noun: str = "text") -> List[str]:
+    lines = [f"| head | {noun} architectures | cells run | ref | ok | zero | refused | FAIL | t/o | n.a. | n.b. cells | "
              "explained % | refused % | architectures explained |", "|---|" + "---|" * 13]
     for head, records in by_head.items():
-        text = [r for r in records if _kind_of_entry(r, methods) != "not a text model"]
+        text = [r for r in records if _kind_of_entry(r, methods) not in SKIPPED]
         t = totals(text, methods)
         c = t["counts"]
         lines.append(f"| {HEAD_TITLES.get(head, head)} | {t['architectures']} | {t['built']} | {c['reference']} | "
@@ -169,8 +175,9 @@ def _entries_of(cells: Sequence[str], shown: int = 8) -> str:
 
 
 def render(results: Dict[str, Any], methods: Optional[Sequence[str]] = None,
-           heads: Optional[Sequence[str]] = None) -> str:
-    """The whole page for ``results`` (methods: those of the results, in catalog order)."""
+           heads: Optional[Sequence[str]] = None, suite: str = "text") -> str:
+    """The whole page for ``results`` (methods: those of the results, in catalog order) of the
+    sweep ``suite`` (``text`` or ``vision-audio``: the page's introduction)."""
     methods = list(methods or _methods_of(results))
     by_head: Dict[str, List[Dict[str, Any]]] = {}
     for record in results["entries"].values():
@@ -179,7 +186,9 @@ def render(results: Dict[str, Any], methods: Optional[Sequence[str]] = None,
     by_head = {h: by_head[h] for h in order}
     footnotes = Footnotes()
     sections = [line for head in order for line in head_section(head, by_head[head], methods, footnotes)]
-    return "\n".join(_header(results, methods) + totals_table(by_head, methods) + sections
+    header = _header(results, methods) if suite == "text" else _media_header(results, methods)
+    noun = "text" if suite == "text" else "image / audio"
+    return "\n".join(header + totals_table(by_head, methods, noun) + sections
                      + footnote_section(footnotes)).rstrip() + "\n"
 
 
@@ -261,5 +270,60 @@ def _header(results: Dict[str, Any], methods: Sequence[str]) -> List[str]:
         "Explained = `ref` + `ok` + `zero`; percentages of the applicable cells (those of text architectures "
         "that build, less `n.a.`). Architectures explained: those that build and whose every applicable cell is "
         "explained.",
+        "",
+    ]
+
+
+def _media_header(results: Dict[str, Any], methods: Sequence[str]) -> List[str]:
+    legend = ", ".join(f"{SHORT_NAMES.get(m, m)} = `{m}`" for m in methods)
+    return [
+        "# Vision and audio coverage",
+        "",
+        "<!-- Generated by benchmarks/coverage_harness.py --suite vision-audio; do not edit by hand. -->",
+        "",
+        f"Measured on **transformers {results.get('transformers', '?')}** (torch {results.get('torch', '?')}, "
+        f"captum_transformers {results.get('captum_transformers', '?')} at commit `{results.get('commit', '?')}`, "
+        f"Python {results.get('python', '?')}), CPU.",
+        "Every architecture of transformers' auto mappings for image classification and audio classification, "
+        "built from a shrunk config (width 32, 4 heads, 2 layers; images of 32 x 32 pixels in patches of at most "
+        "8, one block per stage, stage widths / 16; audio feature extractors of 32 channels; random float64 "
+        "weights, eager attention, seed 0: `benchmarks/coverage/media.py`), explained by every method on a batch "
+        "of two seeded standard-normal inputs of the same size (pixels `(2, C, 32, 32)`; waveforms long enough "
+        "for 8 frames; Whisper's log-mel features `(2, mels, 128)`, AST's `(2, 24, 16)`), target class 1, "
+        "called as `attribute(inputs, target=1)`. No padding: a padded audio batch is not measured here.",
+        "",
+        "Cells:",
+        "",
+        "* `ok` (consistent): a map of the input's shape, finite, no row all zero, each batch row equal to the "
+        "call on that example alone (1e-8 relative), the model exactly as before (state_dict, `requires_grad`, "
+        "`.grad`, modes, hooks, attention implementation, a bit-identical forward output). For raw attention, "
+        "rollout and attention flow, which take no gradient (so the package's own check of the rows a head reads "
+        "cannot run), also: the rows the trace explains are the rows whose gradient of the logit at the output "
+        "of the last self-attention block is not zero, equally weighted (the head's mean); a method that "
+        "explains another row (the CLS row of a mean-pooled head) is `FAIL`. There is no eager reference for "
+        "these maps (no `ref` cells).",
+        "* `zero`: consistent, but some row's map is 0 everywhere, with the package's warning.",
+        "* `refused rN`: a `CaptumTransformersError` (footnote rN), the model restored; CNNs get one refusal "
+        "naming the missing attention.",
+        "* `n.a. aN`: the package raised `NotSoftmaxAttentionError`: the tokens are mixed by something other "
+        "than softmax attention.",
+        "* `FAIL fN`: any other exception, a failed check, or a wrong row; footnote fN.",
+        "* `t/o`: past the time limit; `n.b. bN`: the model does not build (or run) from the shrunk config.",
+        "",
+        f"Columns: {legend}.",
+        "",
+        "Regenerate (results in `benchmarks/coverage/results-vision-audio.json`, resumable; `--only vit,beit` "
+        "restricts the sweep, `--table-only` rewrites this page):",
+        "",
+        "```bash",
+        REGENERATE_MEDIA,
+        "```",
+        "",
+        "CI runs a subset (`tests/test_coverage_media.py`).",
+        "",
+        "## Totals",
+        "",
+        "Explained = `ok` + `zero`; percentages of the applicable cells (architectures that build, less `n.a.`). "
+        "Architectures explained: those that build and whose every applicable cell is explained.",
         "",
     ]

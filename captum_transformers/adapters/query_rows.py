@@ -48,11 +48,11 @@ QUERY_ROWS_HINT = ("If the model reads other tokens than the adapter assumes (e.
 # tokens' states and "late" their per-token logits (config.classifier_pooling, default "late"), both
 # equally weighted over the real tokens of the attention mask (all tokens without one).
 # BEiT: config.use_mean_pooling (default True) averages the patch tokens (not the CLS token) before
-# the pooler's norm; False reads the CLS token. (Data2Vec-Vision pools alike, but its attention is
-# not captured: refused before its rows matter.)
+# the pooler's norm; False reads the CLS token. Data2Vec-Vision's head pools alike.
 CONFIG_POOLING: Dict[str, Tuple[str, str, Dict[object, QueryRows]]] = {
     "eurobert": ("ForSequenceClassification", "classifier_pooling", {"bos": 0, "mean": "mean", "late": "mean"}),
     "beit": ("ForImageClassification", "use_mean_pooling", {True: MEAN_AFTER_FIRST, False: 0}),
+    "data2vec-vision": ("ForImageClassification", "use_mean_pooling", {True: MEAN_AFTER_FIRST, False: 0}),
 }
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from .graph.refusal import graph_model_reason
-from .unsupported import is_user_adapter, refuse_unsupported
+from .unsupported import is_user_adapter, refuse_attention_free, refuse_unsupported
 
 if TYPE_CHECKING:  # pragma: no cover
     from .base import Adapter
@@ -111,6 +111,7 @@ def get_adapter(model: nn.Module, adapter: Union["Adapter", str, None] = None) -
     if not is_user_adapter(found):  # a user's registered adapter may take graph models
         _refuse_graph_models(model, getattr(found, "name", None) or "none")
     refuse_unsupported(model, found)  # windowed, hierarchical models: say so, not "no adapter"
+    refuse_attention_free(model, found)  # CNNs: one line naming Captum's methods
     if found is None:
         families = "; ".join(f"{a.name}: {a.families}" for a in registered_adapters())
         raise UnsupportedModelError(

@@ -71,6 +71,21 @@ UNSUPPORTED: Tuple[Family, ...] = (
     Family("MViTv2", "timm.models.mvitv2", "", "pooling attention (queries, keys and values at other resolutions)"),
     Family("TinyViT", "timm.models.tiny_vit", "", "windowed attention in stages of decreasing resolution"),
     Family("DaViT", "timm.models.davit", "", "windowed spatial attention alternating with channel attention"),
+    Family("LeViT", "transformers.models.levit.", "",
+           "attention with subsampled queries (LevitAttentionSubsample) between stages of decreasing resolution, "
+           "after a convolutional stem"),
+    Family("MobileViT", "transformers.models.mobilevit.", "",
+           "attention across patches within unfolded feature maps between convolution blocks (each call attends "
+           "over one pixel offset of every 2 x 2 patch, so its tokens are no fixed grid of the image)"),
+    Family("WavLM", "transformers.models.wavlm.", "",
+           "torch's fused multi_head_attention_forward with a gated relative position bias (the map is made inside "
+           "torch's kernel, where no adapter observes it)"),
+    Family("MobileViTV2", "transformers.models.mobilevitv2.", "",
+           "separable self-attention (a softmax over the tokens of one learned context score, no map between "
+           "tokens) between convolution blocks", softmax=False),
+    Family("SwiftFormer", "transformers.models.swiftformer.", "",
+           "efficient additive attention (a softmax over the tokens of one learned query score, pooled into a "
+           "single global query, no map between tokens) between convolution blocks", softmax=False),
     Family("DiffLlama", "transformers.models.diffllama.", "",
            "differential attention: each head's weights are the difference of two softmax maps (A1 - lambda A2), "
            "signed and not a probability map, which neither the attention rules nor the relevance rules read",
@@ -107,6 +122,43 @@ def unsupported_family(model: nn.Module) -> Optional[Family]:
             if cls.__module__.startswith(family.module) and cls.__name__.startswith(family.class_prefix):
                 return family
     return None
+
+
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def attention_free_reason(model: nn.Module, adapter: object) -> Optional[str]:
+    """Why ``model`` holds nothing these methods read (None if it may): no attention module the
+    built-in ``adapter`` finds and none by class name, but convolutions: a CNN (ResNet,
+    ConvNeXt, MobileNet, EfficientNet, RegNet, FocalNet's focal modulation, PoolFormer's pooling)."""
+    blocks = getattr(adapter, "blocks", None)
+    if blocks is None or is_user_adapter(adapter):
+        return None
+    classes = {type(module) for module in model.modules()}
+    if not any(issubclass(cls, _CONVOLUTIONS) for cls in classes):
+        return None
+    if any("Attention" in cls.__name__ or issubclass(cls, nn.MultiheadAttention) for cls in classes):
+        return None
+    try:
+        if blocks(model):
+            return None
+    except Exception:  # an adapter that cannot walk this model: the method's own errors say why
+        return None
+    return "convolutions" + (" and pooling" if any(cls.__name__.endswith("Pool2d") or "Pooling" in cls.__name__
+                                                   for cls in classes) else "")
+
+
+def refuse_attention_free(model: nn.Module, adapter: object) -> None:
+    """:class:`NotSoftmaxAttentionError` for a model without attention (:func:`attention_free_reason`):
+    one line naming what mixes its inputs and the methods that do explain it."""
+    if not isinstance(model, nn.Module):
+        return
+    mixers = attention_free_reason(model, adapter)
+    if mixers is not None:
+        raise NotSoftmaxAttentionError(
+            f"{type(model).__name__} has no attention layer (it mixes its inputs by {mixers}), and every method of "
+            "captum_transformers reads or propagates through attention: use Captum's LayerGradCam or LRP "
+            "(captum.attr), or IntegratedGradients / Saliency (build_method('integrated-gradients', model)).")
 
 
 def is_user_adapter(adapter: object) -> bool:

@@ -146,13 +146,22 @@ class InputSpan:
     image's patch or feature grid, mapped onto a 4-D input by bilinear upsampling.
     ``nodes`` (graph, position), two (N,) long tensors: row ``n`` of the input is node
     ``position[n]`` of graph ``graph[n]`` (a PyG batch's flat node list), so the input
-    gets each node's score broadcast over its features."""
+    gets each node's score broadcast over its features. ``fields``: the tokens are patches of
+    the input's axes 1, 2, ... computed by a strided convolution, one ``(field, hop)`` per
+    axis: along an axis, token index ``t`` reads the positions ``[t * hop, t * hop + field)``
+    (a waveform's frames: ``((400, 320),)``; AST's spectrogram patches over (time, frequency)).
+    ``field_order``: the order of the axes in which the tokens are enumerated, slowest first
+    (None: the axes' order; AST enumerates frequency before time: ``(1, 0)``). Each token's
+    score is spread evenly over its field, overlapping fields adding up, so the input's sum is
+    the tokens' sum."""
 
     stream: str
     start: int = 0
     stop: Optional[int] = None
     grid: Optional[Tuple[int, int]] = None
     nodes: Optional[Tuple[torch.Tensor, torch.Tensor]] = field(default=None, compare=False, repr=False)
+    fields: Optional[Tuple[Tuple[int, int], ...]] = None
+    field_order: Optional[Tuple[int, ...]] = None
 
 
 @dataclass(frozen=True)

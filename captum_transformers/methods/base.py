@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import threading
 import warnings
+import math
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -203,6 +204,8 @@ def span_to_input(scores: torch.Tensor, span: InputSpan, tensor: torch.Tensor) -
             )
         cells = tokens.reshape(batch, 1, *span.grid)
         return F.interpolate(cells, size=tensor.shape[-2:], mode="bilinear", align_corners=False)[:, 0].contiguous()
+    if span.fields is not None and tensor.dim() == len(span.fields) + 1 and tensor.is_floating_point():
+        return spread_over_fields(tokens, span.fields, span.field_order, tuple(tensor.shape))
     if tensor.dim() >= 2 and tensor.shape[1] == tokens.shape[1]:
         view = tokens.reshape(batch, tokens.shape[1], *([1] * (tensor.dim() - 2)))
         return view.expand(*tensor.shape).contiguous()
@@ -217,6 +220,32 @@ def span_to_input(scores: torch.Tensor, span: InputSpan, tensor: torch.Tensor) -
             "give the input an InputSpan with a grid in a custom adapter's stream_layouts()."
         )
     return torch.zeros(tensor.shape, dtype=scores.dtype, device=scores.device)
+
+
+def spread_over_fields(tokens: torch.Tensor, fields: Tuple[Tuple[int, int], ...], order: Optional[Tuple[int, ...]],
+                       shape: Tuple[int, ...]) -> torch.Tensor:
+    """Token scores (B, N) onto an input of ``shape`` (B, L1[, L2]) whose tokens are strided
+    patches (:class:`InputSpan`'s ``fields``, one ``(field, hop)`` per axis, the tokens
+    enumerated over the axes in ``order``): each token's score spread evenly over its field,
+    overlapping fields adding up, so the input's sum is the tokens' sum; positions no field
+    covers (a tail shorter than a hop) get 0. A waveform's frames: one axis; AST's patches of
+    (time, frequency): two."""
+    axes = len(fields)
+    counts = [(length - field) // hop + 1 for length, (field, hop) in zip(shape[1:], fields)]
+    order = tuple(range(axes)) if order is None else tuple(order)
+    if math.prod(counts) != tokens.shape[1] or any(c < 1 for c in counts):
+        raise CaptureError(
+            f"{tokens.shape[1]} tokens cannot be the {' x '.join(map(str, counts))} patches that fields (field, hop) "
+            f"{list(fields)} make of the input of shape {tuple(shape)}; the adapter's layout does not match the model. "
+            "Pass return_tokens=True.")
+    grid = tokens.reshape(tokens.shape[0], *[counts[a] for a in order])
+    grid = grid.permute(0, *[order.index(a) + 1 for a in range(axes)]).unsqueeze(1)  # (B, 1, n1[, n2])
+    kernel = torch.full((1, 1, *[f for f, _ in fields]), 1.0 / math.prod(f for f, _ in fields),
+                        dtype=tokens.dtype, device=tokens.device)
+    transpose = F.conv_transpose1d if axes == 1 else F.conv_transpose2d
+    spread = transpose(grid, kernel, stride=tuple(h for _, h in fields))[:, 0]
+    padding = [p for length, got in reversed(list(zip(shape[1:], spread.shape[1:]))) for p in (0, length - got)]
+    return F.pad(spread, padding).contiguous()
 
 
 def attribution_dtype(model: nn.Module) -> torch.dtype:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import math
 import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
@@ -49,6 +50,15 @@ _MODEL_TYPE_QUIRKS: Dict[str, Dict[str, Any]] = {
     "clip_text_model": {"rows": "eos"},
     "whisper": {"frames": "last"},
 }
+# Waveform classifiers of the wav2vec2 family: the mean of the last layer's frames, over the real
+# frames of the padding mask they derive from the samples' attention_mask (the encoder attends
+# over the same frames, so the adapter's token mask is that mask).
+_WAVEFORM_CLASSIFIERS = frozenset({
+    "Wav2Vec2ForSequenceClassification", "HubertForSequenceClassification", "Data2VecAudioForSequenceClassification",
+    "SEWForSequenceClassification", "SEWDForSequenceClassification", "UniSpeechForSequenceClassification",
+    "UniSpeechSatForSequenceClassification", "Wav2Vec2BertForSequenceClassification",
+    "Wav2Vec2ConformerForSequenceClassification", "WavLMForSequenceClassification",
+})
 # Heads that read more than one token: their rows are averaged (AST: (CLS + distillation token) / 2).
 _CLASS_ROWS: Dict[str, Tuple[int, ...]] = {
     "DeiTForImageClassificationWithTeacher": (0, 1),
@@ -59,7 +69,7 @@ _CLASS_ROWS: Dict[str, Tuple[int, ...]] = {
 # explained at all rows, equally weighted (query_rows="mean").
 _MEAN_POOLING_HEADS = frozenset({
     "SiglipForImageClassification", "Siglip2ForImageClassification", "IJepaForImageClassification",
-    "WhisperForAudioClassification",
+    "WhisperForAudioClassification", *_WAVEFORM_CLASSIFIERS,
 })
 # Heads that average the tokens after the CLS token (rows 1..N-1, equally weighted).
 _MEAN_AFTER_FIRST_HEADS = frozenset({"CLIPForImageClassification", "MetaClip2ForImageClassification"})
@@ -384,6 +394,10 @@ class HuggingFaceAdapter(Adapter):
             return None  # the caller chose the rows
         for module in module_walk.modules(model):
             reason = _UNWEIGHTED_POOLING.get(type(module).__name__)
+            if type(module).__name__ in _WAVEFORM_CLASSIFIERS and getattr(module.config, "use_weighted_layer_sum",
+                                                                           False):
+                reason = ("pools a learned weighted sum of every layer's hidden states (config.use_weighted_layer_sum="
+                          "True), so its score reads the frames of all layers, not of the last one")
             if reason is not None:
                 return (f"{type(module).__name__} {reason}: no one row, nor one weighting of rows, is what it reads, "
                         "so the methods that weigh the last layer's rows (raw attention, rollout, attention flow, "
@@ -439,10 +453,13 @@ class HuggingFaceAdapter(Adapter):
         names = frozenset(site.streams[0] for site in recorder.sites)
         if len(names) < 2:
             single = super().stream_layouts(model, inputs, recorder)
-            frames = self._frame_grid(model, inputs[0], single.layouts[single.explained[0]].num_tokens)
-            if frames is None:
+            num_tokens = single.layouts[single.explained[0]].num_tokens
+            frames = self._frame_grid(model, inputs[0], num_tokens)
+            fields, order, prefix = self._input_fields(model, inputs[0], num_tokens)
+            if frames is None and fields is None:
                 return single
-            return dataclasses.replace(single, inputs=(InputSpan(single.explained[0], 0, None, frames),)
+            return dataclasses.replace(single, inputs=(InputSpan(single.explained[0], prefix, None, frames,
+                                                                 fields=fields, field_order=order),)
                                        + single.inputs[1:])
         if self.query_rows_choice is not None:
             raise InputError(
@@ -584,6 +601,63 @@ class HuggingFaceAdapter(Adapter):
                 "return_tokens=True for the token scores."
             )
         return (1, num_tokens)
+
+    def _input_fields(self, model: nn.Module, tensor: torch.Tensor, num_tokens: int):
+        """(fields, order, first patch token) of :class:`InputSpan` for inputs whose tokens are
+        strided patches: a waveform (B, samples) of the wav2vec2 family (:meth:`_sample_frames`),
+        AST's spectrogram (B, time, frequency) after its two class tokens
+        (:meth:`_spectrogram_patches`); (None, None, 0) for other inputs."""
+        config = pretrained_model(model).config
+        if getattr(config, "model_type", None) == "audio-spectrogram-transformer":
+            return self._spectrogram_patches(config, tensor, num_tokens), (1, 0), 2
+        frames = self._sample_frames(model, tensor, num_tokens)
+        return (None, None, 0) if frames is None else ((frames,), None, 0)
+
+    @staticmethod
+    def _spectrogram_patches(config: Any, features: torch.Tensor, num_tokens: int) -> Tuple[Tuple[int, int], ...]:
+        """AST: ((field, hop) over time, over frequency) of its patch embedding, checked against
+        the tokens: ``config.patch_size`` squares every ``time_stride`` frames and
+        ``frequency_stride`` mel bins after its two class tokens, frequency enumerated first."""
+        if features.dim() != 3 or not features.is_floating_point():
+            raise InputError(
+                f"AST takes log-mel features (batch, frames, mel bins); got an input of shape {tuple(features.shape)} "
+                f"and dtype {features.dtype}. Pass the features its feature extractor makes.")
+        fields = ((config.patch_size, config.time_stride), (config.patch_size, config.frequency_stride))
+        patches = math.prod((length - field) // hop + 1 for length, (field, hop) in zip(features.shape[1:], fields))
+        if patches + 2 != num_tokens:
+            raise CaptureError(
+                f"AST attends over {num_tokens} tokens, but its patches of {config.patch_size} every "
+                f"({config.time_stride}, {config.frequency_stride}) make {patches} (+ 2 class tokens) of the features of "
+                f"shape {tuple(features.shape)}. Pass the features its feature extractor makes, or return_tokens=True.")
+        return fields
+
+    def _sample_frames(self, model: nn.Module, waveform: torch.Tensor, num_tokens: int) -> Optional[Tuple[int, int]]:
+        """(field, hop) of the frames of a waveform input (B, L) to a model with a strided
+        convolutional feature extractor (``config.conv_kernel``, ``config.conv_stride``: the
+        wav2vec2 family), SEW's squeezing of frames into tokens included: token ``t`` is computed
+        from the samples ``[t * hop, t * hop + field)``. None for other inputs; a waveform that
+        no frame layout maps is refused (zeros would say "nothing mattered")."""
+        if waveform.dim() != 2 or not waveform.is_floating_point():
+            return None
+        config = pretrained_model(model).config
+        kernels, strides = getattr(config, "conv_kernel", None), getattr(config, "conv_stride", None)
+        if not kernels or not strides:
+            raise CaptureError(
+                f"The {num_tokens} token scores cannot be mapped onto the waveform input of shape "
+                f"{tuple(waveform.shape)}: {type(model).__name__}'s config names no convolutional feature extractor "
+                "(conv_kernel, conv_stride) that says which samples each token is computed from. Pass "
+                "return_tokens=True for the (B, N) token scores.")
+        field, hop, frames = 1, 1, waveform.shape[1]
+        for kernel, stride in zip(kernels, strides):
+            field, hop, frames = field + (kernel - 1) * hop, hop * stride, (frames - kernel) // stride + 1
+        squeeze = getattr(config, "squeeze_factor", 1) or 1  # SEW: frames average-pooled in groups before attention
+        field, hop, frames = field + (squeeze - 1) * hop, hop * squeeze, frames // squeeze
+        if frames != num_tokens:
+            raise CaptureError(
+                f"The audio encoder attends over {num_tokens} tokens, but its feature extractor (kernels {kernels}, "
+                f"strides {strides}) makes {frames} frames of the waveform of shape {tuple(waveform.shape)}. Pass the "
+                "raw waveform (batch, samples) the model's feature extractor takes, or return_tokens=True.")
+        return field, hop
 
     def _image_grid(self, model: nn.Module, pixels: torch.Tensor, num_tokens: int):
         """(grid, prefix tokens) of an image input to an encoder (VisionEncoderDecoder's ViT);

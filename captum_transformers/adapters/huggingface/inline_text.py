@@ -154,6 +154,11 @@ FAMILIES: Tuple[InlineTextFamily, ...] = (
     # One attention class for the encoder, the decoder and cross-attention; the decoder's calls get
     # the causal mask transformers builds (create_causal_mask) but no flag.
     InlineTextFamily("NLLB-MoE", _modeling("nllb_moe"), ("NllbMoeAttention",), causal_by_mask=True),
+    # Encoders of images and audio written the same way (the rows serve them as they serve text):
+    # Data2Vec-Vision (BEiT's attention with its relative position bias) and SEW-D (DeBERTa-v2's).
+    InlineTextFamily("Data2Vec-Vision", "transformers.models.data2vec.modeling_data2vec_vision",
+                     ("Data2VecVisionSelfAttention",)),
+    InlineTextFamily("SEW-D", _modeling("sew_d"), ("DisentangledSelfAttention",)),
 )
 
 
