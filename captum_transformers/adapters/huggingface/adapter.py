@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import math
 import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
@@ -30,6 +29,7 @@ from ..base import Adapter
 from .kernel import ATTENTION_KEY, SDPA_KEY, active_recorder, active_rules, block_kind
 from .kernel_keys import capture_key, propagation_key
 from .inline_text import gated as inline_gated, inline_blocks, observed as inline_observed
+from .audio_inputs import strided_input_fields
 from .compressed_keys import refuse_compressed_keys
 from .kept_logits import kept_logit_positions
 from .position_padding import learned_position_table, warn_left_padding_without_positions
@@ -455,7 +455,7 @@ class HuggingFaceAdapter(Adapter):
             single = super().stream_layouts(model, inputs, recorder)
             num_tokens = single.layouts[single.explained[0]].num_tokens
             frames = self._frame_grid(model, inputs[0], num_tokens)
-            fields, order, prefix = self._input_fields(model, inputs[0], num_tokens)
+            fields, order, prefix = strided_input_fields(model, pretrained_model(model).config, inputs[0], num_tokens)
             if frames is None and fields is None:
                 return single
             return dataclasses.replace(single, inputs=(InputSpan(single.explained[0], prefix, None, frames,
@@ -601,63 +601,6 @@ class HuggingFaceAdapter(Adapter):
                 "return_tokens=True for the token scores."
             )
         return (1, num_tokens)
-
-    def _input_fields(self, model: nn.Module, tensor: torch.Tensor, num_tokens: int):
-        """(fields, order, first patch token) of :class:`InputSpan` for inputs whose tokens are
-        strided patches: a waveform (B, samples) of the wav2vec2 family (:meth:`_sample_frames`),
-        AST's spectrogram (B, time, frequency) after its two class tokens
-        (:meth:`_spectrogram_patches`); (None, None, 0) for other inputs."""
-        config = pretrained_model(model).config
-        if getattr(config, "model_type", None) == "audio-spectrogram-transformer":
-            return self._spectrogram_patches(config, tensor, num_tokens), (1, 0), 2
-        frames = self._sample_frames(model, tensor, num_tokens)
-        return (None, None, 0) if frames is None else ((frames,), None, 0)
-
-    @staticmethod
-    def _spectrogram_patches(config: Any, features: torch.Tensor, num_tokens: int) -> Tuple[Tuple[int, int], ...]:
-        """AST: ((field, hop) over time, over frequency) of its patch embedding, checked against
-        the tokens: ``config.patch_size`` squares every ``time_stride`` frames and
-        ``frequency_stride`` mel bins after its two class tokens, frequency enumerated first."""
-        if features.dim() != 3 or not features.is_floating_point():
-            raise InputError(
-                f"AST takes log-mel features (batch, frames, mel bins); got an input of shape {tuple(features.shape)} "
-                f"and dtype {features.dtype}. Pass the features its feature extractor makes.")
-        fields = ((config.patch_size, config.time_stride), (config.patch_size, config.frequency_stride))
-        patches = math.prod((length - field) // hop + 1 for length, (field, hop) in zip(features.shape[1:], fields))
-        if patches + 2 != num_tokens:
-            raise CaptureError(
-                f"AST attends over {num_tokens} tokens, but its patches of {config.patch_size} every "
-                f"({config.time_stride}, {config.frequency_stride}) make {patches} (+ 2 class tokens) of the features of "
-                f"shape {tuple(features.shape)}. Pass the features its feature extractor makes, or return_tokens=True.")
-        return fields
-
-    def _sample_frames(self, model: nn.Module, waveform: torch.Tensor, num_tokens: int) -> Optional[Tuple[int, int]]:
-        """(field, hop) of the frames of a waveform input (B, L) to a model with a strided
-        convolutional feature extractor (``config.conv_kernel``, ``config.conv_stride``: the
-        wav2vec2 family), SEW's squeezing of frames into tokens included: token ``t`` is computed
-        from the samples ``[t * hop, t * hop + field)``. None for other inputs; a waveform that
-        no frame layout maps is refused (zeros would say "nothing mattered")."""
-        if waveform.dim() != 2 or not waveform.is_floating_point():
-            return None
-        config = pretrained_model(model).config
-        kernels, strides = getattr(config, "conv_kernel", None), getattr(config, "conv_stride", None)
-        if not kernels or not strides:
-            raise CaptureError(
-                f"The {num_tokens} token scores cannot be mapped onto the waveform input of shape "
-                f"{tuple(waveform.shape)}: {type(model).__name__}'s config names no convolutional feature extractor "
-                "(conv_kernel, conv_stride) that says which samples each token is computed from. Pass "
-                "return_tokens=True for the (B, N) token scores.")
-        field, hop, frames = 1, 1, waveform.shape[1]
-        for kernel, stride in zip(kernels, strides):
-            field, hop, frames = field + (kernel - 1) * hop, hop * stride, (frames - kernel) // stride + 1
-        squeeze = getattr(config, "squeeze_factor", 1) or 1  # SEW: frames average-pooled in groups before attention
-        field, hop, frames = field + (squeeze - 1) * hop, hop * squeeze, frames // squeeze
-        if frames != num_tokens:
-            raise CaptureError(
-                f"The audio encoder attends over {num_tokens} tokens, but its feature extractor (kernels {kernels}, "
-                f"strides {strides}) makes {frames} frames of the waveform of shape {tuple(waveform.shape)}. Pass the "
-                "raw waveform (batch, samples) the model's feature extractor takes, or return_tokens=True.")
-        return field, hop
 
     def _image_grid(self, model: nn.Module, pixels: torch.Tensor, num_tokens: int):
         """(grid, prefix tokens) of an image input to an encoder (VisionEncoderDecoder's ViT);
