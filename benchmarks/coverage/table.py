@@ -295,7 +295,7 @@ def _media_header(results: Dict[str, Any], methods: Sequence[str]) -> List[str]:
         "Cells:",
         "",
         "* `ok` (consistent): a map of the input's shape, finite, no row all zero, each batch row equal to the "
-        "call on that example alone (1e-8 relative; 1e-5 for Integrated Gradients on CvT and LeViT, whose logit's "
+        "call on that example alone (1e-8 relative; 1e-5 for Saliency and Integrated Gradients on CvT and LeViT, whose logit's "
         "gradient at the pixels is ~1e-12 of the values inside, so rounding reaches 1.6e-6), the model exactly as before (state_dict, `requires_grad`, "
         "`.grad`, modes, hooks, attention implementation, a bit-identical forward output). For raw attention, "
         "rollout and attention flow, which take no gradient (so the package's own check of the rows a head reads "
