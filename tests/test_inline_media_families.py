@@ -33,7 +33,8 @@ OBSERVED = {"data2vec-vision": ("Data2VecVisionForImageClassification", "image-c
 
 def _built(model_type, class_name, head):
     model = shrink.build_model(shrink.small_config(model_type, class_name, head), class_name)
-    return model, media_inputs(model, 1)
+    name, inputs, _ = media_inputs(model, 1)
+    return model, (name, inputs)
 
 
 @pytest.mark.parametrize("model_type", sorted(OBSERVED))

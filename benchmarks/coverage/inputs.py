@@ -48,6 +48,8 @@ class Example:
             default row: CLS, or a decoder's last real token).
         score: ``"class"``, ``"next-token"``, ``"token"`` or ``"span-start"`` (see the module docstring).
         names: the model's keyword of each input (``pixel_values`` for images, ...).
+        extra: other keyword tensors of the model, one row per example (Siglip 2's
+            ``pixel_attention_mask`` and ``spatial_shapes``).
     """
 
     inputs: Tuple[torch.Tensor, ...]
@@ -56,6 +58,7 @@ class Example:
     query_row: Optional[int]
     score: str
     names: Tuple[str, ...] = ("input_ids", "decoder_input_ids")
+    extra: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
@@ -68,9 +71,9 @@ class Example:
 
     @property
     def forward_kwargs(self) -> Dict[str, torch.Tensor]:
-        """The masks by keyword (``attention_mask``, ``decoder_attention_mask``)."""
+        """The masks by keyword (``attention_mask``, ``decoder_attention_mask``), and :attr:`extra`."""
         names = ("attention_mask", "decoder_attention_mask")
-        return dict(zip(names, self.masks))
+        return {**dict(zip(names, self.masks)), **self.extra}
 
     @property
     def model_kwargs(self) -> Dict[str, torch.Tensor]:
@@ -86,7 +89,8 @@ class Example:
         cut = [slice(0, n) for n in self.lengths(row)]
         return dataclasses.replace(
             self, inputs=tuple(t[row:row + 1, c] for t, c in zip(self.inputs, cut)),
-            masks=tuple(m[row:row + 1, c] for m, c in zip(self.masks, cut)))
+            masks=tuple(m[row:row + 1, c] for m, c in zip(self.masks, cut)),
+            extra={name: t[row:row + 1] for name, t in self.extra.items()})
 
 
 def special_ids(config) -> set:
@@ -135,8 +139,8 @@ def make_example(config, head: Head, seed: int = SEED, model: Optional[torch.nn.
     if head.modality != "text":
         from .media import media_inputs
 
-        name, values = media_inputs(model, seed)
-        return Example((values,), (), target_of(head), None, head.target, names=(name,))
+        name, values, extra = media_inputs(model, seed)
+        return Example((values,), (), target_of(head), None, head.target, names=(name,), extra=extra)
     generator = torch.Generator().manual_seed(seed)
     specials = special_ids(config)
     allowed = torch.tensor([i for i in range(FIRST_ID, LAST_ID) if i not in specials])

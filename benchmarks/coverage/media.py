@@ -11,7 +11,9 @@ cannot build is a row of :data:`MEDIA_OVERRIDES`.
 Inputs (:func:`media_inputs`): seeded standard-normal pixels ``(2, C, S, S)``, waveforms
 ``(2, L)`` long enough for 8 frames after the feature extractor's strides, and features
 (log-mel ``(2, mels, frames)`` for Whisper, ``(2, frames, mels)`` for AST and w2v-BERT), the
-same length in both rows: no padding (a padded audio batch is not measured here).
+same length in both rows: no padding (a padded audio batch is not measured here). Siglip 2 takes
+its processor's flattened patches ``(2, 16, C * 8 * 8)`` with an all-ones patch mask and a 4 x 4
+grid shape.
 
 The rows check (:func:`read_rows_problem`): raw attention, rollout and attention flow take no
 gradient, so the package's own check of the rows a head reads (its gradient at the last
@@ -50,6 +52,8 @@ MEDIA_OVERRIDES: Dict[str, Dict[str, Any]] = {
     "levit": {"patch_size": 16},
     # Stage widths divisible by PVTv2's 1, 2, 5 and 8 heads.
     "pvt_v2": {"hidden_sizes": [8, 16, 40, 64]},
+    # Siglip 2: 256 patch positions by default; a 4 x 4 grid of 8-pixel patches here.
+    "siglip2": {"vision_config": {"num_patches": 16}},
     # MobileViT v2 downsamples 32 times before its last attention stage.
     "mobilevitv2": {"image_size": 64}, "mobilevit": {"image_size": 64},
     # CNNs: group norms of 8 groups over bottlenecks of 8 channels (BiT); EfficientNet's head width as
@@ -127,12 +131,21 @@ def _waveform_length(config: Any) -> int:
     return length
 
 
-def media_inputs(model: torch.nn.Module, seed: int) -> Tuple[str, torch.Tensor]:
-    """The main input's name and a seeded batch of two (see the module docstring)."""
+def media_inputs(model: torch.nn.Module, seed: int) -> Tuple[str, torch.Tensor, Dict[str, torch.Tensor]]:
+    """The main input's name, a seeded batch of two (see the module docstring) and the other
+    keyword tensors the model needs (Siglip 2's patch mask and grid shapes)."""
     config = model.config
     name = type(model).main_input_name
     generator = torch.Generator().manual_seed(seed)
     model_type = getattr(config, "model_type", "")
+    dtype = next(model.parameters()).dtype
+    if model_type == "siglip2":  # patches flattened by its processor: (B, patches, C * P * P), a 4 x 4 grid
+        vision = config.vision_config
+        side = int(vision.num_patches ** 0.5)
+        patches = torch.randn(2, side * side, vision.num_channels * vision.patch_size ** 2, generator=generator,
+                              dtype=dtype)
+        return name, patches, {"pixel_attention_mask": torch.ones(2, side * side, dtype=torch.long),
+                               "spatial_shapes": torch.tensor([[side, side]] * 2)}
     if name == "pixel_values":
         shape = _pixels_shape(config)
     elif name == "input_values" and model_type == "audio-spectrogram-transformer":
@@ -143,8 +156,7 @@ def media_inputs(model: torch.nn.Module, seed: int) -> Tuple[str, torch.Tensor]:
         shape = (2, config.num_mel_bins, 2 * config.max_source_positions)
     else:  # w2v-BERT and the like: (frames, features)
         shape = (2, 2 * FRAMES, getattr(config, "feature_projection_input_dim", 80))
-    dtype = next(model.parameters()).dtype
-    return name, torch.randn(shape, generator=generator, dtype=dtype)
+    return name, torch.randn(shape, generator=generator, dtype=dtype), {}
 
 
 # -- the rows a head reads ------------------------------------------------------------------
@@ -177,10 +189,11 @@ def head_rows(model: torch.nn.Module, blocks: List[torch.nn.Module], kwargs: Dic
     return grad.ne(0).any(dim=-1)
 
 
-def explained_weights(method: Any, inputs: Any, target: Any) -> Optional[torch.Tensor]:
+def explained_weights(method: Any, inputs: Any, target: Any, forward_kwargs: Dict[str, torch.Tensor]
+                      ) -> Optional[torch.Tensor]:
     """The weight (B, N) the method's trace gives each token of the last layer (normalised
     per example); None if the trace has no row layout."""
-    layout = method.trace(inputs, target=target).layout
+    layout = method.trace(inputs, target=target, forward_kwargs=forward_kwargs or None).layout
     rows = getattr(layout, "query_rows", None)
     if rows is None:
         return None
@@ -194,7 +207,7 @@ def read_rows_problem(model: torch.nn.Module, method: Any, example: Any, score) 
     """``(problem, note)``: the problem when the method's explained rows are not the rows the
     head reads (equal weights over them), None when they are; the note says what was checked."""
     blocks = [b.module for b in method.adapter.blocks(model) if b.kind == "self"]
-    weights = explained_weights(method, example.method_inputs, example.target)
+    weights = explained_weights(method, example.method_inputs, example.target, example.forward_kwargs)
     if weights is None or not blocks:
         return None, "rows not checked (no row layout or no self-attention block)"
     read = head_rows(model, blocks, example.model_kwargs, score, weights.shape[1])

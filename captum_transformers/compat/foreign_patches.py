@@ -30,6 +30,21 @@ from ..model_state import module_walk
 
 # Libraries whose classes are checked, and whose functions their methods may be.
 _LIBRARIES = ("transformers", "torch", "timm")
+# transformers >= 5.25 depends on the ``kernels`` library and registers hub kernels on its classes
+# when they are defined: ``kernel_condition`` (``replace_kernel_forward_from_hub``) and an
+# ``__init__`` wrapper (``use_kernelized_func``) that keeps transformers' own function as the
+# layer's default. Neither changes what the layer computes unless ``kernels.kernelize(model)`` is
+# called, which replaces ``forward`` (that stays refused). (attribute, the shim's qualname part).
+_KERNEL_SHIMS = (("kernel_condition", "replace_kernel_forward_from_hub"), ("__init__", "use_kernelized_func"))
+
+
+def _kernel_shim(name: str, origin: object) -> bool:
+    """Whether ``origin`` at class attribute ``name`` is one of transformers' own hub-kernel
+    registrations (:data:`_KERNEL_SHIMS`), not a replacement by another library."""
+    if (getattr(origin, "__module__", None) or "").split(".")[0] != "kernels":
+        return False
+    qualname = getattr(origin, "__qualname__", "")
+    return any(name == attribute and part in qualname for attribute, part in _KERNEL_SHIMS)
 
 
 def _library(module_name: Optional[str]) -> Optional[str]:
@@ -54,7 +69,7 @@ def _foreign_methods(owner: type) -> Iterator[Tuple[str, object]]:
         if function is None:
             continue
         origin = function.func if isinstance(function, (functools.partial, functools.partialmethod)) else function
-        if _library(getattr(origin, "__module__", None)) is None:
+        if _library(getattr(origin, "__module__", None)) is None and not _kernel_shim(name, origin):
             yield name, origin
 
 
