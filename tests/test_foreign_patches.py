@@ -184,3 +184,31 @@ def test_replaced_eager_or_sdpa_entries_are_reported_once_and_leave_the_maps_alo
             explainers[0].attribute(inputs, target=TARGETS, forward_kwargs=kwargs)  # reported once
     for before, after in zip(clean, got):
         torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def _kernels_function(qualname):
+    """A function as the ``kernels`` library (transformers >= 5.25's dependency) defines it."""
+    def function(*args, **kwargs):
+        return None
+    function.__module__, function.__qualname__ = "kernels._internals.layer.layer", qualname
+    return function
+
+
+def test_transformers_own_hub_kernel_registrations_are_not_refused_but_a_kernel_forward_is(monkeypatch):
+    """transformers 5.25 registers hub kernels on its classes through ``kernels`` when it defines
+    them (``kernel_condition``; an ``__init__`` wrapper): they change nothing until
+    ``kernelize`` replaces ``forward``, so they are accepted; a forward from ``kernels`` is not."""
+    model, inputs, kwargs = _hf()
+    explainer = METHOD_FACTORIES["generic-attention"](model)
+    clean = explainer.attribute(inputs, target=TARGETS, forward_kwargs=kwargs)
+    monkeypatch.setattr(BertIntermediate, "kernel_condition",
+                        _kernels_function("replace_kernel_forward_from_hub.<locals>.<lambda>"), raising=False)
+    original_init = BertIntermediate.__init__
+    wrapped = _kernels_function("use_kernelized_func.<locals>.decorator.<locals>.new_init")
+    monkeypatch.setattr(BertIntermediate, "__init__", functools.wraps(original_init)(wrapped))
+    BertIntermediate.__init__.__module__ = "kernels._internals.layer.layer"
+    BertIntermediate.__init__.__qualname__ = "use_kernelized_func.<locals>.decorator.<locals>.new_init"
+    assert torch.equal(explainer.attribute(inputs, target=TARGETS, forward_kwargs=kwargs), clean)
+    monkeypatch.setattr(BertIntermediate, "forward", _kernels_function("kernelized_forward"))
+    with pytest.raises(CaptureError, match=r"BertIntermediate\.forward is kernels\."):
+        explainer.attribute(inputs, target=TARGETS, forward_kwargs=kwargs)
